@@ -1,0 +1,1 @@
+//! Fixtures shared by the acp benchmarks.

@@ -1,0 +1,352 @@
+//! Engine configuration: a plain struct with defaults, `with_*` setters and
+//! [`EngineConfig::validate`].
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::storage::faults::FaultInjector;
+
+/// Which I/O engine flushes and reads checkpoint files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoChoice {
+    /// io_uring when the kernel allows it, else the pwrite/pread thread pool.
+    #[default]
+    Auto,
+    /// io_uring only; opening the engine fails where it is refused.
+    Uring,
+    /// The pwrite/pread thread pool.
+    Psync,
+}
+
+/// Whether data files are written and read with `O_DIRECT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// `O_DIRECT` where the file system accepts it, buffered I/O elsewhere.
+    #[default]
+    Auto,
+    /// Always `O_DIRECT`; a file system that refuses it is an error.
+    On,
+    /// Buffered I/O (still fsynced before commit).
+    Off,
+}
+
+/// What `save` does when every ring slot is busy (staging, or holding a
+/// checkpoint not yet flushed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WhenFull {
+    /// Wait for a slot to be freed by the flush, at most this long, then fail
+    /// with [`Error::Timeout`].
+    Wait(Duration),
+    /// Return at once with a handle that reports the save as skipped.
+    Skip,
+}
+
+impl Default for WhenFull {
+    fn default() -> Self {
+        WhenFull::Wait(Duration::from_secs(600))
+    }
+}
+
+/// How much of a checkpoint is re-hashed when it is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Verify {
+    /// Verify every chunk against the manifest, from storage and from RAM.
+    #[default]
+    Always,
+    /// Verify what is read from storage; trust resident slots written by
+    /// this process or a previous one on this node.
+    StorageOnly,
+}
+
+/// Configuration of an [`Engine`](crate::Engine).
+///
+/// Built with [`EngineConfig::new`] and the `with_*` setters; every setter's
+/// doc gives the default and the unit.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub(crate) root: PathBuf,
+    pub(crate) job: Option<String>,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) ring_bytes: u64,
+    pub(crate) ring_slots: usize,
+    pub(crate) shm_dir: PathBuf,
+    pub(crate) mlock: bool,
+    pub(crate) copy_threads: usize,
+    pub(crate) chunk_bytes: usize,
+    pub(crate) queue_depth: usize,
+    pub(crate) io: IoChoice,
+    pub(crate) direct: DirectIo,
+    pub(crate) when_full: WhenFull,
+    pub(crate) verify: Verify,
+    pub(crate) keep_last: Option<usize>,
+    pub(crate) keep_every: Option<u64>,
+    pub(crate) persist_on_open: bool,
+    pub(crate) stall_timeout: Duration,
+    pub(crate) faults: Option<Arc<FaultInjector>>,
+}
+
+/// Default ring budget: 4 GiB.
+pub const DEFAULT_RING_BYTES: u64 = 4 << 30;
+/// Default flush chunk: 4 MiB.
+pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+
+impl EngineConfig {
+    /// A configuration for checkpoints under `root`, with every other field
+    /// at its default.
+    #[must_use]
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        EngineConfig {
+            root: root.into(),
+            job: None,
+            rank: 0,
+            world_size: 1,
+            ring_bytes: DEFAULT_RING_BYTES,
+            ring_slots: 2,
+            shm_dir: PathBuf::from("/dev/shm"),
+            mlock: true,
+            copy_threads: cores.min(8),
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            queue_depth: 8,
+            io: IoChoice::Auto,
+            direct: DirectIo::Auto,
+            when_full: WhenFull::default(),
+            verify: Verify::Always,
+            keep_last: None,
+            keep_every: None,
+            persist_on_open: true,
+            stall_timeout: Duration::from_secs(300),
+            faults: None,
+        }
+    }
+
+    /// The job id that names this job's shared-memory slots. Default: derived
+    /// from the canonical root path, so two engines on the same root share it.
+    #[must_use]
+    pub fn with_job(mut self, job: impl Into<String>) -> Self {
+        self.job = Some(job.into());
+        self
+    }
+
+    /// This process's rank. Default 0.
+    #[must_use]
+    pub fn with_rank(mut self, rank: u32) -> Self {
+        self.rank = rank;
+        self
+    }
+
+    /// The number of ranks. Default 1.
+    #[must_use]
+    pub fn with_world_size(mut self, world_size: u32) -> Self {
+        self.world_size = world_size;
+        self
+    }
+
+    /// The memory budget of the shared-memory ring, in bytes, over all its
+    /// slots. Default 4 GiB. A save larger than one slot's share fails with
+    /// [`Error::Invalid`].
+    #[must_use]
+    pub fn with_ring_bytes(mut self, bytes: u64) -> Self {
+        self.ring_bytes = bytes;
+        self
+    }
+
+    /// The number of ring slots. Default 2: one holds the newest resident
+    /// checkpoint while the next is staged into the other.
+    #[must_use]
+    pub fn with_ring_slots(mut self, slots: usize) -> Self {
+        self.ring_slots = slots;
+        self
+    }
+
+    /// The directory that holds the slots' files. Default `/dev/shm`.
+    #[must_use]
+    pub fn with_shm_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.shm_dir = dir.into();
+        self
+    }
+
+    /// Whether to try to `mlock` the ring. Default true; a refusal is
+    /// reported in [`OpenReport`](crate::OpenReport), never fatal.
+    #[must_use]
+    pub fn with_mlock(mut self, mlock: bool) -> Self {
+        self.mlock = mlock;
+        self
+    }
+
+    /// Threads that copy host tensors into a slot. Default: the number of
+    /// cores, at most 8.
+    #[must_use]
+    pub fn with_copy_threads(mut self, threads: usize) -> Self {
+        self.copy_threads = threads;
+        self
+    }
+
+    /// The flush and hash chunk, in bytes. Default 4 MiB; a multiple of 4096.
+    #[must_use]
+    pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = bytes;
+        self
+    }
+
+    /// Writes (or reads) in flight at once. Default 8.
+    #[must_use]
+    pub fn with_queue_depth(mut self, depth: usize) -> Self {
+        self.queue_depth = depth;
+        self
+    }
+
+    /// The I/O engine. Default [`IoChoice::Auto`].
+    #[must_use]
+    pub fn with_io(mut self, io: IoChoice) -> Self {
+        self.io = io;
+        self
+    }
+
+    /// `O_DIRECT` use. Default [`DirectIo::Auto`].
+    #[must_use]
+    pub fn with_direct_io(mut self, direct: DirectIo) -> Self {
+        self.direct = direct;
+        self
+    }
+
+    /// What a save does when no slot is free. Default: wait up to 600 s.
+    #[must_use]
+    pub fn with_when_full(mut self, policy: WhenFull) -> Self {
+        self.when_full = policy;
+        self
+    }
+
+    /// What a load re-hashes. Default [`Verify::Always`].
+    #[must_use]
+    pub fn with_verify(mut self, verify: Verify) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Retention: keep the newest `k` committed steps. Default: keep all.
+    #[must_use]
+    pub fn with_keep_last(mut self, k: usize) -> Self {
+        self.keep_last = Some(k);
+        self
+    }
+
+    /// Retention: also keep every step that is a multiple of `m`. Default:
+    /// none beyond `keep_last`.
+    #[must_use]
+    pub fn with_keep_every(mut self, m: u64) -> Self {
+        self.keep_every = Some(m);
+        self
+    }
+
+    /// Whether opening the engine flushes and commits complete resident
+    /// checkpoints left by a dead process that are newer than the newest
+    /// committed step. Default true.
+    #[must_use]
+    pub fn with_persist_on_open(mut self, persist: bool) -> Self {
+        self.persist_on_open = persist;
+        self
+    }
+
+    /// How long a flush may make no progress before its handle fails with
+    /// [`Error::Timeout`] (the watchdog). Default 300 s.
+    #[must_use]
+    pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall_timeout = timeout;
+        self
+    }
+
+    /// Injects I/O failures (tests and fault drills).
+    #[must_use]
+    pub fn with_faults(mut self, faults: Arc<FaultInjector>) -> Self {
+        self.faults = Some(faults);
+        self
+    }
+
+    /// The checkpoint root.
+    #[must_use]
+    pub fn root(&self) -> &std::path::Path {
+        &self.root
+    }
+
+    /// Rejects impossible combinations.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, reason: &str| {
+            Err(Error::Config {
+                field,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.root.as_os_str().is_empty() {
+            return bad("root", "must not be empty");
+        }
+        if self.world_size == 0 {
+            return bad("world_size", "must be at least 1");
+        }
+        if self.rank >= self.world_size {
+            return Err(Error::Config {
+                field: "rank",
+                reason: format!("{} is not below world_size {}", self.rank, self.world_size),
+            });
+        }
+        if self.ring_slots == 0 {
+            return bad("ring_slots", "must be at least 1");
+        }
+        if self.ring_bytes < 1 << 20 {
+            return bad("ring_bytes", "must be at least 1 MiB");
+        }
+        if self.chunk_bytes == 0 || self.chunk_bytes % 4096 != 0 {
+            return bad("chunk_bytes", "must be a positive multiple of 4096");
+        }
+        if self.chunk_bytes > 1 << 30 {
+            return bad("chunk_bytes", "must be at most 1 GiB");
+        }
+        if self.queue_depth == 0 || self.queue_depth > 1024 {
+            return bad("queue_depth", "must be between 1 and 1024");
+        }
+        if self.copy_threads == 0 || self.copy_threads > 256 {
+            return bad("copy_threads", "must be between 1 and 256");
+        }
+        if self.keep_last == Some(0) {
+            return bad("keep_last", "must be at least 1 (0 would delete every checkpoint)");
+        }
+        if self.keep_every == Some(0) {
+            return bad("keep_every", "must be at least 1");
+        }
+        if let Some(job) = &self.job {
+            if job.is_empty() || job.len() > 128 {
+                return bad("job", "must be 1 to 128 bytes");
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate() {
+        EngineConfig::new("/tmp/x").validate().unwrap();
+    }
+
+    #[test]
+    fn impossible_values_name_the_field() {
+        let e = EngineConfig::new("/tmp/x").with_rank(2).validate().unwrap_err();
+        assert!(matches!(e, Error::Config { field: "rank", .. }), "{e}");
+        let e = EngineConfig::new("/tmp/x")
+            .with_chunk_bytes(1000)
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("chunk_bytes"), "{e}");
+        let e = EngineConfig::new("/tmp/x").with_keep_last(0).validate().unwrap_err();
+        assert!(e.to_string().contains("keep_last"), "{e}");
+    }
+}

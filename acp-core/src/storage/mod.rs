@@ -1,0 +1,3 @@
+//! Storage-side helpers: fault injection for drills and tests.
+
+pub mod faults;
