@@ -14,3 +14,11 @@ pub mod storage;
 pub use config::{DirectIo, EngineConfig, IoChoice, Verify, WhenFull};
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, TensorSpec};
+mod engine;
+
+pub use engine::{
+    Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OpenReport, SaveHandle, SaveOptions,
+    SaveReport, Source, Staging, TensorView,
+};
+pub use format::Entry;
+pub use io::IoKind;
