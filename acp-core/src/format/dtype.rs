@@ -38,9 +38,21 @@ pub enum Dtype {
 impl Dtype {
     /// Every dtype.
     pub const ALL: [Dtype; 15] = [
-        Dtype::F64, Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::F8E4M3, Dtype::F8E5M2,
-        Dtype::I64, Dtype::I32, Dtype::I16, Dtype::I8, Dtype::U64, Dtype::U32, Dtype::U16,
-        Dtype::U8, Dtype::Bool,
+        Dtype::F64,
+        Dtype::F32,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::F8E4M3,
+        Dtype::F8E5M2,
+        Dtype::I64,
+        Dtype::I32,
+        Dtype::I16,
+        Dtype::I8,
+        Dtype::U64,
+        Dtype::U32,
+        Dtype::U16,
+        Dtype::U8,
+        Dtype::Bool,
     ];
 
     /// The safetensors name, e.g. `"BF16"`, `"F8_E4M3"`.

@@ -15,7 +15,10 @@
 //! a slot found in `Staging` was being written when its process died and is
 //! never taken as a checkpoint.
 
-#![allow(unsafe_code, reason = "slots are shared memory mappings handed to several threads")]
+#![allow(
+    unsafe_code,
+    reason = "slots are shared memory mappings handed to several threads"
+)]
 
 use std::path::PathBuf;
 use std::time::Duration;
