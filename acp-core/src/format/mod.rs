@@ -12,6 +12,7 @@ mod digest;
 mod dtype;
 mod header;
 mod index;
+mod json;
 mod layout;
 
 pub use digest::{chunk_digests, hex, root_digest, unhex, Digest};
