@@ -14,6 +14,8 @@ mod header;
 mod index;
 mod json;
 mod layout;
+#[cfg(test)]
+mod tests;
 
 pub use digest::{chunk_digests, hex, root_digest, unhex, Digest};
 pub use dtype::Dtype;
