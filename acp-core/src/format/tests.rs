@@ -217,7 +217,6 @@ proptest! {
     // feature, which the workspace does not enable yet; without it a value
     // such as -6.628331931359193e-21 comes back one ULP off.
     #[test]
-    #[ignore = "needs serde_json's `float_roundtrip` feature in the workspace Cargo.toml"]
     fn floats_round_trip(x in any::<f64>().prop_filter("finite", |x| x.is_finite())) {
         let meta = ImageMeta { values: Value::from(x), ..ImageMeta::default() };
         let layout = Layout::plan(&[], &meta).unwrap();
