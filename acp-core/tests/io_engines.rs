@@ -423,32 +423,47 @@ mod io {
         }
     }
 
-    /// Write throughput of a 256 MiB file per engine (4 MiB chunks, queue depth
-    /// 8, `O_DIRECT` where the file system allows, fsync included, no hashing).
-    /// Run with `cargo test --release --test io_engines -- --ignored
-    /// --nocapture`; `ACP_IO_BENCH_DIR` picks the directory (default: the
-    /// temporary directory).
+    /// Write throughput of a 256 MiB file per engine, `O_DIRECT` where the
+    /// file system allows, fsync included. Run with `cargo test --release
+    /// --test io_engines -- --ignored --nocapture`. Environment:
+    /// `ACP_IO_BENCH_DIR` (default: the temporary directory),
+    /// `ACP_IO_BENCH_CHUNK_MIB` (4), `ACP_IO_BENCH_QD` (8), and
+    /// `ACP_IO_BENCH_HASH=1` to blake3 each chunk in `on_chunk` as the flush
+    /// does.
     #[test]
     #[ignore = "a 256 MiB write per engine; run by hand"]
     fn write_throughput_256mib() {
+        let env = |k: &str, d: usize| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
         let base = std::env::var_os("ACP_IO_BENCH_DIR").map_or_else(std::env::temp_dir, Into::into);
+        let hash = env("ACP_IO_BENCH_HASH", 0) == 1;
         let dir = tempfile::tempdir_in(base).unwrap();
         let len = 256 << 20;
         let src = aligned(len, 42);
         let o = IoOpts {
-            chunk_bytes: 4 << 20,
-            queue_depth: 8,
+            chunk_bytes: env("ACP_IO_BENCH_CHUNK_MIB", 4) << 20,
+            queue_depth: env("ACP_IO_BENCH_QD", 8),
             direct: DirectIo::Auto,
             faults: None,
         };
         for engine in engines() {
             let mut secs = Vec::new();
             let mut direct = false;
-            for r in 0..3 {
+            for r in 0..5 {
                 let path = dir.path().join(format!("{:?}-{r}", engine.kind()));
+                let mut digests = Vec::new();
                 let t = Instant::now();
                 let stats = engine
-                    .write_file(&path, &src, len as u64, &o, &mut |_, _| Ok(()))
+                    .write_file(&path, &src, len as u64, &o, &mut |_, b| {
+                        if hash {
+                            digests.push(blake3::hash(b));
+                        }
+                        Ok(())
+                    })
                     .unwrap();
                 secs.push(t.elapsed().as_secs_f64());
                 direct = stats.direct;
@@ -456,10 +471,12 @@ mod io {
             }
             secs.sort_by(f64::total_cmp);
             eprintln!(
-                "{:?}: 256 MiB, direct {direct}: median {:.3} s = {:.2} GB/s (runs {secs:.3?})",
+                "{:?}: 256 MiB, chunk {} MiB, qd {}, direct {direct}, hash {hash}: median {:.3} s = {:.2} GB/s (runs {secs:.3?})",
                 engine.kind(),
-                secs[1],
-                f64::from(u32::try_from(len).expect("256 MiB fits a u32")) / secs[1] / 1e9
+                o.chunk_bytes >> 20,
+                o.queue_depth,
+                secs[2],
+                f64::from(u32::try_from(len).expect("256 MiB fits a u32")) / secs[2] / 1e9
             );
         }
     }

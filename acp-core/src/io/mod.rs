@@ -62,16 +62,21 @@ pub trait IoEngine: Send + Sync + Debug {
     /// `opts.queue_depth` in flight, sets the file length to exactly `len`,
     /// and fsyncs it. `src.len()` is at least `len` rounded up to 4096 and
     /// `src` is 4096-aligned, so the last chunk can be written whole under
-    /// `O_DIRECT` and the file truncated after.
+    /// `O_DIRECT` and the file truncated after. (A source that is not so is
+    /// written buffered under [`DirectIo::Auto`] and refused under
+    /// [`DirectIo::On`].)
     ///
     /// `on_chunk(i, bytes)` is called for chunk `i` (the unpadded bytes)
     /// before that chunk is submitted, in order, on the calling thread; an
-    /// error from it stops the write. On any error the partial file is
-    /// removed.
+    /// error from it stops the write. An empty file has no chunks, so
+    /// `on_chunk` is not called. On any error the partial file is removed;
+    /// an existing file at `path` is never touched.
     ///
     /// # Errors
-    /// [`Error::Io`](crate::Error::Io) / [`Error::NoSpace`](crate::Error::NoSpace)
-    /// naming `path` and the operation.
+    /// [`Error::Io`] / [`Error::NoSpace`] naming `path` and the operation
+    /// (EEXIST when `path` exists); the error of `on_chunk`;
+    /// [`Error::Invalid`] for a chunk size that is not a positive multiple
+    /// of 4096 up to 1 GiB, a queue depth of 0, or a `len` beyond `src`.
     fn write_file(
         &self,
         path: &Path,
@@ -83,12 +88,14 @@ pub trait IoEngine: Send + Sync + Debug {
 
     /// Reads the whole of `path` (opened with `O_NOFOLLOW`) into the start of
     /// `dst` and returns its length. `dst` is 4096-aligned; the file must fit
-    /// in `dst` rounded down to 4096... precisely: `round_up(file_len, 4096)
-    /// <= dst.len()`, else [`Error::Invalid`](crate::Error::Invalid) without
-    /// reading.
+    /// with its last chunk padded: `round_up(file_len, 4096) <= dst.len()`,
+    /// else [`Error::Invalid`] without reading. Bytes of `dst` between the
+    /// file length and that bound may be overwritten.
     ///
     /// # Errors
-    /// [`Error::Io`](crate::Error::Io) naming `path`.
+    /// [`Error::Io`] naming `path` (a symlink fails with ELOOP);
+    /// [`Error::Invalid`] when the file does not fit or is not a regular
+    /// file, or for the bad options `write_file` refuses.
     fn read_file(&self, path: &Path, dst: &mut [u8], opts: &IoOpts) -> Result<u64>;
 }
 
@@ -96,7 +103,7 @@ pub trait IoEngine: Send + Sync + Debug {
 /// is created and a no-op submitted) and falls back to psync when refused.
 ///
 /// # Errors
-/// [`Error::Unsupported`](crate::Error::Unsupported) when `Uring` is forced
+/// [`Error::Unsupported`] when `Uring` is forced
 /// and refused.
 pub fn open_engine(choice: IoChoice) -> Result<Arc<dyn IoEngine>> {
     if choice == IoChoice::Psync {
