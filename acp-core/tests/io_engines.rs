@@ -331,6 +331,39 @@ mod io {
     }
 
     #[test]
+    fn on_chunk_runs_on_the_caller_before_its_chunk_is_written() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let len = 6 * CHUNK + 9;
+        let src = aligned(round_up(len), 15);
+        let caller = std::thread::current().id();
+        for engine in engines() {
+            for (qd, direct) in [(1, DirectIo::On), (4, DirectIo::Off)] {
+                let path = dir.path().join(format!("{:?}-{qd}", engine.kind()));
+                let mut seen = 0;
+                engine
+                    .write_file(&path, &src, len as u64, &opts(direct, qd), &mut |i, b| {
+                        assert_eq!(std::thread::current().id(), caller);
+                        // The file exists (fallocated, zeros) but chunk `i`
+                        // is not in it yet.
+                        let mut now = vec![1u8; b.len()];
+                        let f = fs::File::open(&path).unwrap();
+                        f.read_exact_at(&mut now, (i * CHUNK) as u64).unwrap();
+                        assert!(
+                            now.iter().all(|&x| x == 0),
+                            "chunk {i} written before on_chunk"
+                        );
+                        seen += 1;
+                        Ok(())
+                    })
+                    .unwrap();
+                assert_eq!(seen, 7);
+                assert!(fs::read(&path).unwrap() == src[..len]);
+            }
+        }
+    }
+
+    #[test]
     fn every_injected_read_fault_fails() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");

@@ -133,21 +133,39 @@ fn write_chunks(
     let io_err = |e: io::Error| Error::io("write", path, e);
     let mut flight = Flight::writing(f, src, opts.queue_depth.min(n))
         .map_err(|e| Error::io("io_uring_setup", path, e))?;
+    // Hashes chunk `i` and passes the fault check, before it is submitted.
+    let mut prepare = |i: usize| -> Result<Span> {
+        let span = geo.span(i);
+        on_chunk(i, &src[span.start..span.start + span.data])?;
+        faults::check(opts.faults.as_deref(), "write", path).map_err(io_err)?;
+        Ok(span)
+    };
     let mut next = 0;
+    // A chunk hashed while the ring was full, submitted at the next free
+    // slot: so hashing overlaps the writes even at queue depth 1.
+    let mut staged: Option<Span> = None;
     let result = (|| -> Result<()> {
-        while next < n || !flight.idle() {
-            // Hash and submit chunks while there is room: chunk `next` is
-            // hashed while the earlier ones are being written.
-            while next < n && flight.has_room() {
-                let span = geo.span(next);
-                on_chunk(next, &src[span.start..span.start + span.data])?;
-                faults::check(opts.faults.as_deref(), "write", path).map_err(io_err)?;
+        loop {
+            while flight.has_room() {
+                let span = match staged.take() {
+                    Some(span) => span,
+                    None if next < n => {
+                        next += 1;
+                        prepare(next - 1)?
+                    }
+                    None => break,
+                };
                 flight.start(span, span.io).map_err(io_err)?;
+            }
+            if flight.idle() {
+                return Ok(());
+            }
+            if staged.is_none() && next < n {
                 next += 1;
+                staged = Some(prepare(next - 1)?);
             }
             flight.wait().map_err(io_err)?;
         }
-        Ok(())
     })();
     // On error, operations may still be in flight: wait for them here (the
     // drop would too) before the file is removed and `src` handed back.
