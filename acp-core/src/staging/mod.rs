@@ -443,12 +443,12 @@ impl Ring {
     /// the first [`Ring::acquire`] that needs it.
     ///
     /// # Errors
-    /// [`Error::Busy`] when another live process holds
-    /// the slots (names the pid if known), or a slot file is owned by
-    /// another user; [`Error::Invalid`] when the
-    /// options are impossible (no slots, chunk size 0, a budget with no
-    /// room for an image, a prefix that is not a plain file name);
-    /// [`Error::Io`].
+    /// [`Error::Busy`] when another live process holds the slots (names
+    /// the pid if known), or a slot file is owned by another user;
+    /// [`Error::Invalid`] when the options are impossible (no slots, chunk
+    /// size 0, a budget with no room for an image, a prefix that is not a
+    /// plain file name); [`Error::Io`], or [`Error::NoSpace`] when the
+    /// directory is full.
     pub fn open(opts: RingOptions) -> Result<(Ring, RingReport)> {
         let (inner, report) = open::open(opts)?;
         Ok((
@@ -474,9 +474,9 @@ impl Ring {
     /// returns `Ok(None)` at once when none is free.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when `len` exceeds
-    /// [`Ring::max_image_bytes`]; [`Error::Timeout`];
-    /// [`Error::Io`] when growing fails.
+    /// [`Error::Invalid`] when `len` exceeds [`Ring::max_image_bytes`];
+    /// [`Error::Timeout`]; [`Error::Io`] when growing fails, or
+    /// [`Error::NoSpace`] when the directory (tmpfs) has no room for it.
     pub fn acquire(&self, len: u64, wait: Option<Duration>) -> Result<Option<StagingSlot>> {
         let inner = &self.inner;
         let max = inner.layout.max_image;
