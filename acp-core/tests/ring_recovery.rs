@@ -227,6 +227,7 @@ fn dev_shm_round_trip() {
         .as_nanos();
     let prefix = format!("acp-ringtest-{}-{nanos}", std::process::id());
     let o = opts(shm, &prefix);
+    let _cleanup = UnlinkOnDrop(o.clone());
     {
         let (ring, _) = Ring::open(o.clone()).unwrap();
         drop(save(&ring, 42, 1_000_000));
@@ -241,6 +242,18 @@ fn dev_shm_round_trip() {
     }
     // The mapping outlives the unlink.
     assert_eq!(p.image(), &pattern(42, 1_000_000)[..]);
+}
+
+/// Removes a ring's slot files even when the test fails.
+struct UnlinkOnDrop(RingOptions);
+
+impl Drop for UnlinkOnDrop {
+    fn drop(&mut self) {
+        for slot in 0..self.0.slots {
+            let name = format!("{}-s{slot}", self.0.prefix);
+            let _ = std::fs::remove_file(self.0.dir.join(name));
+        }
+    }
 }
 
 const CRASH_ENV: &str = "ACP_RING_CRASH_DIR";

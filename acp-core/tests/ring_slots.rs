@@ -403,3 +403,51 @@ fn ring_is_send_sync_and_handles_move_between_threads() {
     }
     assert_eq!(ring.complete().len(), 3);
 }
+
+/// Minor page faults taken by the calling thread so far.
+fn minor_faults() -> i64 {
+    // SAFETY: all-zero bytes are a valid `rusage` (plain integers).
+    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `r` is a valid, writable `rusage` that outlives the call.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &raw mut r) };
+    assert_eq!(rc, 0);
+    r.ru_minflt
+}
+
+/// Invariant 5: the copy into a slot takes no page fault, on a slot just
+/// grown by `acquire` and on a reused one (on tmpfs, where the ring lives).
+#[test]
+fn staging_writes_take_no_page_fault() {
+    let shm = Path::new("/dev/shm");
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let mut o = opts(shm, 1, 8 * MIB);
+    o.prefix = format!("acp-ringtest-faults-{}-{nanos}", std::process::id());
+    let (ring, _) = Ring::open(o).unwrap();
+    let _cleanup = UnlinkOnDrop(ring.clone());
+    for round in 0..2u8 {
+        let mut s = ring.acquire(6 * MIB, None).unwrap().unwrap();
+        let area = s.image_mut();
+        let before = minor_faults();
+        area.fill(round + 1);
+        let faults = minor_faults() - before;
+        assert!(
+            faults < 8,
+            "round {round}: {faults} faults writing {} pages",
+            area.len() / 4096
+        );
+        drop(s.seal(u64::from(round), 6 * MIB));
+        ring.release(0);
+    }
+}
+
+/// Unlinks a ring's files even when the test fails.
+struct UnlinkOnDrop(Ring);
+
+impl Drop for UnlinkOnDrop {
+    fn drop(&mut self) {
+        self.0.unlink_all();
+    }
+}
