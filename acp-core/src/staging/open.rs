@@ -30,19 +30,20 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
     let layout = Layout::new(opts.budget, opts.slots, opts.chunk_bytes)?;
     let mut report = RingReport::default();
     let mut mlock_error = None;
-    let mut files = Vec::with_capacity(opts.slots);
+    // Every lock first, so that a busy ring is left exactly as it is.
+    let files = (0..opts.slots)
+        .map(|i| open_locked(&slot_path(&opts, i)))
+        .collect::<Result<Vec<File>>>()?;
     let mut slots = Vec::with_capacity(opts.slots);
-    for i in 0..opts.slots {
+    for (i, file) in files.iter().enumerate() {
         let path = slot_path(&opts, i);
-        let file = open_locked(&path)?;
         let entry = Recovery {
             opts: &opts,
             layout: &layout,
-            file: &file,
+            file,
             path: &path,
         }
         .run(i, &mut report, &mut mlock_error)?;
-        files.push(file);
         slots.push(entry);
     }
     if opts.mlock && mlock_error.is_none() {
