@@ -11,7 +11,8 @@ use crate::error::{Error, Result};
 
 use super::control::{off, Header, Layout, HEADER_BYTES, HEADER_PAGE, PAGE};
 use super::slot::{self, SlotMem};
-use super::{Entry, Inner, RingOptions, RingReport, SlotState, Table};
+use super::table::{Entry, Inner, Table};
+use super::{RingOptions, RingReport, SlotState};
 
 /// The file of slot `slot`.
 pub(super) fn slot_path(opts: &RingOptions, slot: usize) -> PathBuf {
