@@ -314,7 +314,10 @@ impl EngineConfig {
             return bad("copy_threads", "must be between 1 and 256");
         }
         if self.keep_last == Some(0) {
-            return bad("keep_last", "must be at least 1 (0 would delete every checkpoint)");
+            return bad(
+                "keep_last",
+                "must be at least 1 (0 would delete every checkpoint)",
+            );
         }
         if self.keep_every == Some(0) {
             return bad("keep_every", "must be at least 1");
@@ -339,14 +342,20 @@ mod tests {
 
     #[test]
     fn impossible_values_name_the_field() {
-        let e = EngineConfig::new("/tmp/x").with_rank(2).validate().unwrap_err();
+        let e = EngineConfig::new("/tmp/x")
+            .with_rank(2)
+            .validate()
+            .unwrap_err();
         assert!(matches!(e, Error::Config { field: "rank", .. }), "{e}");
         let e = EngineConfig::new("/tmp/x")
             .with_chunk_bytes(1000)
             .validate()
             .unwrap_err();
         assert!(e.to_string().contains("chunk_bytes"), "{e}");
-        let e = EngineConfig::new("/tmp/x").with_keep_last(0).validate().unwrap_err();
+        let e = EngineConfig::new("/tmp/x")
+            .with_keep_last(0)
+            .validate()
+            .unwrap_err();
         assert!(e.to_string().contains("keep_last"), "{e}");
     }
 }

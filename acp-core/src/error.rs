@@ -179,7 +179,11 @@ impl Error {
 
     /// A [`Error::Corrupt`] about `path` (and `tensor`, when known).
     #[must_use]
-    pub fn corrupt(path: impl Into<PathBuf>, tensor: Option<&str>, reason: impl fmt::Display) -> Self {
+    pub fn corrupt(
+        path: impl Into<PathBuf>,
+        tensor: Option<&str>,
+        reason: impl fmt::Display,
+    ) -> Self {
         Error::Corrupt {
             path: path.into(),
             tensor: tensor.map(str::to_owned),
@@ -262,14 +266,22 @@ mod tests {
 
     #[test]
     fn enospc_maps_to_no_space() {
-        let e = Error::io("write", "/x/f", std::io::Error::from_raw_os_error(libc::ENOSPC));
+        let e = Error::io(
+            "write",
+            "/x/f",
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
         assert_eq!(e.kind(), ErrorKind::NoSpace);
         assert!(e.to_string().contains("/x/f"), "{e}");
     }
 
     #[test]
     fn corrupt_names_file_and_tensor() {
-        let e = Error::corrupt("/c/rank-00000.safetensors", Some("blk.3.w"), "digest mismatch");
+        let e = Error::corrupt(
+            "/c/rank-00000.safetensors",
+            Some("blk.3.w"),
+            "digest mismatch",
+        );
         assert_eq!(
             e.to_string(),
             "/c/rank-00000.safetensors: tensor `blk.3.w`: digest mismatch"

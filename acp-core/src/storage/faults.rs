@@ -2,7 +2,7 @@
 //! error, so tests can fail every step of a save in turn.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// Counts storage operations (each chunk write or read, fsync, rename,
@@ -11,8 +11,8 @@ use std::sync::Mutex;
 pub struct FaultInjector {
     ops: AtomicU64,
     fail_at: AtomicU64,
-    errno: i32,
-    sticky: bool,
+    errno: AtomicI32,
+    sticky: AtomicBool,
     log: Mutex<Vec<String>>,
 }
 
@@ -23,8 +23,8 @@ impl FaultInjector {
         FaultInjector {
             ops: AtomicU64::new(0),
             fail_at: AtomicU64::new(u64::MAX),
-            errno: libc::EIO,
-            sticky: false,
+            errno: AtomicI32::new(libc::EIO),
+            sticky: AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
         }
     }
@@ -36,10 +36,18 @@ impl FaultInjector {
         FaultInjector {
             ops: AtomicU64::new(0),
             fail_at: AtomicU64::new(n),
-            errno,
-            sticky,
+            errno: AtomicI32::new(errno),
+            sticky: AtomicBool::new(sticky),
             log: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Fails the operation `n` operations from now (0 = the next one) with
+    /// `errno`; with `sticky`, every later one too.
+    pub fn arm(&self, n: u64, errno: i32, sticky: bool) {
+        self.errno.store(errno, Ordering::SeqCst);
+        self.sticky.store(sticky, Ordering::SeqCst);
+        self.fail_at.store(self.ops() + n, Ordering::SeqCst);
     }
 
     /// Stops failing (the cause is gone).
@@ -69,8 +77,10 @@ impl FaultInjector {
             l.push(format!("{op} {}", path.display()));
         }
         let at = self.fail_at.load(Ordering::SeqCst);
-        if n == at || (self.sticky && n > at) {
-            return Err(std::io::Error::from_raw_os_error(self.errno));
+        if n == at || (self.sticky.load(Ordering::SeqCst) && n > at) {
+            return Err(std::io::Error::from_raw_os_error(
+                self.errno.load(Ordering::SeqCst),
+            ));
         }
         Ok(())
     }

@@ -1,3 +1,4 @@
 //! Storage-side helpers: fault injection for drills and tests.
 
 pub mod faults;
+pub mod local;

@@ -1,0 +1,137 @@
+//! Parallel copies between host buffers and ring slots.
+//!
+//! The work is split by bytes, not by tensor, so one huge tensor is shared
+//! between threads and thousands of small ones are grouped: each thread gets
+//! one contiguous run of about `total / threads` bytes.
+
+/// Below this many bytes a copy runs on the calling thread alone: starting a
+/// thread costs more than copying.
+const PARALLEL_MIN_BYTES: usize = 8 << 20;
+
+/// Copies `pairs[i].1` into `pairs[i].0` (equal lengths, checked by the
+/// caller) over up to `threads` threads, the calling one included.
+pub(crate) fn parallel_copy(pairs: Vec<(&mut [u8], &[u8])>, threads: usize) {
+    let total: usize = pairs.iter().map(|(d, _)| d.len()).sum();
+    if threads <= 1 || total < PARALLEL_MIN_BYTES {
+        for (d, s) in pairs {
+            d.copy_from_slice(s);
+        }
+        return;
+    }
+    let per = total.div_ceil(threads);
+    let mut groups: Vec<Vec<(&mut [u8], &[u8])>> = Vec::with_capacity(threads);
+    let mut cur: Vec<(&mut [u8], &[u8])> = Vec::new();
+    let mut room = per;
+    for (mut d, mut s) in pairs {
+        while !d.is_empty() {
+            if room == 0 {
+                groups.push(std::mem::take(&mut cur));
+                room = per;
+            }
+            let take = room.min(d.len());
+            let (dh, dt) = d.split_at_mut(take);
+            let (sh, st) = s.split_at(take);
+            cur.push((dh, sh));
+            d = dt;
+            s = st;
+            room -= take;
+        }
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    let workers = groups.len().saturating_sub(1);
+    let queue = std::sync::Mutex::new(groups);
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            // A thread that cannot be started leaves its share in the queue
+            // for the others (and the calling thread) to take.
+            let _ = std::thread::Builder::new()
+                .name("acp-copy".into())
+                .spawn_scoped(scope, || drain(&queue));
+        }
+        drain(&queue);
+    });
+}
+
+fn drain(queue: &std::sync::Mutex<Vec<Vec<(&mut [u8], &[u8])>>>) {
+    loop {
+        let group = queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        match group {
+            Some(g) => copy_group(g),
+            None => return,
+        }
+    }
+}
+
+/// The blake3 digest of each `chunk`-byte piece of `data`, computed over up
+/// to `threads` threads (each takes a contiguous run of chunks).
+pub(crate) fn parallel_digests(
+    data: &[u8],
+    chunk: usize,
+    threads: usize,
+) -> Vec<crate::format::Digest> {
+    let chunk = chunk.max(1);
+    let n = data.len().div_ceil(chunk);
+    if threads <= 1 || data.len() < PARALLEL_MIN_BYTES || n < 2 {
+        return crate::format::chunk_digests(data, chunk);
+    }
+    let per = n.div_ceil(threads);
+    let mut out = vec![[0u8; 32]; n];
+    let work: Vec<(&mut [crate::format::Digest], &[u8])> =
+        out.chunks_mut(per).zip(data.chunks(per * chunk)).collect();
+    let queue = std::sync::Mutex::new(work);
+    let workers = threads.min(n) - 1;
+    let drain_digests = || loop {
+        let item = queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let Some((dst, src)) = item else { return };
+        for (d, piece) in dst.iter_mut().zip(src.chunks(chunk)) {
+            *d = *blake3::hash(piece).as_bytes();
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let _ = std::thread::Builder::new()
+                .name("acp-hash".into())
+                .spawn_scoped(scope, drain_digests);
+        }
+        drain_digests();
+    });
+    out
+}
+
+fn copy_group(g: Vec<(&mut [u8], &[u8])>) {
+    for (d, s) in g {
+        d.copy_from_slice(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_everything_across_splits() {
+        let srcs: Vec<Vec<u8>> = [0usize, 1, 5 << 20, 3, 9 << 20, 4096]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j * 7) as u8).collect())
+            .collect();
+        for threads in [1, 2, 3, 8] {
+            let mut dsts: Vec<Vec<u8>> = srcs.iter().map(|s| vec![0; s.len()]).collect();
+            let pairs = dsts
+                .iter_mut()
+                .zip(&srcs)
+                .map(|(d, s)| (d.as_mut_slice(), s.as_slice()))
+                .collect();
+            parallel_copy(pairs, threads);
+            assert_eq!(dsts, srcs, "threads {threads}");
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! Save completion handles: blocking waits and `Future`s over one shared
+//! completion cell.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use super::{SaveHandle, SaveReport};
+use crate::error::{Error, Result};
+use crate::io::IoKind;
+
+/// The shared completion cell of one save.
+#[derive(Debug)]
+pub(crate) struct Completion {
+    pub(crate) step: u64,
+    state: Mutex<CompletionState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct CompletionState {
+    result: Option<Result<SaveReport>>,
+    wakers: Vec<Waker>,
+}
+
+impl Completion {
+    pub(crate) fn new(step: u64) -> Arc<Completion> {
+        Arc::new(Completion {
+            step,
+            state: Mutex::new(CompletionState::default()),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CompletionState> {
+        // A poisoned lock only means a waiter panicked; the cell stays valid.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sets the result once; later calls are ignored.
+    pub(crate) fn complete(&self, result: Result<SaveReport>) {
+        let wakers = {
+            let mut st = self.lock();
+            if st.result.is_some() {
+                return;
+            }
+            st.result = Some(result);
+            std::mem::take(&mut st.wakers)
+        };
+        self.cv.notify_all();
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    fn peek(&self) -> Option<Result<SaveReport>> {
+        self.lock().result.as_ref().map(clone_result)
+    }
+
+    fn wait_until(&self, deadline: Option<Instant>) -> Option<Result<SaveReport>> {
+        let mut st = self.lock();
+        loop {
+            if let Some(r) = &st.result {
+                return Some(clone_result(r));
+            }
+            match deadline {
+                None => {
+                    st = self
+                        .cv
+                        .wait(st)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return None;
+                    }
+                    st = self
+                        .cv
+                        .wait_timeout(st, d - now)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0;
+                }
+            }
+        }
+    }
+}
+
+fn clone_result(r: &Result<SaveReport>) -> Result<SaveReport> {
+    match r {
+        Ok(rep) => Ok(rep.clone()),
+        Err(e) => Err(e.duplicate()),
+    }
+}
+
+impl SaveHandle {
+    pub(crate) fn from_completion(c: Arc<Completion>) -> SaveHandle {
+        SaveHandle { done: c }
+    }
+
+    /// A handle for a save skipped by the policy.
+    #[must_use]
+    pub fn skipped(step: u64) -> SaveHandle {
+        let c = Completion::new(step);
+        c.complete(Ok(SaveReport {
+            step,
+            skipped: true,
+            bytes: 0,
+            stall_secs: 0.0,
+            slot_wait_secs: 0.0,
+            queue_secs: 0.0,
+            flush_secs: 0.0,
+            commit_secs: 0.0,
+            total_secs: 0.0,
+            io: IoKind::Psync,
+            direct: false,
+        }));
+        SaveHandle { done: c }
+    }
+
+    /// The step.
+    #[must_use]
+    pub fn step(&self) -> u64 {
+        self.done.step
+    }
+
+    /// Whether the save has finished (committed, failed or skipped).
+    #[must_use]
+    pub fn is_done(&self) -> bool {
+        self.done.peek().is_some()
+    }
+
+    /// Blocks until the step is committed.
+    ///
+    /// # Errors
+    /// The error that stopped the save.
+    pub fn wait(&self) -> Result<SaveReport> {
+        self.done
+            .wait_until(None)
+            .unwrap_or_else(|| Err(timeout_error(self.done.step, 0.0)))
+    }
+
+    /// Like [`SaveHandle::wait`], at most `timeout`; `Ok(None)` when still running.
+    ///
+    /// # Errors
+    /// The error that stopped the save.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<Option<SaveReport>> {
+        match self.done.wait_until(Some(Instant::now() + timeout)) {
+            None => Ok(None),
+            Some(r) => r.map(Some),
+        }
+    }
+}
+
+fn timeout_error(step: u64, secs: f64) -> Error {
+    Error::Timeout {
+        what: format!("save of step {step}"),
+        secs,
+    }
+}
+
+impl Future for SaveHandle {
+    type Output = Result<SaveReport>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = self.done.lock();
+        if let Some(r) = &st.result {
+            return Poll::Ready(clone_result(r));
+        }
+        if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            st.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}

@@ -1,0 +1,335 @@
+//! Loading a committed step: from a resident slot when one holds it, else
+//! from storage into a slot (or private memory when the ring has no room).
+
+use std::path::Path;
+use std::time::Instant;
+
+use super::{copy, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView};
+use crate::config::Verify;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry};
+use crate::staging::{PinnedSlot, SlotState};
+
+/// The memory a loaded checkpoint's views point into.
+#[derive(Debug)]
+pub(super) enum Backing {
+    /// A pinned ring slot.
+    Slot(PinnedSlot),
+    /// Private page-aligned memory, `len` bytes of it used.
+    Heap(memmap2::MmapMut, usize),
+}
+
+impl Backing {
+    fn image(&self) -> &[u8] {
+        match self {
+            Backing::Slot(p) => p.image(),
+            Backing::Heap(m, len) => &m[..*len],
+        }
+    }
+}
+
+pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
+    let t0 = Instant::now();
+    // Resident checkpoints of a dead process that are being persisted are
+    // newer than anything committed: let them commit first.
+    wait_for(shared, None, |st| st.recovering.is_empty())?;
+    let candidates: Vec<u64> = match req.step {
+        Some(s) => vec![s],
+        None => {
+            let steps = shared.root.steps()?;
+            if steps.is_empty() {
+                return Err(Error::NotFound {
+                    what: format!("committed checkpoint in {}", shared.root.path().display()),
+                });
+            }
+            let newest_first = steps.into_iter().rev();
+            if req.fallback {
+                newest_first.collect()
+            } else {
+                newest_first.take(1).collect()
+            }
+        }
+    };
+    let mut first_err: Option<Error> = None;
+    for step in candidates {
+        match load_step(shared, step, req.storage_only, t0) {
+            Ok(c) => {
+                if let Some(e) = &first_err {
+                    tracing::warn!("acp: fell back to step {step}: {e}");
+                }
+                return Ok(c);
+            }
+            Err(e)
+                if req.fallback
+                    && req.step.is_none()
+                    && matches!(
+                        e.kind(),
+                        ErrorKind::Corrupt | ErrorKind::NotFound | ErrorKind::Io
+                    ) =>
+            {
+                tracing::warn!("acp: step {step} cannot be loaded: {e}");
+                first_err.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(first_err.unwrap_or_else(|| Error::NotFound {
+        what: format!("intact checkpoint in {}", shared.root.path().display()),
+    }))
+}
+
+fn load_step(shared: &Shared, step: u64, storage_only: bool, t0: Instant) -> Result<Checkpoint> {
+    let rank = shared.cfg.rank;
+    let index = shared.root.read_index(step)?;
+    let file_name = data_file_name(rank);
+    let dir = shared.root.step_dir(step);
+    let Some(entry) = index.files.get(&file_name) else {
+        return Err(Error::NotFound {
+            what: format!(
+                "rank {rank}'s file in step {step} of {}",
+                shared.root.path().display()
+            ),
+        });
+    };
+    let threads = shared.cfg.copy_threads;
+    if !storage_only {
+        for info in shared.ring.complete() {
+            if info.step != step || info.len != entry.size {
+                continue;
+            }
+            let Ok(pin) = shared.ring.pin(info.slot) else {
+                continue;
+            };
+            let slot_path = shared.ring.slot_path(info.slot);
+            let verified = shared.cfg.verify == Verify::Always;
+            if verified {
+                if let Err(e) = verify(&slot_path, pin.image(), entry, threads) {
+                    // The resident copy is only a cache of the committed
+                    // one: drop it and read storage.
+                    tracing::warn!(
+                        "acp: resident copy of step {step} rejected, reading storage: {e}"
+                    );
+                    drop(pin);
+                    shared.ring.release(info.slot);
+                    break;
+                }
+            }
+            return finish(
+                shared,
+                step,
+                Backing::Slot(pin),
+                &slot_path,
+                Source::Ram,
+                verified,
+                t0,
+            );
+        }
+    }
+    let path = dir.join(&file_name);
+    let fits = entry.size <= shared.ring.max_image_bytes();
+    let slot = if fits {
+        shared.ring.acquire(entry.size, None)?
+    } else {
+        None
+    };
+    let backing = if let Some(mut slot) = slot {
+        read_into(shared, &path, slot.image_mut(), entry)?;
+        let digests = verify(
+            &path,
+            &slot.image_mut()[..to_usize(entry.size)],
+            entry,
+            threads,
+        )?;
+        let pin = slot.seal(step, entry.size);
+        shared.ring.set_digests(pin.slot(), &digests);
+        shared.ring.set_state(pin.slot(), SlotState::Persisted);
+        Backing::Slot(pin)
+    } else {
+        let len = to_usize(entry.size);
+        let padded = len.div_ceil(4096).max(1) * 4096;
+        let mut buf =
+            memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", &path, e))?;
+        read_into(shared, &path, &mut buf, entry)?;
+        verify(&path, &buf[..len], entry, threads)?;
+        Backing::Heap(buf, len)
+    };
+    finish(shared, step, backing, &path, Source::Storage, true, t0)
+}
+
+fn read_into(shared: &Shared, path: &Path, dst: &mut [u8], entry: &FileEntry) -> Result<()> {
+    let got = shared.io.read_file(path, dst, &shared.io_opts)?;
+    if got != entry.size {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("file is {got} bytes, the index says {}", entry.size),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `image` against the digests the index recorded; names the first
+/// tensor of the first chunk that differs.
+fn verify(path: &Path, image: &[u8], entry: &FileEntry, threads: usize) -> Result<Vec<Digest>> {
+    let chunk = to_usize(entry.chunk_bytes);
+    let got = copy::parallel_digests(image, chunk, threads);
+    if got.len() != entry.chunks.len() {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "{} chunks, the index records {}",
+                got.len(),
+                entry.chunks.len()
+            ),
+        ));
+    }
+    for (i, (g, want)) in got.iter().zip(&entry.chunks).enumerate() {
+        if unhex(want).as_ref() == Some(g) {
+            continue;
+        }
+        let start = (i * chunk) as u64;
+        let end = start + chunk as u64;
+        let tensor = parse_header(path, image, image.len() as u64)
+            .ok()
+            .and_then(|h| {
+                h.entries
+                    .into_iter()
+                    .find(|e| e.offset < end && e.offset + e.len.max(1) > start)
+                    .map(|e| e.name)
+            });
+        let what = match &tensor {
+            Some(_) => format!("digest mismatch in bytes {start}..{end}"),
+            None => format!("digest mismatch in bytes {start}..{end} (header)"),
+        };
+        return Err(Error::corrupt(path, tensor.as_deref(), what));
+    }
+    Ok(got)
+}
+
+fn finish(
+    shared: &Shared,
+    step: u64,
+    backing: Backing,
+    path: &Path,
+    source: Source,
+    verified: bool,
+    t0: Instant,
+) -> Result<Checkpoint> {
+    let image = backing.image();
+    let header = parse_header(path, image, image.len() as u64)?;
+    if header.step.is_some_and(|s| s != step) {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("header says step {:?}, expected {step}", header.step),
+        ));
+    }
+    let report = LoadReport {
+        source,
+        bytes: image.len() as u64,
+        verified,
+        secs: t0.elapsed().as_secs_f64(),
+    };
+    Ok(Checkpoint {
+        step,
+        values: header.values,
+        entries: header.entries,
+        backing,
+        report,
+        copy_threads: shared.cfg.copy_threads,
+    })
+}
+
+fn to_usize(v: u64) -> usize {
+    super::to_usize(v)
+}
+
+impl Checkpoint {
+    /// The step.
+    #[must_use]
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// How it was loaded.
+    #[must_use]
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The plain values saved with it.
+    #[must_use]
+    pub fn values(&self) -> &serde_json::Value {
+        &self.values
+    }
+
+    /// The tensors, in file order.
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The whole image (a safetensors file).
+    #[must_use]
+    pub fn image(&self) -> &[u8] {
+        self.backing.image()
+    }
+
+    /// The tensor named `name`.
+    #[must_use]
+    pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        self.entries
+            .iter()
+            .find(|e| e.name == name)
+            .map(|e| TensorView {
+                name: &e.name,
+                dtype: e.dtype,
+                shape: &e.shape,
+                data: self.data(e),
+            })
+    }
+
+    /// The bytes of `entry` (one of [`Checkpoint::entries`]).
+    #[must_use]
+    pub fn data(&self, entry: &Entry) -> &[u8] {
+        let off = to_usize(entry.offset);
+        &self.backing.image()[off..off + to_usize(entry.len)]
+    }
+
+    /// Copies each tensor `dsts[k].0` (an index into [`Checkpoint::entries`])
+    /// into `dsts[k].1`, in parallel over the copy threads.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor when an index is out of range or
+    /// a length differs, before anything is copied.
+    pub fn copy_into(&self, dsts: &mut [(usize, &mut [u8])]) -> Result<()> {
+        for (i, d) in dsts.iter() {
+            let Some(e) = self.entries.get(*i) else {
+                return Err(Error::invalid(
+                    format!("tensor index {i}"),
+                    format!("step {} has {} tensors", self.step, self.entries.len()),
+                ));
+            };
+            if d.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!(
+                        "destination has {} bytes, the checkpoint {}",
+                        d.len(),
+                        e.len
+                    ),
+                ));
+            }
+        }
+        let pairs = dsts
+            .iter_mut()
+            .map(|(i, d)| {
+                let src = self.data(&self.entries[*i]);
+                (&mut **d, src)
+            })
+            .collect();
+        copy::parallel_copy(pairs, self.copy_threads);
+        Ok(())
+    }
+}

@@ -1,0 +1,849 @@
+//! The engine façade: save, load, list, retain, close.
+
+use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::config::{EngineConfig, WhenFull};
+use crate::error::{Error, Result};
+use crate::format::{Dtype, Entry, ImageMeta, Layout, TensorSpec};
+use crate::io::{IoEngine, IoKind, IoOpts};
+use crate::staging::{Ring, RingOptions, SlotState, StagingSlot};
+use crate::storage::local::Root;
+
+mod copy;
+mod flush;
+mod handle;
+mod load;
+
+/// A checkpoint engine for one job and rank. Cheap to clone: clones share
+/// the ring, the flush thread and the state.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// The engine's owner side: dropping the last clone closes the queue; the
+/// flush thread drains what is queued and exits on its own.
+#[derive(Debug)]
+struct Inner {
+    shared: Arc<Shared>,
+    tx: Mutex<Option<Sender<flush::Job>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// What opening the engine found and chose.
+#[derive(Debug, Clone)]
+pub struct OpenReport {
+    /// The I/O engine in use.
+    pub io: IoKind,
+    /// Whether the ring is locked in RAM.
+    pub mlocked: bool,
+    /// Why `mlock` was refused, when it was.
+    pub mlock_error: Option<String>,
+    /// Steps found resident in shared memory, left by a previous process.
+    pub resident_steps: Vec<u64>,
+    /// Of those, the steps newer than the newest committed one, queued for
+    /// flush and commit (when `persist_on_open`).
+    pub persisting_steps: Vec<u64>,
+    /// Slots found half-staged and discarded.
+    pub discarded_half_staged: usize,
+}
+
+/// Options of one save.
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// Replace the step if it is already committed (atomically: the old one
+    /// stays loadable until the new one is committed).
+    pub overwrite: bool,
+    /// Extra string metadata for the safetensors header (e.g. `format: pt`).
+    pub extra_metadata: std::collections::BTreeMap<String, String>,
+}
+
+/// A host tensor handed to [`Engine::save`].
+#[derive(Debug, Clone, Copy)]
+pub struct HostTensor<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [u64],
+    /// The bytes, exactly `numel × dtype.size()` of them.
+    pub data: &'a [u8],
+}
+
+/// A save in its stall: the image is laid out in a ring slot and the caller
+/// fills the tensors' bytes, directly ([`Staging::tensor_mut`]) or by copy
+/// ([`Staging::copy_from`]). [`Staging::finish`] ends the stall. Dropping it
+/// unfinished aborts the save and frees the slot.
+#[derive(Debug)]
+pub struct Staging {
+    engine: Engine,
+    step: u64,
+    overwrite: bool,
+    layout: Layout,
+    slot: Option<StagingSlot>,
+    started: Instant,
+    slot_wait: Duration,
+}
+
+/// The completion handle of a save. Also a [`Future`](std::future::Future).
+#[derive(Debug, Clone)]
+pub struct SaveHandle {
+    done: Arc<handle::Completion>,
+}
+
+/// The figures of a finished save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveReport {
+    /// The step.
+    pub step: u64,
+    /// True when the save was skipped because no slot was free
+    /// ([`WhenFull::Skip`](crate::WhenFull::Skip)); nothing was written.
+    pub skipped: bool,
+    /// Image bytes (the data file's size).
+    pub bytes: u64,
+    /// The stall: from `begin_save` to `finish`, in seconds.
+    pub stall_secs: f64,
+    /// Waiting for a free slot (part of the stall), in seconds.
+    pub slot_wait_secs: f64,
+    /// Queued behind earlier flushes, in seconds.
+    pub queue_secs: f64,
+    /// Writing, hashing and fsyncing the data file, in seconds.
+    pub flush_secs: f64,
+    /// Writing the index, renaming and syncing directories, in seconds.
+    pub commit_secs: f64,
+    /// From `begin_save` to committed, in seconds.
+    pub total_secs: f64,
+    /// The I/O engine that wrote it.
+    pub io: IoKind,
+    /// Whether `O_DIRECT` was used.
+    pub direct: bool,
+}
+
+/// Which step to load, and from where.
+#[derive(Debug, Clone, Default)]
+pub struct LoadRequest {
+    /// The step; the newest committed one when `None`.
+    pub step: Option<u64>,
+    /// Read from storage even when the step is resident.
+    pub storage_only: bool,
+    /// When the wanted (latest) step is corrupt, fall back to the newest
+    /// older committed step that is intact. Only with `step: None`.
+    pub fallback: bool,
+}
+
+/// Where a loaded checkpoint came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A resident shared-memory slot.
+    Ram,
+    /// The storage files (now resident in a slot, or in private memory
+    /// when no slot was free).
+    Storage,
+}
+
+/// The figures of a load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadReport {
+    /// Where it came from.
+    pub source: Source,
+    /// Image bytes.
+    pub bytes: u64,
+    /// Whether every chunk was verified against its digest.
+    pub verified: bool,
+    /// Seconds from the call to the views being ready.
+    pub secs: f64,
+}
+
+/// A loaded checkpoint; its tensors are zero-copy views into a pinned slot
+/// (or a private buffer) that lives as long as this value.
+#[derive(Debug)]
+pub struct Checkpoint {
+    step: u64,
+    values: serde_json::Value,
+    entries: Vec<Entry>,
+    backing: load::Backing,
+    report: LoadReport,
+    copy_threads: usize,
+}
+
+/// One tensor of a loaded [`Checkpoint`].
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [u64],
+    /// Bytes.
+    pub data: &'a [u8],
+}
+
+/// What the caller side and the flush thread share.
+#[derive(Debug)]
+struct Shared {
+    cfg: EngineConfig,
+    root: Root,
+    ring: Ring,
+    io: Arc<dyn IoEngine>,
+    io_opts: IoOpts,
+    report: OpenReport,
+    state: Mutex<EngineState>,
+    idle: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct EngineState {
+    closed: bool,
+    /// Flush jobs queued or running.
+    in_flight: usize,
+    /// Steps being flushed that came from a previous process's slots; loads
+    /// wait for them so the newest step is committed first.
+    recovering: Vec<u64>,
+    /// Slots whose flush failed: complete images, kept resident (restorable)
+    /// but given up when the ring needs room.
+    failed_slots: Vec<usize>,
+    /// Steps known committed (at open, by this engine's flushes, minus
+    /// retention), so the stall checks for `Exists` without touching storage.
+    committed: std::collections::BTreeSet<u64>,
+    /// When the running flush last made progress, and what it was doing.
+    progress: Option<(Instant, String)>,
+    /// A flush error that no handle has reported yet (recovery flushes).
+    unreported: Option<Error>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, EngineState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn note_progress(&self, what: impl Into<String>) {
+        self.lock().progress = Some((Instant::now(), what.into()));
+    }
+}
+
+/// The shared-memory name of a job: 16 hex digits of blake3 over the job id.
+fn job_names(cfg: &EngineConfig, root: &Root) -> (String, crate::format::Digest) {
+    let job = cfg
+        .job
+        .clone()
+        .unwrap_or_else(|| root.path().to_string_lossy().into_owned());
+    let tag = *blake3::hash(job.as_bytes()).as_bytes();
+    let hex = crate::format::hex(&tag);
+    (format!("acp-{}-r{:05}", &hex[..16], cfg.rank), tag)
+}
+
+impl Engine {
+    /// Opens an engine on `config.root` (created if missing, mode 0700),
+    /// opens the ring, probes the I/O engine, starts the flush thread and,
+    /// with `persist_on_open`, queues resident checkpoints newer than the
+    /// newest committed step for flush.
+    ///
+    /// # Errors
+    /// [`Error::Config`], [`Error::Busy`] when another live process has this
+    /// job and rank open, [`Error::Io`].
+    pub fn open(config: EngineConfig) -> Result<Engine> {
+        config.validate()?;
+        let root = Root::open(&config.root, config.faults.clone())?;
+        let io = crate::io::open_engine(config.io)?;
+        let (prefix, job_tag) = job_names(&config, &root);
+        let (ring, ring_report) = Ring::open(RingOptions {
+            dir: config.shm_dir.clone(),
+            prefix,
+            job_tag,
+            rank: config.rank,
+            slots: config.ring_slots,
+            budget: config.ring_bytes,
+            chunk_bytes: config.chunk_bytes as u64,
+            mlock: config.mlock,
+        })?;
+        // We hold this rank's ring lock: whatever pending directories this
+        // rank left are from a dead process.
+        let swept = root.sweep_leftovers(config.rank);
+        if swept > 0 {
+            tracing::info!(swept, root = %root.path().display(), "acp: removed unfinished saves of a previous process");
+        }
+        let committed = root.steps()?;
+        let latest = committed.last().copied();
+        let resident_steps: Vec<u64> = ring_report.recovered.iter().map(|s| s.step).collect();
+        let to_persist: Vec<crate::staging::SlotInfo> = if config.persist_on_open {
+            ring_report
+                .recovered
+                .iter()
+                .filter(|s| latest.is_none_or(|l| s.step > l) && !committed.contains(&s.step))
+                .filter(|s| matches!(s.state, SlotState::Resident | SlotState::Flushing))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let report = OpenReport {
+            io: io.kind(),
+            mlocked: ring_report.mlocked,
+            mlock_error: ring_report.mlock_error.clone(),
+            resident_steps,
+            persisting_steps: to_persist.iter().map(|s| s.step).collect(),
+            discarded_half_staged: ring_report.discarded_half_staged,
+        };
+        if let Some(e) = &report.mlock_error {
+            tracing::info!("acp: ring not locked in RAM ({e}); it stays pre-faulted");
+        }
+        let io_opts = IoOpts {
+            chunk_bytes: config.chunk_bytes,
+            queue_depth: config.queue_depth,
+            direct: config.direct,
+            faults: config.faults.clone(),
+        };
+        let shared = Arc::new(Shared {
+            cfg: config,
+            root,
+            ring,
+            io,
+            io_opts,
+            report,
+            state: Mutex::new(EngineState {
+                committed: committed.iter().copied().collect(),
+                ..EngineState::default()
+            }),
+            idle: Condvar::new(),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let worker = {
+            let for_thread = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("acp-flush-r{}", shared.cfg.rank))
+                .spawn(move || flush::run(&for_thread, &rx))
+                .map_err(|e| Error::io("start flush thread", shared.root.path(), e))?
+        };
+        let engine = Engine {
+            inner: Arc::new(Inner {
+                shared,
+                tx: Mutex::new(Some(tx)),
+                worker: Mutex::new(Some(worker)),
+            }),
+        };
+        for info in to_persist {
+            let pin = engine.inner.shared.ring.pin(info.slot)?;
+            tracing::info!(
+                step = info.step,
+                "acp: persisting a resident checkpoint left by a previous process"
+            );
+            engine.inner.shared.lock().recovering.push(info.step);
+            let done = handle::Completion::new(info.step);
+            engine.enqueue(flush::Job {
+                pin,
+                step: info.step,
+                overwrite: false,
+                done,
+                started: Instant::now(),
+                stall_secs: 0.0,
+                slot_wait_secs: 0.0,
+                recovery: true,
+            })?;
+        }
+        Ok(engine)
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.inner.shared
+    }
+
+    fn enqueue(&self, job: flush::Job) -> Result<()> {
+        let shared = self.shared();
+        shared.lock().in_flight += 1;
+        let tx = self
+            .inner
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sent = match tx.as_ref() {
+            Some(tx) => tx.send(job).map_err(|e| e.into_inner()),
+            None => Err(job),
+        };
+        if let Err(job) = sent {
+            let mut st = shared.lock();
+            st.in_flight -= 1;
+            drop(st);
+            let err = Error::Closed {
+                root: shared.root.path().to_path_buf(),
+            };
+            job.done.complete(Err(err.duplicate()));
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// What opening found and chose.
+    #[must_use]
+    pub fn open_report(&self) -> &OpenReport {
+        &self.shared().report
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared().cfg
+    }
+
+    /// The checkpoint root (canonical).
+    #[must_use]
+    pub fn root(&self) -> &Path {
+        self.shared().root.path()
+    }
+
+    /// Starts a save of `step`: checks the input, lays the image out in a
+    /// ring slot and returns the [`Staging`] to fill. Returns `Ok(None)`
+    /// when no slot is free and the policy is [`WhenFull::Skip`].
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming a bad tensor or value key; [`Error::Exists`]
+    /// when the step is committed and `overwrite` is off; [`Error::Timeout`]
+    /// waiting for a slot; [`Error::Closed`].
+    pub fn begin_save(
+        &self,
+        step: u64,
+        tensors: &[TensorSpec],
+        values: &serde_json::Value,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        let started = Instant::now();
+        let shared = self.shared();
+        let (closed, known) = {
+            let st = shared.lock();
+            (st.closed, st.committed.contains(&step))
+        };
+        if closed {
+            return Err(Error::Closed {
+                root: shared.root.path().to_path_buf(),
+            });
+        }
+        // The commit re-checks on storage; this only fails early, without I/O.
+        if !opts.overwrite && known {
+            return Err(Error::Exists {
+                step,
+                root: shared.root.path().to_path_buf(),
+            });
+        }
+        let meta = ImageMeta {
+            step,
+            rank: shared.cfg.rank,
+            world_size: shared.cfg.world_size,
+            values: values.clone(),
+            extra: opts.extra_metadata.clone(),
+        };
+        let layout = Layout::plan(tensors, &meta)?;
+        let max = shared.ring.max_image_bytes();
+        if layout.total_len > max {
+            return Err(Error::invalid(
+                format!("step {step}"),
+                format!(
+                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
+                    layout.total_len, shared.cfg.ring_bytes, shared.cfg.ring_slots
+                ),
+            ));
+        }
+        let Some(mut slot) = self.acquire_slot(step, layout.total_len)? else {
+            tracing::warn!(
+                step,
+                "acp: no free ring slot, save skipped (when_full = skip)"
+            );
+            return Ok(None);
+        };
+        let header = layout.header_bytes();
+        slot.image_mut()[..header.len()].copy_from_slice(header);
+        Ok(Some(Staging {
+            engine: self.clone(),
+            step,
+            overwrite: opts.overwrite,
+            layout,
+            slot: Some(slot),
+            started,
+            slot_wait: started.elapsed(),
+        }))
+    }
+
+    fn acquire_slot(&self, step: u64, len: u64) -> Result<Option<StagingSlot>> {
+        let shared = self.shared();
+        // A resident image of the same step (an older attempt) must not be
+        // confused with the new one.
+        for info in shared.ring.complete() {
+            if info.step == step {
+                shared.ring.release(info.slot);
+            }
+        }
+        loop {
+            let wait = match shared.cfg.when_full {
+                WhenFull::Skip => None,
+                WhenFull::Wait(d) => Some(d),
+            };
+            // Slots whose flush failed are given up only when the ring needs
+            // room: they keep the newest restorable copy until then.
+            let first = shared.ring.acquire(len, None)?;
+            if first.is_some() {
+                return Ok(first);
+            }
+            let failed = shared.lock().failed_slots.pop();
+            if let Some(slot) = failed {
+                tracing::warn!(
+                    slot,
+                    "acp: dropping a resident checkpoint whose flush failed, to make room"
+                );
+                shared.ring.release(slot);
+                continue;
+            }
+            return shared.ring.acquire(len, wait).map_err(|e| match e {
+                Error::Timeout { secs, .. } => Error::Timeout {
+                    what: format!("step {step}: waiting for a free ring slot (every slot is staging or flushing)"),
+                    secs,
+                },
+                other => other,
+            });
+        }
+    }
+
+    /// Saves host tensors: [`Engine::begin_save`], a parallel copy into the
+    /// slot, [`Staging::finish`]. Returns once the bytes are in the slot.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save`], and [`Error::Invalid`] when a tensor's
+    /// bytes do not match its dtype and shape.
+    pub fn save(
+        &self,
+        step: u64,
+        tensors: &[HostTensor<'_>],
+        values: &serde_json::Value,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        let specs: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec {
+                name: t.name.to_owned(),
+                dtype: t.dtype,
+                shape: t.shape.to_vec(),
+            })
+            .collect();
+        for (t, spec) in tensors.iter().zip(&specs) {
+            let want = spec.byte_len()?;
+            if t.data.len() as u64 != want {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", t.name),
+                    format!(
+                        "{} bytes given, {} × {:?} needs {want}",
+                        t.data.len(),
+                        t.dtype.name(),
+                        t.shape
+                    ),
+                ));
+            }
+        }
+        let Some(mut staging) = self.begin_save(step, &specs, values, opts)? else {
+            return Ok(SaveHandle::skipped(step));
+        };
+        let srcs: Vec<&[u8]> = tensors.iter().map(|t| t.data).collect();
+        staging.copy_from(&srcs)?;
+        Ok(staging.finish())
+    }
+
+    /// Loads a committed step: from its resident slot when one holds it,
+    /// else from storage (into a slot, which becomes resident).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`], [`Error::Corrupt`] naming the file and tensor,
+    /// [`Error::Io`].
+    pub fn load(&self, req: &LoadRequest) -> Result<Checkpoint> {
+        load::load(self.shared(), req)
+    }
+
+    /// The committed steps, ascending.
+    ///
+    /// # Errors
+    /// [`Error::Io`] listing the root.
+    pub fn steps(&self) -> Result<Vec<u64>> {
+        self.shared().root.steps()
+    }
+
+    /// The newest committed step.
+    ///
+    /// # Errors
+    /// As [`Engine::steps`].
+    pub fn latest(&self) -> Result<Option<u64>> {
+        Ok(self.steps()?.last().copied())
+    }
+
+    /// The steps resident in this rank's ring, newest first.
+    #[must_use]
+    pub fn resident_steps(&self) -> Vec<u64> {
+        self.shared()
+            .ring
+            .complete()
+            .iter()
+            .map(|s| s.step)
+            .collect()
+    }
+
+    /// Deletes committed steps that are neither among the newest `keep_last`
+    /// nor a multiple of `keep_every`; returns the deleted steps. The newest
+    /// step is always kept.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `keep_last == 0`; [`Error::Io`].
+    pub fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+        let deleted = retain(&self.shared().root, keep_last, keep_every)?;
+        let mut st = self.shared().lock();
+        for s in &deleted {
+            st.committed.remove(s);
+        }
+        Ok(deleted)
+    }
+
+    /// Waits until every queued flush has finished (committed or failed).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] after `timeout`, or when a flush makes no progress
+    /// for the configured stall timeout (the watchdog), naming what is stuck.
+    pub fn wait_idle(&self, timeout: Option<Duration>) -> Result<()> {
+        wait_for(self.shared(), timeout, |st| st.in_flight == 0)
+    }
+
+    /// Drains the flush queue and stops the flush thread. Resident slots stay
+    /// in shared memory. Further saves fail with [`Error::Closed`]. Never
+    /// waits longer than the watchdog allows for a stuck flush.
+    ///
+    /// # Errors
+    /// A flush error that no handle reported, or the watchdog's timeout.
+    pub fn close(&self) -> Result<()> {
+        let shared = self.shared();
+        shared.lock().closed = true;
+        let drained = self.wait_idle(None);
+        drop(
+            self.inner
+                .tx
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take(),
+        );
+        let worker = self
+            .inner
+            .worker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if drained.is_ok() {
+            if let Some(w) = worker {
+                let _ = w.join();
+            }
+        }
+        drained?;
+        match shared.lock().unreported.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Waits until `done(state)` holds, watching the flush for progress.
+fn wait_for(
+    shared: &Shared,
+    timeout: Option<Duration>,
+    done: impl Fn(&EngineState) -> bool,
+) -> Result<()> {
+    let start = Instant::now();
+    let stall = shared.cfg.stall_timeout;
+    let mut st = shared.lock();
+    loop {
+        if done(&st) {
+            return Ok(());
+        }
+        if let Some(t) = timeout {
+            if start.elapsed() >= t {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "{} flushes of {}",
+                        st.in_flight,
+                        shared.root.path().display()
+                    ),
+                    secs: t.as_secs_f64(),
+                });
+            }
+        }
+        if let Some((at, what)) = &st.progress {
+            if at.elapsed() >= stall {
+                let what = format!("flush stuck: {what}");
+                tracing::error!(
+                    "acp: {what}: no progress for {:.0} s",
+                    at.elapsed().as_secs_f64()
+                );
+                return Err(Error::Timeout {
+                    what,
+                    secs: at.elapsed().as_secs_f64(),
+                });
+            }
+        }
+        let tick = Duration::from_millis(200);
+        st = shared
+            .idle
+            .wait_timeout(st, tick)
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0;
+    }
+}
+
+fn retain(root: &Root, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+    if keep_last == 0 {
+        return Err(Error::Config {
+            field: "keep_last",
+            reason: "must be at least 1 (0 would delete every checkpoint)".into(),
+        });
+    }
+    let steps = root.steps()?;
+    let n = steps.len();
+    let mut deleted = Vec::new();
+    for (i, &step) in steps.iter().enumerate() {
+        let recent = i + keep_last >= n;
+        let milestone = keep_every.is_some_and(|m| m > 0 && step % m == 0);
+        if recent || milestone {
+            continue;
+        }
+        root.remove_step(step)?;
+        deleted.push(step);
+    }
+    Ok(deleted)
+}
+
+impl Staging {
+    /// The step.
+    #[must_use]
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The laid-out tensors, in the order given to `begin_save`.
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.layout.entries
+    }
+
+    fn image_mut(&mut self) -> &mut [u8] {
+        match self.slot.as_mut() {
+            Some(s) => s.image_mut(),
+            None => &mut [],
+        }
+    }
+
+    /// The writable bytes of tensor `i` in the slot.
+    ///
+    /// # Panics
+    /// When `i` is out of range.
+    pub fn tensor_mut(&mut self, i: usize) -> &mut [u8] {
+        let e = &self.layout.entries[i];
+        let (off, len) = (to_usize(e.offset), to_usize(e.len));
+        &mut self.image_mut()[off..off + len]
+    }
+
+    /// The writable bytes of every tensor at once, in entry order.
+    pub fn tensors_mut(&mut self) -> Vec<&mut [u8]> {
+        let ranges: Vec<(usize, usize, usize)> = self
+            .layout
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (to_usize(e.offset), to_usize(e.len), i))
+            .collect();
+        split_ranges(self.image_mut(), ranges)
+    }
+
+    /// Copies `srcs[i]` into tensor `i`, in parallel over the configured
+    /// copy threads.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor whose length differs, before
+    /// anything is copied.
+    pub fn copy_from(&mut self, srcs: &[&[u8]]) -> Result<()> {
+        if srcs.len() != self.layout.entries.len() {
+            return Err(Error::invalid(
+                format!("step {}", self.step),
+                format!(
+                    "{} sources for {} tensors",
+                    srcs.len(),
+                    self.layout.entries.len()
+                ),
+            ));
+        }
+        for (e, s) in self.layout.entries.iter().zip(srcs) {
+            if s.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!("{} bytes given, {} expected", s.len(), e.len),
+                ));
+            }
+        }
+        let threads = self.engine.shared().cfg.copy_threads;
+        let dsts = self.tensors_mut();
+        copy::parallel_copy(
+            dsts.into_iter().zip(srcs.iter().copied()).collect(),
+            threads,
+        );
+        Ok(())
+    }
+
+    /// Ends the stall: seals the slot and queues its flush.
+    #[must_use]
+    pub fn finish(mut self) -> SaveHandle {
+        let done = handle::Completion::new(self.step);
+        let Some(slot) = self.slot.take() else {
+            done.complete(Err(Error::invalid(
+                format!("step {}", self.step),
+                "staging already finished",
+            )));
+            return SaveHandle::from_completion(done);
+        };
+        let pin = slot.seal(self.step, self.layout.total_len);
+        let job = flush::Job {
+            pin,
+            step: self.step,
+            overwrite: self.overwrite,
+            done: Arc::clone(&done),
+            started: self.started,
+            stall_secs: self.started.elapsed().as_secs_f64(),
+            slot_wait_secs: self.slot_wait.as_secs_f64(),
+            recovery: false,
+        };
+        // An enqueue failure (engine closed) completes `done` with the error.
+        let _ = self.engine.enqueue(job);
+        SaveHandle::from_completion(done)
+    }
+}
+
+/// Splits `buf` into the disjoint `(offset, len, index)` ranges, returned in
+/// index order. Ranges must not overlap (the layout guarantees it).
+fn split_ranges(buf: &mut [u8], mut ranges: Vec<(usize, usize, usize)>) -> Vec<&mut [u8]> {
+    let n = ranges.len();
+    // Empty tensors share their offset with the next one: put them first.
+    ranges.sort_unstable_by_key(|r| (r.0, r.1));
+    let mut out: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);
+    let mut rest = buf;
+    let mut pos = 0;
+    for (off, len, i) in ranges {
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(off - pos);
+        let (piece, tail) = tail.split_at_mut(len);
+        out.push((i, piece));
+        rest = tail;
+        pos = off + len;
+    }
+    out.sort_unstable_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Offsets and lengths of a laid-out image fit the address space: the image
+/// lives in a mapping.
+fn to_usize(v: u64) -> usize {
+    usize::try_from(v).expect("image offsets fit in memory: the image is mapped")
+}
