@@ -90,7 +90,13 @@ enum State {
     /// Aborted while a view of its bytes was still exported: kept (and the
     /// slot held) until this object dies, which the views prevent until
     /// they are gone.
-    Aborting(acp_core::Staging),
+    Aborting(
+        #[expect(
+            dead_code,
+            reason = "held only so that dropping it (the abort) comes last"
+        )]
+        acp_core::Staging,
+    ),
     Done,
 }
 
@@ -99,6 +105,7 @@ enum State {
 #[pyclass(module = "acp._acp", frozen)]
 pub(crate) struct Staging {
     step: u64,
+    image_bytes: u64,
     entries: Vec<EntryInfo>,
     state: Mutex<State>,
     /// `(tensor index, weakref to a memoryview handed out by buffer())`.
@@ -121,6 +128,12 @@ impl Staging {
     pub(crate) fn new(s: acp_core::Staging) -> Result<Staging, Error> {
         Ok(Staging {
             step: s.step(),
+            image_bytes: s
+                .entries()
+                .iter()
+                .map(|e| e.offset + e.len)
+                .max()
+                .unwrap_or(0),
             entries: s
                 .entries()
                 .iter()
@@ -173,6 +186,13 @@ impl Staging {
     #[getter]
     fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The end of the last tensor's bytes in the image (0 without tensors):
+    /// the image size, up to the header when there are no tensors.
+    #[getter]
+    fn image_bytes(&self) -> u64 {
+        self.image_bytes
     }
 
     /// The laid-out tensors, in the order given to `begin_save`, as

@@ -143,6 +143,9 @@ class Adapter(Protocol):
     ) -> tuple[list[object], Transfer]:
         """Fresh tensors for ``(entry, reference fields)``, and how to fill them."""
 
+    def result(self, obj: object, ref: dict[str, Any]) -> object:
+        """The value for a reference, from its tensor once it is filled."""
+
     def fill_tensors(
         self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
     ) -> Transfer:
@@ -159,9 +162,13 @@ class Adapters:
         self._by_framework: dict[str, Adapter] = {}
 
     def framework_of(self, obj: object) -> str | None:
-        module = type(obj).__module__ or ""
-        top = module.partition(".")[0]
-        return top if top in ADAPTER_MODULES else None
+        """The framework of ``obj``'s type, or of a base class (so that a
+        framework's adapter sees, and can refuse, subclasses of its types)."""
+        for cls in type(obj).__mro__[:-1]:
+            top = (cls.__module__ or "").partition(".")[0]
+            if top in ADAPTER_MODULES:
+                return top
+        return None
 
     def get(self, framework: str, key: str) -> Adapter:
         adapter = self._by_framework.get(framework)

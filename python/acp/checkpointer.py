@@ -208,6 +208,7 @@ class Checkpointer:
         stall_timeout: float | None = None,
         faults: _acp.FaultInjector | None = None,
     ) -> None:
+        self._closed = True  # until the engine is open
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
