@@ -151,32 +151,33 @@ impl Staging {
         )
     }
 
-    /// Releases every memoryview handed out by `buffer()`, so none can write
-    /// into the slot after it is sealed or freed.
+    /// Fails while a memoryview handed out by `buffer()` is alive, so none
+    /// can write into the slot after it is sealed or freed. (Checking
+    /// exports is not enough: `torch.frombuffer` keeps a reference to the
+    /// view, not an export of it.)
     ///
     /// # Errors
-    /// `BufferError` naming the tensor when a view is still exported (an
-    /// array or tensor made from it is alive); the views not yet released
-    /// stay listed.
-    fn release_views(&self, py: Python<'_>) -> PyResult<()> {
+    /// `BufferError` naming the tensor whose view is alive.
+    fn check_views_gone(&self, py: Python<'_>) -> PyResult<()> {
         let mut views = lock(&self.views);
-        while let Some((index, weak)) = views.pop() {
-            let view = weak.bind(py).call0()?;
-            if view.is_none() {
+        let mut alive = None;
+        let mut kept = Vec::new();
+        for (index, weak) in views.drain(..) {
+            if weak.bind(py).call0()?.is_none() {
                 continue;
             }
-            if let Err(e) = view.call_method0("release") {
-                let name = &self.entries[index].name;
-                views.push((index, weak));
-                let msg = format!(
-                    "staging of step {}: the buffer of tensor `{name}` is still in use \
-                     (an array or tensor made from it is alive); drop it first ({e})",
-                    self.step
-                );
-                return Err(PyBufferError::new_err(msg));
-            }
+            alive.get_or_insert(index);
+            kept.push((index, weak));
         }
-        Ok(())
+        *views = kept;
+        match alive {
+            None => Ok(()),
+            Some(index) => Err(PyBufferError::new_err(format!(
+                "staging of step {}: the buffer of tensor `{}` is still in use (a view, \
+                 array or tensor over it is alive); drop it first",
+                self.step, self.entries[index].name
+            ))),
+        }
     }
 }
 
@@ -255,9 +256,10 @@ impl Staging {
     }
 
     /// A writable memoryview over the slot bytes of tensor `i`, for copies
-    /// that land directly in the slot (device to host). It keeps this
-    /// staging alive; `finish()` and `abort()` release it, and refuse while
-    /// an array or tensor made from it is alive. Do not keep slices of it.
+    /// that land directly in the slot (device to host). It (and anything
+    /// made from it) keeps this staging alive. `finish()` refuses while it
+    /// is alive, and `abort()` then frees the slot only once it is gone.
+    /// Do not keep slices of it past `finish()`: the slot is sealed.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
         let this = slf.get();
         let (ptr, len) = {
@@ -277,10 +279,11 @@ impl Staging {
             let bytes = staging.tensor_mut(i);
             (bytes.as_mut_ptr(), bytes.len())
         };
-        // SAFETY: the bytes are the slot of a ring mapping that stays mapped
-        // while the core staging (held by `slf`) lives; the view keeps `slf`
-        // alive. Writes after `finish`/`abort` are prevented by releasing
-        // the view there (documented above for slices of it).
+        // SAFETY: the bytes are in the slot's mapping, which the core
+        // staging (held by `slf`, in `State::Open` or `State::Aborting`
+        // until `finish`) keeps mapped; the view keeps `slf` alive, and
+        // `finish` refuses while the view lives, so the mapping outlives it
+        // (the sealed slot is then held by the flush and the ring).
         let view = unsafe { memoryview_owned_by(slf.as_any(), ptr, len, true)? };
         let weak = slf
             .py()
@@ -295,7 +298,7 @@ impl Staging {
     /// Ends the stall: seals the slot and queues its flush. Returns the
     /// save's handle.
     fn finish(&self, py: Python<'_>) -> PyResult<SaveHandle> {
-        self.release_views(py)?;
+        self.check_views_gone(py)?;
         let staging = {
             let mut state = lock(&self.state);
             match std::mem::replace(&mut *state, State::Done) {
@@ -310,10 +313,10 @@ impl Staging {
         Ok(SaveHandle { inner })
     }
 
-    /// Abandons the save and frees the slot. When a view from `buffer()` is
-    /// still exported, the slot is freed only once it is gone.
+    /// Abandons the save and frees the slot. While a view from `buffer()`
+    /// is alive, the slot is freed only once it is gone.
     fn abort(&self, py: Python<'_>) {
-        let released = self.release_views(py).is_ok();
+        let released = self.check_views_gone(py).is_ok();
         let mut state = lock(&self.state);
         match std::mem::replace(&mut *state, State::Done) {
             State::Open(s) if !released => *state = State::Aborting(s),
