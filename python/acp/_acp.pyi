@@ -9,6 +9,28 @@ import os
 import pathlib
 from typing import Any, final
 
+__all__ = [
+    "FORMAT_VERSION",
+    "AcpError",
+    "AcpTimeout",
+    "BusyError",
+    "CheckpointCorrupt",
+    "CheckpointExists",
+    "CheckpointNotFound",
+    "ConfigError",
+    "Engine",
+    "EngineClosed",
+    "FaultInjector",
+    "InvalidInput",
+    "Loaded",
+    "NoSpace",
+    "SaveHandle",
+    "Staging",
+    "StorageError",
+    "Unsupported",
+    "__version__",
+]
+
 __version__: str
 FORMAT_VERSION: int
 

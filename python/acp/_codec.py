@@ -151,6 +151,10 @@ class Adapter(Protocol):
     ) -> Transfer:
         """Plans copying entries into existing tensors (already checked)."""
 
+    def forget_memory(self) -> None:
+        """Drops what the adapter keeps about ring memory (pinned ranges):
+        a load may remap a slot."""
+
     def close(self) -> None:
         """Releases what the adapter holds for its checkpointer."""
 
@@ -189,6 +193,10 @@ class Adapters:
 
     def loaded(self) -> Iterator[Adapter]:
         return iter(list(self._by_framework.values()))
+
+    def forget_memory(self) -> None:
+        for adapter in self.loaded():
+            adapter.forget_memory()
 
     def close(self) -> None:
         for adapter in self.loaded():

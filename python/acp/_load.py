@@ -153,7 +153,7 @@ class _IntoPlanner:
             if tensor is None:
                 return self.replace(target, node, key)
             framework, info = tensor
-            entry = self.entries.get(node.get("name"))  # type: ignore[arg-type]
+            entry = self.entries.get(node.get("name"))
             if entry is None:
                 raise CheckpointCorrupt(
                     f"step {self.loaded.step}: the values refer to tensor `{node.get('name')}`, "

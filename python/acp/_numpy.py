@@ -135,5 +135,8 @@ class Adapter:
             transfer.host.append((entry.index, _address(a), entry.nbytes))
         return transfer
 
+    def forget_memory(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

@@ -348,6 +348,9 @@ class Checkpointer:
         t0 = perf_counter()
         if step is not None:
             step = _step(step)
+        # A load from storage may regrow (remap) a ring slot: forget what
+        # was registered about slot memory before it happens.
+        self._adapters.forget_memory()
         loaded = self._engine.load(step, storage_only, fallback)
         t1 = perf_counter()
         if into is None:

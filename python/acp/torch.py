@@ -103,13 +103,22 @@ def _span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
     return start // _PAGE * _PAGE, -(-end // _PAGE) * _PAGE
 
 
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
 def _register(start: int, end: int) -> bool:
-    rc = torch.cuda.cudart().cudaHostRegister(start, end - start, _HOST_REGISTER_PORTABLE)
+    """Registers the range; False when CUDA refuses (the copies then run
+    from pageable memory: correct, slower)."""
+    try:
+        rc = _cudart().cudaHostRegister(start, end - start, _HOST_REGISTER_PORTABLE)
+    except (RuntimeError, AssertionError, AttributeError):
+        return False
     return int(rc) == 0
 
 
 def _unregister(start: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(start)
+    _cudart().cudaHostUnregister(start)
 
 
 class _Pins:
@@ -185,12 +194,16 @@ class _DeviceCopies:
             groups.setdefault(device, []).append((dst, src))
         self.unpin = self.pin([d if d.device.type == "cpu" else s for d, s in self.pairs])
         for device, pairs in groups.items():
-            stream = torch.cuda.Stream(device=device)
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream(device))
             dsts = [d for d, _ in pairs]
             srcs = [s for _, s in pairs]
             with torch.no_grad(), torch.cuda.stream(stream):
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                try:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                except (RuntimeError, NotImplementedError):
+                    for d, s in pairs:  # a dtype or device mix foreach refuses
+                        d.copy_(s, non_blocking=True)
             self.streams.append(stream)
 
     def wait(self) -> None:
@@ -285,11 +298,11 @@ class Adapter:
             meta["param"] = True
         if t.requires_grad:
             meta["rg"] = True
-        alias = None
+        alias: tuple[object, ...] | None = None
         if nbytes:
             storage = t.untyped_storage().data_ptr()
-            alias = (str(t.device), storage, t.storage_offset(), shape, t.stride(), t.dtype, kind)
-            alias += (t.requires_grad,)
+            alias = (str(t.device), storage, t.storage_offset(), shape, t.stride(), t.dtype)
+            alias += (kind, t.requires_grad)
         return TensorInfo(dtype, shape, nbytes, alias, meta)
 
     def encode_value(self, obj: object, key: str) -> Any:
@@ -393,6 +406,9 @@ class Adapter:
         if device_pairs:
             transfer.jobs.append(_DeviceCopies(device_pairs, self.pins.for_load))
         return transfer
+
+    def forget_memory(self) -> None:
+        self.pins.close()
 
     def close(self) -> None:
         self.pins.close()
