@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::engine::{io_name, seconds};
 use crate::errors::{err, invalid};
-use crate::tensors::{memoryview_owned_by, require_disjoint, slice_span, spans, HostRange};
+use crate::tensors::{host_slices, slice_span, staging_view, HostRange};
 
 /// What Python sees of one laid-out tensor.
 #[derive(Debug, Clone)]
@@ -144,6 +144,28 @@ impl Staging {
         })
     }
 
+    /// Where the slot bytes of tensor `i` are, while the staging is open.
+    ///
+    /// # Errors
+    /// `acp.InvalidInput` when finished or aborted, or `i` is out of range.
+    pub(crate) fn slot_bytes(&self, i: usize) -> PyResult<(*mut u8, usize)> {
+        let mut state = lock(&self.state);
+        let State::Open(staging) = &mut *state else {
+            return Err(err(self.closed()));
+        };
+        if i >= self.entries.len() {
+            return Err(invalid(
+                format!("staging of step {}", self.step),
+                format!(
+                    "tensor index {i} out of range (there are {})",
+                    self.entries.len()
+                ),
+            ));
+        }
+        let bytes = staging.tensor_mut(i);
+        Ok((bytes.as_mut_ptr(), bytes.len()))
+    }
+
     fn closed(&self) -> Error {
         Error::invalid(
             format!("staging of step {}", self.step),
@@ -227,27 +249,18 @@ impl Staging {
                 .enumerate()
                 .map(|(i, t)| slice_span(i, t))
                 .collect();
-            require_disjoint(
-                &format!("copy into step {}", self.step),
-                &slot,
-                &spans(&ranges),
-            )?;
+            let what = format!("copy into step {}", self.step);
+            let srcs = host_slices(&what, &ranges, &slot)?;
             if full {
-                let mut srcs: Vec<&[u8]> = vec![&[]; ranges.len()];
-                for r in &ranges {
-                    // SAFETY: the Python caller guarantees the range is a
-                    // live tensor nobody writes during this call (stated on
-                    // this method); `host_ranges` checked it, and it does not
-                    // overlap the slot, which is written.
-                    srcs[r.index] = unsafe { r.as_slice() };
+                let mut ordered: Vec<&[u8]> = vec![&[]; srcs.len()];
+                for (r, src) in ranges.iter().zip(srcs) {
+                    ordered[r.index()] = src;
                 }
-                staging.copy_from(&srcs)
+                staging.copy_from(&ordered)
             } else {
                 let mut dsts = staging.tensors_mut();
-                for r in &ranges {
-                    // SAFETY: as above.
-                    let src = unsafe { r.as_slice() };
-                    dsts[r.index].copy_from_slice(src);
+                for (r, src) in ranges.iter().zip(srcs) {
+                    dsts[r.index()].copy_from_slice(src);
                 }
                 Ok(())
             }
@@ -261,37 +274,14 @@ impl Staging {
     /// is alive, and `abort()` then frees the slot only once it is gone.
     /// Do not keep slices of it past `finish()`: the slot is sealed.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
-        let this = slf.get();
-        let (ptr, len) = {
-            let mut state = lock(&this.state);
-            let State::Open(staging) = &mut *state else {
-                return Err(err(this.closed()));
-            };
-            if i >= this.entries.len() {
-                return Err(invalid(
-                    format!("staging of step {}", this.step),
-                    format!(
-                        "tensor index {i} out of range (there are {})",
-                        this.entries.len()
-                    ),
-                ));
-            }
-            let bytes = staging.tensor_mut(i);
-            (bytes.as_mut_ptr(), bytes.len())
-        };
-        // SAFETY: the bytes are in the slot's mapping, which the core
-        // staging (held by `slf`, in `State::Open` or `State::Aborting`
-        // until `finish`) keeps mapped; the view keeps `slf` alive, and
-        // `finish` refuses while the view lives, so the mapping outlives it
-        // (the sealed slot is then held by the flush and the ring).
-        let view = unsafe { memoryview_owned_by(slf.as_any(), ptr, len, true)? };
+        let view = staging_view(slf, i)?;
         let weak = slf
             .py()
             .import("weakref")?
             .getattr("ref")?
             .call1((&view,))?
             .unbind();
-        lock(&this.views).push((i, weak));
+        lock(&slf.get().views).push((i, weak));
         Ok(view)
     }
 
