@@ -338,3 +338,27 @@ def test_restore_after_reopen_comes_from_ram_then_storage(make_ckpt: Any) -> Non
     assert torch.equal(out["w"], torch.arange(10.0))
     assert second.last_load.source == "storage"
     assert second.last_load.verified
+
+
+def test_save_and_load_figures(ckpt: acp.Checkpointer) -> None:
+    h = ckpt.save(1, {"w": torch.ones(1 << 16)})
+    before = h.stats
+    assert before.stall_secs > 0
+    assert before.tensor_bytes == 4 << 16
+    s = h.wait()
+    assert s.done
+    assert s.bytes is not None
+    assert s.bytes >= 4 << 16
+    assert s.io in ("uring", "psync")
+    assert s.total_secs is not None
+    assert s.engine_stall_secs is not None
+    assert s.total_secs >= s.engine_stall_secs
+    assert s.flush_bytes_per_sec is None or s.flush_bytes_per_sec > 0
+    assert h.stats == s
+    ckpt.load()
+    stats = ckpt.stats()
+    assert stats["saves"] == 1
+    assert stats["last_save"]["step"] == 1
+    assert stats["last_load"]["source"] == "ram"
+    assert stats["last_load"]["copied_bytes"] == 4 << 16
+    assert stats["engine"]["io"] == s.io
