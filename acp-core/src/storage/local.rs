@@ -186,10 +186,11 @@ impl Root {
             let Some(name) = name.to_str() else { continue };
             let ours = (name.starts_with(".pending-") || name.starts_with(".trash-"))
                 && name.contains(&tag);
-            if ours && ent.file_type().is_ok_and(|t| t.is_dir()) {
-                if fs::remove_dir_all(ent.path()).is_ok() {
-                    n += 1;
-                }
+            if ours
+                && ent.file_type().is_ok_and(|t| t.is_dir())
+                && fs::remove_dir_all(ent.path()).is_ok()
+            {
+                n += 1;
             }
         }
         n
