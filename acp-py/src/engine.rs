@@ -87,7 +87,8 @@ impl Engine {
         root, *, job=None, rank=0, world_size=1, ring_bytes=None, ring_slots=None,
         shm_dir=None, mlock=None, copy_threads=None, chunk_bytes=None, queue_depth=None,
         io=None, direct_io=None, on_full=None, full_timeout=None, verify=None,
-        keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None, faults=None,
+        keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
+        commit_timeout=None, faults=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -115,6 +116,7 @@ impl Engine {
         keep_every: Option<u64>,
         persist_on_open: Option<bool>,
         stall_timeout: Option<f64>,
+        commit_timeout: Option<f64>,
         faults: Option<&FaultInjector>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
@@ -198,6 +200,9 @@ impl Engine {
         if let Some(v) = stall_timeout {
             c = c.with_stall_timeout(seconds("stall_timeout", v)?);
         }
+        if let Some(v) = commit_timeout {
+            c = c.with_commit_timeout(seconds("commit_timeout", v)?);
+        }
         if let Some(f) = faults {
             c = c.with_faults(f.shared());
         }
@@ -278,19 +283,22 @@ impl Engine {
     }
 
     /// Loads a committed step (the newest when `step` is None), from RAM
-    /// when a resident slot holds it, else from storage.
-    #[pyo3(signature = (step=None, storage_only=false, fallback=false))]
+    /// when a resident slot holds it, else from storage; `rank` loads the
+    /// file another rank wrote.
+    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None))]
     fn load(
         &self,
         py: Python<'_>,
         step: Option<u64>,
         storage_only: bool,
         fallback: bool,
+        rank: Option<u32>,
     ) -> PyResult<Loaded> {
         let req = LoadRequest {
             step,
             storage_only,
             fallback,
+            rank,
         };
         let engine = self.get()?;
         py.detach(|| Loaded::new(engine.load(&req)?)).map_err(err)

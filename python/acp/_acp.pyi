@@ -81,6 +81,7 @@ class Engine:
         keep_every: int | None = None,
         persist_on_open: bool | None = None,
         stall_timeout: float | None = None,
+        commit_timeout: float | None = None,
         faults: FaultInjector | None = None,
     ) -> Engine: ...
     @property
@@ -97,7 +98,11 @@ class Engine:
         extra_metadata: dict[str, str] | None = None,
     ) -> Staging | None: ...
     def load(
-        self, step: int | None = None, storage_only: bool = False, fallback: bool = False
+        self,
+        step: int | None = None,
+        storage_only: bool = False,
+        fallback: bool = False,
+        rank: int | None = None,
     ) -> Loaded: ...
     def steps(self) -> list[int]: ...
     def latest(self) -> int | None: ...

@@ -237,15 +237,16 @@ class Flat:
 
 
 class _Flattener:
-    def __init__(self, adapters: Adapters) -> None:
+    def __init__(self, adapters: Adapters, prefix: str) -> None:
         self.adapters = adapters
+        self.prefix = prefix
         self.tensors: list[FlatTensor] = []
         self.names: set[str] = set()
         self.aliases: dict[tuple[str, Hashable], FlatTensor] = {}
         self.open_containers: set[int] = set()
 
     def unique_name(self, key: str) -> str:
-        name = key or "tensor"
+        name = self.prefix + (key or "tensor")
         name = name.replace("\0", "\\0")
         if name == "__metadata__":
             name = "__metadata__#1"
@@ -337,13 +338,14 @@ class _Flattener:
         return {"t": "tensor", "fw": framework, "name": shared.name, **info.meta}
 
 
-def flatten(state: object, adapters: Adapters) -> Flat:
-    """The tensors of ``state`` and its JSON tree.
+def flatten(state: object, adapters: Adapters, name_prefix: str = "") -> Flat:
+    """The tensors of ``state`` and its JSON tree. Tensor names are the
+    dotted key paths, after ``name_prefix``.
 
     Raises:
         InvalidInput: naming the key of the first value that cannot be saved.
     """
-    f = _Flattener(adapters)
+    f = _Flattener(adapters, name_prefix)
     tree = {CODEC_KEY: CODEC_VERSION, STATE_KEY: f.node(state, "")}
     return Flat(tree, f.tensors)
 
