@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::{copy, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry};
+use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry, ParsedHeader};
 use crate::staging::{PinnedSlot, SlotState};
 
 /// The memory a loaded checkpoint's views point into.
@@ -36,7 +36,12 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     let candidates: Vec<u64> = match req.step {
         Some(s) => vec![s],
         None => {
-            let steps = shared.root.steps()?;
+            let mut steps = shared.root.steps()?;
+            // A step directory whose index is gone was committed once (the
+            // index is in place before the rename that commits): its loss
+            // is corruption to report, not a step to skip in silence.
+            steps.extend(shared.root.steps_without_index()?);
+            steps.sort_unstable();
             if steps.is_empty() {
                 return Err(Error::NotFound {
                     what: format!("committed checkpoint in {}", shared.root.path().display()),
@@ -64,7 +69,10 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
                     && req.step.is_none()
                     && matches!(
                         e.kind(),
-                        ErrorKind::Corrupt | ErrorKind::NotFound | ErrorKind::Io
+                        ErrorKind::Corrupt
+                            | ErrorKind::NotFound
+                            | ErrorKind::Io
+                            | ErrorKind::Unsupported
                     ) =>
             {
                 tracing::warn!("acp: step {step} cannot be loaded: {e}");
@@ -101,6 +109,17 @@ fn load_step(
         });
     };
     let threads = shared.cfg.copy_threads;
+    let expected = Expected {
+        tensors: index
+            .weight_map
+            .iter()
+            .filter(|(_, f)| **f == file_name)
+            .map(|(t, _)| t.as_str())
+            .collect(),
+        rank,
+        world_size: index.world_size,
+    };
+    let mut rejected = None;
     if !storage_only {
         for info in shared.ring.complete() {
             if info.step != step || info.len != entry.size {
@@ -118,6 +137,7 @@ fn load_step(
                     tracing::warn!(
                         "acp: resident copy of step {step} rejected, reading storage: {e}"
                     );
+                    rejected = Some(e.to_string());
                     drop(pin);
                     shared.ring.release(info.slot);
                     break;
@@ -131,10 +151,14 @@ fn load_step(
                 Source::Ram,
                 verified,
                 t0,
-            );
+                &expected,
+            )
+            .map(|c| c.with_rejected(rejected));
         }
     }
     let path = dir.join(&file_name);
+    // The file's true size before any memory is sized by the index's.
+    check_file_size(&path, entry.size, &expected.tensors)?;
     // Another rank's file is read into private memory: the ring holds this
     // rank's own checkpoints only.
     let fits = rank == own && entry.size <= shared.ring.max_image_bytes();
@@ -164,7 +188,91 @@ fn load_step(
         verify(&path, &buf[..len], entry, threads)?;
         Backing::Heap(buf, len)
     };
-    finish(shared, step, backing, &path, Source::Storage, true, t0)
+    finish(
+        shared,
+        step,
+        backing,
+        &path,
+        Source::Storage,
+        true,
+        t0,
+        &expected,
+    )
+    .map(|c| c.with_rejected(rejected))
+}
+
+/// What the index says of one data file, checked against its header.
+struct Expected<'a> {
+    /// The tensors the index maps to the file, sorted.
+    tensors: Vec<&'a str>,
+    rank: u32,
+    world_size: u32,
+}
+
+/// Checks that `path` is a regular file of `size` bytes (the index's), so
+/// no buffer is sized by an index that disagrees with the file. Names the
+/// tensor cut by a truncation when the header is still readable, else the
+/// first tensor the file should hold.
+fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
+    let first = tensors.first().copied();
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::corrupt(
+                path,
+                first,
+                format!(
+                    "missing: the index lists it, with {} tensors",
+                    tensors.len()
+                ),
+            ));
+        }
+        Err(e) => return Err(Error::io("stat", path, e)),
+    };
+    if !meta.is_file() {
+        return Err(Error::corrupt(path, first, "not a regular file"));
+    }
+    let got = meta.len();
+    if got == size {
+        return Ok(());
+    }
+    let cut = if got < size {
+        tensor_at(path, size, got)
+    } else {
+        None
+    };
+    Err(Error::corrupt(
+        path,
+        cut.as_deref().or(first),
+        format!("file is {got} bytes, the index says {size}"),
+    ))
+}
+
+/// The tensor holding byte `offset` of the data file at `path` (whose
+/// index says it has `size` bytes), read from its header; `None` when the
+/// header cannot be read or parsed. Reads at most 1 MiB of header.
+fn tensor_at(path: &Path, size: u64, offset: u64) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    let mut prefix = [0u8; 8];
+    f.read_exact(&mut prefix).ok()?;
+    let n = u64::from_le_bytes(prefix);
+    if n > 1 << 20 {
+        return None;
+    }
+    let mut bytes = prefix.to_vec();
+    f.take(n).read_to_end(&mut bytes).ok()?;
+    let header = parse_header(path, &bytes, size).ok()?;
+    header
+        .entries
+        .into_iter()
+        .find(|e| e.offset <= offset && offset < e.offset + e.len.max(1))
+        .map(|e| e.name)
 }
 
 fn read_into(shared: &Shared, path: &Path, dst: &mut [u8], entry: &FileEntry) -> Result<()> {
@@ -218,6 +326,10 @@ fn verify(path: &Path, image: &[u8], entry: &FileEntry, threads: usize) -> Resul
     Ok(got)
 }
 
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one call site per source; a struct would only rename them"
+)]
 fn finish(
     shared: &Shared,
     step: u64,
@@ -226,6 +338,7 @@ fn finish(
     source: Source,
     verified: bool,
     t0: Instant,
+    expected: &Expected<'_>,
 ) -> Result<Checkpoint> {
     let image = backing.image();
     let header = parse_header(path, image, image.len() as u64)?;
@@ -236,11 +349,13 @@ fn finish(
             format!("header says step {:?}, expected {step}", header.step),
         ));
     }
+    check_agrees(path, &header, expected)?;
     let report = LoadReport {
         source,
         bytes: image.len() as u64,
         verified,
         secs: t0.elapsed().as_secs_f64(),
+        rejected: None,
     };
     Ok(Checkpoint {
         step,
@@ -252,11 +367,56 @@ fn finish(
     })
 }
 
+/// The index and the file's header must tell the same story: the same
+/// tensors, rank and world size. (The digests vouch for the file; this
+/// catches an index changed where its digests do not reach.)
+fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected<'_>) -> Result<()> {
+    let mut names: Vec<&str> = header.entries.iter().map(|e| e.name.as_str()).collect();
+    names.sort_unstable();
+    if names != expected.tensors {
+        let odd = names
+            .iter()
+            .find(|n| expected.tensors.binary_search(n).is_err())
+            .or_else(|| {
+                expected
+                    .tensors
+                    .iter()
+                    .find(|n| names.binary_search(n).is_err())
+            })
+            .copied();
+        return Err(Error::corrupt(
+            path,
+            odd,
+            "the index and the file's header list different tensors",
+        ));
+    }
+    for (key, want) in [
+        ("acp.rank", expected.rank),
+        ("acp.world_size", expected.world_size),
+    ] {
+        if let Some(got) = header.metadata.get(key) {
+            if got.parse::<u32>().ok() != Some(want) {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!("header says {key} {got}, the index {want}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn to_usize(v: u64) -> usize {
     super::to_usize(v)
 }
 
 impl Checkpoint {
+    fn with_rejected(mut self, rejected: Option<String>) -> Checkpoint {
+        self.report.rejected = rejected;
+        self
+    }
+
     /// The step.
     #[must_use]
     pub fn step(&self) -> u64 {

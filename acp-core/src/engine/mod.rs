@@ -91,9 +91,15 @@ pub struct Staging {
 }
 
 /// The completion handle of a save. Also a [`Future`](std::future::Future).
+///
+/// Its blocking waits watch the flush: when it makes no progress for the
+/// engine's stall timeout, they fail with [`Error::Timeout`] naming what is
+/// stuck (the save may still finish later; wait again to see it).
 #[derive(Debug, Clone)]
 pub struct SaveHandle {
     done: Arc<handle::Completion>,
+    /// The engine whose flush to watch, while it lives.
+    watch: Option<std::sync::Weak<Shared>>,
 }
 
 /// The figures of a finished save.
@@ -161,6 +167,9 @@ pub struct LoadReport {
     pub verified: bool,
     /// Seconds from the call to the views being ready.
     pub secs: f64,
+    /// Why a resident copy of the step was found but not used (it failed
+    /// verification: the error, naming the slot file and tensor).
+    pub rejected: Option<String>,
 }
 
 /// A loaded checkpoint; its tensors are zero-copy views into a pinned slot
@@ -217,6 +226,8 @@ struct EngineState {
     committed: std::collections::BTreeSet<u64>,
     /// When the running flush last made progress, and what it was doing.
     progress: Option<(Instant, String)>,
+    /// Whether the watchdog has logged the current stall (once per stall).
+    stall_logged: bool,
     /// A flush error that no handle has reported yet (recovery flushes).
     unreported: Option<Error>,
 }
@@ -229,9 +240,37 @@ impl Shared {
     }
 
     fn note_progress(&self, what: impl Into<String>) {
-        self.lock().progress = Some((Instant::now(), what.into()));
+        let mut st = self.lock();
+        st.progress = Some((Instant::now(), what.into()));
+        st.stall_logged = false;
+    }
+
+    /// The watchdog: the error to report when the running flush has made
+    /// no progress for the stall timeout, naming what it is stuck on.
+    /// Logged once per stall.
+    fn stuck(&self, st: &mut EngineState) -> Option<Error> {
+        let (at, what) = st.progress.as_ref()?;
+        let idle = at.elapsed();
+        if idle < self.cfg.stall_timeout {
+            return None;
+        }
+        let what = format!("flush stuck: {what}");
+        if !std::mem::replace(&mut st.stall_logged, true) {
+            tracing::error!(
+                "acp: {what}: no progress for {:.1} s (stall timeout {:.1} s)",
+                idle.as_secs_f64(),
+                self.cfg.stall_timeout.as_secs_f64()
+            );
+        }
+        Some(Error::Timeout {
+            what,
+            secs: idle.as_secs_f64(),
+        })
     }
 }
+
+/// How often waits look at the watchdog.
+const WATCH_TICK: Duration = Duration::from_millis(100);
 
 /// The shared-memory name of a job: 16 hex digits of blake3 over the job id.
 fn job_names(cfg: &EngineConfig, root: &Root) -> (String, crate::format::Digest) {
@@ -482,11 +521,8 @@ impl Engine {
                 shared.ring.release(info.slot);
             }
         }
+        let start = Instant::now();
         loop {
-            let wait = match shared.cfg.when_full {
-                WhenFull::Skip => None,
-                WhenFull::Wait(d) => Some(d),
-            };
             // Slots whose flush failed are given up only when the ring needs
             // room: they keep the newest restorable copy until then.
             let first = shared.ring.acquire(len, None)?;
@@ -502,13 +538,33 @@ impl Engine {
                 shared.ring.release(slot);
                 continue;
             }
-            return shared.ring.acquire(len, wait).map_err(|e| match e {
-                Error::Timeout { secs, .. } => Error::Timeout {
+            let limit = match shared.cfg.when_full {
+                WhenFull::Skip => return Ok(None),
+                WhenFull::Wait(d) => d,
+            };
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Err(Error::Timeout {
                     what: format!("step {step}: waiting for a free ring slot (every slot is staging or flushing)"),
+                    secs: limit.as_secs_f64(),
+                });
+            }
+            // Every slot waits on the flush: when it is stuck, say so now
+            // rather than after the whole slot wait.
+            if let Some(Error::Timeout { what, secs }) = shared.stuck(&mut shared.lock()) {
+                return Err(Error::Timeout {
+                    what: format!("step {step}: waiting for a free ring slot: {what}"),
                     secs,
-                },
-                other => other,
-            });
+                });
+            }
+            match shared
+                .ring
+                .acquire(len, Some((limit - waited).min(WATCH_TICK)))
+            {
+                Ok(Some(slot)) => return Ok(Some(slot)),
+                Ok(None) | Err(Error::Timeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
     }
 
@@ -616,6 +672,16 @@ impl Engine {
         wait_for(self.shared(), timeout, |st| st.in_flight == 0)
     }
 
+    /// Waits at most `timeout` until every queued flush has finished;
+    /// `Ok(false)` when some are still running then (and none is stuck).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] from the watchdog, naming what is stuck, when a
+    /// flush makes no progress for the configured stall timeout.
+    pub fn wait_idle_timeout(&self, timeout: Duration) -> Result<bool> {
+        wait_until(self.shared(), Some(timeout), |st| st.in_flight == 0)
+    }
+
     /// Drains the flush queue and stops the flush thread. Resident slots stay
     /// in shared memory. Further saves fail with [`Error::Closed`]. Never
     /// waits longer than the watchdog allows for a stuck flush.
@@ -658,39 +724,44 @@ fn wait_for(
     timeout: Option<Duration>,
     done: impl Fn(&EngineState) -> bool,
 ) -> Result<()> {
+    if wait_until(shared, timeout, done)? {
+        return Ok(());
+    }
+    let st = shared.lock();
+    Err(Error::Timeout {
+        what: format!(
+            "{} flushes of {}",
+            st.in_flight,
+            shared.root.path().display()
+        ),
+        secs: timeout.map_or(0.0, |t| t.as_secs_f64()),
+    })
+}
+
+/// Waits until `done(state)` holds (`Ok(true)`) or `timeout` passes
+/// (`Ok(false)`); fails when the watchdog finds the flush stuck.
+fn wait_until(
+    shared: &Shared,
+    timeout: Option<Duration>,
+    done: impl Fn(&EngineState) -> bool,
+) -> Result<bool> {
     let start = Instant::now();
-    let stall = shared.cfg.stall_timeout;
     let mut st = shared.lock();
     loop {
         if done(&st) {
-            return Ok(());
+            return Ok(true);
         }
+        if let Some(e) = shared.stuck(&mut st) {
+            return Err(e);
+        }
+        let mut tick = WATCH_TICK;
         if let Some(t) = timeout {
-            if start.elapsed() >= t {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "{} flushes of {}",
-                        st.in_flight,
-                        shared.root.path().display()
-                    ),
-                    secs: t.as_secs_f64(),
-                });
+            let waited = start.elapsed();
+            if waited >= t {
+                return Ok(false);
             }
+            tick = tick.min(t - waited);
         }
-        if let Some((at, what)) = &st.progress {
-            if at.elapsed() >= stall {
-                let what = format!("flush stuck: {what}");
-                tracing::error!(
-                    "acp: {what}: no progress for {:.0} s",
-                    at.elapsed().as_secs_f64()
-                );
-                return Err(Error::Timeout {
-                    what,
-                    secs: at.elapsed().as_secs_f64(),
-                });
-            }
-        }
-        let tick = Duration::from_millis(200);
         st = shared
             .idle
             .wait_timeout(st, tick)
@@ -867,7 +938,7 @@ impl Staging {
         };
         // An enqueue failure (engine closed) completes `done` with the error.
         let _ = self.engine.enqueue(job);
-        SaveHandle::from_completion(done)
+        SaveHandle::watched(done, Arc::downgrade(&self.engine.inner.shared))
     }
 }
 
