@@ -272,6 +272,34 @@ impl Shared {
 /// How often waits look at the watchdog.
 const WATCH_TICK: Duration = Duration::from_millis(100);
 
+/// Whether the digests recorded in a recovered slot are those the index of
+/// its (committed) step records for this rank's file.
+fn slot_matches_index(
+    ring: &Ring,
+    root: &Root,
+    cfg: &EngineConfig,
+    info: &crate::staging::SlotInfo,
+) -> bool {
+    let Some(digests) = ring.digests(info.slot) else {
+        return false;
+    };
+    let Ok(index) = root.read_index(info.step) else {
+        return false;
+    };
+    index
+        .files
+        .get(&crate::format::data_file_name(cfg.rank))
+        .is_some_and(|f| {
+            f.size == info.len
+                && f.chunk_bytes == cfg.chunk_bytes as u64
+                && f.chunks.len() == digests.len()
+                && f.chunks
+                    .iter()
+                    .zip(&digests)
+                    .all(|(h, d)| crate::format::unhex(h).as_ref() == Some(d))
+        })
+}
+
 /// The shared-memory name of a job: 16 hex digits of blake3 over the job id.
 fn job_names(cfg: &EngineConfig, root: &Root) -> (String, crate::format::Digest) {
     let job = cfg
@@ -327,6 +355,26 @@ impl Engine {
         } else {
             Vec::new()
         };
+        // The other complete slots left Resident or Flushing: a process that
+        // died between a commit and marking its slot left a committed copy
+        // (Persisted, once its digests match the index's); the rest (older
+        // than the newest committed step, or not persisted on open) stay
+        // restorable but are given up when the ring needs room, like a slot
+        // whose flush failed. Left as they were, they would hold their
+        // slots for ever and stall every later save.
+        let mut stale = Vec::new();
+        for info in &ring_report.recovered {
+            if !matches!(info.state, SlotState::Resident | SlotState::Flushing)
+                || to_persist.iter().any(|p| p.slot == info.slot)
+            {
+                continue;
+            }
+            if committed.contains(&info.step) && slot_matches_index(&ring, &root, &config, info) {
+                ring.set_state(info.slot, SlotState::Persisted);
+            } else {
+                stale.push(info.slot);
+            }
+        }
         let report = OpenReport {
             io: io.kind(),
             mlocked: ring_report.mlocked,
@@ -353,6 +401,7 @@ impl Engine {
             report,
             state: Mutex::new(EngineState {
                 committed: committed.iter().copied().collect(),
+                failed_slots: stale,
                 ..EngineState::default()
             }),
             idle: Condvar::new(),
