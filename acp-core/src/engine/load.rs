@@ -309,19 +309,29 @@ fn verify(path: &Path, image: &[u8], entry: &FileEntry, threads: usize) -> Resul
         }
         let start = (i * chunk) as u64;
         let end = start + chunk as u64;
-        let tensor = parse_header(path, image, image.len() as u64)
-            .ok()
-            .and_then(|h| {
+        // A digest covers a chunk: every tensor with bytes in it is suspect.
+        let suspects: Vec<String> = parse_header(path, image, image.len() as u64)
+            .map(|h| {
                 h.entries
                     .into_iter()
-                    .find(|e| e.offset < end && e.offset + e.len.max(1) > start)
+                    .filter(|e| e.len > 0 && e.offset < end && e.offset + e.len > start)
                     .map(|e| e.name)
-            });
-        let what = match &tensor {
-            Some(_) => format!("digest mismatch in bytes {start}..{end}"),
-            None => format!("digest mismatch in bytes {start}..{end} (header)"),
+                    .collect()
+            })
+            .unwrap_or_default();
+        let what = match suspects.len() {
+            0 => format!("digest mismatch in bytes {start}..{end} (header)"),
+            1 => format!("digest mismatch in bytes {start}..{end}"),
+            n => format!(
+                "digest mismatch in bytes {start}..{end}, which hold parts of {n} tensors: `{}`",
+                suspects.join("`, `")
+            ),
         };
-        return Err(Error::corrupt(path, tensor.as_deref(), what));
+        return Err(Error::corrupt(
+            path,
+            suspects.first().map(String::as_str),
+            what,
+        ));
     }
     Ok(got)
 }
