@@ -571,12 +571,13 @@ impl Engine {
             }
         }
         let start = Instant::now();
+        let mut first_look = true;
         loop {
             // Slots whose flush failed are given up only when the ring needs
             // room: they keep the newest restorable copy until then.
-            let first = shared.ring.acquire(len, None)?;
-            if first.is_some() {
-                return Ok(first);
+            let free = shared.ring.acquire(len, None)?;
+            if free.is_some() {
+                return Ok(free);
             }
             let failed = shared.lock().failed_slots.pop();
             if let Some(slot) = failed {
@@ -599,8 +600,14 @@ impl Engine {
                 });
             }
             // Every slot waits on the flush: when it is stuck, say so now
-            // rather than after the whole slot wait.
-            if let Some(Error::Timeout { what, secs }) = shared.stuck(&mut shared.lock()) {
+            // rather than after the whole slot wait (after one tick, as in
+            // `wait_until`).
+            let stuck = if std::mem::take(&mut first_look) {
+                None
+            } else {
+                shared.stuck(&mut shared.lock())
+            };
+            if let Some(Error::Timeout { what, secs }) = stuck {
                 return Err(Error::Timeout {
                     what: format!("step {step}: waiting for a free ring slot: {what}"),
                     secs,
@@ -796,12 +803,17 @@ fn wait_until(
 ) -> Result<bool> {
     let start = Instant::now();
     let mut st = shared.lock();
+    let mut first = true;
     loop {
         if done(&st) {
             return Ok(true);
         }
-        if let Some(e) = shared.stuck(&mut st) {
-            return Err(e);
+        // Not on the first look: a flush that just got going again (the
+        // disk answered) gets one tick to say so.
+        if !std::mem::take(&mut first) {
+            if let Some(e) = shared.stuck(&mut st) {
+                return Err(e);
+            }
         }
         let mut tick = WATCH_TICK;
         if let Some(t) = timeout {
