@@ -1,6 +1,53 @@
 //! acp-core: the asynchronous checkpoint engine.
 //!
-//! (Crate docs with a doctested quick start: engine owner.)
+//! A training loop calls [`Engine::save`] every few steps. The call returns
+//! once the tensors' bytes are copied into a pre-faulted shared-memory ring
+//! slot (the *stall*); a background thread then writes the slot to storage
+//! with io_uring and `O_DIRECT`, hashes it with blake3 on the way, and
+//! commits the step atomically. The newest checkpoint stays *resident* in
+//! shared memory, so a restarted process restores it at memory speed
+//! ([`Engine::load`]), and a checkpoint staged by a process that was
+//! SIGKILLed before its flush finished is persisted by the next one.
+//!
+//! Each rank's file is a plain safetensors file; a step directory holds one
+//! per rank plus `model.safetensors.index.json`, whose writing (by a rename)
+//! is the commit. See [`format`] for the byte layout and the commit protocol.
+//!
+//! # Quick start
+//!
+//! ```
+//! use acp_core::{Dtype, Engine, EngineConfig, HostTensor, LoadRequest, SaveOptions, Source};
+//! # fn main() -> acp_core::Result<()> {
+//! # let dir = tempfile::tempdir().unwrap();
+//! # let root = dir.path().join("run1");
+//! # let shm = dir.path().join("shm"); std::fs::create_dir(&shm).unwrap();
+//! let engine = Engine::open(
+//!     EngineConfig::new(&root)          // one directory per job
+//!         .with_job("run1")             // names this job's shared-memory slots
+//!         .with_ring_bytes(64 << 20)    // RAM budget of the ring
+//! #       .with_shm_dir(&shm)
+//! )?;
+//!
+//! let weights: Vec<f32> = vec![0.5; 1024];
+//! let bytes: Vec<u8> = weights.iter().flat_map(|w| w.to_le_bytes()).collect();
+//! let handle = engine.save(
+//!     100,
+//!     &[HostTensor { name: "layer.0.weight", dtype: Dtype::F32, shape: &[32, 32], data: &bytes }],
+//!     &serde_json::json!({"epoch": 3, "lr": 0.001}),
+//!     &SaveOptions::default(),
+//! )?;
+//! // Training goes on here; the flush runs in the background.
+//! let report = handle.wait()?; // durable and committed
+//! assert_eq!(report.step, 100);
+//!
+//! let ckpt = engine.load(&LoadRequest::default())?; // the newest committed step
+//! assert_eq!(ckpt.report().source, Source::Ram);
+//! assert_eq!(ckpt.tensor("layer.0.weight").unwrap().data, &bytes[..]);
+//! assert_eq!(ckpt.values()["epoch"], 3);
+//! engine.close()?;
+//! # Ok(())
+//! # }
+//! ```
 
 #![deny(unsafe_code)]
 
@@ -11,14 +58,13 @@ pub mod io;
 pub mod staging;
 pub mod storage;
 
-pub use config::{DirectIo, EngineConfig, IoChoice, Verify, WhenFull};
-pub use error::{Error, ErrorKind, Result};
-pub use format::{Dtype, TensorSpec};
 mod engine;
 
+pub use config::{DirectIo, EngineConfig, IoChoice, Verify, WhenFull};
 pub use engine::{
     Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OpenReport, SaveHandle, SaveOptions,
     SaveReport, Source, Staging, TensorView,
 };
-pub use format::Entry;
+pub use error::{Error, ErrorKind, Result};
+pub use format::{Dtype, Entry, TensorSpec};
 pub use io::IoKind;

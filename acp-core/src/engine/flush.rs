@@ -153,6 +153,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             }
         }
         shared.ring.set_state(slot, SlotState::Persisted);
+        shared.lock().committed.insert(step);
         // The step is committed: what follows is housekeeping, whose
         // failure is logged, not reported as a failed save.
         if root.steps().is_ok_and(|s| s.last() == Some(&step)) {
@@ -164,10 +165,12 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         }
         if let Some(k) = shared.cfg.keep_last {
             match retain(root, k, shared.cfg.keep_every) {
-                Ok(deleted) if !deleted.is_empty() => {
-                    tracing::debug!(?deleted, "acp: retention removed steps");
+                Ok(deleted) => {
+                    let mut st = shared.lock();
+                    for s in &deleted {
+                        st.committed.remove(s);
+                    }
                 }
-                Ok(_) => {}
                 Err(e) => tracing::warn!("acp: retention after step {step} failed: {e}"),
             }
         }

@@ -208,6 +208,9 @@ struct EngineState {
     /// Slots whose flush failed: complete images, kept resident (restorable)
     /// but given up when the ring needs room.
     failed_slots: Vec<usize>,
+    /// Steps known committed (at open, by this engine's flushes, minus
+    /// retention), so the stall checks for `Exists` without touching storage.
+    committed: std::collections::BTreeSet<u64>,
     /// When the running flush last made progress, and what it was doing.
     progress: Option<(Instant, String)>,
     /// A flush error that no handle has reported yet (recovery flushes).
@@ -305,7 +308,10 @@ impl Engine {
             io,
             io_opts,
             report,
-            state: Mutex::new(EngineState::default()),
+            state: Mutex::new(EngineState {
+                committed: committed.iter().copied().collect(),
+                ..EngineState::default()
+            }),
             idle: Condvar::new(),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -409,12 +415,17 @@ impl Engine {
     ) -> Result<Option<Staging>> {
         let started = Instant::now();
         let shared = self.shared();
-        if shared.lock().closed {
+        let (closed, known) = {
+            let st = shared.lock();
+            (st.closed, st.committed.contains(&step))
+        };
+        if closed {
             return Err(Error::Closed {
                 root: shared.root.path().to_path_buf(),
             });
         }
-        if !opts.overwrite && shared.root.is_committed(step) {
+        // The commit re-checks on storage; this only fails early, without I/O.
+        if !opts.overwrite && known {
             return Err(Error::Exists {
                 step,
                 root: shared.root.path().to_path_buf(),
@@ -584,7 +595,12 @@ impl Engine {
     /// # Errors
     /// [`Error::Config`] for `keep_last == 0`; [`Error::Io`].
     pub fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
-        retain(&self.shared().root, keep_last, keep_every)
+        let deleted = retain(&self.shared().root, keep_last, keep_every)?;
+        let mut st = self.shared().lock();
+        for s in &deleted {
+            st.committed.remove(s);
+        }
+        Ok(deleted)
     }
 
     /// Waits until every queued flush has finished (committed or failed).
@@ -809,7 +825,8 @@ impl Staging {
 /// index order. Ranges must not overlap (the layout guarantees it).
 fn split_ranges(buf: &mut [u8], mut ranges: Vec<(usize, usize, usize)>) -> Vec<&mut [u8]> {
     let n = ranges.len();
-    ranges.sort_unstable_by_key(|r| r.0);
+    // Empty tensors share their offset with the next one: put them first.
+    ranges.sort_unstable_by_key(|r| (r.0, r.1));
     let mut out: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);
     let mut rest = buf;
     let mut pos = 0;

@@ -1,0 +1,54 @@
+# acp development tasks. `make help` lists them.
+# `make demo` and `make test` are the two commands of README.md: on a fresh
+# machine each one sets up everything it needs (venv, torch, the wheel).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+# What the test suite and the demo need besides the wheel itself.
+PY_DEPS := "torch==2.15.*" "numpy>=1.26" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2"
+
+.PHONY: help venv build-dev fmt lint test test-rust test-py demo bench clean
+
+help: ## Show this help.
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.deps: Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check $(PY_DEPS)
+	touch $@
+
+venv: $(VENV)/.deps ## Create .venv with torch, pytest, ruff, mypy, maturin.
+
+build-dev: venv ## Build the wheel (release) and install it into .venv.
+	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q
+
+fmt: ## Format Rust and Python code.
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests acp-bench/peers
+
+lint: venv ## fmt check, clippy -D warnings, ruff.
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests acp-bench/peers
+	$(VENV)/bin/ruff format --check python tests acp-bench/peers
+
+test-rust: ## Rust unit, integration and doc tests.
+	cargo test --workspace
+
+test-py: build-dev ## The pytest suite against the built wheel.
+	$(PY) -m pytest
+
+test: lint test-rust test-py ## Everything CI runs: lint, Rust tests, Python tests.
+
+demo: build-dev ## Train a small model, SIGKILL it, resume from RAM, print the figures.
+	$(PY) -m acp.demo
+
+bench: ## Criterion benchmarks (ACP_BENCH_GIB=1 for 1 GiB sizes).
+	cargo bench -p acp-bench
+
+clean: ## Remove build outputs and the venv.
+	cargo clean
+	rm -rf $(VENV) dist
