@@ -13,14 +13,19 @@
 //! - `acp_flush`: `save` untimed, then the time from its return to
 //!   `SaveHandle::wait` returning: queue + write + blake3 of every chunk +
 //!   fsync + index + renames + directory fsyncs. Old steps are deleted
-//!   untimed, as the raw files are.
+//!   untimed, as the raw files are (then the directory is fsynced, so the
+//!   deletion's journal commit is not paid by the next timed fsync).
+//!
+//! Each `acp_flush` iteration also times a `raw_uring_1m_qd32` write right
+//! before its save (untimed for criterion); the notes give the median of
+//! those back-to-back ratios, steadier than the rows on a shared disk.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use acp_bench::{
-    bench_bytes, engine_config, human_bytes, measurement_time, median, raw, save, wait_and_trim,
-    warm_engine, AlignedBuf, Notes, Scratch, TensorSet, BLOCK, SAMPLES,
+    bench_bytes, engine_config, human_bytes, measurement_time, median, raw, remove_settled, save,
+    wait_and_trim, warm_engine, AlignedBuf, Notes, Paired, Scratch, TensorSet, BLOCK, SAMPLES,
 };
 use acp_core::io::IoOpts;
 use acp_core::{DirectIo, Engine, IoChoice};
@@ -84,8 +89,7 @@ fn flush(c: &mut Criterion) {
                     let t = Instant::now();
                     write(&path).unwrap_or_else(|e| panic!("{name} {}: {e}", path.display()));
                     timed += t.elapsed();
-                    std::fs::remove_file(&path)
-                        .unwrap_or_else(|e| panic!("removing {}: {e}", path.display()));
+                    remove_settled(&path);
                 }
                 timed
             });
@@ -109,25 +113,33 @@ fn flush(c: &mut Criterion) {
                 io.write_file(&path, padded, image as u64, &opts, &mut |_, _| Ok(()))
                     .unwrap_or_else(|e| panic!("acp write_file {}: {e}", path.display()));
                 timed += t.elapsed();
-                std::fs::remove_file(&path)
-                    .unwrap_or_else(|e| panic!("removing {}: {e}", path.display()));
+                remove_settled(&path);
             }
             timed
         });
     });
 
     let mut reports = Vec::new();
+    let mut paired = Paired::default();
     g.bench_function("acp_flush", |b| {
         b.iter_custom(|iters| {
             let mut timed = Duration::ZERO;
             for _ in 0..iters {
+                let path = fresh();
+                let t = Instant::now();
+                raw::write_uring(&path, padded, 1 << 20, 32, false)
+                    .unwrap_or_else(|e| panic!("raw write {}: {e}", path.display()));
+                let base = t.elapsed();
+                remove_settled(&path);
                 step += 1;
                 let h = save(&engine, step, &host);
                 let t = Instant::now();
                 let rep = h
                     .wait()
                     .unwrap_or_else(|e| panic!("save of step {step}: {e}"));
-                timed += t.elapsed();
+                let flushed = t.elapsed();
+                timed += flushed;
+                paired.push(base, flushed);
                 reports.push(rep);
                 wait_and_trim(&engine, &h);
             }
@@ -144,6 +156,7 @@ fn flush(c: &mut Criterion) {
     notes.set("dir", scratch.dir().display().to_string());
     notes.set("acp io engine", format!("{:?}", probe.io));
     notes.set("acp O_DIRECT", probe.direct);
+    notes.set("paired", paired.summary("raw_uring_1m_qd32", "acp_flush"));
     notes.set("acp_flush: median queue_secs (ms)", ms(|r| r.queue_secs));
     notes.set("acp_flush: median flush_secs (ms)", ms(|r| r.flush_secs));
     notes.set("acp_flush: median commit_secs (ms)", ms(|r| r.commit_secs));

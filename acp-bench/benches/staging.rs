@@ -4,15 +4,17 @@
 //!
 //! The flush of each save is waited for outside the timed region, so it
 //! never competes with the next measurement; the ring is warmed first, so
-//! the steady state reuses pre-faulted slots.
+//! the steady state reuses pre-faulted slots. Each `acp_stage` iteration
+//! also times a `memcpy_nt` right before its save (untimed for criterion):
+//! the notes give the median of those back-to-back ratios.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use acp_bench::{
     bench_bytes, copy_pairs, copy_pairs_parallel, engine_config, human_bytes, measurement_time,
-    median, save, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes, Scratch,
-    TensorSet, SAMPLES,
+    median, save, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes, Paired,
+    Scratch, TensorSet, SAMPLES,
 };
 use acp_core::Engine;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
@@ -49,27 +51,33 @@ fn staging(c: &mut Criterion) {
             black_box(&mut pairs);
         });
     });
-    drop(pairs);
-
     // Each timed save is followed by an untimed flush: keep the iteration
     // count low (flat sampling, short warm-up; the ring is already warm).
     g.sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_millis(50))
         .measurement_time(measurement_time() / 4);
     let mut reported = Vec::new();
+    let mut paired = Paired::default();
     g.bench_function("acp_stage", |b| {
         b.iter_custom(|iters| {
             let mut timed = Duration::ZERO;
             for _ in 0..iters {
+                let t = Instant::now();
+                copy_pairs_parallel(&mut pairs, n);
+                black_box(&mut pairs);
+                let base = t.elapsed();
                 step += 1;
                 let t = Instant::now();
                 let h = save(&engine, step, &host);
-                timed += t.elapsed();
+                let stall = t.elapsed();
+                timed += stall;
+                paired.push(base, stall);
                 reported.push(wait_and_trim(&engine, &h).stall_secs);
             }
             timed
         });
     });
+    drop(pairs);
     g.finish();
 
     let mut notes = Notes::new("staging");
@@ -77,6 +85,7 @@ fn staging(c: &mut Criterion) {
     notes.set("tensors", set.len());
     notes.set("memcpy_nt threads", n);
     notes.set("ring mlocked", engine.open_report().mlocked);
+    notes.set("paired", paired.summary("memcpy_nt", "acp_stage"));
     notes.set(
         "acp_stage: median SaveReport.stall_secs (ms)",
         median(&reported) * 1e3,

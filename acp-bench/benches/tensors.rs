@@ -6,15 +6,17 @@
 //! Per-tensor overhead = (`acp_save_many_1t` − `memcpy_many_1t`) / count,
 //! with the engine's copy threads set to 1 so both sides copy on one
 //! thread; the `_nt` rows use N threads on both sides (the engine's
-//! default). The report prints the overhead.
+//! default). The report prints the overhead. Each acp iteration also times
+//! its memcpy baseline right before the save (untimed for criterion); the
+//! notes give the median of those back-to-back differences per tensor.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use acp_bench::{
-    copy_pairs, copy_pairs_parallel, engine_config, human_bytes, measurement_time, median, save,
+    copy_pairs_parallel, engine_config, human_bytes, measurement_time, median, save,
     small_tensor_count, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes,
-    Scratch, TensorSet, SAMPLES,
+    Paired, Scratch, TensorSet, SAMPLES,
 };
 use acp_core::{Engine, HostTensor};
 use criterion::{
@@ -22,28 +24,51 @@ use criterion::{
     SamplingMode, Throughput,
 };
 
-/// Times the stall of saves of `host` on `engine`; flushes untimed.
+/// One acp row: the engine, the tensors, and the baseline timed right
+/// before each save.
+struct Row<'a, 'b> {
+    name: String,
+    engine: &'a Engine,
+    host: &'a [HostTensor<'b>],
+    base: &'a mut dyn FnMut() -> Duration,
+}
+
+/// Times the stall of saves on `row.engine`; flushes untimed. Returns the
+/// `SaveReport` stalls and the back-to-back pairs.
 fn bench_save(
     g: &mut BenchmarkGroup<'_, WallTime>,
-    name: &str,
-    engine: &Engine,
+    row: Row<'_, '_>,
     step: &mut u64,
-    host: &[HostTensor<'_>],
-    stalls: &mut Vec<f64>,
-) {
-    g.bench_function(name, |b| {
+) -> (Vec<f64>, Paired) {
+    let mut stalls = Vec::new();
+    let mut paired = Paired::default();
+    g.bench_function(&row.name, |b| {
         b.iter_custom(|iters| {
             let mut timed = Duration::ZERO;
             for _ in 0..iters {
+                let base = (row.base)();
                 *step += 1;
                 let t = Instant::now();
-                let h = save(engine, *step, host);
-                timed += t.elapsed();
-                stalls.push(wait_and_trim(engine, &h).stall_secs);
+                let h = save(row.engine, *step, row.host);
+                let stall = t.elapsed();
+                timed += stall;
+                paired.push(base, stall);
+                stalls.push(wait_and_trim(row.engine, &h).stall_secs);
             }
             timed
         });
     });
+    (stalls, paired)
+}
+
+/// Times one memcpy of `set` from `src` into `dst` (the pair list is built
+/// untimed).
+fn timed_copy(set: &TensorSet, dst: &mut [u8], src: &[u8], threads: usize) -> Duration {
+    let mut pairs = set.pairs(dst, src);
+    let t = Instant::now();
+    copy_pairs_parallel(&mut pairs, threads);
+    black_box(&mut pairs);
+    t.elapsed()
 }
 
 fn tensors(c: &mut Criterion) {
@@ -75,10 +100,6 @@ fn tensors(c: &mut Criterion) {
             });
         });
     }
-    // The one-by-one loop itself, without the thread split.
-    let mut pairs = many.pairs(&mut dst, &src);
-    copy_pairs(&mut pairs);
-    drop(pairs);
 
     g.sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_millis(50))
@@ -92,26 +113,31 @@ fn tensors(c: &mut Criterion) {
         let mut step = 0;
         warm_engine(&engine, &mut step, &host_many, 2);
         warm_engine(&engine, &mut step, &host_few, 2);
-        let (mut s_many, mut s_few) = (Vec::new(), Vec::new());
-        let many_row = format!("acp_save_many{suffix}");
-        let few_row = format!("acp_save_10{suffix}");
-        bench_save(
-            &mut g,
-            &many_row,
-            &engine,
-            &mut step,
-            &host_many,
-            &mut s_many,
-        );
-        bench_save(&mut g, &few_row, &engine, &mut step, &host_few, &mut s_few);
-        notes.set(
-            &format!("{many_row}: median SaveReport.stall_secs (ms)"),
-            median(&s_many) * 1e3,
-        );
-        notes.set(
-            &format!("{few_row}: median SaveReport.stall_secs (ms)"),
-            median(&s_few) * 1e3,
-        );
+        for (set, host, label) in [(&many, &host_many, "many"), (&few, &host_few, "10")] {
+            let name = format!("acp_save_{label}{suffix}");
+            let mut base = || timed_copy(set, &mut dst, &src, copy_threads);
+            let row = Row {
+                name: name.clone(),
+                engine: &engine,
+                host,
+                base: &mut base,
+            };
+            let (stalls, paired) = bench_save(&mut g, row, &mut step);
+            notes.set(
+                &format!("{name}: median SaveReport.stall_secs (ms)"),
+                median(&stalls) * 1e3,
+            );
+            let base_row = format!("memcpy_{label}{suffix}");
+            notes.set(&format!("{name}: paired"), paired.summary(&base_row, &name));
+            if label == "many" {
+                #[expect(clippy::cast_precision_loss, reason = "a tensor count")]
+                let per = paired.median_diff() / set.len() as f64 * 1e6;
+                notes.set(
+                    &format!("{name}: paired per-tensor overhead vs {base_row} (µs)"),
+                    per,
+                );
+            }
+        }
         engine
             .close()
             .unwrap_or_else(|e| panic!("closing the engine: {e}"));

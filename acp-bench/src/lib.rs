@@ -148,7 +148,8 @@ pub fn save(
 }
 
 /// Waits for a save, checks it was not skipped, and deletes every older
-/// committed step so the scratch directory holds one checkpoint.
+/// committed step so the scratch directory holds one checkpoint (then
+/// fsyncs the root, as [`remove_settled`] does for raw files).
 ///
 /// # Panics
 /// When the save failed or was skipped.
@@ -164,6 +165,9 @@ pub fn wait_and_trim(engine: &acp_core::Engine, h: &acp_core::SaveHandle) -> acp
     engine
         .retain(1, None)
         .unwrap_or_else(|e| panic!("retention: {e}"));
+    if let Ok(d) = std::fs::File::open(engine.root()) {
+        let _ = d.sync_all();
+    }
     rep
 }
 
@@ -218,4 +222,87 @@ pub fn split_dst<'a>(
         pos = off + len;
     }
     out
+}
+
+/// Back-to-back measurements of a baseline and an acp row, taken inside
+/// the acp row's iterations (the baseline right before each acp
+/// operation), so both see the same machine: on a shared, noisy machine
+/// their per-pair ratio is steadier than the ratio of two criterion rows
+/// measured a minute apart.
+#[derive(Debug, Default, Clone)]
+pub struct Paired {
+    base: Vec<f64>,
+    acp: Vec<f64>,
+}
+
+impl Paired {
+    /// Records one pair, in seconds.
+    pub fn push(&mut self, base: Duration, acp: Duration) {
+        self.base.push(base.as_secs_f64());
+        self.acp.push(acp.as_secs_f64());
+    }
+
+    /// The number of pairs.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.base.len()
+    }
+
+    /// Whether there are none.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.base.is_empty()
+    }
+
+    /// Median of `base / acp` over the pairs: acp's throughput as a
+    /// multiple of the baseline's.
+    #[must_use]
+    pub fn median_ratio(&self) -> f64 {
+        let r: Vec<f64> = self
+            .base
+            .iter()
+            .zip(&self.acp)
+            .map(|(b, a)| b / a)
+            .collect();
+        median(&r)
+    }
+
+    /// Median of `acp − base` over the pairs, in seconds.
+    #[must_use]
+    pub fn median_diff(&self) -> f64 {
+        let d: Vec<f64> = self
+            .base
+            .iter()
+            .zip(&self.acp)
+            .map(|(b, a)| a - b)
+            .collect();
+        median(&d)
+    }
+
+    /// One line for the notes: medians of both and of the ratio.
+    #[must_use]
+    pub fn summary(&self, base: &str, acp: &str) -> String {
+        format!(
+            "{} pairs: `{base}` {:.2} ms, `{acp}` {:.2} ms, median ratio {:.2}×",
+            self.len(),
+            median(&self.base) * 1e3,
+            median(&self.acp) * 1e3,
+            self.median_ratio()
+        )
+    }
+}
+
+/// Deletes `path` and fsyncs its directory, so the deletion's journal
+/// commit (and, on a file system mounted with `discard`, its discards)
+/// happens here, untimed, not in the next timed `fsync`.
+///
+/// # Panics
+/// When the file cannot be removed.
+pub fn remove_settled(path: &std::path::Path) {
+    std::fs::remove_file(path).unwrap_or_else(|e| panic!("removing {}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
 }
