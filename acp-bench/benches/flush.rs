@@ -16,9 +16,10 @@
 //!   untimed, as the raw files are (then the directory is fsynced, so the
 //!   deletion's journal commit is not paid by the next timed fsync).
 //!
-//! Each `acp_flush` iteration also times a `raw_uring_1m_qd32` write right
-//! before its save (untimed for criterion); the notes give the median of
-//! those back-to-back ratios, steadier than the rows on a shared disk.
+//! Each `acp_flush` iteration also times a `raw_uring_1m_qd32_falloc` write
+//! (acp's io layer preallocates too) right before its save (untimed for
+//! criterion); the notes give the median of those back-to-back ratios,
+//! steadier than the rows on a shared disk.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -127,7 +128,7 @@ fn flush(c: &mut Criterion) {
             for _ in 0..iters {
                 let path = fresh();
                 let t = Instant::now();
-                raw::write_uring(&path, padded, 1 << 20, 32, false)
+                raw::write_uring(&path, padded, 1 << 20, 32, true)
                     .unwrap_or_else(|e| panic!("raw write {}: {e}", path.display()));
                 let base = t.elapsed();
                 remove_settled(&path);
@@ -156,7 +157,10 @@ fn flush(c: &mut Criterion) {
     notes.set("dir", scratch.dir().display().to_string());
     notes.set("acp io engine", format!("{:?}", probe.io));
     notes.set("acp O_DIRECT", probe.direct);
-    notes.set("paired", paired.summary("raw_uring_1m_qd32", "acp_flush"));
+    notes.set(
+        "paired",
+        paired.summary("raw_uring_1m_qd32_falloc", "acp_flush"),
+    );
     notes.set("acp_flush: median queue_secs (ms)", ms(|r| r.queue_secs));
     notes.set("acp_flush: median flush_secs (ms)", ms(|r| r.flush_secs));
     notes.set("acp_flush: median commit_secs (ms)", ms(|r| r.commit_secs));

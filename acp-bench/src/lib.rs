@@ -11,7 +11,7 @@
 //!   `/tmp`); it must be on the storage under test;
 //! - `ACP_BENCH_SHM`: where the engine's ring slots go (default `/dev/shm`);
 //! - `ACP_BENCH_TENSORS`: tensor count of the `tensors` bench (default 20000);
-//! - `ACP_BENCH_MEASURE_SECS`: criterion measurement time per row (default 2).
+//! - `ACP_BENCH_MEASURE_SECS`: criterion measurement time per row (default 3).
 
 #![deny(unsafe_code)]
 
@@ -89,13 +89,14 @@ pub fn threads() -> usize {
         .min(8)
 }
 
-/// Criterion's measurement time per row: `ACP_BENCH_MEASURE_SECS`, default 2 s.
+/// Criterion's measurement time per row: `ACP_BENCH_MEASURE_SECS`, default 3 s
+/// (rows whose iterations hide an untimed flush use a half or a quarter).
 #[must_use]
 pub fn measurement_time() -> Duration {
     let secs = std::env::var("ACP_BENCH_MEASURE_SECS")
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(2.0);
+        .unwrap_or(3.0);
     Duration::from_secs_f64(secs.max(0.1))
 }
 

@@ -70,7 +70,12 @@ const PAIRS: &[(&str, &str, &[&str], Option<f64>)] = &[
     (
         "flush",
         "acp_flush",
-        &["raw_uring_1m_qd32", "raw_uring_4m_qd8", "raw_pwrite_4m"],
+        &[
+            "raw_uring_1m_qd32_falloc",
+            "raw_uring_1m_qd32",
+            "raw_uring_4m_qd8",
+            "raw_pwrite_4m",
+        ],
         Some(0.9),
     ),
     (
