@@ -134,6 +134,10 @@ pub struct LoadRequest {
     /// When the wanted (latest) step is corrupt, fall back to the newest
     /// older committed step that is intact. Only with `step: None`.
     pub fallback: bool,
+    /// Load the file written by this rank instead of this engine's own
+    /// (read from storage unless it is this engine's rank). With several
+    /// ranks, each file holds that rank's share of the tensors.
+    pub rank: Option<u32>,
 }
 
 /// Where a loaded checkpoint came from.
