@@ -225,9 +225,9 @@ impl Staging {
     }
 
     /// Copies host memory into the slot: each `(index, address, nbytes)`
-    /// names a tensor and the contiguous bytes to copy into it. With every
-    /// tensor listed once the copy runs in parallel over the engine's copy
-    /// threads; a subset is copied on this thread. The GIL is released.
+    /// names a tensor and the contiguous bytes to copy into it (any subset,
+    /// each tensor at most once). The copy runs in parallel over the
+    /// engine's copy threads with the GIL released.
     ///
     /// The caller guarantees each range is the live memory of a contiguous
     /// tensor that nothing writes until the call returns.
@@ -237,7 +237,6 @@ impl Staging {
             &self.entries,
             &items,
         )?;
-        let full = ranges.len() == self.entries.len();
         py.detach(|| -> Result<(), Error> {
             let mut state = lock(&self.state);
             let State::Open(staging) = &mut *state else {
@@ -251,19 +250,12 @@ impl Staging {
                 .collect();
             let what = format!("copy into step {}", self.step);
             let srcs = host_slices(&what, &ranges, &slot)?;
-            if full {
-                let mut ordered: Vec<&[u8]> = vec![&[]; srcs.len()];
-                for (r, src) in ranges.iter().zip(srcs) {
-                    ordered[r.index()] = src;
-                }
-                staging.copy_from(&ordered)
-            } else {
-                let mut dsts = staging.tensors_mut();
-                for (r, src) in ranges.iter().zip(srcs) {
-                    dsts[r.index()].copy_from_slice(src);
-                }
-                Ok(())
-            }
+            let items: Vec<(usize, &[u8])> = ranges
+                .iter()
+                .zip(srcs)
+                .map(|(r, src)| (r.index(), src))
+                .collect();
+            staging.copy_some(&items)
         })
         .map_err(err)
     }

@@ -797,6 +797,52 @@ impl Staging {
         Ok(())
     }
 
+    /// Copies `items[k].1` into tensor `items[k].0` for a subset of the
+    /// tensors (each at most once), in parallel over the copy threads. The
+    /// rest are left for [`Staging::tensor_mut`] (e.g. device-to-host copies).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor whose index is out of range,
+    /// repeated, or whose length differs, before anything is copied.
+    pub fn copy_some(&mut self, items: &[(usize, &[u8])]) -> Result<()> {
+        let n = self.layout.entries.len();
+        let mut seen = vec![false; n];
+        for (i, s) in items {
+            let Some(e) = self.layout.entries.get(*i) else {
+                return Err(Error::invalid(
+                    format!("tensor index {i}"),
+                    format!("step {} has {n} tensors", self.step),
+                ));
+            };
+            if std::mem::replace(&mut seen[*i], true) {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    "given twice",
+                ));
+            }
+            if s.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!("{} bytes given, {} expected", s.len(), e.len),
+                ));
+            }
+        }
+        let threads = self.engine.shared().cfg.copy_threads;
+        let mut dsts: Vec<Option<&mut [u8]>> = self.tensors_mut().into_iter().map(Some).collect();
+        let pairs = items
+            .iter()
+            .filter_map(|(i, s)| dsts[*i].take().map(|d| (d, *s)))
+            .collect();
+        copy::parallel_copy(pairs, threads);
+        Ok(())
+    }
+
+    /// The image length in bytes (the data file's size).
+    #[must_use]
+    pub fn image_len(&self) -> u64 {
+        self.layout.total_len
+    }
+
     /// Ends the stall: seals the slot and queues its flush.
     #[must_use]
     pub fn finish(mut self) -> SaveHandle {
