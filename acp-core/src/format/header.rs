@@ -3,11 +3,19 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::Entry;
-use crate::error::Result;
+use serde_json::Value;
 
-/// The largest header accepted, in bytes.
-pub const MAX_HEADER_BYTES: u64 = 100 << 20;
+use super::json::{escaped, shown, unique_map};
+use super::layout::{
+    byte_len, name_problem, KEY_RANK, KEY_STEP, KEY_VALUES, KEY_VERSION, KEY_WORLD_SIZE,
+    METADATA_KEY,
+};
+use super::{Dtype, Entry, DATA_ALIGN, FORMAT_VERSION};
+use crate::error::{Error, Result};
+
+/// The largest header accepted, in bytes. This is safetensors' own limit
+/// (100 MB), so every header acp writes or reads is one safetensors reads.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// A parsed and validated header.
 #[derive(Debug, Clone)]
@@ -34,9 +42,376 @@ pub struct ParsedHeader {
 /// shape's size; names valid; `acp.version` not newer than this build
 /// reads. Allocates nothing sized by an unchecked field.
 ///
+/// As safetensors does, it also refuses a key given twice, gaps between
+/// tensors, and bytes after the last tensor: the tensors must cover the data
+/// section exactly, so `file_len` must be the file's true length. A file that
+/// carries `acp.version` must also keep acp's alignment: the data section
+/// starts at a multiple of [`DATA_ALIGN`](super::DATA_ALIGN) and each tensor
+/// at a multiple of its element size.
+///
 /// # Errors
 /// [`Error::Corrupt`](crate::Error::Corrupt) naming the file and the tensor,
 /// [`Error::Unsupported`](crate::Error::Unsupported) for a newer format version.
 pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHeader> {
-    todo!()
+    let (data_start, text) = header_text(path, bytes, file_len)?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let mut fields: BTreeMap<String, Value> = unique_map(&mut de)
+        .and_then(|m| de.end().map(|()| m))
+        .map_err(|e| {
+            Error::corrupt(
+                path,
+                None,
+                format!("header is not a valid JSON object: {e}"),
+            )
+        })?;
+
+    let metadata = match fields.remove(METADATA_KEY) {
+        None | Some(Value::Null) => BTreeMap::new(),
+        Some(v) => string_map(path, v)?,
+    };
+    let acp = AcpFields::read(path, &metadata)?;
+
+    let mut stated = Vec::with_capacity(fields.len());
+    for (name, value) in fields {
+        stated.push(tensor(path, name, value)?);
+    }
+    let entries = place(path, stated, data_start, file_len, acp.version.is_some())?;
+    if acp.version.is_some() && data_start % DATA_ALIGN != 0 {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("data section starts at {data_start}, not a multiple of {DATA_ALIGN}"),
+        ));
+    }
+
+    Ok(ParsedHeader {
+        data_start,
+        entries,
+        metadata,
+        step: acp.step,
+        values: acp.values,
+    })
 }
+
+/// Reads the header length and returns the data start and the header text.
+fn header_text<'a>(path: &Path, bytes: &'a [u8], file_len: u64) -> Result<(u64, &'a str)> {
+    let corrupt = |reason: String| Error::corrupt(path, None, reason);
+    if file_len < 8 {
+        return Err(corrupt(format!(
+            "file of {file_len} bytes is too short for a safetensors header"
+        )));
+    }
+    let Some(prefix) = bytes.first_chunk::<8>() else {
+        return Err(corrupt(format!(
+            "only {} bytes read, too few for the header length",
+            bytes.len()
+        )));
+    };
+    let n = u64::from_le_bytes(*prefix);
+    if n > MAX_HEADER_BYTES {
+        return Err(corrupt(format!(
+            "header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes"
+        )));
+    }
+    // n <= MAX_HEADER_BYTES, so this cannot overflow.
+    let data_start = n + 8;
+    if data_start > file_len {
+        return Err(corrupt(format!(
+            "header length {n} past the end of the file ({file_len} bytes)"
+        )));
+    }
+    let json = usize::try_from(data_start)
+        .ok()
+        .and_then(|end| bytes.get(8..end))
+        .ok_or_else(|| {
+            corrupt(format!(
+                "header length {n} past the end of the {} bytes read",
+                bytes.len()
+            ))
+        })?;
+    let text =
+        std::str::from_utf8(json).map_err(|e| corrupt(format!("header is not UTF-8: {e}")))?;
+    if !text.starts_with('{') {
+        return Err(corrupt("header does not start with `{`".to_owned()));
+    }
+    Ok((data_start, text))
+}
+
+/// Sorts the tensors by offset, checks that they cover the data section
+/// exactly (no overlap, no gap, nothing after the last), and makes their
+/// offsets absolute. With `aligned`, each must sit at a multiple of its
+/// element size.
+fn place(
+    path: &Path,
+    mut stated: Vec<Stated>,
+    data_start: u64,
+    file_len: u64,
+    aligned: bool,
+) -> Result<Vec<Entry>> {
+    // By (begin, end): a zero-length tensor sorts before the one that
+    // starts where it sits.
+    stated.sort_by_key(|t| (t.begin, t.end));
+
+    let mut cursor = 0u64;
+    let mut previous: Option<&str> = None;
+    for t in &stated {
+        let name = Some(t.entry.name.as_str());
+        let (begin, end) = (t.begin, t.end);
+        if begin < cursor {
+            let other = previous.map_or_else(String::new, |p| format!(" `{p}`"));
+            return Err(Error::corrupt(
+                path,
+                name,
+                format!(
+                    "data_offsets [{begin}, {end}] overlap the previous tensor{other}, which ends at {cursor}"
+                ),
+            ));
+        }
+        if begin > cursor {
+            return Err(Error::corrupt(
+                path,
+                name,
+                format!(
+                    "data_offsets [{begin}, {end}] leave a gap of {} bytes after offset {cursor}",
+                    begin - cursor
+                ),
+            ));
+        }
+        if data_start.checked_add(end).is_none_or(|e| e > file_len) {
+            return Err(Error::corrupt(
+                path,
+                name,
+                format!(
+                    "data_offsets [{begin}, {end}] past the end of the file ({file_len} bytes, data from {data_start})"
+                ),
+            ));
+        }
+        cursor = end;
+        previous = name;
+    }
+    // The loop checked `data_start + cursor <= file_len` for the last tensor.
+    let data_end = data_start + cursor;
+    if data_end != file_len {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "{} bytes after the last tensor, which ends at {data_end}",
+                file_len - data_end
+            ),
+        ));
+    }
+
+    let mut entries = Vec::with_capacity(stated.len());
+    for t in stated {
+        let mut e = t.entry;
+        // `data_start + end` was checked above and `begin <= end`.
+        e.offset = data_start + t.begin;
+        if aligned && e.offset % e.dtype.size_u64() != 0 {
+            return Err(Error::corrupt(
+                path,
+                Some(&e.name),
+                format!(
+                    "offset {} is not a multiple of the {}-byte element size",
+                    e.offset,
+                    e.dtype.size()
+                ),
+            ));
+        }
+        entries.push(e);
+    }
+    Ok(entries)
+}
+
+/// The acp fields of `__metadata__`, each checked when present.
+struct AcpFields {
+    version: Option<u32>,
+    step: Option<u64>,
+    values: Value,
+}
+
+impl AcpFields {
+    fn read(path: &Path, metadata: &BTreeMap<String, String>) -> Result<AcpFields> {
+        let version: Option<u32> = number(path, metadata, KEY_VERSION)?;
+        if let Some(v) = version {
+            if v > FORMAT_VERSION {
+                return Err(Error::Unsupported {
+                    what: path.display().to_string(),
+                    reason: format!(
+                        "format version {v} is newer than {FORMAT_VERSION}, the newest this build reads"
+                    ),
+                });
+            }
+            if v == 0 {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!("`__metadata__.{KEY_VERSION}` is 0, which no format uses"),
+                ));
+            }
+        }
+        let step = number::<u64>(path, metadata, KEY_STEP)?;
+        number::<u32>(path, metadata, KEY_RANK)?;
+        number::<u32>(path, metadata, KEY_WORLD_SIZE)?;
+        let values = match metadata.get(KEY_VALUES) {
+            None => Value::Null,
+            Some(text) => serde_json::from_str(text).map_err(|e| {
+                Error::corrupt(
+                    path,
+                    None,
+                    format!("`__metadata__.{KEY_VALUES}` is not valid JSON: {e}"),
+                )
+            })?,
+        };
+        Ok(AcpFields {
+            version,
+            step,
+            values,
+        })
+    }
+}
+
+/// Parses `metadata[key]` as a decimal number, when present.
+fn number<T: std::str::FromStr>(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    key: &str,
+) -> Result<Option<T>> {
+    let Some(text) = metadata.get(key) else {
+        return Ok(None);
+    };
+    // `str::parse` takes a leading `+`; the format writes bare digits.
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "`__metadata__.{key}` is {}, not a decimal number",
+                shown(text)
+            ),
+        ));
+    }
+    text.parse().map(Some).map_err(|_| {
+        Error::corrupt(
+            path,
+            None,
+            format!("`__metadata__.{key}` is {}, out of range", shown(text)),
+        )
+    })
+}
+
+/// `__metadata__` as a string → string map.
+fn string_map(path: &Path, value: Value) -> Result<BTreeMap<String, String>> {
+    let Value::Object(object) = value else {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("`{METADATA_KEY}` is not a JSON object"),
+        ));
+    };
+    let mut map = BTreeMap::new();
+    for (key, v) in object {
+        let Value::String(s) = v else {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!("`{METADATA_KEY}` key {} holds a non-string", shown(&key)),
+            ));
+        };
+        map.insert(key, s);
+    }
+    Ok(map)
+}
+
+/// One tensor as the header states it, offsets relative to the data start.
+struct Stated {
+    entry: Entry,
+    begin: u64,
+    end: u64,
+}
+
+/// Checks one tensor's header entry on its own.
+fn tensor(path: &Path, name: String, value: Value) -> Result<Stated> {
+    if let Some(reason) = name_problem(&name) {
+        return Err(Error::corrupt(path, Some(&escaped(&name)), reason));
+    }
+    let bad = |reason: String| Error::corrupt(path, Some(&name), reason);
+    let Value::Object(mut fields) = value else {
+        return Err(bad("header entry is not a JSON object".to_owned()));
+    };
+
+    let dtype = match fields.remove("dtype") {
+        Some(Value::String(s)) => {
+            Dtype::from_name(&s).ok_or_else(|| bad(format!("unknown dtype {}", shown(&s))))?
+        }
+        Some(_) => return Err(bad("`dtype` is not a string".to_owned())),
+        None => return Err(bad("`dtype` is missing".to_owned())),
+    };
+
+    let shape = match fields.remove("shape") {
+        Some(Value::Array(dims)) => {
+            let mut shape = Vec::with_capacity(dims.len());
+            for d in &dims {
+                shape.push(d.as_u64().ok_or_else(|| {
+                    bad(format!("shape dimension {d} is not a non-negative integer"))
+                })?);
+            }
+            shape
+        }
+        Some(_) => return Err(bad("`shape` is not an array".to_owned())),
+        None => return Err(bad("`shape` is missing".to_owned())),
+    };
+    let len = byte_len(dtype, &shape).ok_or_else(|| {
+        bad(format!(
+            "shape {shape:?} of {} overflows a u64 byte size",
+            dtype.name()
+        ))
+    })?;
+
+    let (begin, end) = match fields.remove("data_offsets") {
+        Some(Value::Array(pair)) => match pair.as_slice() {
+            [b, e] => match (b.as_u64(), e.as_u64()) {
+                (Some(b), Some(e)) => (b, e),
+                _ => {
+                    return Err(bad(
+                        "`data_offsets` are not non-negative integers".to_owned()
+                    ))
+                }
+            },
+            _ => return Err(bad("`data_offsets` is not a pair".to_owned())),
+        },
+        Some(_) => return Err(bad("`data_offsets` is not an array".to_owned())),
+        None => return Err(bad("`data_offsets` is missing".to_owned())),
+    };
+    if begin > end {
+        return Err(bad(format!(
+            "data_offsets [{begin}, {end}] end before they begin"
+        )));
+    }
+    if end - begin != len {
+        return Err(bad(format!(
+            "data_offsets [{begin}, {end}] hold {} bytes, but shape {shape:?} of {} needs {len}",
+            end - begin,
+            dtype.name()
+        )));
+    }
+    if let Some(key) = fields.keys().next() {
+        return Err(bad(format!("unknown field {}", shown(key))));
+    }
+
+    Ok(Stated {
+        entry: Entry {
+            name,
+            dtype,
+            shape,
+            offset: 0,
+            len,
+        },
+        begin,
+        end,
+    })
+}
+
+#[cfg(test)]
+#[path = "header_tests.rs"]
+mod tests;

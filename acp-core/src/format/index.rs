@@ -3,10 +3,19 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::error::Result;
+use serde::{Deserialize, Serialize};
+
+use super::digest::{root_digest, unhex, Digest};
+use super::json::{escaped, shown, unique_map};
+use super::layout::name_problem;
+use super::FORMAT_VERSION;
+use crate::error::{Error, Result};
 
 /// The index's file name in a step directory.
 pub const INDEX_FILE_NAME: &str = "model.safetensors.index.json";
+
+/// The longest data file name, in bytes.
+const MAX_FILE_NAME_BYTES: usize = 255;
 
 /// One data file as the index records it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -39,24 +48,230 @@ pub struct Index {
     pub weight_map: BTreeMap<String, String>,
 }
 
+/// The index as it is stored (borrowed, for writing).
+#[derive(Serialize)]
+struct IndexOut<'a> {
+    metadata: MetaOut<'a>,
+    weight_map: &'a BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct MetaOut<'a> {
+    total_size: u64,
+    acp: AcpOut<'a>,
+}
+
+#[derive(Serialize)]
+struct AcpOut<'a> {
+    format_version: u32,
+    step: u64,
+    world_size: u32,
+    files: &'a BTreeMap<String, FileEntry>,
+}
+
+/// The index as it is stored (owned, for reading).
+#[derive(Deserialize)]
+struct IndexIn {
+    metadata: MetaIn,
+    #[serde(deserialize_with = "unique_map")]
+    weight_map: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct MetaIn {
+    total_size: u64,
+    acp: AcpIn,
+}
+
+#[derive(Deserialize)]
+struct AcpIn {
+    format_version: u32,
+    step: u64,
+    world_size: u32,
+    #[serde(deserialize_with = "unique_map")]
+    files: BTreeMap<String, FileEntry>,
+}
+
+/// Just enough of the index to read its version, whatever else it holds.
+#[derive(Deserialize)]
+struct VersionOnly {
+    metadata: VersionMeta,
+}
+
+#[derive(Deserialize)]
+struct VersionMeta {
+    acp: VersionAcp,
+}
+
+#[derive(Deserialize)]
+struct VersionAcp {
+    format_version: u64,
+}
+
 impl Index {
-    /// Serializes to JSON bytes.
+    /// Serializes to JSON bytes (pretty-printed, with a final newline).
+    /// `metadata.total_size` is the sum of the file sizes.
+    ///
+    /// # Panics
+    /// Never: the index holds only string-keyed maps, strings and integers,
+    /// which always serialize.
     #[must_use]
     pub fn to_json(&self) -> Vec<u8> {
-        todo!()
+        let total_size = self
+            .files
+            .values()
+            .fold(0u64, |sum, f| sum.saturating_add(f.size));
+        let stored = IndexOut {
+            metadata: MetaOut {
+                total_size,
+                acp: AcpOut {
+                    format_version: self.format_version,
+                    step: self.step,
+                    world_size: self.world_size,
+                    files: &self.files,
+                },
+            },
+            weight_map: &self.weight_map,
+        };
+        let mut out = serde_json::to_vec_pretty(&stored)
+            .expect("maps with string keys, strings and integers always serialize to JSON");
+        out.push(b'\n');
+        out
     }
 
     /// Parses and validates untrusted index bytes read from `path`: file
-    /// names pass [`validate_file_name`], every weight_map target is a listed
+    /// names pass [`validate_file_name`], every `weight_map` target is a listed
     /// file, chunk counts match `size / chunk_bytes`, digests are 64 hex
     /// digits, the format version is not newer than this build's.
+    ///
+    /// It also checks that the step is present, the world size is at least
+    /// 1 and above every file's rank, `chunk_bytes` is not 0, each `root`
+    /// is the root digest of its `chunks`, `total_size` is the sum of the
+    /// file sizes, tensor names are valid, and no JSON key is given twice.
+    /// Unknown fields are ignored.
     ///
     /// # Errors
     /// [`Error::Corrupt`](crate::Error::Corrupt) naming `path` and the field;
     /// [`Error::Unsupported`](crate::Error::Unsupported) for a newer version.
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Index> {
-        todo!()
+        let corrupt = |reason: String| Error::corrupt(path, None, reason);
+
+        // The version first: a newer index may not fit this build's schema.
+        if let Ok(v) = serde_json::from_slice::<VersionOnly>(bytes) {
+            let version = v.metadata.acp.format_version;
+            if version > u64::from(FORMAT_VERSION) {
+                return Err(Error::Unsupported {
+                    what: path.display().to_string(),
+                    reason: format!(
+                        "index format version {version} is newer than {FORMAT_VERSION}, the newest this build reads"
+                    ),
+                });
+            }
+        }
+        let stored: IndexIn = serde_json::from_slice(bytes)
+            .map_err(|e| corrupt(format!("not a valid acp index: {e}")))?;
+        let IndexIn {
+            metadata:
+                MetaIn {
+                    total_size,
+                    acp:
+                        AcpIn {
+                            format_version,
+                            step,
+                            world_size,
+                            files,
+                        },
+                },
+            weight_map,
+        } = stored;
+
+        if format_version == 0 {
+            return Err(corrupt(
+                "`metadata.acp.format_version` is 0, which no format uses".to_owned(),
+            ));
+        }
+        if world_size == 0 {
+            return Err(corrupt("`metadata.acp.world_size` is 0".to_owned()));
+        }
+        let mut sum = 0u64;
+        for (name, file) in &files {
+            validate_file_name(path, name)?;
+            check_file(path, name, file, world_size)?;
+            sum = sum.checked_add(file.size).ok_or_else(|| {
+                corrupt("the file sizes add up to more than a u64 holds".to_owned())
+            })?;
+        }
+        if sum != total_size {
+            return Err(corrupt(format!(
+                "`metadata.total_size` is {total_size}, but the files add up to {sum} bytes"
+            )));
+        }
+        for (tensor, file) in &weight_map {
+            if let Some(reason) = name_problem(tensor) {
+                return Err(Error::corrupt(
+                    path,
+                    Some(&escaped(tensor)),
+                    format!("`weight_map`: {reason}"),
+                ));
+            }
+            if !files.contains_key(file) {
+                return Err(Error::corrupt(
+                    path,
+                    Some(tensor),
+                    format!(
+                        "`weight_map` names file {}, which `metadata.acp.files` does not list",
+                        shown(file)
+                    ),
+                ));
+            }
+        }
+
+        Ok(Index {
+            step,
+            world_size,
+            format_version,
+            files,
+            weight_map,
+        })
     }
+}
+
+/// Checks one `files` entry: rank, chunk count and digests.
+fn check_file(path: &Path, name: &str, file: &FileEntry, world_size: u32) -> Result<()> {
+    let bad = |reason: String| {
+        Error::corrupt(path, None, format!("`metadata.acp.files.{name}`: {reason}"))
+    };
+    if file.rank >= world_size {
+        return Err(bad(format!(
+            "rank {} is not below the world size {world_size}",
+            file.rank
+        )));
+    }
+    if file.chunk_bytes == 0 {
+        return Err(bad("`chunk_bytes` is 0".to_owned()));
+    }
+    let expected = file.size.div_ceil(file.chunk_bytes);
+    if u64::try_from(file.chunks.len()).ok() != Some(expected) {
+        return Err(bad(format!(
+            "{} chunk digests, but {} bytes in chunks of {} make {expected}",
+            file.chunks.len(),
+            file.size,
+            file.chunk_bytes
+        )));
+    }
+    let mut digests: Vec<Digest> = Vec::with_capacity(file.chunks.len());
+    for (i, chunk) in file.chunks.iter().enumerate() {
+        digests.push(
+            unhex(chunk).ok_or_else(|| bad(format!("chunk digest {i} is not 64 hex digits")))?,
+        );
+    }
+    let root = unhex(&file.root).ok_or_else(|| bad("`root` is not 64 hex digits".to_owned()))?;
+    if root != root_digest(&digests) {
+        return Err(bad(
+            "`root` is not the root digest of its chunk digests".to_owned()
+        ));
+    }
+    Ok(())
 }
 
 /// The data file name of `rank`: `rank-{rank:05}.safetensors`.
@@ -71,5 +286,349 @@ pub fn data_file_name(rank: u32) -> String {
 /// # Errors
 /// [`Error::Corrupt`](crate::Error::Corrupt) naming `path` (the index) and the name.
 pub fn validate_file_name(path: &Path, name: &str) -> Result<()> {
-    todo!()
+    let problem = if name.is_empty() {
+        Some("is empty")
+    } else if name.len() > MAX_FILE_NAME_BYTES {
+        Some("is longer than 255 bytes")
+    } else if name.starts_with('.') {
+        Some("starts with `.`")
+    } else if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        Some("holds a character outside [A-Za-z0-9._-]")
+    } else {
+        None
+    };
+    match problem {
+        Some(p) => Err(Error::corrupt(
+            path,
+            None,
+            format!("file name {} {p}", shown(name)),
+        )),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::format::{chunk_digests, hex};
+    use crate::ErrorKind;
+
+    const PATH: &str = "/c/step-000000001200/model.safetensors.index.json";
+
+    fn entry(rank: u32, data: &[u8], chunk: usize) -> FileEntry {
+        let digests = chunk_digests(data, chunk);
+        FileEntry {
+            rank,
+            size: data.len() as u64,
+            chunk_bytes: chunk as u64,
+            chunks: digests.iter().map(hex).collect(),
+            root: hex(&root_digest(&digests)),
+        }
+    }
+
+    fn sample() -> Index {
+        let files = BTreeMap::from([
+            (data_file_name(0), entry(0, &[1u8; 10_000], 4096)),
+            (data_file_name(1), entry(1, &[2u8; 4096], 4096)),
+            (data_file_name(2), entry(2, &[], 4096)),
+        ]);
+        let weight_map = BTreeMap::from([
+            ("blk.0.w".to_owned(), data_file_name(0)),
+            ("blk.1.w".to_owned(), data_file_name(1)),
+            ("é \"odd\" name".to_owned(), data_file_name(1)),
+        ]);
+        Index {
+            step: 1200,
+            world_size: 3,
+            format_version: FORMAT_VERSION,
+            files,
+            weight_map,
+        }
+    }
+
+    fn parse(bytes: &[u8]) -> Result<Index> {
+        Index::parse(Path::new(PATH), bytes)
+    }
+
+    /// `sample()` as JSON, changed by `edit`.
+    fn edited(edit: impl FnOnce(&mut Value)) -> Vec<u8> {
+        let mut v: Value = serde_json::from_slice(&sample().to_json()).unwrap();
+        edit(&mut v);
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    fn refused(bytes: &[u8], needle: &str) -> Error {
+        let e = parse(bytes).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().starts_with(PATH), "{e}");
+        assert!(e.to_string().contains(needle), "`{needle}` not in: {e}");
+        e
+    }
+
+    #[test]
+    fn round_trip() {
+        let idx = sample();
+        assert_eq!(parse(&idx.to_json()).unwrap(), idx);
+    }
+
+    #[test]
+    fn json_shape_is_a_sharded_safetensors_index() {
+        let v: Value = serde_json::from_slice(&sample().to_json()).unwrap();
+        assert_eq!(v["metadata"]["total_size"], json!(10_000 + 4096));
+        assert_eq!(v["weight_map"]["blk.0.w"], "rank-00000.safetensors");
+        let acp = &v["metadata"]["acp"];
+        assert_eq!(acp["format_version"], json!(FORMAT_VERSION));
+        assert_eq!(acp["step"], json!(1200));
+        assert_eq!(acp["world_size"], json!(3));
+        let f = &acp["files"]["rank-00000.safetensors"];
+        assert_eq!(f["rank"], json!(0));
+        assert_eq!(f["size"], json!(10_000));
+        assert_eq!(f["chunk_bytes"], json!(4096));
+        assert_eq!(f["chunks"].as_array().unwrap().len(), 3);
+        assert_eq!(f["root"].as_str().unwrap().len(), 64);
+    }
+
+    #[test]
+    fn unsafe_file_names_are_refused() {
+        let p = Path::new(PATH);
+        let long = "a".repeat(256);
+        for bad in [
+            "../x",
+            "..",
+            ".",
+            "/etc/passwd",
+            "a/b",
+            ".hidden",
+            "a\0b",
+            "",
+            "a\\b",
+            "é",
+            "a b",
+            &long,
+        ] {
+            let e = validate_file_name(p, bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{bad:?}");
+            assert!(e.to_string().starts_with(PATH), "{e}");
+        }
+        for good in [
+            "rank-00000.safetensors",
+            "a",
+            "A_b-c.d..e",
+            &"a".repeat(255),
+        ] {
+            validate_file_name(p, good).unwrap();
+        }
+        assert_eq!(data_file_name(3), "rank-00003.safetensors");
+        validate_file_name(p, &data_file_name(u32::MAX)).unwrap();
+    }
+
+    #[test]
+    fn unsafe_file_names_in_the_index_are_refused() {
+        for bad in ["../x", "/etc/passwd", "a/b", ".hidden", "a\u{0}b"] {
+            let mut idx = sample();
+            let f = idx.files.remove(&data_file_name(2)).unwrap();
+            idx.files.insert(bad.to_owned(), f);
+            refused(&idx.to_json(), "file name");
+        }
+    }
+
+    #[test]
+    fn weight_map_must_point_at_a_listed_file() {
+        let mut idx = sample();
+        idx.weight_map
+            .insert("x".to_owned(), "rank-00009.safetensors".to_owned());
+        let e = refused(&idx.to_json(), "does not list");
+        assert!(e.to_string().contains("tensor `x`"), "{e}");
+        let mut idx = sample();
+        idx.weight_map
+            .insert("x".to_owned(), "../../etc/passwd".to_owned());
+        refused(&idx.to_json(), "does not list");
+        let mut idx = sample();
+        idx.weight_map.insert("a\0b".to_owned(), data_file_name(0));
+        refused(&idx.to_json(), "NUL");
+    }
+
+    #[test]
+    fn chunk_counts_must_match() {
+        let mut idx = sample();
+        let f = idx.files.get_mut(&data_file_name(0)).unwrap();
+        f.chunks.pop();
+        f.root = hex(&root_digest(
+            &f.chunks
+                .iter()
+                .map(|c| unhex(c).unwrap())
+                .collect::<Vec<_>>(),
+        ));
+        refused(
+            &idx.to_json(),
+            "2 chunk digests, but 10000 bytes in chunks of 4096 make 3",
+        );
+
+        let mut idx = sample();
+        idx.files.get_mut(&data_file_name(1)).unwrap().size += 1;
+        refused(&idx.to_json(), "make 2");
+
+        let mut idx = sample();
+        idx.files.get_mut(&data_file_name(1)).unwrap().chunk_bytes = 0;
+        refused(&idx.to_json(), "`chunk_bytes` is 0");
+    }
+
+    #[test]
+    fn digests_are_checked() {
+        let mut idx = sample();
+        idx.files.get_mut(&data_file_name(0)).unwrap().chunks[1] = "zz".repeat(32);
+        refused(&idx.to_json(), "chunk digest 1 is not 64 hex digits");
+
+        let mut idx = sample();
+        idx.files.get_mut(&data_file_name(0)).unwrap().root = "0".repeat(64);
+        refused(&idx.to_json(), "not the root digest");
+
+        let mut idx = sample();
+        idx.files.get_mut(&data_file_name(0)).unwrap().root = "0".repeat(63);
+        refused(&idx.to_json(), "`root` is not 64 hex digits");
+
+        // A chunk changed and the root recomputed over it still parses: the
+        // index is self-consistent, and the data check is the loader's.
+        let mut idx = sample();
+        let f = idx.files.get_mut(&data_file_name(0)).unwrap();
+        f.chunks[0] = "ab".repeat(32);
+        f.root = hex(&root_digest(
+            &f.chunks
+                .iter()
+                .map(|c| unhex(c).unwrap())
+                .collect::<Vec<_>>(),
+        ));
+        parse(&idx.to_json()).unwrap();
+    }
+
+    #[test]
+    fn newer_version_is_unsupported() {
+        let next = FORMAT_VERSION + 1;
+        let mut idx = sample();
+        idx.format_version = next;
+        let e = parse(&idx.to_json()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains(PATH), "{e}");
+
+        // A newer index need not fit this build's schema at all.
+        let v = json!({"metadata": {"acp": {"format_version": next, "shards": 7}}});
+        let e = parse(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        let v = json!({"metadata": {"acp": {"format_version": u64::MAX}}});
+        let e = parse(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    }
+
+    #[test]
+    fn fields_are_checked() {
+        refused(
+            &edited(|v| {
+                v["metadata"]["acp"].as_object_mut().unwrap().remove("step");
+            }),
+            "missing field `step`",
+        );
+        refused(
+            &edited(|v| v["metadata"]["acp"]["world_size"] = json!(0)),
+            "`metadata.acp.world_size` is 0",
+        );
+        refused(
+            &edited(|v| v["metadata"]["acp"]["world_size"] = json!(2)),
+            "rank 2 is not below the world size 2",
+        );
+        refused(
+            &edited(|v| v["metadata"]["acp"]["format_version"] = json!(0)),
+            "which no format uses",
+        );
+        refused(
+            &edited(|v| v["metadata"]["total_size"] = json!(1)),
+            "`metadata.total_size` is 1",
+        );
+        refused(
+            &edited(|v| v["metadata"]["acp"]["step"] = json!(-1)),
+            "not a valid acp index",
+        );
+        refused(
+            &edited(|v| {
+                v.as_object_mut().unwrap().remove("weight_map");
+            }),
+            "missing field `weight_map`",
+        );
+        // Unknown fields are ignored.
+        let extra = edited(|v| v["metadata"]["other"] = json!({"x": 1}));
+        assert_eq!(parse(&extra).unwrap(), sample());
+    }
+
+    #[test]
+    fn malformed_json_is_refused() {
+        refused(b"", "not a valid acp index");
+        refused(b"[]", "not a valid acp index");
+        refused(b"{\"metadata\": ", "not a valid acp index");
+        refused(&[0xff, 0xfe], "not a valid acp index");
+        let json = String::from_utf8(sample().to_json()).unwrap();
+        let dup = json.replacen(
+            "\"weight_map\": {",
+            "\"weight_map\": {\n    \"blk.0.w\": \"rank-00001.safetensors\",",
+            1,
+        );
+        refused(dup.as_bytes(), "key `blk.0.w` appears twice");
+        let dup = json.replacen(
+            "\"files\": {",
+            "\"files\": {\n \"rank-00002.safetensors\": {\"rank\": 2, \"size\": 0, \"chunk_bytes\": 1, \"chunks\": [], \"root\": \"\"},",
+            1,
+        );
+        refused(dup.as_bytes(), "appears twice");
+    }
+
+    #[test]
+    fn every_truncation_is_refused() {
+        let json = sample().to_json();
+        // The last byte is a newline; dropping it leaves a valid index.
+        for cut in 0..json.len() - 1 {
+            assert!(parse(&json[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn random_indexes_round_trip(
+            step in any::<u64>(),
+            files in prop::collection::btree_map(
+                "[A-Za-z0-9_-][A-Za-z0-9._-]{0,20}",
+                (0u32..8, prop::collection::vec(any::<u8>(), 0..300), 1usize..100),
+                0..5,
+            ),
+            tensors in prop::collection::vec("[^\u{0}]{1,12}", 0..10),
+        ) {
+            let names: Vec<String> = files.keys().cloned().collect();
+            let files: BTreeMap<_, _> = files
+                .into_iter()
+                .map(|(name, (rank, data, chunk))| (name, entry(rank, &data, chunk)))
+                .collect();
+            let weight_map = if names.is_empty() {
+                BTreeMap::new()
+            } else {
+                tensors
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, t)| (t, names[i % names.len()].clone()))
+                    .collect()
+            };
+            let idx = Index { step, world_size: 8, format_version: FORMAT_VERSION, files, weight_map };
+            prop_assert_eq!(parse(&idx.to_json()).unwrap(), idx);
+        }
+
+        #[test]
+        fn byte_flips_never_panic(at in any::<prop::sample::Index>(), x in 1u8..=255) {
+            let mut json = sample().to_json();
+            let i = at.index(json.len());
+            json[i] ^= x;
+            let _ = parse(&json);
+        }
+    }
 }

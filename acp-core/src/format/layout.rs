@@ -1,14 +1,34 @@
 //! Planning the file image of one rank: header, tensor offsets, alignment.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashSet};
 
-use super::Dtype;
-use crate::error::Result;
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
+
+use super::json::shown;
+use super::{Dtype, FORMAT_VERSION, MAX_HEADER_BYTES};
+use crate::error::{Error, Result};
 
 /// The data section starts at a multiple of this (for `O_DIRECT`).
 pub const DATA_ALIGN: u64 = 4096;
 /// The longest tensor name or value key, in bytes.
 pub const MAX_NAME_BYTES: usize = 1024;
+
+/// The key of the header's free-form string map.
+pub(super) const METADATA_KEY: &str = "__metadata__";
+/// Prefix of the `__metadata__` keys that acp owns.
+pub(super) const ACP_PREFIX: &str = "acp.";
+/// `__metadata__` key: the format version, decimal.
+pub(super) const KEY_VERSION: &str = "acp.version";
+/// `__metadata__` key: the step, decimal.
+pub(super) const KEY_STEP: &str = "acp.step";
+/// `__metadata__` key: the rank that wrote the file, decimal.
+pub(super) const KEY_RANK: &str = "acp.rank";
+/// `__metadata__` key: the number of ranks, decimal.
+pub(super) const KEY_WORLD_SIZE: &str = "acp.world_size";
+/// `__metadata__` key: the plain values, as compact JSON text.
+pub(super) const KEY_VALUES: &str = "acp.values";
 
 /// A tensor to be saved: name, dtype and shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,8 +47,25 @@ impl TensorSpec {
     /// # Errors
     /// [`Error::Invalid`](crate::Error::Invalid) naming the tensor when the size overflows `u64`.
     pub fn byte_len(&self) -> Result<u64> {
-        todo!()
+        byte_len(self.dtype, &self.shape).ok_or_else(|| {
+            Error::invalid(
+                tensor_label(&self.name),
+                format!(
+                    "shape {:?} of {} overflows a u64 byte size",
+                    self.shape,
+                    self.dtype.name()
+                ),
+            )
+        })
     }
+}
+
+/// Elements × element size, `None` on overflow. An empty shape is one element.
+pub(super) fn byte_len(dtype: Dtype, shape: &[u64]) -> Option<u64> {
+    shape
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d))?
+        .checked_mul(dtype.size_u64())
 }
 
 /// What goes into the header's `__metadata__` beside the tensors.
@@ -68,7 +105,7 @@ pub struct Layout {
     pub entries: Vec<Entry>,
     /// Start of the data section: `8 + header JSON + padding`, a multiple of [`DATA_ALIGN`].
     pub data_start: u64,
-    /// Total image length (data_start + all tensor bytes). Not padded.
+    /// Total image length (`data_start` + all tensor bytes). Not padded.
     pub total_len: u64,
     header: Vec<u8>,
 }
@@ -85,7 +122,95 @@ impl Layout {
     /// # Errors
     /// [`Error::Invalid`](crate::Error::Invalid) naming the tensor or key at fault.
     pub fn plan(specs: &[TensorSpec], meta: &ImageMeta) -> Result<Layout> {
-        todo!()
+        let mut seen = HashSet::with_capacity(specs.len());
+        let mut placed = Vec::with_capacity(specs.len());
+        for (index, spec) in specs.iter().enumerate() {
+            check_name("tensor", &spec.name)?;
+            if !seen.insert(spec.name.as_str()) {
+                return Err(Error::invalid(
+                    tensor_label(&spec.name),
+                    "the name is given twice",
+                ));
+            }
+            placed.push(Placed {
+                index,
+                spec,
+                len: spec.byte_len()?,
+                begin: 0,
+            });
+        }
+
+        // Widest elements first; the sort is stable, so the caller's order
+        // holds within one element size. Every length is a multiple of its
+        // element size and sizes only shrink, so each begin is a multiple of
+        // its own element size.
+        placed.sort_by_key(|p| Reverse(p.spec.dtype.size()));
+        let mut cursor = 0u64;
+        for p in &mut placed {
+            p.begin = cursor;
+            cursor = cursor.checked_add(p.len).ok_or_else(|| {
+                Error::invalid(
+                    tensor_label(&p.spec.name),
+                    "the data section overflows a u64 byte size",
+                )
+            })?;
+        }
+
+        let metadata = metadata(meta)?;
+        let json = serde_json::to_vec(&HeaderJson {
+            metadata: &metadata,
+            tensors: &placed,
+        })
+        .map_err(|e| Error::invalid("header", format!("cannot write the JSON: {e}")))?;
+
+        let too_big = || {
+            Error::invalid(
+                "header",
+                format!(
+                    "{} bytes of JSON exceed the limit of {MAX_HEADER_BYTES} bytes",
+                    json.len()
+                ),
+            )
+        };
+        let unpadded = u64::try_from(json.len())
+            .ok()
+            .and_then(|n| n.checked_add(8))
+            .ok_or_else(too_big)?;
+        let data_start = unpadded
+            .checked_next_multiple_of(DATA_ALIGN)
+            .ok_or_else(too_big)?;
+        let n = data_start - 8;
+        if n > MAX_HEADER_BYTES {
+            return Err(too_big());
+        }
+        let header_len = usize::try_from(data_start).map_err(|_| too_big())?;
+        let mut header = Vec::with_capacity(header_len);
+        header.extend_from_slice(&n.to_le_bytes());
+        header.extend_from_slice(&json);
+        header.resize(header_len, b' ');
+
+        let total_len = data_start
+            .checked_add(cursor)
+            .ok_or_else(|| Error::invalid("image", "the file length overflows a u64 byte size"))?;
+        // Every begin is at most `cursor`, so no offset below overflows.
+        placed.sort_by_key(|p| p.index);
+        let entries = placed
+            .iter()
+            .map(|p| Entry {
+                name: p.spec.name.clone(),
+                dtype: p.spec.dtype,
+                shape: p.spec.shape.clone(),
+                offset: data_start + p.begin,
+                len: p.len,
+            })
+            .collect();
+
+        Ok(Layout {
+            entries,
+            data_start,
+            total_len,
+            header,
+        })
     }
 
     /// The first `data_start` bytes of the image: the 8-byte little-endian
@@ -101,5 +226,295 @@ impl Layout {
 /// # Errors
 /// [`Error::Invalid`](crate::Error::Invalid) naming it.
 pub fn validate_name(name: &str) -> Result<()> {
-    todo!()
+    check_name("name", name)
+}
+
+/// The reason `name` is not a valid tensor name or value key, if it is not.
+pub(super) fn name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        Some("the name is empty".to_owned())
+    } else if name.contains('\0') {
+        Some("the name contains a NUL byte".to_owned())
+    } else if name.len() > MAX_NAME_BYTES {
+        Some(format!(
+            "the name is {} bytes long, more than the limit of {MAX_NAME_BYTES}",
+            name.len()
+        ))
+    } else if name == METADATA_KEY {
+        Some(format!("the name `{METADATA_KEY}` is reserved"))
+    } else {
+        None
+    }
+}
+
+fn check_name(kind: &str, name: &str) -> Result<()> {
+    match name_problem(name) {
+        Some(reason) => Err(Error::invalid(format!("{kind} {}", shown(name)), reason)),
+        None => Ok(()),
+    }
+}
+
+fn tensor_label(name: &str) -> String {
+    format!("tensor {}", shown(name))
+}
+
+/// The `__metadata__` map of an image.
+fn metadata(meta: &ImageMeta) -> Result<BTreeMap<String, String>> {
+    let values = serde_json::to_string(&meta.values)
+        .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
+    let mut map = BTreeMap::from([
+        (KEY_VERSION.to_owned(), FORMAT_VERSION.to_string()),
+        (KEY_STEP.to_owned(), meta.step.to_string()),
+        (KEY_RANK.to_owned(), meta.rank.to_string()),
+        (KEY_WORLD_SIZE.to_owned(), meta.world_size.to_string()),
+        (KEY_VALUES.to_owned(), values),
+    ]);
+    for (key, value) in &meta.extra {
+        if key.starts_with(ACP_PREFIX) {
+            return Err(Error::invalid(
+                format!("metadata key {}", shown(key)),
+                format!("the prefix `{ACP_PREFIX}` is reserved for acp"),
+            ));
+        }
+        map.insert(key.clone(), value.clone());
+    }
+    Ok(map)
+}
+
+/// A tensor with its place in the data section.
+struct Placed<'a> {
+    /// Position in the caller's list.
+    index: usize,
+    spec: &'a TensorSpec,
+    len: u64,
+    /// Offset relative to the data start.
+    begin: u64,
+}
+
+/// The header JSON: `__metadata__` first, then the tensors in offset order.
+struct HeaderJson<'a> {
+    metadata: &'a BTreeMap<String, String>,
+    tensors: &'a [Placed<'a>],
+}
+
+#[derive(Serialize)]
+struct TensorJson<'a> {
+    dtype: &'static str,
+    shape: &'a [u64],
+    data_offsets: [u64; 2],
+}
+
+impl Serialize for HeaderJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.tensors.len() + 1))?;
+        map.serialize_entry(METADATA_KEY, self.metadata)?;
+        for p in self.tensors {
+            map.serialize_entry(
+                &p.spec.name,
+                &TensorJson {
+                    dtype: p.spec.dtype.name(),
+                    shape: &p.spec.shape,
+                    // `begin + len` was checked when the cursor advanced.
+                    data_offsets: [p.begin, p.begin + p.len],
+                },
+            )?;
+        }
+        map.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    fn spec(name: &str, dtype: Dtype, shape: &[u64]) -> TensorSpec {
+        TensorSpec {
+            name: name.to_owned(),
+            dtype,
+            shape: shape.to_vec(),
+        }
+    }
+
+    fn meta() -> ImageMeta {
+        ImageMeta {
+            step: 1200,
+            rank: 3,
+            world_size: 8,
+            values: serde_json::json!({"lr": 0.5, "epoch": 2, "names": ["a", null]}),
+            extra: BTreeMap::from([("format".to_owned(), "pt".to_owned())]),
+        }
+    }
+
+    fn header_json(layout: &Layout) -> serde_json::Value {
+        let n = u64::from_le_bytes(*layout.header_bytes().first_chunk::<8>().unwrap());
+        let json = &layout.header_bytes()[8..8 + usize::try_from(n).unwrap()];
+        serde_json::from_slice(json).unwrap()
+    }
+
+    fn invalid_what(e: &Error) -> &str {
+        match e {
+            Error::Invalid { what, .. } => what,
+            other => panic!("not Invalid: {other}"),
+        }
+    }
+
+    #[test]
+    fn orders_by_element_size_and_keeps_input_order() {
+        let specs = [
+            spec("b", Dtype::U8, &[3]),
+            spec("w", Dtype::F32, &[2, 3]),
+            spec("h", Dtype::BF16, &[5]),
+            spec("d", Dtype::F64, &[1]),
+            spec("v", Dtype::I32, &[1]),
+        ];
+        let l = Layout::plan(&specs, &meta()).unwrap();
+        assert_eq!(l.data_start, 4096);
+        assert_eq!(l.header_bytes().len(), 4096);
+        let names: Vec<_> = l.entries.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["b", "w", "h", "d", "v"]);
+        let at = |name: &str| {
+            let e = l.entries.iter().find(|e| e.name == name).unwrap();
+            (e.offset - l.data_start, e.len)
+        };
+        assert_eq!(at("d"), (0, 8));
+        assert_eq!(at("w"), (8, 24));
+        assert_eq!(at("v"), (32, 4));
+        assert_eq!(at("h"), (36, 10));
+        assert_eq!(at("b"), (46, 3));
+        assert_eq!(l.total_len, 4096 + 49);
+    }
+
+    #[test]
+    fn header_is_padded_json_with_acp_metadata() {
+        let l = Layout::plan(&[spec("x", Dtype::F16, &[2, 2])], &meta()).unwrap();
+        let h = l.header_bytes();
+        let n = u64::from_le_bytes(*h.first_chunk::<8>().unwrap());
+        assert_eq!(n + 8, l.data_start);
+        assert_eq!(h.get(8), Some(&b'{'));
+        assert_eq!(h.last(), Some(&b' '));
+        let json = header_json(&l);
+        let m = &json["__metadata__"];
+        assert_eq!(m["acp.version"], FORMAT_VERSION.to_string());
+        assert_eq!(m["acp.step"], "1200");
+        assert_eq!(m["acp.rank"], "3");
+        assert_eq!(m["acp.world_size"], "8");
+        assert_eq!(m["format"], "pt");
+        let values: serde_json::Value =
+            serde_json::from_str(m["acp.values"].as_str().unwrap()).unwrap();
+        assert_eq!(values, meta().values);
+        assert_eq!(
+            json["x"],
+            serde_json::json!({"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]})
+        );
+    }
+
+    #[test]
+    fn zero_d_and_zero_sized_tensors() {
+        let specs = [
+            spec("scalar", Dtype::F64, &[]),
+            spec("empty", Dtype::F32, &[0, 7]),
+            spec("empty1d", Dtype::U8, &[0]),
+        ];
+        let l = Layout::plan(&specs, &ImageMeta::default()).unwrap();
+        assert_eq!(l.entries[0].len, 8);
+        assert_eq!(l.entries[1].len, 0);
+        assert_eq!(l.entries[2].len, 0);
+        assert_eq!(l.total_len, l.data_start + 8);
+        assert_eq!(header_json(&l)["scalar"]["shape"], serde_json::json!([]));
+    }
+
+    #[test]
+    fn no_tensors_is_a_valid_plan() {
+        let l = Layout::plan(&[], &ImageMeta::default()).unwrap();
+        assert!(l.entries.is_empty());
+        assert_eq!(l.total_len, l.data_start);
+        assert_eq!(header_json(&l)["__metadata__"]["acp.values"], "null");
+    }
+
+    #[test]
+    fn big_header_spills_to_the_next_page() {
+        let specs: Vec<_> = (0..200)
+            .map(|i| spec(&format!("layer.{i:04}.weight"), Dtype::BF16, &[64, 64]))
+            .collect();
+        let l = Layout::plan(&specs, &ImageMeta::default()).unwrap();
+        assert!(l.data_start > 4096);
+        assert_eq!(l.data_start % DATA_ALIGN, 0);
+        assert_eq!(l.header_bytes().len() as u64, l.data_start);
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let m = ImageMeta::default();
+        for bad in ["", "a\0b", "__metadata__"] {
+            let e = Layout::plan(&[spec(bad, Dtype::U8, &[1])], &m).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Invalid, "{bad:?}");
+            assert!(invalid_what(&e).starts_with("tensor `"), "{e}");
+        }
+        let long = "x".repeat(MAX_NAME_BYTES + 1);
+        let e = Layout::plan(&[spec(&long, Dtype::U8, &[1])], &m).unwrap_err();
+        assert!(e.to_string().contains("more than the limit"), "{e}");
+        let ok = "x".repeat(MAX_NAME_BYTES);
+        Layout::plan(&[spec(&ok, Dtype::U8, &[1])], &m).unwrap();
+
+        assert!(validate_name("blk.3.w").is_ok());
+        assert!(validate_name("").is_err());
+        assert!(validate_name("a\0").is_err());
+        assert!(validate_name("__metadata__").is_err());
+        assert!(validate_name(&long).is_err());
+    }
+
+    #[test]
+    fn duplicate_name_is_named() {
+        let specs = [
+            spec("a", Dtype::U8, &[1]),
+            spec("dup", Dtype::F32, &[1]),
+            spec("dup", Dtype::U8, &[1]),
+        ];
+        let e = Layout::plan(&specs, &ImageMeta::default()).unwrap_err();
+        assert_eq!(invalid_what(&e), "tensor `dup`");
+        assert!(e.to_string().contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn reserved_extra_keys_are_refused() {
+        let mut m = meta();
+        m.extra.insert("acp.step".to_owned(), "7".to_owned());
+        let e = Layout::plan(&[], &m).unwrap_err();
+        assert_eq!(invalid_what(&e), "metadata key `acp.step`");
+        let mut m = meta();
+        m.extra.insert("acp.mine".to_owned(), "7".to_owned());
+        assert!(Layout::plan(&[], &m).is_err());
+        let mut m = meta();
+        m.extra.insert("acpx".to_owned(), "7".to_owned());
+        assert!(Layout::plan(&[], &m).is_ok());
+    }
+
+    #[test]
+    fn size_overflow_names_the_tensor() {
+        let s = spec("huge", Dtype::F32, &[u64::MAX / 2, 3]);
+        let e = s.byte_len().unwrap_err();
+        assert_eq!(invalid_what(&e), "tensor `huge`");
+        let e = Layout::plan(&[s], &ImageMeta::default()).unwrap_err();
+        assert_eq!(invalid_what(&e), "tensor `huge`");
+
+        // Each fits, the sum does not.
+        let half = spec("half", Dtype::U8, &[u64::MAX / 2 + 1]);
+        let other = spec("other", Dtype::U8, &[u64::MAX / 2 + 1]);
+        let e = Layout::plan(&[half, other], &ImageMeta::default()).unwrap_err();
+        assert_eq!(invalid_what(&e), "tensor `other`");
+
+        // Data that fits in u64 but not once the header is added.
+        let near = spec("near", Dtype::U8, &[u64::MAX - 100]);
+        let e = Layout::plan(&[near], &ImageMeta::default()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Invalid);
+    }
+
+    #[test]
+    fn byte_len_counts_elements() {
+        assert_eq!(spec("s", Dtype::F64, &[]).byte_len().unwrap(), 8);
+        assert_eq!(spec("z", Dtype::F64, &[3, 0]).byte_len().unwrap(), 0);
+        assert_eq!(spec("m", Dtype::BF16, &[3, 5]).byte_len().unwrap(), 30);
+        assert_eq!(spec("b", Dtype::Bool, &[7]).byte_len().unwrap(), 7);
+    }
 }

@@ -1,18 +1,151 @@
 //! The on-disk and in-RAM format of an acp checkpoint.
 //!
-//! (Owner: format helper. Full spec goes here: byte layout, header fields,
-//! index, commit protocol summary.)
+//! This module's docs are the format's specification. Version 1 is
+//! described here ([`FORMAT_VERSION`]). All integers on disk are
+//! little-endian; all text is UTF-8.
 //!
-//! One step is a directory `step-{step:012}` under the root. Each rank writes
-//! `rank-{rank:05}.safetensors`, a valid safetensors file; the directory's
-//! `model.safetensors.index.json` maps every tensor to its file and records
-//! each file's size and blake3 chunk digests. Writing the index is the commit.
+//! # Directory layout
+//!
+//! ```text
+//! <root>/
+//!   step-000000001200/                  one directory per committed step
+//!     rank-00000.safetensors            one data file per writing rank
+//!     rank-00001.safetensors
+//!     model.safetensors.index.json      the index; its presence marks the commit
+//!   <pending directory>/                a step being written (any other name)
+//! ```
+//!
+//! A step directory is named `step-{step:012}` (zero-padded decimal, so that
+//! names sort by step). Data files are named `rank-{rank:05}.safetensors`
+//! ([`data_file_name`]); the index is [`INDEX_FILE_NAME`]. A reader opens only
+//! the file names the index lists, after [`validate_file_name`] has accepted
+//! them, so no name in a checkpoint can reach outside its step directory.
+//!
+//! # Data file
+//!
+//! Each data file is a plain safetensors file: any safetensors reader loads
+//! it without acp. The same bytes form the image in a shared-memory slot, so
+//! a flush is a straight copy and a restore from RAM can hand out views.
+//!
+//! ```text
+//! offset 0        8                          data_start                 total_len
+//!        +--------+--------------------------+----------------------------+
+//!        |   N    | header JSON, space-padded | tensor bytes, back to back |
+//!        +--------+--------------------------+----------------------------+
+//!        u64 LE    N bytes                    data_start = 8 + N
+//! ```
+//!
+//! - `N` is the header length in bytes, at most [`MAX_HEADER_BYTES`]
+//!   (safetensors' own limit).
+//! - The header is a JSON object that starts with `{`. acp pads it with
+//!   trailing spaces so that `data_start` is a multiple of [`DATA_ALIGN`]
+//!   (4096), which lets the flush use `O_DIRECT`.
+//! - Every key except `__metadata__` is a tensor name (non-empty, no NUL, at
+//!   most [`MAX_NAME_BYTES`] bytes; see [`validate_name`]) mapped to
+//!   `{"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}`.
+//!   `dtype` is one of the safetensors names of [`Dtype`]; `shape` may be
+//!   `[]` (a 0-d tensor, one element) or contain zeros (no bytes); offsets
+//!   are relative to `data_start`, and `end - begin` is elements × element
+//!   size.
+//! - The tensors tile the data section exactly: sorted by offset, each
+//!   begins where the previous one ends, the first at 0, and the file ends
+//!   where the last one ends. There are no gaps and no trailing bytes
+//!   (safetensors refuses both).
+//! - Alignment: acp lays the tensors out by element size, widest first (a
+//!   stable sort, so the caller's order holds within one size). Since
+//!   `data_start` is a multiple of 4096 and each length is a multiple of its
+//!   element size, each tensor starts at a multiple of its element size in
+//!   the file and in a page-aligned slot.
+//! - `__metadata__` maps strings to strings. acp writes:
+//!
+//!   | key              | value                                          |
+//!   |------------------|------------------------------------------------|
+//!   | `acp.version`    | the format version, decimal                    |
+//!   | `acp.step`       | the step, decimal                              |
+//!   | `acp.rank`       | the rank that wrote the file, decimal          |
+//!   | `acp.world_size` | the number of ranks, decimal                   |
+//!   | `acp.values`     | the non-tensor state as compact JSON (`null` when none) |
+//!
+//!   plus the caller's own keys ([`ImageMeta::extra`], e.g. `format: pt`),
+//!   which may not start with `acp.`.
+//!
+//! [`Layout::plan`] writes this header; [`parse_header`] reads one from
+//! untrusted bytes and checks all of the above. It also refuses a key given
+//! twice, and, in a file that carries `acp.version`, a data start or tensor
+//! offset that breaks the alignment rule. A file whose `acp.version` is newer
+//! than this build's is [`Unsupported`](crate::Error::Unsupported), not
+//! corrupt.
+//!
+//! # Index
+//!
+//! `model.safetensors.index.json` has the shape of a sharded safetensors
+//! index, so tools that read those find every tensor through `weight_map`:
+//!
+//! ```text
+//! {
+//!   "metadata": {
+//!     "total_size": 14096,                         sum of the file sizes
+//!     "acp": {
+//!       "format_version": 1,
+//!       "step": 1200,
+//!       "world_size": 2,
+//!       "files": {
+//!         "rank-00000.safetensors": {
+//!           "rank": 0,                             below world_size
+//!           "size": 10000,                         exact file length
+//!           "chunk_bytes": 4096,                   digest chunk, > 0
+//!           "chunks": ["<64 hex>", "<64 hex>", "<64 hex>"],
+//!           "root": "<64 hex>"
+//!         }, ...
+//!       }
+//!     }
+//!   },
+//!   "weight_map": { "blk.0.w": "rank-00000.safetensors", ... }
+//! }
+//! ```
+//!
+//! `chunks` holds the blake3 digest of each `chunk_bytes` piece of the whole
+//! file, header included (the last piece may be shorter; an empty file has
+//! none), so there are `ceil(size / chunk_bytes)` of them. `root` is blake3
+//! over the concatenated 32-byte chunk digests ([`root_digest`]). Every
+//! `weight_map` target is a file listed under `files`. A rank that holds no
+//! tensor may still list its file. [`Index::parse`] checks all of this on
+//! untrusted bytes; it reads `format_version` first and answers
+//! [`Unsupported`](crate::Error::Unsupported) for a newer one, whatever the
+//! rest holds.
+//!
+//! # Commit protocol
+//!
+//! 1. Each rank writes its data file into a pending directory (not named
+//!    `step-…`, so no reader ever takes it for a checkpoint) and fsyncs it.
+//! 2. Once every rank's file is durable, rank 0 writes the index into the
+//!    pending directory, fsyncs it, and fsyncs the directory.
+//! 3. Rank 0 renames the pending directory to `step-{step:012}` and fsyncs
+//!    the root directory. The rename is the commit point.
+//!
+//! A crash before step 3 leaves only a pending directory, which readers
+//! ignore and cleanup removes; the previous step is untouched. A crash after
+//! the rename leaves a complete step whose every byte was fsynced before the
+//! rename. A reader accepts a `step-…` directory only when its index
+//! parses, and checks each file's size and chunk digests against the index
+//! before it hands out bytes (see [`Verify`](crate::Verify)), so a torn or
+//! changed file is reported as corrupt, naming the file and tensor, never
+//! returned.
+//!
+//! We assume of the media what the commit protocol needs: fsync of a file
+//! makes its data durable, fsync of a directory makes its entries (created
+//! files, renames) durable, and a rename within one file system is atomic.
+//! We do not assume that a write is atomic at any size: torn pages are
+//! caught by the digests.
 
 mod digest;
 mod dtype;
 mod header;
 mod index;
+mod json;
 mod layout;
+#[cfg(test)]
+mod tests;
 
 pub use digest::{chunk_digests, hex, root_digest, unhex, Digest};
 pub use dtype::Dtype;
