@@ -20,7 +20,8 @@ storage::
     future = dcp.async_save(state_dict, storage_writer=writer, async_stager=acp.dcp.Stager(writer))
     future.result()  # committed
 
-    dcp.load(state_dict, checkpoint_id=200, storage_reader=acp.dcp.StorageReader(ckpt), no_dist=True)
+    reader = acp.dcp.StorageReader(ckpt)
+    dcp.load(state_dict, checkpoint_id=200, storage_reader=reader, no_dist=True)
 
 ``checkpoint_id`` is the step: an ``int``, a string of digits, or the path of
 a step directory under the checkpoint root (``<root>/step-000000000200``).
@@ -51,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import threading
@@ -148,7 +150,7 @@ def _plain(value: Any, where: str) -> Any:
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+        if math.isnan(value) or math.isinf(value):
             return {"__float__": repr(value)}
         return value
     if isinstance(value, tuple):
@@ -415,8 +417,8 @@ def _readonly_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) ->
     """A tensor over read-only bytes; only ever read (the source of a copy)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-    return raw.view(dtype).reshape(tuple(shape))
+        raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0)
+    return raw.view(torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 # --------------------------------------------------------------------------- writer
@@ -575,9 +577,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
 
     def storage_meta(self) -> StorageMeta | None:
         step = self._save.requested if self._save.requested is not None else self._next
-        return StorageMeta(
-            checkpoint_id=None if step is None else str(step), save_id=self._save_id
-        )
+        return StorageMeta(checkpoint_id=None if step is None else str(step), save_id=self._save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -625,9 +625,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             elif fqn not in placeholders:
                 md = metadata.state_dict_metadata[fqn]
                 assert isinstance(md, TensorStorageMetadata)
-                placeholders[fqn] = torch.empty(
-                    md.size, dtype=md.properties.dtype, device="meta"
-                )
+                placeholders[fqn] = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
         staged = _Staged(step, handle, metadata, results, placeholders)
         with self._lock:
             for obj in placeholders.values():
@@ -739,8 +737,10 @@ def _resolve(plan: SavePlan, planner: SavePlanner) -> list[_Item]:
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"DCP gave {type(data).__name__} for bytes item `{wi.index.fqn}`")
             raw = data.getvalue()
-            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(
-                0, dtype=torch.uint8
+            tensor = (
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                if raw
+                else torch.empty(0, dtype=torch.uint8)
             )
             name = wi.index.fqn
         else:
