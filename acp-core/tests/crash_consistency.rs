@@ -5,6 +5,8 @@
 //! Child processes re-run this test binary with `ACP_CHILD` set, selecting
 //! the `child` test below as their whole program.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;

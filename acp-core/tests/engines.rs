@@ -2,6 +2,8 @@
 //! `O_DIRECT` setting: round trips, byte-identical files, restore from RAM
 //! and from storage, retention, overwrite, the slot policy.
 
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
 use std::path::Path;
 use std::time::Duration;
 
@@ -53,7 +55,7 @@ fn tensors(seed: u8) -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
     }
     out.push(("scalar".into(), Dtype::F32, vec![], vec![1, 2, 3, seed]));
     out.push(("empty".into(), Dtype::F64, vec![0, 5], vec![]));
-    let big: Vec<u8> = (0..(300_000u32)).map(|j| (j % 251) as u8 ^ seed).collect();
+    let big: Vec<u8> = (0..300_000u32).map(|j| (j % 251) as u8 ^ seed).collect();
     out.push(("big".into(), Dtype::U8, vec![300_000], big));
     out
 }
@@ -423,7 +425,7 @@ fn direct_staging_into_the_slot() {
     let idx = ck.entries().iter().position(|e| e.name == "b").unwrap();
     ck.copy_into(&mut [(idx, &mut out[..])]).unwrap();
     assert_eq!(out, [2u8; 16]);
-    let mut short = vec![0u8; 3];
+    let mut short = [0u8; 3];
     let err = ck.copy_into(&mut [(idx, &mut short[..])]).unwrap_err();
     assert!(err.to_string().contains("`b`"), "{err}");
 }

@@ -54,7 +54,10 @@ pub(crate) fn parallel_copy(pairs: Vec<(&mut [u8], &[u8])>, threads: usize) {
     });
 }
 
-fn drain(queue: &std::sync::Mutex<Vec<Vec<(&mut [u8], &[u8])>>>) {
+/// Runs of (destination, source) pairs, one run per thread's turn.
+type CopyQueue<'a> = std::sync::Mutex<Vec<Vec<(&'a mut [u8], &'a [u8])>>>;
+
+fn drain(queue: &CopyQueue<'_>) {
     loop {
         let group = queue
             .lock()

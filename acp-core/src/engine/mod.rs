@@ -825,7 +825,8 @@ impl Staging {
 /// index order. Ranges must not overlap (the layout guarantees it).
 fn split_ranges(buf: &mut [u8], mut ranges: Vec<(usize, usize, usize)>) -> Vec<&mut [u8]> {
     let n = ranges.len();
-    ranges.sort_unstable_by_key(|r| r.0);
+    // Empty tensors share their offset with the next one: put them first.
+    ranges.sort_unstable_by_key(|r| (r.0, r.1));
     let mut out: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);
     let mut rest = buf;
     let mut pos = 0;

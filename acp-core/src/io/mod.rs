@@ -1,22 +1,24 @@
 //! The I/O engines that move checkpoint files between ring slots and
-//! storage: io_uring ([`uring`]) and a pwrite/pread pool ([`psync`]), behind
+//! storage: `io_uring` (`uring`) and a pwrite/pread pool (`psync`), behind
 //! one trait, producing byte-identical files.
 
 use std::fmt::Debug;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::config::{DirectIo, IoChoice};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::storage::faults::FaultInjector;
 
+mod file;
 mod psync;
+mod sys;
 mod uring;
 
 /// Which engine is in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoKind {
-    /// io_uring.
+    /// `io_uring`.
     Uring,
     /// pwrite/pread threads.
     Psync,
@@ -60,16 +62,21 @@ pub trait IoEngine: Send + Sync + Debug {
     /// `opts.queue_depth` in flight, sets the file length to exactly `len`,
     /// and fsyncs it. `src.len()` is at least `len` rounded up to 4096 and
     /// `src` is 4096-aligned, so the last chunk can be written whole under
-    /// `O_DIRECT` and the file truncated after.
+    /// `O_DIRECT` and the file truncated after. (A source that is not so is
+    /// written buffered under [`DirectIo::Auto`] and refused under
+    /// [`DirectIo::On`].)
     ///
     /// `on_chunk(i, bytes)` is called for chunk `i` (the unpadded bytes)
     /// before that chunk is submitted, in order, on the calling thread; an
-    /// error from it stops the write. On any error the partial file is
-    /// removed.
+    /// error from it stops the write. An empty file has no chunks, so
+    /// `on_chunk` is not called. On any error the partial file is removed;
+    /// an existing file at `path` is never touched.
     ///
     /// # Errors
-    /// [`Error::Io`](crate::Error::Io) / [`Error::NoSpace`](crate::Error::NoSpace)
-    /// naming `path` and the operation.
+    /// [`Error::Io`] / [`Error::NoSpace`] naming `path` and the operation
+    /// (EEXIST when `path` exists); the error of `on_chunk`;
+    /// [`Error::Invalid`] for a chunk size that is not a positive multiple
+    /// of 4096 up to 1 GiB, a queue depth of 0, or a `len` beyond `src`.
     fn write_file(
         &self,
         path: &Path,
@@ -81,21 +88,133 @@ pub trait IoEngine: Send + Sync + Debug {
 
     /// Reads the whole of `path` (opened with `O_NOFOLLOW`) into the start of
     /// `dst` and returns its length. `dst` is 4096-aligned; the file must fit
-    /// in `dst` rounded down to 4096... precisely: `round_up(file_len, 4096)
-    /// <= dst.len()`, else [`Error::Invalid`](crate::Error::Invalid) without
-    /// reading.
+    /// with its last chunk padded: `round_up(file_len, 4096) <= dst.len()`,
+    /// else [`Error::Invalid`] without reading. Bytes of `dst` between the
+    /// file length and that bound may be overwritten.
     ///
     /// # Errors
-    /// [`Error::Io`](crate::Error::Io) naming `path`.
+    /// [`Error::Io`] naming `path` (a symlink fails with ELOOP);
+    /// [`Error::Invalid`] when the file does not fit or is not a regular
+    /// file, or for the bad options `write_file` refuses.
     fn read_file(&self, path: &Path, dst: &mut [u8], opts: &IoOpts) -> Result<u64>;
 }
 
-/// Opens the engine `choice` asks for. `Auto` probes io_uring once (a ring
+/// Opens the engine `choice` asks for. `Auto` probes `io_uring` once (a ring
 /// is created and a no-op submitted) and falls back to psync when refused.
 ///
 /// # Errors
-/// [`Error::Unsupported`](crate::Error::Unsupported) when `Uring` is forced
+/// [`Error::Unsupported`] when `Uring` is forced
 /// and refused.
 pub fn open_engine(choice: IoChoice) -> Result<Arc<dyn IoEngine>> {
-    todo!()
+    if choice == IoChoice::Psync {
+        return Ok(Arc::new(psync::PsyncEngine));
+    }
+    match uring_refused() {
+        None => Ok(Arc::new(uring::UringEngine)),
+        Some(reason) if choice == IoChoice::Uring => Err(Error::Unsupported {
+            what: "io_uring".to_owned(),
+            reason: reason.to_owned(),
+        }),
+        Some(reason) => {
+            tracing::info!(
+                reason,
+                "io_uring refused; using the pwrite/pread thread pool"
+            );
+            Ok(Arc::new(psync::PsyncEngine))
+        }
+    }
+}
+
+/// Why `io_uring` is refused here, or `None` when it works. Probed once per
+/// process.
+fn uring_refused() -> Option<&'static str> {
+    static PROBE: OnceLock<Option<String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| uring::probe().err().map(|e| e.to_string()))
+        .as_deref()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use memmap2::MmapMut;
+
+    use super::*;
+    use crate::error::ErrorKind;
+
+    fn opts(direct: DirectIo) -> IoOpts {
+        IoOpts {
+            chunk_bytes: 8192,
+            queue_depth: 2,
+            direct,
+            faults: None,
+        }
+    }
+
+    /// Runs `f` as if the file system refused `O_DIRECT`.
+    fn refusing_direct<T>(f: impl FnOnce() -> T) -> T {
+        sys::tests::REFUSE_DIRECT.with(|r| r.set(true));
+        let out = f();
+        sys::tests::REFUSE_DIRECT.with(|r| r.set(false));
+        out
+    }
+
+    fn engines() -> Vec<Arc<dyn IoEngine>> {
+        vec![Arc::new(psync::PsyncEngine), Arc::new(uring::UringEngine)]
+    }
+
+    #[test]
+    fn auto_falls_back_to_buffered_when_direct_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = 3 * 8192 + 5;
+        let mut src = MmapMut::map_anon(4 * 8192).unwrap();
+        src.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = u8::try_from(i % 251).expect("below 251"));
+        for engine in engines() {
+            let path: PathBuf = dir.path().join(format!("{:?}", engine.kind()));
+            let stats = refusing_direct(|| {
+                engine.write_file(
+                    &path,
+                    &src,
+                    len as u64,
+                    &opts(DirectIo::Auto),
+                    &mut |_, _| Ok(()),
+                )
+            })
+            .unwrap();
+            assert!(!stats.direct);
+            assert_eq!(std::fs::read(&path).unwrap(), src[..len]);
+
+            let mut dst = MmapMut::map_anon(4 * 8192).unwrap();
+            let n = refusing_direct(|| engine.read_file(&path, &mut dst, &opts(DirectIo::Auto)))
+                .unwrap();
+            assert_eq!(n, len as u64);
+            assert_eq!(dst[..len], src[..len]);
+
+            // `On` refuses instead, and leaves no file behind.
+            let e = refusing_direct(|| engine.read_file(&path, &mut dst, &opts(DirectIo::On)))
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+            std::fs::remove_file(&path).unwrap();
+            let e = refusing_direct(|| {
+                engine.write_file(&path, &src, len as u64, &opts(DirectIo::On), &mut |_, _| {
+                    Ok(())
+                })
+            })
+            .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+            assert!(!path.exists());
+        }
+    }
+
+    #[test]
+    fn engines_open_as_asked() {
+        assert_eq!(open_engine(IoChoice::Psync).unwrap().kind(), IoKind::Psync);
+        // io_uring works on the machines the tests run on.
+        assert_eq!(open_engine(IoChoice::Uring).unwrap().kind(), IoKind::Uring);
+        assert_eq!(open_engine(IoChoice::Auto).unwrap().kind(), IoKind::Uring);
+        uring::probe().unwrap();
+    }
 }

@@ -186,10 +186,11 @@ impl Root {
             let Some(name) = name.to_str() else { continue };
             let ours = (name.starts_with(".pending-") || name.starts_with(".trash-"))
                 && name.contains(&tag);
-            if ours && ent.file_type().is_ok_and(|t| t.is_dir()) {
-                if fs::remove_dir_all(ent.path()).is_ok() {
-                    n += 1;
-                }
+            if ours
+                && ent.file_type().is_ok_and(|t| t.is_dir())
+                && fs::remove_dir_all(ent.path()).is_ok()
+            {
+                n += 1;
             }
         }
         n
@@ -237,28 +238,44 @@ impl Root {
         let target = self.step_dir(step);
         self.check("rename", &target)?;
         let exists = fs::symlink_metadata(&target).is_ok();
-        let replaced = if exists {
-            if !overwrite {
-                return Err(Error::Exists {
-                    step,
-                    root: self.path.clone(),
-                });
-            }
+        if exists && !overwrite {
+            return Err(Error::Exists {
+                step,
+                root: self.path.clone(),
+            });
+        }
+        if exists {
             exchange(pending, &target).map_err(|e| Error::io("exchange", &target, e))?;
-            // `pending` now holds the old step; move it out of the way.
-            let trash = self.path.join(format!(
-                ".trash-{step:012}-r00000-{}-{}",
-                std::process::id(),
-                nonce()
-            ));
-            fs::rename(pending, &trash).map_err(|e| Error::io("rename", pending, e))?;
-            Some(trash)
         } else {
             fs::rename(pending, &target).map_err(|e| Error::io("rename", &target, e))?;
-            None
-        };
-        self.sync_dir(&self.path)?;
-        Ok(replaced)
+        }
+        if let Err(e) = self.sync_dir(&self.path) {
+            // Not durable, so not committed: take the new step back out of
+            // view (restoring the old one when overwriting) and report.
+            let undone = if exists {
+                exchange(pending, &target)
+            } else {
+                fs::rename(&target, pending)
+            };
+            if let Err(u) = undone {
+                tracing::error!(
+                    "acp: step {step} is visible in {} but its commit failed ({e}) and could not be undone: {u}",
+                    self.path.display()
+                );
+            }
+            return Err(e);
+        }
+        if !exists {
+            return Ok(None);
+        }
+        // `pending` now holds the old step; move it out of the way.
+        let trash = self.path.join(format!(
+            ".trash-{step:012}-r00000-{}-{}",
+            std::process::id(),
+            nonce()
+        ));
+        fs::rename(pending, &trash).map_err(|e| Error::io("rename", pending, e))?;
+        Ok(Some(trash))
     }
 
     /// Records `step` as the newest committed step in the `latest` file

@@ -1,0 +1,301 @@
+//! What both engines share: argument checks, opening files under the
+//! `O_DIRECT` policy, the chunk geometry, and the write and read skeletons
+//! around each engine's chunk loop.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use crate::config::DirectIo;
+use crate::error::{Error, Result};
+use crate::io::{IoKind, IoOpts, IoStats};
+use crate::storage::faults;
+
+use super::sys;
+
+/// The alignment `O_DIRECT` needs of buffers, offsets and lengths.
+pub(super) const ALIGN: usize = 4096;
+
+/// The largest chunk: one SQE length is a `u32`.
+const MAX_CHUNK: usize = 1 << 30;
+
+/// `n` rounded up to [`ALIGN`], or `None` on overflow.
+pub(super) fn round_up(n: usize) -> Option<usize> {
+    n.checked_next_multiple_of(ALIGN)
+}
+
+/// One chunk of a file: where it starts and how many bytes move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Span {
+    /// Offset in the file and in the buffer.
+    pub(super) start: usize,
+    /// Bytes of file data in the chunk.
+    pub(super) data: usize,
+    /// Bytes transferred: `data`, or `data` rounded up to [`ALIGN`] when
+    /// padded.
+    pub(super) io: usize,
+}
+
+impl Span {
+    /// The file offset.
+    pub(super) fn offset(&self) -> u64 {
+        self.start as u64
+    }
+}
+
+/// How a file of `len` bytes splits into chunks.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Geometry {
+    len: usize,
+    chunk: usize,
+    pad: bool,
+}
+
+impl Geometry {
+    /// `len` bytes in chunks of `chunk` (a positive multiple of [`ALIGN`]);
+    /// with `pad`, the last transfer is rounded up to [`ALIGN`] (the buffer
+    /// must hold that many bytes).
+    pub(super) fn new(len: usize, chunk: usize, pad: bool) -> Self {
+        Geometry { len, chunk, pad }
+    }
+
+    /// The number of chunks; 0 for an empty file.
+    pub(super) fn count(&self) -> usize {
+        self.len.div_ceil(self.chunk)
+    }
+
+    /// Chunk `i` (below [`count`](Self::count)).
+    pub(super) fn span(&self, i: usize) -> Span {
+        let start = i * self.chunk;
+        let data = self.chunk.min(self.len - start);
+        // `start + io` never passes round_up(len), checked by the caller.
+        let io = if self.pad {
+            data.next_multiple_of(ALIGN)
+        } else {
+            data
+        };
+        Span { start, data, io }
+    }
+}
+
+/// Removes a file on drop unless disarmed: no partial file survives an
+/// error (or an unwinding `on_chunk`).
+struct RemoveOnDrop<'a> {
+    path: Option<&'a Path>,
+}
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(path) = self.path {
+            if let Err(e) = std::fs::remove_file(path) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove partial file");
+            }
+        }
+    }
+}
+
+/// Rejects a chunk size or queue depth the engines cannot use.
+fn check_opts(opts: &IoOpts) -> Result<()> {
+    if opts.chunk_bytes == 0 || opts.chunk_bytes % ALIGN != 0 || opts.chunk_bytes > MAX_CHUNK {
+        return Err(Error::invalid(
+            "chunk_bytes",
+            format!(
+                "{} is not a positive multiple of 4096 up to 1 GiB",
+                opts.chunk_bytes
+            ),
+        ));
+    }
+    if opts.queue_depth == 0 {
+        return Err(Error::invalid("queue_depth", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// Whether to ask for `O_DIRECT`, given the policy and whether the buffer
+/// allows it (aligned, and long enough for the padded tail).
+fn want_direct(policy: DirectIo, buf_ok: bool, op: &str, path: &Path) -> Result<bool> {
+    match policy {
+        DirectIo::Off => Ok(false),
+        DirectIo::Auto => Ok(buf_ok),
+        DirectIo::On if buf_ok => Ok(true),
+        DirectIo::On => Err(Error::invalid(
+            format!("{op} {}", path.display()),
+            "O_DIRECT needs a 4096-aligned buffer that holds the length rounded up to 4096",
+        )),
+    }
+}
+
+/// Applies the flags to a fresh descriptor: `O_DIRECT` when wanted (with
+/// `Auto`, a refusal means buffered I/O) and clears `O_NONBLOCK` when asked.
+/// Returns whether `O_DIRECT` is on.
+fn apply_flags(
+    file: &File,
+    policy: DirectIo,
+    want: bool,
+    clear_nonblock: bool,
+    path: &Path,
+) -> Result<bool> {
+    if !want {
+        sys::set_flags(file, false, clear_nonblock).map_err(|e| Error::io("fcntl", path, e))?;
+        return Ok(false);
+    }
+    match sys::set_flags(file, true, clear_nonblock) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && policy == DirectIo::Auto => {
+            tracing::debug!(path = %path.display(), "file system refuses O_DIRECT; buffered I/O");
+            sys::set_flags(file, false, clear_nonblock).map_err(|e| Error::io("fcntl", path, e))?;
+            Ok(false)
+        }
+        Err(e) => Err(Error::io("open O_DIRECT", path, e)),
+    }
+}
+
+/// Whether `p` is [`ALIGN`]-aligned.
+fn aligned(p: *const u8) -> bool {
+    (p as usize) % ALIGN == 0
+}
+
+/// The write skeleton: checks, `O_EXCL` create (0600), `O_DIRECT` policy,
+/// `fallocate`, then `chunks(file, geometry, on_chunk)` writes the chunks,
+/// then the tail truncate and the fsync. Any error removes the file.
+pub(super) fn write_file<F>(
+    kind: IoKind,
+    path: &Path,
+    src: &[u8],
+    len: u64,
+    opts: &IoOpts,
+    on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    chunks: F,
+) -> Result<IoStats>
+where
+    F: FnOnce(&File, Geometry, &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()>,
+{
+    check_opts(opts)?;
+    let what = || format!("write {}", path.display());
+    let n = usize::try_from(len)
+        .ok()
+        .filter(|&n| n <= src.len())
+        .ok_or_else(|| {
+            Error::invalid(
+                what(),
+                format!("length {len} exceeds the {} byte source", src.len()),
+            )
+        })?;
+    let padded = round_up(n).ok_or_else(|| Error::invalid(what(), "length overflows"))?;
+    let buf_ok = padded <= src.len() && aligned(src.as_ptr());
+    let want = want_direct(opts.direct, buf_ok, "write", path)?;
+
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io("create", path, e))?;
+    let mut guard = RemoveOnDrop { path: Some(path) };
+
+    let direct = apply_flags(&file, opts.direct, want, false, path)?;
+    sys::fallocate(&file, len).map_err(|e| Error::io("fallocate", path, e))?;
+    chunks(&file, Geometry::new(n, opts.chunk_bytes, direct), on_chunk)?;
+    if direct && padded != n {
+        file.set_len(len)
+            .map_err(|e| Error::io("truncate", path, e))?;
+    }
+    faults::check(opts.faults.as_deref(), "fsync", path)
+        .map_err(|e| Error::io("fsync", path, e))?;
+    file.sync_all().map_err(|e| Error::io("fsync", path, e))?;
+    guard.path = None;
+    Ok(IoStats {
+        bytes: len,
+        direct,
+        kind,
+    })
+}
+
+/// The read skeleton: `O_NOFOLLOW` open (non-blocking, so a FIFO cannot
+/// hang it), `fstat`, refusal of anything but a regular file or a file
+/// that does not fit, `O_DIRECT` policy, then `chunks(file, dst, geometry)`
+/// reads the chunks (each padded to [`ALIGN`]; the last one comes back
+/// short at end of file). Returns the file length.
+pub(super) fn read_file<F>(path: &Path, dst: &mut [u8], opts: &IoOpts, chunks: F) -> Result<u64>
+where
+    F: FnOnce(&File, &mut [u8], Geometry) -> Result<()>,
+{
+    check_opts(opts)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io("open", path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+    if !meta.is_file() {
+        return Err(Error::invalid(
+            format!("read {}", path.display()),
+            "not a regular file",
+        ));
+    }
+    let len = meta.len();
+    let too_big = || {
+        Error::invalid(
+            format!("read {}", path.display()),
+            format!(
+                "{len} bytes (rounded up to 4096) do not fit in a {} byte buffer",
+                dst.len()
+            ),
+        )
+    };
+    let n = usize::try_from(len).map_err(|_| too_big())?;
+    let padded = round_up(n)
+        .filter(|&p| p <= dst.len())
+        .ok_or_else(too_big)?;
+    let want = want_direct(opts.direct, aligned(dst.as_ptr()), "read", path)?;
+    let direct = apply_flags(&file, opts.direct, want, true, path)?;
+    tracing::trace!(path = %path.display(), len, direct, "read");
+    if n > 0 {
+        chunks(
+            &file,
+            &mut dst[..padded],
+            Geometry::new(n, opts.chunk_bytes, true),
+        )?;
+    }
+    Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_pads_only_the_tail() {
+        let g = Geometry::new(3 * 8192 + 5, 8192, true);
+        assert_eq!(g.count(), 4);
+        assert_eq!(
+            g.span(0),
+            Span {
+                start: 0,
+                data: 8192,
+                io: 8192
+            }
+        );
+        assert_eq!(
+            g.span(3),
+            Span {
+                start: 24576,
+                data: 5,
+                io: 4096
+            }
+        );
+        let g = Geometry::new(8192, 8192, false);
+        assert_eq!(g.count(), 1);
+        assert_eq!(Geometry::new(0, 8192, true).count(), 0);
+        assert_eq!(Geometry::new(1, 8192, false).span(0).io, 1);
+    }
+
+    #[test]
+    fn rounding() {
+        assert_eq!(round_up(0), Some(0));
+        assert_eq!(round_up(1), Some(4096));
+        assert_eq!(round_up(4096), Some(4096));
+        assert_eq!(round_up(usize::MAX), None);
+    }
+}

@@ -1,0 +1,308 @@
+//! Opening a ring: slot files, locks, and recovery of what a previous
+//! process left in them.
+
+use std::fs::{File, OpenOptions, Permissions};
+use std::io::ErrorKind;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+
+use super::control::{off, Header, Layout, HEADER_BYTES, HEADER_PAGE, PAGE};
+use super::slot::{self, SlotMem};
+use super::table::{Entry, Inner, Table};
+use super::{RingOptions, RingReport, SlotState};
+
+/// The file of slot `slot`.
+pub(super) fn slot_path(opts: &RingOptions, slot: usize) -> PathBuf {
+    opts.dir.join(format!("{}-s{slot}", opts.prefix))
+}
+
+/// Opens the ring described by `opts`.
+pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
+    let p = &opts.prefix;
+    if p.is_empty() || p.contains('/') || p.contains('\0') || p == "." || p == ".." {
+        return Err(Error::invalid(
+            format!("ring prefix `{p}`"),
+            "must be a non-empty plain file name",
+        ));
+    }
+    let layout = Layout::new(opts.budget, opts.slots, opts.chunk_bytes)?;
+    let mut report = RingReport::default();
+    let mut mlock_error = None;
+    // Every lock first, so that a busy ring is left exactly as it is.
+    let files = (0..opts.slots)
+        .map(|i| open_locked(&slot_path(&opts, i)))
+        .collect::<Result<Vec<File>>>()?;
+    let mut slots = Vec::with_capacity(opts.slots);
+    for (i, file) in files.iter().enumerate() {
+        let path = slot_path(&opts, i);
+        let entry = Recovery {
+            opts: &opts,
+            layout: &layout,
+            file,
+            path: &path,
+        }
+        .run(i, &mut report, &mut mlock_error)?;
+        slots.push(entry);
+    }
+    if opts.mlock && mlock_error.is_none() {
+        if let Err(why) = slot::lock_allowed(opts.budget) {
+            mlock_error = Some(why);
+        }
+    }
+    if let Some(why) = &mlock_error {
+        tracing::warn!(
+            "ring `{}`: mlock refused ({why}); slots are pre-faulted but may be swapped",
+            opts.prefix
+        );
+    }
+    report.mlocked = opts.mlock && mlock_error.is_none();
+    report.mlock_error.clone_from(&mlock_error);
+    report
+        .recovered
+        .sort_by(|a, b| b.step.cmp(&a.step).then(a.slot.cmp(&b.slot)));
+    let table = Table {
+        slots,
+        mlock_ok: report.mlocked,
+        mlock_error,
+    };
+    Ok((
+        Inner {
+            opts,
+            layout,
+            files,
+            table: Mutex::new(table),
+            freed: Condvar::new(),
+        },
+        report,
+    ))
+}
+
+/// Opens (creating) a slot file with mode 0600 and takes its `flock`.
+fn open_locked(path: &Path) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| Error::io("open", path, e))?;
+    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+    if !meta.file_type().is_file() {
+        return Err(Error::invalid(
+            path.display(),
+            "ring slot is not a regular file",
+        ));
+    }
+    let me = slot::euid();
+    if meta.uid() != me {
+        return Err(Error::Busy {
+            what: path.display().to_string(),
+            reason: format!("owned by uid {}, not by this user (uid {me})", meta.uid()),
+        });
+    }
+    if meta.mode() & 0o7777 != 0o600 {
+        file.set_permissions(Permissions::from_mode(0o600))
+            .map_err(|e| Error::io("chmod", path, e))?;
+    }
+    if let Err(e) = slot::try_flock(&file) {
+        if e.kind() == ErrorKind::WouldBlock {
+            let holder = owner_pid(&file).map_or_else(
+                || "locked by another live process".to_owned(),
+                |pid| format!("locked by live process {pid}"),
+            );
+            return Err(Error::Busy {
+                what: path.display().to_string(),
+                reason: holder,
+            });
+        }
+        return Err(Error::io("flock", path, e));
+    }
+    Ok(file)
+}
+
+/// The owner pid in a slot file's control block, if it has one.
+fn owner_pid(file: &File) -> Option<u32> {
+    let mut b = [0u8; off::END];
+    file.read_exact_at(&mut b, 0).ok()?;
+    Header::decode(&b).map(|h| h.pid)
+}
+
+/// Recovery of one slot file at open.
+struct Recovery<'a> {
+    opts: &'a RingOptions,
+    layout: &'a Layout,
+    file: &'a File,
+    path: &'a Path,
+}
+
+impl Recovery<'_> {
+    /// Reads the control block and returns the slot's table entry: a
+    /// complete image when it is trusted, else a `Free` slot with a fresh
+    /// control block.
+    fn run(
+        &self,
+        index: usize,
+        report: &mut RingReport,
+        mlock_error: &mut Option<String>,
+    ) -> Result<Entry> {
+        let file_len = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io("stat", self.path, e))?
+            .len();
+        let mut block = [0u8; off::END];
+        let header = if file_len >= HEADER_PAGE {
+            self.file
+                .read_exact_at(&mut block, 0)
+                .map_err(|e| Error::io("read", self.path, e))?;
+            Header::decode(&block)
+        } else {
+            None
+        };
+        let mut generation = 0;
+        match header {
+            Some(h) if h.job_tag == self.opts.job_tag && h.rank == self.opts.rank => {
+                generation = h.generation;
+                match SlotState::from_code(h.state) {
+                    Some(state) if state.is_complete() => match h.check_complete(file_len) {
+                        Ok(()) => {
+                            let entry = self.recover(state, &h, file_len, mlock_error)?;
+                            report.recovered.push(entry.info(index));
+                            return Ok(entry);
+                        }
+                        Err(why) => tracing::warn!(
+                            "{}: complete slot not trusted ({why}); reset to free",
+                            self.path.display()
+                        ),
+                    },
+                    Some(SlotState::Staging) => {
+                        tracing::info!(
+                            "{}: slot was half-staged when its process died; discarded",
+                            self.path.display()
+                        );
+                        report.discarded_half_staged += 1;
+                    }
+                    Some(_) => {}
+                    None => tracing::warn!(
+                        "{}: unknown state code {}; reset to free",
+                        self.path.display(),
+                        h.state
+                    ),
+                }
+            }
+            Some(_) => tracing::warn!(
+                "{}: control block of another job or rank; reset to free",
+                self.path.display()
+            ),
+            None if file_len > 0 => tracing::warn!(
+                "{}: no valid control block; reset to free",
+                self.path.display()
+            ),
+            None => {}
+        }
+        self.reset(file_len, generation, mlock_error)
+    }
+
+    /// Maps a trusted complete slot and takes it over.
+    fn recover(
+        &self,
+        state: SlotState,
+        h: &Header,
+        file_len: u64,
+        mlock_error: &mut Option<String>,
+    ) -> Result<Entry> {
+        // SAFETY: we hold the file's `flock`, so no other ring process
+        // touches it, and the ring being opened is not shared yet, so no
+        // handle on this slot exists in this process.
+        let mut mem = unsafe { SlotMem::map(self.file, file_len, h.image_offset) }
+            .map_err(|e| Error::io("mmap", self.path, e))?;
+        self.lock(&mem, mlock_error);
+        mem.ctrl.set_pid(std::process::id());
+        let has_digests = h.digests_usable(self.opts.chunk_bytes);
+        if !has_digests && h.digests_valid != 0 {
+            mem.ctrl.clear_digests();
+        }
+        Ok(Entry {
+            mem: Some(mem),
+            state,
+            step: h.step,
+            len: h.image_len,
+            pins: 0,
+            free_on_unpin: false,
+            has_digests,
+            generation: h.generation,
+        })
+    }
+
+    /// Reinitialises a slot as `Free`. A file whose size fits this ring's
+    /// layout is mapped (its memory is reused); any other is cut to its
+    /// header page and regrown by the first `acquire`.
+    fn reset(
+        &self,
+        file_len: u64,
+        generation: u64,
+        mlock_error: &mut Option<String>,
+    ) -> Result<Entry> {
+        let l = self.layout;
+        let capacity = file_len.saturating_sub(l.ctrl_len);
+        let reusable = file_len > l.ctrl_len && l.fits(l.ctrl_len, capacity, PAGE);
+        let header = Header {
+            state: SlotState::Free.code(),
+            step: 0,
+            image_len: 0,
+            capacity: if reusable { capacity } else { 0 },
+            job_tag: self.opts.job_tag,
+            rank: self.opts.rank,
+            pid: std::process::id(),
+            generation,
+            chunk_bytes: self.opts.chunk_bytes,
+            digest_count: 0,
+            digests_valid: 0,
+            image_offset: l.ctrl_len,
+        };
+        let mem = if reusable {
+            // SAFETY: as in `recover`: the `flock` is ours and the ring is
+            // not shared yet, so nothing else accesses the file's bytes.
+            let mut mem = unsafe { SlotMem::map(self.file, file_len, l.ctrl_len) }
+                .map_err(|e| Error::io("mmap", self.path, e))?;
+            self.lock(&mem, mlock_error);
+            mem.ctrl.write_header(&header);
+            Some(mem)
+        } else {
+            if file_len != HEADER_PAGE {
+                self.file
+                    .set_len(HEADER_PAGE)
+                    .map_err(|e| Error::io("ftruncate", self.path, e))?;
+            }
+            let mut page = [0u8; HEADER_BYTES];
+            page[..off::END].copy_from_slice(&header.encode());
+            self.file
+                .write_all_at(&page, 0)
+                .map_err(|e| Error::io("write", self.path, e))?;
+            None
+        };
+        Ok(Entry {
+            mem,
+            state: SlotState::Free,
+            step: 0,
+            len: 0,
+            pins: 0,
+            free_on_unpin: false,
+            has_digests: false,
+            generation,
+        })
+    }
+
+    fn lock(&self, mem: &SlotMem, mlock_error: &mut Option<String>) {
+        if self.opts.mlock {
+            if let Err(e) = mem.lock() {
+                *mlock_error = Some(format!("mlock {}: {e}", self.path.display()));
+            }
+        }
+    }
+}

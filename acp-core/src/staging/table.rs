@@ -1,0 +1,201 @@
+//! The in-process table of slots behind the ring's mutex, and the
+//! acquire path that readies a slot's memory outside it.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+
+use crate::error::{Error, Result};
+
+use super::control::{round_up, Header, Layout, PAGE};
+use super::slot::{self, SlotMem};
+use super::{open, RingOptions, SlotInfo, SlotState};
+
+/// What all clones of a [`Ring`](super::Ring) share.
+#[derive(Debug)]
+pub(super) struct Inner {
+    pub(super) opts: RingOptions,
+    pub(super) layout: Layout,
+    /// The slot files, locked for the life of the ring.
+    pub(super) files: Vec<File>,
+    pub(super) table: Mutex<Table>,
+    /// Signalled when a slot may have become available to `acquire`.
+    pub(super) freed: Condvar,
+}
+
+/// The in-process truth about the slots.
+#[derive(Debug)]
+pub(super) struct Table {
+    pub(super) slots: Vec<Entry>,
+    /// `mlock` was asked for and nothing refused it so far.
+    pub(super) mlock_ok: bool,
+    /// The last `mlock` refusal.
+    pub(super) mlock_error: Option<String>,
+}
+
+/// One slot.
+#[derive(Debug)]
+pub(super) struct Entry {
+    /// The mapping; `None` before the slot's memory exists, and while
+    /// `acquire` (re)builds it outside the lock.
+    pub(super) mem: Option<SlotMem>,
+    pub(super) state: SlotState,
+    pub(super) step: u64,
+    pub(super) len: u64,
+    /// Live `PinnedSlot`s.
+    pub(super) pins: usize,
+    /// Released while pinned: freed when the last pin drops.
+    pub(super) free_on_unpin: bool,
+    pub(super) has_digests: bool,
+    pub(super) generation: u64,
+}
+
+impl Entry {
+    /// Holds a complete image that may be listed and pinned.
+    pub(super) fn is_available(&self) -> bool {
+        self.state.is_complete() && !self.free_on_unpin && self.mem.is_some()
+    }
+
+    /// Marks the slot `Free` here and in its control block (digests first).
+    pub(super) fn free(&mut self) {
+        self.state = SlotState::Free;
+        self.free_on_unpin = false;
+        self.has_digests = false;
+        if let Some(m) = &mut self.mem {
+            m.ctrl.clear_digests();
+            m.ctrl.set_state(SlotState::Free);
+        }
+    }
+
+    pub(super) fn info(&self, slot: usize) -> SlotInfo {
+        SlotInfo {
+            slot,
+            step: self.step,
+            len: self.len,
+            state: self.state,
+            has_digests: self.has_digests,
+        }
+    }
+}
+
+impl Inner {
+    /// The table. A panic while it was held cannot leave it inconsistent
+    /// (every update is a few field stores), so poisoning is ignored.
+    pub(super) fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn path(&self, slot: usize) -> PathBuf {
+        open::slot_path(&self.opts, slot)
+    }
+
+    pub(super) fn what(&self) -> String {
+        format!("ring `{}` in {}", self.opts.prefix, self.opts.dir.display())
+    }
+
+    /// Picks the slot `acquire` takes for `len` bytes: a `Free` one (one
+    /// already big enough first), else the unpinned `Persisted` one with
+    /// the oldest step.
+    pub(super) fn pick(&self, t: &Table, len: u64) -> Option<usize> {
+        let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
+        let fits = |e: &Entry| {
+            e.mem
+                .as_ref()
+                .is_some_and(|m| self.layout.fits(m.image_off(), m.capacity(), len))
+        };
+        let slots = t.slots.iter().enumerate();
+        slots
+            .clone()
+            .find(|(_, e)| free(e) && fits(e))
+            .or_else(|| slots.clone().find(|(_, e)| free(e)))
+            .or_else(|| {
+                slots
+                    .filter(|(_, e)| e.state == SlotState::Persisted && e.pins == 0)
+                    .min_by_key(|(i, e)| (e.step, *i))
+            })
+            .map(|(i, _)| i)
+    }
+
+    /// Readies slot `slot` (already `Staging` in the table, its mapping
+    /// taken out as `old`) for an image of `len` bytes, outside the lock:
+    /// reuses the mapping when it fits, else regrows the file and maps it
+    /// anew. Sets `mlock_error` when `mlock` is refused.
+    pub(super) fn prepare(
+        &self,
+        slot: usize,
+        len: u64,
+        old: Option<SlotMem>,
+        generation: u64,
+        mlock_error: &mut Option<String>,
+    ) -> Result<SlotMem> {
+        let l = &self.layout;
+        let mut mem = match old {
+            Some(mut m) if l.fits(m.image_off(), m.capacity(), len) => {
+                m.ctrl.set_state(SlotState::Staging);
+                m
+            }
+            other => {
+                let mut floor = 0;
+                if let Some(mut m) = other {
+                    m.ctrl.set_state(SlotState::Staging);
+                    if !m.is_unique() {
+                        // A handle still maps the file (cannot happen while
+                        // the slot is unpinned): never shrink under it.
+                        floor = l.ctrl_len
+                            + round_up(m.file_len().saturating_sub(l.ctrl_len), PAGE).unwrap_or(0);
+                    }
+                }
+                self.grow(
+                    slot,
+                    (l.ctrl_len + l.capacity_for(len)).max(floor),
+                    mlock_error,
+                )?
+            }
+        };
+        mem.ctrl.write_header(&Header {
+            state: SlotState::Staging.code(),
+            step: 0,
+            image_len: 0,
+            capacity: mem.capacity(),
+            job_tag: self.opts.job_tag,
+            rank: self.opts.rank,
+            pid: std::process::id(),
+            generation,
+            chunk_bytes: self.opts.chunk_bytes,
+            digest_count: 0,
+            digests_valid: 0,
+            image_offset: mem.image_off(),
+        });
+        Ok(mem)
+    }
+
+    /// Sizes slot `slot`'s file to `size` bytes, allocates, maps,
+    /// pre-faults and (when asked) locks it.
+    pub(super) fn grow(
+        &self,
+        slot: usize,
+        size: u64,
+        mlock_error: &mut Option<String>,
+    ) -> Result<SlotMem> {
+        let path = self.path(slot);
+        let Some(file) = self.files.get(slot) else {
+            return Err(Error::invalid(self.what(), format!("no slot {slot}")));
+        };
+        file.set_len(size)
+            .map_err(|e| Error::io("ftruncate", &path, e))?;
+        slot::allocate(file, size).map_err(|e| Error::io("fallocate", &path, e))?;
+        // SAFETY: we hold the slot's `flock`, so no other ring process
+        // touches the file; in this process the slot is `Staging` in the
+        // table with its previous mapping taken out and dropped by
+        // `prepare`, and it had no pin when `acquire` took it, so no image
+        // handle of it is alive and nobody reads or writes its bytes.
+        let mem = unsafe { SlotMem::map(file, size, self.layout.ctrl_len) }
+            .map_err(|e| Error::io("mmap", &path, e))?;
+        if self.opts.mlock {
+            if let Err(e) = mem.lock() {
+                *mlock_error = Some(format!("mlock {}: {e}", path.display()));
+            }
+        }
+        Ok(mem)
+    }
+}
