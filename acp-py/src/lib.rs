@@ -1,4 +1,15 @@
-//! Python bindings of acp-core (module `acp._acp`).
+//! Python bindings of acp-core: the extension module `acp._acp`.
+//!
+//! This crate is thin: it converts arguments, releases the GIL around every
+//! call into the engine and maps errors to the exception classes of
+//! [`errors`]. The Python package `acp` builds the user-facing API on it.
+
+mod engine;
+mod errors;
+mod faults;
+mod load;
+mod save;
+mod tensors;
 
 use pyo3::prelude::*;
 
@@ -6,5 +17,14 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", acp_core::format::FORMAT_VERSION)?;
+    m.add_class::<engine::Engine>()?;
+    m.add_class::<save::Staging>()?;
+    m.add_class::<save::SaveHandle>()?;
+    m.add_class::<load::Loaded>()?;
+    m.add_class::<faults::FaultInjector>()?;
+    for (name, class) in errors::classes(m.py())?.named() {
+        m.add(name, class.clone_ref(m.py()))?;
+    }
     Ok(())
 }

@@ -1,0 +1,304 @@
+//! `Engine`: one checkpoint engine for a job and rank, with every
+//! [`EngineConfig`] setter as a keyword argument.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use acp_core::{
+    DirectIo, EngineConfig, Error, IoChoice, IoKind, LoadRequest, SaveOptions, TensorSpec, Verify,
+    WhenFull,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{err, invalid};
+use crate::faults::FaultInjector;
+use crate::load::Loaded;
+use crate::save::Staging;
+
+/// A checkpoint engine: a shared-memory ring, flush threads and the
+/// checkpoint directory of one job and rank.
+#[pyclass(module = "acp._acp", frozen)]
+#[derive(Debug)]
+pub(crate) struct Engine {
+    inner: acp_core::Engine,
+}
+
+/// The name of an I/O engine, as Python sees it.
+pub(crate) fn io_name(io: IoKind) -> &'static str {
+    match io {
+        IoKind::Uring => "uring",
+        IoKind::Psync => "psync",
+    }
+}
+
+fn config_error(field: &'static str, reason: impl Into<String>) -> PyErr {
+    err(Error::Config {
+        field,
+        reason: reason.into(),
+    })
+}
+
+/// Seconds from Python as a [`Duration`].
+pub(crate) fn seconds(field: &'static str, secs: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs)
+        .map_err(|_| config_error(field, format!("{secs} is not a duration in seconds")))
+}
+
+fn choice<T: Copy>(field: &'static str, value: &str, options: &[(&str, T)]) -> PyResult<T> {
+    options
+        .iter()
+        .find(|(name, _)| *name == value)
+        .map(|&(_, v)| v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+            config_error(field, format!("{value:?} is not one of {names:?}"))
+        })
+}
+
+#[pymethods]
+impl Engine {
+    /// Opens the engine (see `acp_core::Engine::open`). Keyword arguments
+    /// left at `None` keep the engine's default.
+    #[new]
+    #[pyo3(signature = (
+        root, *, job=None, rank=0, world_size=1, ring_bytes=None, ring_slots=None,
+        shm_dir=None, mlock=None, copy_threads=None, chunk_bytes=None, queue_depth=None,
+        io=None, direct_io=None, on_full=None, full_timeout=None, verify=None,
+        keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None, faults=None,
+    ))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one keyword per EngineConfig setter"
+    )]
+    fn new(
+        py: Python<'_>,
+        root: PathBuf,
+        job: Option<String>,
+        rank: u32,
+        world_size: u32,
+        ring_bytes: Option<u64>,
+        ring_slots: Option<usize>,
+        shm_dir: Option<PathBuf>,
+        mlock: Option<bool>,
+        copy_threads: Option<usize>,
+        chunk_bytes: Option<usize>,
+        queue_depth: Option<usize>,
+        io: Option<&str>,
+        direct_io: Option<&str>,
+        on_full: Option<&str>,
+        full_timeout: Option<f64>,
+        verify: Option<&str>,
+        keep_last: Option<usize>,
+        keep_every: Option<u64>,
+        persist_on_open: Option<bool>,
+        stall_timeout: Option<f64>,
+        faults: Option<&FaultInjector>,
+    ) -> PyResult<Engine> {
+        let mut c = EngineConfig::new(root)
+            .with_rank(rank)
+            .with_world_size(world_size);
+        if let Some(job) = job {
+            c = c.with_job(job);
+        }
+        if let Some(v) = ring_bytes {
+            c = c.with_ring_bytes(v);
+        }
+        if let Some(v) = ring_slots {
+            c = c.with_ring_slots(v);
+        }
+        if let Some(v) = shm_dir {
+            c = c.with_shm_dir(v);
+        }
+        if let Some(v) = mlock {
+            c = c.with_mlock(v);
+        }
+        if let Some(v) = copy_threads {
+            c = c.with_copy_threads(v);
+        }
+        if let Some(v) = chunk_bytes {
+            c = c.with_chunk_bytes(v);
+        }
+        if let Some(v) = queue_depth {
+            c = c.with_queue_depth(v);
+        }
+        if let Some(v) = io {
+            let options = [
+                ("auto", IoChoice::Auto),
+                ("uring", IoChoice::Uring),
+                ("psync", IoChoice::Psync),
+            ];
+            c = c.with_io(choice("io", v, &options)?);
+        }
+        if let Some(v) = direct_io {
+            let options = [
+                ("auto", DirectIo::Auto),
+                ("on", DirectIo::On),
+                ("off", DirectIo::Off),
+            ];
+            c = c.with_direct_io(choice("direct_io", v, &options)?);
+        }
+        match (on_full, full_timeout) {
+            (None | Some("wait"), Some(secs)) => {
+                c = c.with_when_full(WhenFull::Wait(seconds("full_timeout", secs)?));
+            }
+            (None | Some("wait"), None) => {}
+            (Some("skip"), None) => c = c.with_when_full(WhenFull::Skip),
+            (Some("skip"), Some(_)) => {
+                return Err(config_error(
+                    "full_timeout",
+                    "only applies with on_full=\"wait\"",
+                ));
+            }
+            (Some(other), _) => {
+                return Err(config_error(
+                    "on_full",
+                    format!("{other:?} is not one of [\"wait\", \"skip\"]"),
+                ));
+            }
+        }
+        if let Some(v) = verify {
+            let options = [
+                ("always", Verify::Always),
+                ("storage_only", Verify::StorageOnly),
+            ];
+            c = c.with_verify(choice("verify", v, &options)?);
+        }
+        if let Some(v) = keep_last {
+            c = c.with_keep_last(v);
+        }
+        if let Some(v) = keep_every {
+            c = c.with_keep_every(v);
+        }
+        if let Some(v) = persist_on_open {
+            c = c.with_persist_on_open(v);
+        }
+        if let Some(v) = stall_timeout {
+            c = c.with_stall_timeout(seconds("stall_timeout", v)?);
+        }
+        if let Some(f) = faults {
+            c = c.with_faults(f.shared());
+        }
+        let inner = py.detach(|| acp_core::Engine::open(c)).map_err(err)?;
+        Ok(Engine { inner })
+    }
+
+    /// The checkpoint root.
+    #[getter]
+    fn root(&self) -> PathBuf {
+        self.inner.root().to_path_buf()
+    }
+
+    /// What opening the engine found and chose, as a dict.
+    fn open_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.open_report();
+        let d = PyDict::new(py);
+        d.set_item("io", io_name(r.io))?;
+        d.set_item("mlocked", r.mlocked)?;
+        d.set_item("mlock_error", r.mlock_error.as_deref())?;
+        d.set_item("resident_steps", r.resident_steps.clone())?;
+        d.set_item("persisting_steps", r.persisting_steps.clone())?;
+        d.set_item("discarded_half_staged", r.discarded_half_staged)?;
+        Ok(d)
+    }
+
+    /// Starts a save: lays out `specs` (name, safetensors dtype, shape) and
+    /// the JSON `values_json` in a ring slot. Returns the `Staging` to fill,
+    /// or `None` when the save was skipped because no slot was free.
+    #[pyo3(signature = (step, specs, values_json, overwrite=false, extra_metadata=None))]
+    fn begin_save(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        specs: Vec<(String, String, Vec<u64>)>,
+        values_json: &str,
+        overwrite: bool,
+        extra_metadata: Option<BTreeMap<String, String>>,
+    ) -> PyResult<Option<Staging>> {
+        let specs = specs
+            .into_iter()
+            .map(
+                |(name, dtype, shape)| match acp_core::Dtype::from_name(&dtype) {
+                    Some(dtype) => Ok(TensorSpec { name, dtype, shape }),
+                    None => Err(invalid(
+                        format!("tensor `{name}`"),
+                        format!("unknown dtype {dtype:?}"),
+                    )),
+                },
+            )
+            .collect::<PyResult<Vec<_>>>()?;
+        let opts = SaveOptions {
+            overwrite,
+            extra_metadata: extra_metadata.unwrap_or_default(),
+        };
+        let values_json = values_json.to_owned();
+        py.detach(|| {
+            let values: serde_json::Value = serde_json::from_str(&values_json)
+                .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))?;
+            let staging = self.inner.begin_save(step, &specs, &values, &opts)?;
+            staging.map(Staging::new).transpose()
+        })
+        .map_err(err)
+    }
+
+    /// Loads a committed step (the newest when `step` is None), from RAM
+    /// when a resident slot holds it, else from storage.
+    #[pyo3(signature = (step=None, storage_only=false, fallback=false))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        step: Option<u64>,
+        storage_only: bool,
+        fallback: bool,
+    ) -> PyResult<Loaded> {
+        let req = LoadRequest {
+            step,
+            storage_only,
+            fallback,
+        };
+        py.detach(|| Loaded::new(self.inner.load(&req)?))
+            .map_err(err)
+    }
+
+    /// The committed steps, ascending.
+    fn steps(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        py.detach(|| self.inner.steps()).map_err(err)
+    }
+
+    /// The newest committed step, or None.
+    fn latest(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        py.detach(|| self.inner.latest()).map_err(err)
+    }
+
+    /// Deletes committed steps that are neither among the newest `keep_last`
+    /// nor a multiple of `keep_every`; returns the deleted steps.
+    #[pyo3(signature = (keep_last, keep_every=None))]
+    fn retain(
+        &self,
+        py: Python<'_>,
+        keep_last: usize,
+        keep_every: Option<u64>,
+    ) -> PyResult<Vec<u64>> {
+        py.detach(|| self.inner.retain(keep_last, keep_every))
+            .map_err(err)
+    }
+
+    /// Waits until every queued flush has finished, at most `timeout`
+    /// seconds (forever when None).
+    #[pyo3(signature = (timeout=None))]
+    fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        py.detach(|| self.inner.wait_idle(timeout)).map_err(err)
+    }
+
+    /// Drains the flush queue and stops the flush thread; resident slots stay
+    /// in shared memory. Raises the first flush error no handle reported.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.close()).map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Engine(root={:?})", self.inner.root())
+    }
+}

@@ -1,0 +1,150 @@
+//! `Loaded`: a loaded checkpoint, its values and its tensors' bytes.
+
+use acp_core::{Checkpoint, Error, Source};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::errors::{err, invalid};
+use crate::save::{host_ranges, EntryInfo};
+use crate::tensors::{memoryview_owned_by, require_disjoint, slice_span, spans};
+
+/// A loaded checkpoint. Its tensors' bytes live in a resident ring slot (or
+/// a private buffer) for as long as this object, which `buffer()` views
+/// keep alive.
+#[pyclass(module = "acp._acp", frozen)]
+#[derive(Debug)]
+pub(crate) struct Loaded {
+    inner: Checkpoint,
+    entries: Vec<EntryInfo>,
+    values_json: String,
+}
+
+fn source_name(s: Source) -> &'static str {
+    match s {
+        Source::Ram => "ram",
+        Source::Storage => "storage",
+    }
+}
+
+impl Loaded {
+    /// Wraps a loaded checkpoint; serialises its values for Python.
+    pub(crate) fn new(inner: Checkpoint) -> Result<Loaded, Error> {
+        let entries = inner
+            .entries()
+            .iter()
+            .map(EntryInfo::from_entry)
+            .collect::<Result<_, _>>()?;
+        let values_json = serde_json::to_string(inner.values())
+            .map_err(|e| Error::invalid(format!("step {}: values", inner.step()), e))?;
+        Ok(Loaded {
+            inner,
+            entries,
+            values_json,
+        })
+    }
+
+    fn what(&self) -> String {
+        format!("load of step {}", self.inner.step())
+    }
+}
+
+#[pymethods]
+impl Loaded {
+    /// The step.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step()
+    }
+
+    /// Where it came from: "ram" or "storage".
+    #[getter]
+    fn source(&self) -> &'static str {
+        source_name(self.inner.report().source)
+    }
+
+    /// The plain values saved with it, as JSON text.
+    #[getter]
+    fn values_json(&self) -> &str {
+        &self.values_json
+    }
+
+    /// The load's figures: source, bytes, verified, secs.
+    fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.report();
+        let d = PyDict::new(py);
+        d.set_item("step", self.inner.step())?;
+        d.set_item("source", source_name(r.source))?;
+        d.set_item("bytes", r.bytes)?;
+        d.set_item("verified", r.verified)?;
+        d.set_item("secs", r.secs)?;
+        Ok(d)
+    }
+
+    /// The tensors in file order, as `(name, dtype, shape, nbytes)`.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        self.entries.iter().map(|e| e.to_tuple(py)).collect()
+    }
+
+    /// A read-only, zero-copy memoryview over the bytes of tensor `i`
+    /// (an index into `entries()`). It keeps this checkpoint alive.
+    fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        let this = slf.get();
+        let entry = this.inner.entries().get(i).ok_or_else(|| {
+            invalid(
+                this.what(),
+                format!(
+                    "tensor index {i} out of range (there are {})",
+                    this.entries.len()
+                ),
+            )
+        })?;
+        let bytes = this.inner.data(entry);
+        // SAFETY: the bytes belong to `this.inner`, which lives as long as
+        // `slf`, which the view keeps alive; the view is read-only, so the
+        // mutable pointer is never written through.
+        unsafe { memoryview_owned_by(slf.as_any(), bytes.as_ptr().cast_mut(), bytes.len(), false) }
+    }
+
+    /// Copies tensors out: each `(index, address, nbytes)` names a tensor
+    /// (an index into `entries()`) and the contiguous memory to fill, in
+    /// parallel over the engine's copy threads with the GIL released.
+    ///
+    /// The caller guarantees each range is the live memory of a contiguous
+    /// tensor that nothing reads or writes until the call returns.
+    fn copy_into(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        let what = self.what();
+        let ranges = host_ranges(&what, &self.entries, &items)?;
+        py.detach(|| -> Result<(), Error> {
+            let sources: Vec<_> = self
+                .inner
+                .entries()
+                .iter()
+                .enumerate()
+                .map(|(i, e)| slice_span(i, self.inner.data(e)))
+                .collect();
+            require_disjoint(&what, &spans(&ranges), &sources)?;
+            let mut dsts: Vec<(usize, &mut [u8])> = ranges
+                .iter()
+                .map(|r| {
+                    // SAFETY: the Python caller guarantees the range is a
+                    // live tensor nobody else touches during this call
+                    // (stated on this method); `host_ranges` checked it, and
+                    // `require_disjoint` that no two destinations overlap
+                    // each other or the checkpoint's bytes.
+                    (r.index, unsafe { r.as_mut_slice() })
+                })
+                .collect();
+            self.inner.copy_into(&mut dsts)
+        })
+        .map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Loaded(step={}, source={:?}, tensors={})",
+            self.inner.step(),
+            self.source(),
+            self.entries.len()
+        )
+    }
+}

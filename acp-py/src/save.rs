@@ -1,0 +1,402 @@
+//! `Staging` (a save in its stall) and `SaveHandle` (its completion).
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use acp_core::{Error, SaveReport};
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::engine::{io_name, seconds};
+use crate::errors::{err, invalid};
+use crate::tensors::{memoryview_owned_by, require_disjoint, slice_span, spans, HostRange};
+
+/// What Python sees of one laid-out tensor.
+#[derive(Debug, Clone)]
+pub(crate) struct EntryInfo {
+    pub(crate) name: String,
+    pub(crate) dtype: &'static str,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) len: usize,
+}
+
+impl EntryInfo {
+    pub(crate) fn from_entry(e: &acp_core::Entry) -> Result<EntryInfo, Error> {
+        Ok(EntryInfo {
+            name: e.name.clone(),
+            dtype: e.dtype.name(),
+            shape: e.shape.clone(),
+            len: usize::try_from(e.len).map_err(|_| {
+                Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    "larger than the address space",
+                )
+            })?,
+        })
+    }
+
+    pub(crate) fn to_tuple<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let shape = PyTuple::new(py, &self.shape)?;
+        PyTuple::new(
+            py,
+            [
+                self.name.as_str().into_pyobject(py)?.into_any(),
+                self.dtype.into_pyobject(py)?.into_any(),
+                shape.into_any(),
+                self.len.into_pyobject(py)?.into_any(),
+            ],
+        )
+    }
+}
+
+/// Checks `(index, address, nbytes)` triples against `entries`: each index
+/// in range and used once, each length equal to its tensor's.
+pub(crate) fn host_ranges(
+    what: &str,
+    entries: &[EntryInfo],
+    items: &[(usize, usize, usize)],
+) -> PyResult<Vec<HostRange>> {
+    let mut seen = vec![false; entries.len()];
+    items
+        .iter()
+        .map(|&(index, addr, len)| {
+            let Some(entry) = entries.get(index) else {
+                return Err(invalid(
+                    what,
+                    format!(
+                        "tensor index {index} out of range (there are {})",
+                        entries.len()
+                    ),
+                ));
+            };
+            let name = format!("{what}: tensor `{}`", entry.name);
+            if std::mem::replace(&mut seen[index], true) {
+                return Err(invalid(name, "given twice"));
+            }
+            if len != entry.len {
+                return Err(invalid(
+                    name,
+                    format!("{len} bytes given, the tensor has {}", entry.len),
+                ));
+            }
+            HostRange::new(&name, index, addr, len)
+        })
+        .collect()
+}
+
+enum State {
+    Open(acp_core::Staging),
+    /// Aborted while a view of its bytes was still exported: kept (and the
+    /// slot held) until this object dies, which the views prevent until
+    /// they are gone.
+    Aborting(acp_core::Staging),
+    Done,
+}
+
+/// A save in its stall: fill the tensors' bytes with `copy_from` or through
+/// `buffer(i)`, then `finish()`. Dropping it unfinished aborts the save.
+#[pyclass(module = "acp._acp", frozen)]
+pub(crate) struct Staging {
+    step: u64,
+    entries: Vec<EntryInfo>,
+    state: Mutex<State>,
+    /// `(tensor index, weakref to a memoryview handed out by buffer())`.
+    views: Mutex<Vec<(usize, Py<PyAny>)>>,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging")
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Staging {
+    pub(crate) fn new(s: acp_core::Staging) -> Result<Staging, Error> {
+        Ok(Staging {
+            step: s.step(),
+            entries: s
+                .entries()
+                .iter()
+                .map(EntryInfo::from_entry)
+                .collect::<Result<_, _>>()?,
+            state: Mutex::new(State::Open(s)),
+            views: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn closed(&self) -> Error {
+        Error::invalid(
+            format!("staging of step {}", self.step),
+            "already finished or aborted",
+        )
+    }
+
+    /// Releases every memoryview handed out by `buffer()`, so none can write
+    /// into the slot after it is sealed or freed.
+    ///
+    /// # Errors
+    /// `BufferError` naming the tensor when a view is still exported (an
+    /// array or tensor made from it is alive); the views not yet released
+    /// stay listed.
+    fn release_views(&self, py: Python<'_>) -> PyResult<()> {
+        let mut views = lock(&self.views);
+        while let Some((index, weak)) = views.pop() {
+            let view = weak.bind(py).call0()?;
+            if view.is_none() {
+                continue;
+            }
+            if let Err(e) = view.call_method0("release") {
+                let name = &self.entries[index].name;
+                views.push((index, weak));
+                let msg = format!(
+                    "staging of step {}: the buffer of tensor `{name}` is still in use \
+                     (an array or tensor made from it is alive); drop it first ({e})",
+                    self.step
+                );
+                return Err(PyBufferError::new_err(msg));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Staging {
+    /// The step being saved.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The laid-out tensors, in the order given to `begin_save`, as
+    /// `(name, dtype, shape, nbytes)`.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        self.entries.iter().map(|e| e.to_tuple(py)).collect()
+    }
+
+    /// Copies host memory into the slot: each `(index, address, nbytes)`
+    /// names a tensor and the contiguous bytes to copy into it. With every
+    /// tensor listed once the copy runs in parallel over the engine's copy
+    /// threads; a subset is copied on this thread. The GIL is released.
+    ///
+    /// The caller guarantees each range is the live memory of a contiguous
+    /// tensor that nothing writes until the call returns.
+    fn copy_from(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        let ranges = host_ranges(
+            &format!("copy into step {}", self.step),
+            &self.entries,
+            &items,
+        )?;
+        let full = ranges.len() == self.entries.len();
+        py.detach(|| -> Result<(), Error> {
+            let mut state = lock(&self.state);
+            let State::Open(staging) = &mut *state else {
+                return Err(self.closed());
+            };
+            let slot: Vec<_> = staging
+                .tensors_mut()
+                .iter()
+                .enumerate()
+                .map(|(i, t)| slice_span(i, t))
+                .collect();
+            require_disjoint(
+                &format!("copy into step {}", self.step),
+                &slot,
+                &spans(&ranges),
+            )?;
+            if full {
+                let mut srcs: Vec<&[u8]> = vec![&[]; ranges.len()];
+                for r in &ranges {
+                    // SAFETY: the Python caller guarantees the range is a
+                    // live tensor nobody writes during this call (stated on
+                    // this method); `host_ranges` checked it, and it does not
+                    // overlap the slot, which is written.
+                    srcs[r.index] = unsafe { r.as_slice() };
+                }
+                staging.copy_from(&srcs)
+            } else {
+                let mut dsts = staging.tensors_mut();
+                for r in &ranges {
+                    // SAFETY: as above.
+                    let src = unsafe { r.as_slice() };
+                    dsts[r.index].copy_from_slice(src);
+                }
+                Ok(())
+            }
+        })
+        .map_err(err)
+    }
+
+    /// A writable memoryview over the slot bytes of tensor `i`, for copies
+    /// that land directly in the slot (device to host). It keeps this
+    /// staging alive; `finish()` and `abort()` release it, and refuse while
+    /// an array or tensor made from it is alive. Do not keep slices of it.
+    fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        let this = slf.get();
+        let (ptr, len) = {
+            let mut state = lock(&this.state);
+            let State::Open(staging) = &mut *state else {
+                return Err(err(this.closed()));
+            };
+            if i >= this.entries.len() {
+                return Err(invalid(
+                    format!("staging of step {}", this.step),
+                    format!(
+                        "tensor index {i} out of range (there are {})",
+                        this.entries.len()
+                    ),
+                ));
+            }
+            let bytes = staging.tensor_mut(i);
+            (bytes.as_mut_ptr(), bytes.len())
+        };
+        // SAFETY: the bytes are the slot of a ring mapping that stays mapped
+        // while the core staging (held by `slf`) lives; the view keeps `slf`
+        // alive. Writes after `finish`/`abort` are prevented by releasing
+        // the view there (documented above for slices of it).
+        let view = unsafe { memoryview_owned_by(slf.as_any(), ptr, len, true)? };
+        let weak = slf
+            .py()
+            .import("weakref")?
+            .getattr("ref")?
+            .call1((&view,))?
+            .unbind();
+        lock(&this.views).push((i, weak));
+        Ok(view)
+    }
+
+    /// Ends the stall: seals the slot and queues its flush. Returns the
+    /// save's handle.
+    fn finish(&self, py: Python<'_>) -> PyResult<SaveHandle> {
+        self.release_views(py)?;
+        let staging = {
+            let mut state = lock(&self.state);
+            match std::mem::replace(&mut *state, State::Done) {
+                State::Open(s) => s,
+                other => {
+                    *state = other;
+                    return Err(err(self.closed()));
+                }
+            }
+        };
+        let inner = py.detach(|| staging.finish());
+        Ok(SaveHandle { inner })
+    }
+
+    /// Abandons the save and frees the slot. When a view from `buffer()` is
+    /// still exported, the slot is freed only once it is gone.
+    fn abort(&self, py: Python<'_>) {
+        let released = self.release_views(py).is_ok();
+        let mut state = lock(&self.state);
+        match std::mem::replace(&mut *state, State::Done) {
+            State::Open(s) if !released => *state = State::Aborting(s),
+            State::Open(s) => {
+                drop(state);
+                // Dropping an open staging aborts it and frees its slot.
+                py.detach(move || {
+                    let _aborted = s;
+                });
+            }
+            other => *state = other,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Staging(step={}, tensors={})",
+            self.step,
+            self.entries.len()
+        )
+    }
+}
+
+/// The completion handle of a save.
+#[pyclass(module = "acp._acp", frozen)]
+#[derive(Debug)]
+pub(crate) struct SaveHandle {
+    inner: acp_core::SaveHandle,
+}
+
+fn report_dict<'py>(py: Python<'py>, r: &SaveReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("step", r.step)?;
+    d.set_item("skipped", r.skipped)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("stall_secs", r.stall_secs)?;
+    d.set_item("slot_wait_secs", r.slot_wait_secs)?;
+    d.set_item("queue_secs", r.queue_secs)?;
+    d.set_item("flush_secs", r.flush_secs)?;
+    d.set_item("commit_secs", r.commit_secs)?;
+    d.set_item("total_secs", r.total_secs)?;
+    d.set_item("io", io_name(r.io))?;
+    d.set_item("direct", r.direct)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl SaveHandle {
+    /// A handle for a save skipped because no slot was free.
+    #[staticmethod]
+    fn skipped(step: u64) -> SaveHandle {
+        SaveHandle {
+            inner: acp_core::SaveHandle::skipped(step),
+        }
+    }
+
+    /// The step.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step()
+    }
+
+    /// Whether the save has finished (committed, failed or skipped).
+    fn done(&self) -> bool {
+        self.inner.is_done()
+    }
+
+    /// Blocks (GIL released) until the step is committed and returns the
+    /// save's figures; raises the error that stopped the save, or
+    /// `AcpTimeout` after `timeout` seconds.
+    #[pyo3(signature = (timeout=None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let report = match timeout {
+            None => py.detach(|| self.inner.wait()).map_err(err)?,
+            Some(t) => {
+                let limit = seconds("timeout", t)?;
+                py.detach(|| self.inner.wait_timeout(limit))
+                    .map_err(err)?
+                    .ok_or_else(|| {
+                        err(Error::Timeout {
+                            what: format!("save of step {}", self.inner.step()),
+                            secs: t,
+                        })
+                    })?
+            }
+        };
+        report_dict(py, &report)
+    }
+
+    /// The save's figures when it has finished, else None; raises the
+    /// error that stopped it.
+    fn report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.inner.wait_timeout(Duration::ZERO).map_err(err)? {
+            Some(r) => Ok(Some(report_dict(py, &r)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SaveHandle(step={}, done={})",
+            self.inner.step(),
+            self.inner.is_done()
+        )
+    }
+}

@@ -1,0 +1,239 @@
+//! Raw-pointer intake: the only unsafe code of acp-py.
+//!
+//! Python hands tensors to Rust as `(index, address, nbytes)` triples taken
+//! from `tensor.data_ptr()` or `ndarray.__array_interface__`, and takes slot
+//! bytes back as memoryviews. The functions here turn those into slices and
+//! views after checking what can be checked (null, overflow, overlap); the
+//! rest is the Python caller's obligation, stated on each method in
+//! `_acp.pyi`: the memory belongs to live, contiguous tensors that nobody
+//! else writes (nor, for destinations, reads) during the call.
+
+#![allow(
+    unsafe_code,
+    reason = "turns Python-supplied host addresses into slices"
+)]
+
+use std::ffi::c_char;
+
+use acp_core::Error;
+use pyo3::prelude::*;
+use pyo3::types::PyAny;
+use pyo3::{ffi, intern};
+
+use crate::errors::invalid;
+
+/// `PyBUF_READ` and `PyBUF_WRITE` from `memoryobject.h`; the limited API
+/// declares them, pyo3-ffi exports them only for Python 3.11+.
+const PYBUF_READ: i32 = 0x100;
+const PYBUF_WRITE: i32 = 0x200;
+
+/// One `(index, address, nbytes)` triple from Python, checked to describe a
+/// plausible range: non-null unless empty, not wrapping, at most
+/// `isize::MAX` bytes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostRange {
+    /// The tensor index it goes with.
+    pub(crate) index: usize,
+    addr: usize,
+    len: usize,
+}
+
+impl HostRange {
+    /// Checks one triple.
+    ///
+    /// # Errors
+    /// `acp.InvalidInput` for a null address with bytes, a length above
+    /// `isize::MAX`, or a range that wraps around the address space.
+    pub(crate) fn new(what: &str, index: usize, addr: usize, len: usize) -> PyResult<HostRange> {
+        if len > isize::MAX as usize {
+            return Err(invalid(
+                what,
+                format!("{len} bytes is more than isize::MAX"),
+            ));
+        }
+        if len > 0 && addr == 0 {
+            return Err(invalid(what, "null address"));
+        }
+        if addr.checked_add(len).is_none() {
+            return Err(invalid(what, "address range wraps around"));
+        }
+        Ok(HostRange { index, addr, len })
+    }
+
+    fn span(&self) -> (usize, usize) {
+        (self.addr, self.addr + self.len)
+    }
+
+    /// The range as a shared slice.
+    ///
+    /// # Safety
+    /// For all of `'a`, the `len` bytes at `addr` must be one live allocation
+    /// (a tensor's storage) that nothing writes.
+    pub(crate) unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `new` checked the address is non-null and the range does
+        // not wrap and fits `isize`; the caller guarantees it is one live
+        // allocation that nothing writes during 'a. Bytes have no alignment
+        // or validity requirement.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    /// The range as an exclusive slice.
+    ///
+    /// # Safety
+    /// For all of `'a`, the `len` bytes at `addr` must be one live, writable
+    /// allocation that nothing else reads or writes, and no other slice made
+    /// by this module may overlap it (see [`check_disjoint`]).
+    pub(crate) unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as in `as_slice`, plus the caller's guarantee that the
+        // range is writable and accessed through this slice only.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+/// Checks that no range of `written` overlaps another range of `written` or
+/// a range of `read`, so the slices made from them never alias. Ranges are
+/// `(index, start, end)`; empty ones alias nothing.
+///
+/// # Errors
+/// The indices of two overlapping ranges.
+pub(crate) fn check_disjoint(
+    written: &[(usize, usize, usize)],
+    read: &[(usize, usize, usize)],
+) -> Result<(), (usize, usize)> {
+    let mut all: Vec<(usize, usize, usize, bool)> = written
+        .iter()
+        .map(|&(i, s, e)| (s, e, i, true))
+        .chain(read.iter().map(|&(i, s, e)| (s, e, i, false)))
+        .filter(|r| r.1 > r.0)
+        .collect();
+    all.sort_unstable();
+    // The furthest-reaching range seen so far among the written and among
+    // the read ones, as (end, index).
+    let mut far_w: Option<(usize, usize)> = None;
+    let mut far_r: Option<(usize, usize)> = None;
+    for &(start, end, index, is_written) in &all {
+        let reaches = |far: Option<(usize, usize)>| far.filter(|&(e, _)| e > start);
+        let clash = if is_written {
+            reaches(far_w).or(reaches(far_r))
+        } else {
+            reaches(far_w)
+        };
+        if let Some((_, other)) = clash {
+            return Err((other, index));
+        }
+        let far = if is_written { &mut far_w } else { &mut far_r };
+        if far.is_none_or(|(e, _)| end > e) {
+            *far = Some((end, index));
+        }
+    }
+    Ok(())
+}
+
+/// [`check_disjoint`] as an error about `what`.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the two overlapping tensor indices.
+pub(crate) fn require_disjoint(
+    what: &str,
+    written: &[(usize, usize, usize)],
+    read: &[(usize, usize, usize)],
+) -> Result<(), Error> {
+    check_disjoint(written, read).map_err(|(a, b)| {
+        Error::invalid(what, format!("the memory of tensors {a} and {b} overlaps"))
+    })
+}
+
+/// The `(index, start, end)` span of each range.
+pub(crate) fn spans(ranges: &[HostRange]) -> Vec<(usize, usize, usize)> {
+    ranges
+        .iter()
+        .map(|r| {
+            let (s, e) = r.span();
+            (r.index, s, e)
+        })
+        .collect()
+}
+
+/// The `(index, start, end)` span of a slice.
+pub(crate) fn slice_span(index: usize, bytes: &[u8]) -> (usize, usize, usize) {
+    let start = bytes.as_ptr() as usize;
+    (index, start, start + bytes.len())
+}
+
+/// A memoryview over `len` bytes at `ptr` that keeps `owner` alive for as
+/// long as the view, or any view, array or tensor made from it, lives.
+///
+/// The raw view from `PyMemoryView_FromMemory` holds no reference to
+/// anything. It is wrapped in a `pickle.PickleBuffer`, which holds a buffer
+/// export of it, and the view returned is a memoryview of that wrapper, so
+/// every view derived from it (slices, `torch.frombuffer`, `numpy.frombuffer`)
+/// keeps the wrapper, hence the raw view, alive. A `weakref.finalize` on the
+/// raw view holds `owner` until the raw view dies. (pyo3's buffer protocol
+/// needs Python 3.11 in abi3 builds; this works from 3.9.)
+///
+/// # Safety
+/// The `len` bytes at `ptr` must stay allocated, and writable when
+/// `writable`, for as long as `owner` lives.
+pub(crate) unsafe fn memoryview_owned_by<'py>(
+    owner: &Bound<'py, PyAny>,
+    ptr: *mut u8,
+    len: usize,
+    writable: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = owner.py();
+    let size = ffi::Py_ssize_t::try_from(len).map_err(|_| invalid("memoryview", "too large"))?;
+    let flags = if writable { PYBUF_WRITE } else { PYBUF_READ };
+    // SAFETY: the caller guarantees `len` bytes at `ptr` stay valid (and
+    // writable when asked) while `owner` lives, and the chain built below
+    // keeps `owner` alive while any view of these bytes lives. The call
+    // returns a new reference or null with an exception set, which
+    // `from_owned_ptr_or_err` takes over.
+    let raw = unsafe {
+        let view = ffi::PyMemoryView_FromMemory(ptr.cast::<c_char>(), size, flags);
+        Bound::from_owned_ptr_or_err(py, view)?
+    };
+    let finalize = py
+        .import(intern!(py, "weakref"))?
+        .getattr(intern!(py, "finalize"))?;
+    // `finalize(obj, func, *args)` holds `args` until `obj` dies; `id` is a
+    // harmless function to call then.
+    let id = py
+        .import(intern!(py, "builtins"))?
+        .getattr(intern!(py, "id"))?;
+    finalize.call1((&raw, id, owner))?;
+    let wrapper = py
+        .import(intern!(py, "pickle"))?
+        .getattr(intern!(py, "PickleBuffer"))?
+        .call1((&raw,))?;
+    let memoryview = py
+        .import(intern!(py, "builtins"))?
+        .getattr(intern!(py, "memoryview"))?;
+    memoryview.call1((wrapper,))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn clash(w: &[(usize, usize, usize)], r: &[(usize, usize, usize)]) -> bool {
+        check_disjoint(w, r).is_err()
+    }
+
+    #[test]
+    fn overlaps() {
+        assert!(!clash(&[(0, 0, 10), (1, 10, 20)], &[(2, 20, 30)]));
+        assert!(clash(&[(0, 0, 10), (1, 9, 20)], &[]));
+        assert!(clash(&[(0, 0, 10)], &[(1, 5, 6)]));
+        assert!(clash(&[(0, 5, 6)], &[(1, 0, 10)]));
+        assert!(!clash(&[(0, 0, 10)], &[(1, 10, 20), (2, 12, 14)]));
+        assert!(!clash(&[], &[(1, 0, 20), (2, 5, 14)]));
+        assert!(clash(&[(0, 30, 40)], &[(1, 0, 100), (2, 5, 14)]));
+        assert!(!clash(&[(0, 0, 0), (1, 0, 0)], &[(2, 0, 0)]));
+    }
+}

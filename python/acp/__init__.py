@@ -1,0 +1,57 @@
+"""acp: asynchronous checkpoints.
+
+``save`` stalls training only for a memory copy into a shared-memory ring;
+background workers write, hash and commit the checkpoint; the newest one
+stays resident in RAM, so a restarted process restores at memory speed::
+
+    import acp
+
+    with acp.Checkpointer("/mnt/ckpt/run1") as ckpt:
+        h = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        ...
+        h.wait()  # durable and committed
+        ckpt.load(into={"model": model.state_dict()})
+
+``import acp`` imports no framework: torch support lives in ``acp.torch``,
+loaded when a state holds a torch tensor.
+"""
+
+from acp._acp import (
+    FORMAT_VERSION,
+    AcpError,
+    AcpTimeout,
+    BusyError,
+    CheckpointCorrupt,
+    CheckpointExists,
+    CheckpointNotFound,
+    ConfigError,
+    EngineClosed,
+    InvalidInput,
+    NoSpace,
+    StorageError,
+    Unsupported,
+    __version__,
+)
+from acp.checkpointer import Checkpointer, LoadStats, SaveHandle, SaveStats, rank_and_world_size
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AcpError",
+    "AcpTimeout",
+    "BusyError",
+    "CheckpointCorrupt",
+    "CheckpointExists",
+    "CheckpointNotFound",
+    "Checkpointer",
+    "ConfigError",
+    "EngineClosed",
+    "InvalidInput",
+    "LoadStats",
+    "NoSpace",
+    "SaveHandle",
+    "SaveStats",
+    "StorageError",
+    "Unsupported",
+    "__version__",
+    "rank_and_world_size",
+]

@@ -1,0 +1,465 @@
+"""The state codec: nested Python state <-> (named tensors, JSON tree).
+
+Framework-agnostic. A state is a nesting of dicts (str, int, float, bool or
+None keys), lists, tuples, ints, floats (nan and inf included), strings,
+bytes, bools, None and tensors. ``flatten`` turns it into a list of tensors
+with unique dotted names and a JSON tree in which each tensor is a reference
+to its name and every type JSON cannot tell apart carries a tag, so a round
+trip gives back equal types and values: a tuple stays a tuple, an int key
+stays an int, ``1.0`` stays a float, an ``OrderedDict`` stays one (with the
+``_metadata`` PyTorch attaches to state dicts). Anything else (a function, a
+set, an instance of a custom class) is refused with ``acp.InvalidInput``
+naming its key path, e.g. ``optim.state.3.exp_avg``. Nothing is pickled.
+
+Tensors are recognised by the module that defines their type (``torch``,
+``numpy``, ``mindspore``), whose adapter is imported on first use, so
+``import acp`` imports no framework.
+
+The JSON tree (values JSON of a checkpoint) is
+``{"acp.codec": 1, "state": NODE}`` where NODE is one of:
+
+- ``null``, ``true``, ``false``, a string, a finite float, an int that fits
+  in 64 bits, a list of NODEs;
+- ``{"t": "dict" | "odict", "k": [KEY...], "v": [NODE...]}`` (``odict`` may
+  carry ``"meta"``: the NODE of its ``_metadata`` attribute); a KEY is a
+  string, an int, a float, a bool, null, or a tagged big int / float;
+- ``{"t": "tuple", "v": [NODE...]}``;
+- ``{"t": "int", "v": "<decimal>"}`` for ints beyond 64 bits;
+- ``{"t": "float", "bits": "<16 hex digits>"}`` for nan and inf (exact bits);
+- ``{"t": "bytes", "v": "<base64>"}``;
+- ``{"t": "tensor", "fw": FRAMEWORK, "name": NAME, ...}`` (adapter fields);
+- ``{"t": "value", "fw": FRAMEWORK, "kind": KIND, "v": ...}`` for framework
+  values such as ``torch.dtype``.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from acp._acp import InvalidInput, Unsupported
+
+CODEC_VERSION = 1
+"""The version of the JSON tree this build writes and the newest it reads."""
+
+CODEC_KEY = "acp.codec"
+STATE_KEY = "state"
+
+_I64_MIN = -(2**63)
+_U64_MAX = 2**64 - 1
+_MAX_NAME_BYTES = 1024
+
+# The adapter module of each framework, by the top-level module of a type.
+ADAPTER_MODULES = {
+    "torch": "acp.torch",
+    "numpy": "acp._numpy",
+    "mindspore": "acp.mindspore",
+}
+
+
+# --------------------------------------------------------------------------
+# Adapters
+
+
+@dataclass
+class TensorInfo:
+    """What an adapter tells the codec about one tensor it accepts."""
+
+    dtype: str
+    """The safetensors dtype name, e.g. ``"BF16"``."""
+    shape: tuple[int, ...]
+    nbytes: int
+    alias: Hashable | None
+    """Equal for two tensors that are the same bytes (tied weights): they are
+    saved once and restored as one object. None when never shared."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """JSON fields stored in the tensor's reference (device, parameter...)."""
+
+
+@dataclass
+class Entry:
+    """A tensor of a loaded checkpoint."""
+
+    index: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class Job(Protocol):
+    """Copies an adapter runs itself (device copies, strided copies)."""
+
+    def start(self) -> None:
+        """Issues the copies (may return before they complete)."""
+
+    def wait(self) -> None:
+        """Blocks until every copy is complete."""
+
+    def close(self) -> None:
+        """Drops every view of slot memory; idempotent; always called."""
+
+
+@dataclass
+class Transfer:
+    """How an adapter moves its tensors between the ring and their memory."""
+
+    host: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(tensor index, address, nbytes)`` for one engine copy, which runs in
+    parallel with the GIL released."""
+    keep: list[object] = field(default_factory=list)
+    """Objects that must stay alive until the host copy is done."""
+    jobs: list[Job] = field(default_factory=list)
+
+
+class Adapter(Protocol):
+    """One framework's tensors. Implemented by ``acp.torch`` and friends."""
+
+    framework: str
+
+    def describe(self, obj: object, key: str) -> TensorInfo | None:
+        """The tensor's info; None when ``obj`` is a non-tensor value of
+        this framework; raises ``InvalidInput`` for a refused tensor."""
+
+    def encode_value(self, obj: object, key: str) -> Any:
+        """A JSON encoding of a non-tensor framework value (a dtype, a
+        device, a size...); raises ``InvalidInput`` when it has none."""
+
+    def decode_value(self, kind: str, value: Any, key: str) -> object:
+        """The value ``encode_value`` encoded."""
+
+    def stage(self, staging: Any, items: Sequence[tuple[int, object, TensorInfo]]) -> Transfer:
+        """Plans copying tensors ``(slot index, tensor, info)`` into the slot."""
+
+    def new_tensors(
+        self, loaded: Any, items: Sequence[tuple[Entry, dict[str, Any]]], map_location: Any
+    ) -> tuple[list[object], Transfer]:
+        """Fresh tensors for ``(entry, reference fields)``, and how to fill them."""
+
+    def fill_tensors(
+        self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
+    ) -> Transfer:
+        """Plans copying entries into existing tensors (already checked)."""
+
+    def close(self) -> None:
+        """Releases what the adapter holds for its checkpointer."""
+
+
+class Adapters:
+    """The adapters of one checkpointer, created on first use."""
+
+    def __init__(self) -> None:
+        self._by_framework: dict[str, Adapter] = {}
+
+    def framework_of(self, obj: object) -> str | None:
+        module = type(obj).__module__ or ""
+        top = module.partition(".")[0]
+        return top if top in ADAPTER_MODULES else None
+
+    def get(self, framework: str, key: str) -> Adapter:
+        adapter = self._by_framework.get(framework)
+        if adapter is None:
+            module_name = ADAPTER_MODULES.get(framework)
+            if module_name is None:
+                raise InvalidInput(f"{_where(key)}: unknown framework {framework!r}")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as e:
+                raise InvalidInput(
+                    f"{_where(key)}: {framework} values need {module_name}, "
+                    f"which cannot be imported: {e}"
+                ) from e
+            adapter = module.Adapter()
+            self._by_framework[framework] = adapter
+        return adapter
+
+    def loaded(self) -> Iterator[Adapter]:
+        return iter(list(self._by_framework.values()))
+
+    def close(self) -> None:
+        for adapter in self.loaded():
+            adapter.close()
+
+
+def _where(key: str) -> str:
+    return f"key `{key}`" if key else "the state"
+
+
+def _join(key: str, part: object) -> str:
+    return f"{key}.{part}" if key else str(part)
+
+
+# --------------------------------------------------------------------------
+# flatten
+
+
+@dataclass
+class FlatTensor:
+    name: str
+    key: str
+    obj: object
+    info: TensorInfo
+    adapter: Adapter
+
+
+@dataclass
+class Flat:
+    tree: dict[str, Any]
+    tensors: list[FlatTensor]
+
+    def json(self) -> str:
+        return json.dumps(self.tree, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+    def frameworks(self) -> set[str]:
+        return {t.adapter.framework for t in self.tensors}
+
+
+class _Flattener:
+    def __init__(self, adapters: Adapters) -> None:
+        self.adapters = adapters
+        self.tensors: list[FlatTensor] = []
+        self.names: set[str] = set()
+        self.aliases: dict[tuple[str, Hashable], FlatTensor] = {}
+        self.open_containers: set[int] = set()
+
+    def unique_name(self, key: str) -> str:
+        name = key or "tensor"
+        name = name.replace("\0", "\\0")
+        if name == "__metadata__":
+            name = "__metadata__#1"
+        if len(name.encode()) > _MAX_NAME_BYTES - 16:
+            name = name.encode()[: _MAX_NAME_BYTES - 32].decode(errors="ignore") + "~"
+        candidate, n = name, 1
+        while candidate in self.names:
+            n += 1
+            candidate = f"{name}#{n}"
+        self.names.add(candidate)
+        return candidate
+
+    def scalar_key(self, k: object, key: str) -> Any:
+        t = type(k)
+        if t is str:
+            _check_str(k, key)  # type: ignore[arg-type]
+            return k
+        if t in (int, float, bool) or k is None:
+            return self.node(k, key)
+        raise InvalidInput(
+            f"{_where(key)}: a dict key of type `{_type_name(k)}` cannot be saved "
+            "(keys must be str, int, float, bool or None)"
+        )
+
+    def node(self, obj: object, key: str) -> Any:
+        t = type(obj)
+        if obj is None or t is bool:
+            return obj
+        if t is str:
+            _check_str(obj, key)  # type: ignore[arg-type]
+            return obj
+        if t is int:
+            if _I64_MIN <= obj <= _U64_MAX:  # type: ignore[operator]
+                return obj
+            return {"t": "int", "v": str(obj)}
+        if t is float:
+            if math.isfinite(obj):  # type: ignore[arg-type]
+                return obj
+            return {"t": "float", "bits": struct.pack(">d", obj).hex()}
+        if t is bytes:
+            return {"t": "bytes", "v": base64.b64encode(obj).decode()}  # type: ignore[arg-type]
+        if t in (dict, OrderedDict, list, tuple):
+            return self.container(obj, key)
+        framework = self.adapters.framework_of(obj)
+        if framework is not None:
+            return self.framework_value(framework, obj, key)
+        raise InvalidInput(
+            f"{_where(key)}: a value of type `{_type_name(obj)}` cannot be saved "
+            "(acp stores tensors and plain values: dict, list, tuple, str, int, float, "
+            "bool, bytes, None; never pickle)"
+        )
+
+    def container(self, obj: Any, key: str) -> Any:
+        if id(obj) in self.open_containers:
+            raise InvalidInput(f"{_where(key)}: the state contains itself")
+        self.open_containers.add(id(obj))
+        try:
+            t = type(obj)
+            if t is list:
+                return [self.node(v, _join(key, i)) for i, v in enumerate(obj)]
+            if t is tuple:
+                return {"t": "tuple", "v": [self.node(v, _join(key, i)) for i, v in enumerate(obj)]}
+            keys = [self.scalar_key(k, _join(key, k)) for k in obj]
+            values = [self.node(v, _join(key, k)) for k, v in obj.items()]
+            out: dict[str, Any] = {
+                "t": "odict" if t is OrderedDict else "dict",
+                "k": keys,
+                "v": values,
+            }
+            meta = getattr(obj, "_metadata", None) if t is OrderedDict else None
+            if meta is not None:
+                out["meta"] = self.node(meta, _join(key, "_metadata"))
+            return out
+        finally:
+            self.open_containers.discard(id(obj))
+
+    def framework_value(self, framework: str, obj: object, key: str) -> Any:
+        adapter = self.adapters.get(framework, key)
+        info = adapter.describe(obj, key)
+        if info is None:
+            return {"t": "value", "fw": framework, **adapter.encode_value(obj, key)}
+        alias = (framework, info.alias) if info.alias is not None else None
+        shared = self.aliases.get(alias) if alias is not None else None
+        if shared is None:
+            shared = FlatTensor(self.unique_name(key), key, obj, info, adapter)
+            self.tensors.append(shared)
+            if alias is not None:
+                self.aliases[alias] = shared
+        return {"t": "tensor", "fw": framework, "name": shared.name, **info.meta}
+
+
+def flatten(state: object, adapters: Adapters) -> Flat:
+    """The tensors of ``state`` and its JSON tree.
+
+    Raises:
+        InvalidInput: naming the key of the first value that cannot be saved.
+    """
+    f = _Flattener(adapters)
+    tree = {CODEC_KEY: CODEC_VERSION, STATE_KEY: f.node(state, "")}
+    return Flat(tree, f.tensors)
+
+
+def _check_str(s: str, key: str) -> None:
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidInput(f"{_where(key)}: string is not valid Unicode ({e.reason})") from e
+
+
+def _type_name(obj: object) -> str:
+    t = type(obj)
+    module = t.__module__
+    return t.__qualname__ if module in ("builtins", None) else f"{module}.{t.__qualname__}"
+
+
+# --------------------------------------------------------------------------
+# load
+
+
+def parse(values_json: str, step: int) -> Any:
+    """The state node of a checkpoint's values JSON.
+
+    Raises:
+        Unsupported: written by a newer codec.
+        InvalidInput: not written by this codec.
+    """
+    tree = json.loads(values_json)
+    if not isinstance(tree, dict) or CODEC_KEY not in tree or STATE_KEY not in tree:
+        raise InvalidInput(f"step {step}: values were not written by acp's state codec")
+    version = tree[CODEC_KEY]
+    if not isinstance(version, int) or version > CODEC_VERSION:
+        raise Unsupported(
+            f"step {step}: unsupported: state codec version {version!r} is newer than "
+            f"this acp's {CODEC_VERSION}; upgrade acp"
+        )
+    return tree[STATE_KEY]
+
+
+def tensor_refs(node: Any) -> Iterator[dict[str, Any]]:
+    """Every tensor reference in a tree, depth first."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(reversed(n))
+        elif isinstance(n, dict):
+            tag = n.get("t")
+            if tag == "tensor":
+                yield n
+            elif tag in ("dict", "odict"):
+                if "meta" in n:
+                    stack.append(n["meta"])
+                stack.extend(reversed(n["v"]))
+            elif tag == "tuple":
+                stack.extend(reversed(n["v"]))
+
+
+def _bad(key: str, what: str) -> InvalidInput:
+    return InvalidInput(f"{_where(key)}: malformed checkpoint values: {what}")
+
+
+class Decoder:
+    """Builds Python values from a tree; tensors come from ``tensor(ref, key)``."""
+
+    def __init__(
+        self,
+        adapters: Adapters,
+        tensor: Callable[[dict[str, Any], str], object],
+    ) -> None:
+        self.adapters = adapters
+        self.tensor = tensor
+
+    def key(self, node: Any, key: str) -> Any:
+        if isinstance(node, (str, int, float, bool)) or node is None:
+            return node
+        return self.value(node, key)
+
+    def value(self, node: Any, key: str) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.value(v, _join(key, i)) for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            raise _bad(key, f"unexpected {type(node).__name__}")
+        tag = node.get("t")
+        if tag in ("dict", "odict"):
+            keys = [self.key(k, key) for k in node["k"]]
+            if len(keys) != len(node["v"]):
+                raise _bad(key, "keys and values differ in number")
+            out: dict[Any, Any] = OrderedDict() if tag == "odict" else {}
+            for k, v in zip(keys, node["v"]):
+                out[k] = self.value(v, _join(key, k))
+            if "meta" in node:
+                out._metadata = self.value(node["meta"], _join(key, "_metadata"))  # type: ignore[attr-defined]
+            return out
+        if tag == "tuple":
+            return tuple(self.value(v, _join(key, i)) for i, v in enumerate(node["v"]))
+        if tag == "int":
+            return int(node["v"])
+        if tag == "float":
+            return struct.unpack(">d", bytes.fromhex(node["bits"]))[0]
+        if tag == "bytes":
+            return base64.b64decode(node["v"])
+        if tag == "tensor":
+            return self.tensor(node, key)
+        if tag == "value":
+            adapter = self.adapters.get(node["fw"], key)
+            return adapter.decode_value(node["kind"], node.get("v"), key)
+        raise _bad(key, f"unknown tag {tag!r}")
+
+
+def decoded_items(node: dict[str, Any], decoder: Decoder, key: str) -> list[tuple[Any, Any]]:
+    """``(key, child node)`` pairs of a dict node, keys decoded."""
+    keys = [decoder.key(k, key) for k in node["k"]]
+    if len(keys) != len(node["v"]):
+        raise _bad(key, "keys and values differ in number")
+    return list(zip(keys, node["v"]))
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("t") == "tensor"
+
+
+def node_kind(node: Any) -> str:
+    """A short name of what a node holds, for error messages."""
+    if isinstance(node, dict):
+        tag = node.get("t")
+        return {"odict": "dict", "value": "framework value"}.get(str(tag), str(tag))
+    if isinstance(node, list):
+        return "list"
+    return type(node).__name__ if node is not None else "None"

@@ -1,0 +1,233 @@
+"""Turning a loaded checkpoint back into state: fresh, or into existing
+tensors and containers (``load(into=...)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from acp._acp import CheckpointCorrupt, InvalidInput
+from acp._codec import (
+    Adapters,
+    Decoder,
+    Entry,
+    TensorInfo,
+    Transfer,
+    _join,
+    _where,
+    decoded_items,
+    is_tensor_node,
+    node_kind,
+    parse,
+    tensor_refs,
+)
+
+
+def entries_of(loaded: Any) -> dict[str, Entry]:
+    return {
+        name: Entry(i, name, dtype, tuple(shape), nbytes)
+        for i, (name, dtype, shape, nbytes) in enumerate(loaded.entries())
+    }
+
+
+def run_transfers(
+    copy: Callable[[list[tuple[int, int, int]]], None], transfers: Sequence[Transfer]
+) -> None:
+    """Starts the adapters' own copies, runs the one engine copy (parallel,
+    GIL released) meanwhile, then waits for the adapters' copies."""
+    host = [r for t in transfers for r in t.host]
+    jobs = [j for t in transfers for j in t.jobs]
+    try:
+        for job in jobs:
+            job.start()
+        if host:
+            copy(host)
+        for job in jobs:
+            job.wait()
+    finally:
+        for job in jobs:
+            job.close()
+
+
+class _Fresh:
+    """Fresh values for tree nodes: every tensor they reference is created
+    and filled in one batch, then the nodes are decoded."""
+
+    def __init__(self, loaded: Any, adapters: Adapters, entries: dict[str, Entry]) -> None:
+        self.loaded = loaded
+        self.adapters = adapters
+        self.entries = entries
+        self.refs: dict[str, dict[str, Any]] = {}
+        self.tensors: dict[str, object] = {}
+        self.decoder = Decoder(adapters, lambda ref, key: self.tensors[ref["name"]])
+
+    def want(self, node: Any) -> None:
+        for ref in tensor_refs(node):
+            name = ref.get("name")
+            if not isinstance(name, str):
+                raise CheckpointCorrupt(
+                    f"step {self.loaded.step}: malformed tensor reference {ref!r}"
+                )
+            if name not in self.entries:
+                raise CheckpointCorrupt(
+                    f"step {self.loaded.step}: the values refer to tensor `{name}`, "
+                    "which the checkpoint does not hold"
+                )
+            self.refs.setdefault(name, ref)
+
+    def transfers(self, map_location: Any) -> list[Transfer]:
+        groups: dict[str, list[tuple[Entry, dict[str, Any]]]] = {}
+        for name, ref in self.refs.items():
+            groups.setdefault(str(ref.get("fw")), []).append((self.entries[name], ref))
+        out = []
+        for framework, items in groups.items():
+            adapter = self.adapters.get(framework, items[0][0].name)
+            objs, transfer = adapter.new_tensors(self.loaded, items, map_location)
+            self.tensors.update(zip((e.name for e, _ in items), objs))
+            out.append(transfer)
+        return out
+
+
+def load_state(loaded: Any, adapters: Adapters, map_location: Any) -> Any:
+    """A fresh state from a loaded checkpoint."""
+    node = parse(loaded.values_json, loaded.step)
+    fresh = _Fresh(loaded, adapters, entries_of(loaded))
+    fresh.want(node)
+    run_transfers(loaded.copy_into, fresh.transfers(map_location))
+    return fresh.decoder.value(node, "")
+
+
+_KEEP = object()
+"""A plan result: the target object stays, updated in place."""
+
+Builder = Callable[[], Any]
+
+
+class _IntoPlanner:
+    def __init__(self, loaded: Any, adapters: Adapters) -> None:
+        self.loaded = loaded
+        self.adapters = adapters
+        self.entries = entries_of(loaded)
+        self.fresh = _Fresh(loaded, adapters, self.entries)
+        self.fills: dict[str, list[tuple[Entry, object, str]]] = {}
+        self.assigns: list[tuple[Any, Any, Builder]] = []
+
+    def error(self, key: str, reason: str) -> InvalidInput:
+        return InvalidInput(f"into=: {_where(key)}: {reason}; nothing was loaded")
+
+    def tensor_info(self, obj: object, key: str) -> tuple[str, TensorInfo] | None:
+        framework = self.adapters.framework_of(obj)
+        if framework is None:
+            return None
+        info = self.adapters.get(framework, key).describe(obj, key)
+        return None if info is None else (framework, info)
+
+    def holds_tensor(self, obj: object, key: str) -> bool:
+        if isinstance(obj, dict):
+            return any(self.holds_tensor(v, key) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(self.holds_tensor(v, key) for v in obj)
+        return self.tensor_info(obj, key) is not None
+
+    def new_value(self, node: Any, key: str) -> Builder:
+        self.fresh.want(node)
+        return lambda: self.fresh.decoder.value(node, key)
+
+    def replace(self, target: object, node: Any, key: str) -> Builder:
+        if self.holds_tensor(target, key):
+            raise self.error(
+                key,
+                f"into= has a {type(target).__name__} of tensors, "
+                f"the checkpoint a {node_kind(node)}",
+            )
+        return self.new_value(node, key)
+
+    def plan(self, target: object, node: Any, key: str, top: bool = False) -> Any:
+        tensor = self.tensor_info(target, key)
+        if is_tensor_node(node):
+            if tensor is None:
+                return self.replace(target, node, key)
+            framework, info = tensor
+            entry = self.entries.get(node.get("name"))  # type: ignore[arg-type]
+            if entry is None:
+                raise CheckpointCorrupt(
+                    f"step {self.loaded.step}: the values refer to tensor `{node.get('name')}`, "
+                    "which the checkpoint does not hold"
+                )
+            if info.dtype != entry.dtype or tuple(info.shape) != entry.shape:
+                raise self.error(
+                    key,
+                    f"the checkpoint has {entry.dtype} {list(entry.shape)}, "
+                    f"into= has {info.dtype} {list(info.shape)}",
+                )
+            self.fills.setdefault(framework, []).append((entry, target, key))
+            return _KEEP
+        if tensor is not None:
+            raise self.error(key, f"into= has a tensor, the checkpoint a {node_kind(node)}")
+        tag = node.get("t") if isinstance(node, dict) else None
+        if isinstance(target, dict) and tag in ("dict", "odict"):
+            items = decoded_items(node, self.fresh.decoder, key)
+            saved = {k for k, _ in items}
+            for k in target:
+                if k not in saved:
+                    raise self.error(
+                        _join(key, k), f"not in the checkpoint (step {self.loaded.step})"
+                    )
+            for k, child in items:
+                if k in target:
+                    result = self.plan(target[k], child, _join(key, k))
+                    if result is not _KEEP:
+                        self.assigns.append((target, k, result))
+                elif not top:
+                    self.assigns.append((target, k, self.new_value(child, _join(key, k))))
+            return _KEEP
+        if isinstance(target, list) and isinstance(node, list):
+            if len(target) != len(node):
+                self.assigns.append((target, slice(None), self.replace(target, node, key)))
+                return _KEEP
+            for i, (t, child) in enumerate(zip(target, node)):
+                result = self.plan(t, child, _join(key, i))
+                if result is not _KEEP:
+                    self.assigns.append((target, i, result))
+            return _KEEP
+        if isinstance(target, tuple) and tag == "tuple" and len(target) == len(node["v"]):
+            results = [
+                self.plan(t, c, _join(key, i)) for i, (t, c) in enumerate(zip(target, node["v"]))
+            ]
+            if all(r is _KEEP for r in results):
+                return _KEEP
+            parts = list(zip(target, results))
+            return lambda: tuple(t if r is _KEEP else r() for t, r in parts)
+        return self.replace(target, node, key)
+
+
+def load_into(loaded: Any, adapters: Adapters, into: object, map_location: Any = None) -> int:
+    """Copies a loaded checkpoint into ``into``; returns the bytes copied.
+
+    Every tensor of ``into`` must be in the checkpoint with the same dtype
+    and shape; every key of its dicts must be in the checkpoint. Tensors are
+    filled in place; other values are assigned into their (mutable)
+    containers; keys of the checkpoint that ``into``'s dicts lack are added,
+    except at the top level, where ``into``'s keys select what is loaded.
+    Everything is checked before anything is copied.
+    """
+    node = parse(loaded.values_json, loaded.step)
+    planner = _IntoPlanner(loaded, adapters)
+    if planner.plan(into, node, "", top=True) is not _KEEP:
+        raise InvalidInput(
+            "into=: must be a dict, list or tensor matching the checkpoint's state "
+            f"(the checkpoint holds a {node_kind(node)}); nothing was loaded"
+        )
+    transfers = []
+    copied = 0
+    for framework, items in planner.fills.items():
+        adapter = adapters.get(framework, items[0][2])
+        pairs = [(entry, target) for entry, target, _ in items]
+        transfers.append(adapter.fill_tensors(loaded, pairs, [k for _, _, k in items]))
+        copied += sum(e.nbytes for e, _ in pairs)
+    transfers.extend(planner.fresh.transfers(map_location))
+    copied += sum(planner.entries[name].nbytes for name in planner.fresh.refs)
+    run_transfers(loaded.copy_into, transfers)
+    for container, k, build in planner.assigns:
+        container[k] = build()
+    return copied

@@ -1,0 +1,472 @@
+"""The ``Checkpointer``: asynchronous save, restore from RAM or storage."""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from time import perf_counter
+from types import TracebackType
+from typing import Any
+
+from acp import _acp
+from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
+from acp._codec import Adapters, FlatTensor, flatten
+from acp._load import load_into, load_state, run_transfers
+
+__all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"config `{name}`: {value!r} is not an integer") from None
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size: from torch.distributed when
+    torch is already imported and a process group is initialised, else from
+    ``RANK``/``WORLD_SIZE``, else Ascend's ``RANK_ID``/``RANK_SIZE``, else
+    0 and 1. Never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank()), int(dist.get_world_size())
+        except (RuntimeError, ValueError):
+            pass
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("RANK_ID", "RANK_SIZE")):
+        rank, size = _env_int(rank_var), _env_int(size_var)
+        if rank is not None or size is not None:
+            return rank or 0, size or 1
+    return 0, 1
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """The figures of one save. Fields after ``tensor_bytes`` are None until
+    the save has finished."""
+
+    step: int
+    skipped: bool
+    done: bool
+    stall_secs: float
+    """The whole ``save()`` call: what training waited for."""
+    flatten_secs: float
+    """Walking the state and checking it (part of the stall)."""
+    copy_secs: float
+    """Copying tensors into the ring slot (part of the stall)."""
+    tensors: int
+    tensor_bytes: int
+    bytes: int | None = None
+    """The data file's size."""
+    engine_stall_secs: float | None = None
+    slot_wait_secs: float | None = None
+    queue_secs: float | None = None
+    flush_secs: float | None = None
+    commit_secs: float | None = None
+    total_secs: float | None = None
+    """From the start of ``save()`` in the engine to committed."""
+    flush_bytes_per_sec: float | None = None
+    io: str | None = None
+    direct: bool | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """The figures of one load."""
+
+    step: int
+    source: str
+    """``"ram"`` (a resident shared-memory slot) or ``"storage"``."""
+    bytes: int
+    verified: bool
+    engine_secs: float
+    """Finding, reading (from storage) and verifying the checkpoint."""
+    copy_secs: float
+    """Copying the tensors out and rebuilding the state."""
+    total_secs: float
+    copied_bytes: int
+    bytes_per_sec: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class SaveHandle:
+    """The completion handle of ``Checkpointer.save``."""
+
+    def __init__(self, handle: _acp.SaveHandle, stats: SaveStats) -> None:
+        self._handle = handle
+        self._stall = stats
+
+    @property
+    def step(self) -> int:
+        return self._handle.step
+
+    @property
+    def skipped(self) -> bool:
+        """True when the save was skipped (``on_full="skip"`` and no free slot)."""
+        return self._stall.skipped
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed, failed or skipped)."""
+        return self._handle.done()
+
+    def wait(self, timeout: float | None = None) -> SaveStats:
+        """Blocks until the step is durable and committed; returns its
+        figures. Raises the save's error, or ``acp.AcpTimeout``."""
+        return self._with(self._handle.wait(timeout))
+
+    @property
+    def stats(self) -> SaveStats:
+        """The figures so far; never blocks, never raises."""
+        try:
+            report = self._handle.report()
+        except AcpError as e:
+            return SaveStats(**{**self._stall.as_dict(), "done": True, "error": str(e)})
+        return self._stall if report is None else self._with(report)
+
+    def _with(self, r: dict[str, Any]) -> SaveStats:
+        flush = r["flush_secs"]
+        return SaveStats(
+            **{
+                **self._stall.as_dict(),
+                "done": True,
+                "skipped": r["skipped"],
+                "bytes": r["bytes"],
+                "engine_stall_secs": r["stall_secs"],
+                "slot_wait_secs": r["slot_wait_secs"],
+                "queue_secs": r["queue_secs"],
+                "flush_secs": flush,
+                "commit_secs": r["commit_secs"],
+                "total_secs": r["total_secs"],
+                "flush_bytes_per_sec": r["bytes"] / flush if flush > 0 else None,
+                "io": r["io"],
+                "direct": r["direct"],
+            }
+        )
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
+class Checkpointer:
+    """Saves and restores training state under ``root``.
+
+    ``save`` returns as soon as the tensors are copied into a shared-memory
+    ring slot; the engine flushes and commits in the background. The newest
+    checkpoint stays resident in RAM, so ``load`` on the same node restores
+    from memory, even after the process died.
+
+    Args:
+        root: the checkpoint directory (created, mode 0700).
+        job: names this job's shared-memory slots; default: from ``root``.
+        rank, world_size: default: torch.distributed when initialised, else
+            ``RANK``/``WORLD_SIZE``, else ``RANK_ID``/``RANK_SIZE``, else 0/1.
+        ring_bytes: the shared-memory budget over all slots (default 4 GiB).
+        ring_slots: slots in the ring (default 2).
+        keep_last, keep_every: retention: keep the newest ``keep_last``
+            committed steps and every multiple of ``keep_every``.
+        on_full: when no slot is free, ``"wait"`` (at most ``full_timeout``
+            seconds, default 600) or ``"skip"`` the save.
+        The other keywords tune the engine; see ``acp._acp.Engine``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ring_bytes: int | None = None,
+        ring_slots: int | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        on_full: str = "wait",
+        full_timeout: float | None = None,
+        copy_threads: int | None = None,
+        io: str | None = None,
+        direct_io: str | None = None,
+        verify: str | None = None,
+        mlock: bool | None = None,
+        shm_dir: str | os.PathLike[str] | None = None,
+        chunk_bytes: int | None = None,
+        queue_depth: int | None = None,
+        persist_on_open: bool | None = None,
+        stall_timeout: float | None = None,
+        faults: _acp.FaultInjector | None = None,
+    ) -> None:
+        detected_rank, detected_world = rank_and_world_size()
+        self.rank = detected_rank if rank is None else rank
+        self.world_size = detected_world if world_size is None else world_size
+        self.job = job
+        self._engine = _acp.Engine(
+            os.fspath(root),
+            job=job,
+            rank=self.rank,
+            world_size=self.world_size,
+            ring_bytes=ring_bytes,
+            ring_slots=ring_slots,
+            shm_dir=None if shm_dir is None else os.fspath(shm_dir),
+            mlock=mlock,
+            copy_threads=copy_threads,
+            chunk_bytes=chunk_bytes,
+            queue_depth=queue_depth,
+            io=io,
+            direct_io=direct_io,
+            on_full=on_full,
+            full_timeout=full_timeout,
+            verify=verify,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            persist_on_open=persist_on_open,
+            stall_timeout=stall_timeout,
+            faults=faults,
+        )
+        self.root = self._engine.root
+        self._adapters = Adapters()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._saves = 0
+        self._skipped = 0
+        self._stall_total = 0.0
+        self._stall_max = 0.0
+        self._last_save: SaveHandle | None = None
+        self.last_load: LoadStats | None = None
+        """The figures of the latest ``load``."""
+
+    # --- saving -----------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: object,
+        *,
+        overwrite: bool = False,
+        metadata: dict[str, str] | None = None,
+    ) -> SaveHandle:
+        """Saves ``state`` as ``step``; returns once its tensors are copied
+        into the ring (the stall), while the engine writes and commits it.
+
+        ``state`` nests dicts, lists, tuples, str, int, float, bool, bytes,
+        None and tensors (torch, NumPy). Anything else raises
+        ``acp.InvalidInput`` naming its key before anything is written; a
+        committed ``step`` raises ``acp.CheckpointExists`` unless
+        ``overwrite``, which replaces it atomically. ``metadata`` adds
+        string entries to the safetensors header.
+        """
+        self._check_open()
+        t0 = perf_counter()
+        step = _step(step)
+        flat = flatten(state, self._adapters)
+        specs = [(t.name, t.info.dtype, t.info.shape) for t in flat.tensors]
+        extra = {}
+        frameworks = flat.frameworks()
+        if len(frameworks) == 1:
+            extra["format"] = {"torch": "pt", "numpy": "np"}.get(frameworks.pop(), "")
+        extra.update(metadata or {})
+        extra = {k: v for k, v in extra.items() if v}
+        t1 = perf_counter()
+        staging = self._engine.begin_save(step, specs, flat.json(), overwrite, extra)
+        tensor_bytes = sum(t.info.nbytes for t in flat.tensors)
+        if staging is None:
+            handle = _acp.SaveHandle.skipped(step)
+            copy_secs = 0.0
+        else:
+            try:
+                t2 = perf_counter()
+                _fill(staging, flat.tensors)
+                copy_secs = perf_counter() - t2
+                handle = staging.finish()
+            except BaseException:
+                staging.abort()
+                raise
+        stall = perf_counter() - t0
+        stats = SaveStats(
+            step=step,
+            skipped=staging is None,
+            done=staging is None,
+            stall_secs=stall,
+            flatten_secs=t1 - t0,
+            copy_secs=copy_secs,
+            tensors=len(flat.tensors),
+            tensor_bytes=tensor_bytes,
+        )
+        result = SaveHandle(handle, stats)
+        with self._lock:
+            self._saves += 1
+            self._skipped += staging is None
+            self._stall_total += stall
+            self._stall_max = max(self._stall_max, stall)
+            self._last_save = result
+        return result
+
+    # --- loading ----------------------------------------------------------
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        into: object = None,
+        map_location: Any = None,
+        fallback: bool = False,
+        storage_only: bool = False,
+    ) -> Any:
+        """Loads a committed step (the newest when ``step`` is None) from RAM
+        when it is resident, else from storage.
+
+        Without ``into``, returns a fresh state whose tensors own their
+        memory (on the device they were saved from, or ``map_location``: a
+        device, a device name, or a dict mapping saved device names to
+        others). With ``into`` (a dict, list or tensor shaped like the saved
+        state, e.g. ``{"model": model.state_dict()}``), copies into its
+        tensors in place and assigns its other values, and returns the
+        load's ``LoadStats``; a missing key or a tensor whose shape or dtype
+        differs raises ``acp.InvalidInput`` naming the key before anything
+        is copied. Keys present in the checkpoint but not at the top level of
+        ``into`` are not loaded. ``fallback`` (with ``step=None``) falls back
+        to the newest intact step when the latest is corrupt;
+        ``storage_only`` ignores the resident copy.
+
+        Raises ``acp.CheckpointNotFound`` when there is no such step,
+        ``acp.CheckpointCorrupt`` naming the file and tensor.
+        """
+        self._check_open()
+        t0 = perf_counter()
+        if step is not None:
+            step = _step(step)
+        loaded = self._engine.load(step, storage_only, fallback)
+        t1 = perf_counter()
+        if into is None:
+            result = load_state(loaded, self._adapters, map_location)
+            copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
+        else:
+            copied = load_into(loaded, self._adapters, into, map_location)
+        t2 = perf_counter()
+        report = loaded.report()
+        del loaded
+        stats = LoadStats(
+            step=report["step"],
+            source=report["source"],
+            bytes=report["bytes"],
+            verified=report["verified"],
+            engine_secs=t1 - t0,
+            copy_secs=t2 - t1,
+            total_secs=t2 - t0,
+            copied_bytes=copied,
+            bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
+        )
+        self.last_load = stats
+        return result if into is None else stats
+
+    # --- the rest ---------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+        self._check_open()
+        return self._engine.steps()
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        self._check_open()
+        return self._engine.latest()
+
+    def retain(self, keep_last: int, keep_every: int | None = None) -> list[int]:
+        """Deletes committed steps that are neither among the newest
+        ``keep_last`` nor a multiple of ``keep_every``; returns them."""
+        self._check_open()
+        return self._engine.retain(keep_last, keep_every)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every save so far has finished (committed or failed)."""
+        self._check_open()
+        self._engine.wait_idle(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals and the latest figures of this checkpointer."""
+        with self._lock:
+            last = self._last_save
+            out: dict[str, Any] = {
+                "root": os.fspath(self.root),
+                "job": self.job,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "saves": self._saves,
+                "skipped": self._skipped,
+                "stall_secs_total": self._stall_total,
+                "stall_secs_max": self._stall_max,
+            }
+        out["last_save"] = None if last is None else last.stats.as_dict()
+        out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
+        out["engine"] = None if self._closed else self._engine.open_report()
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Waits for the queued flushes, then stops the engine. Resident
+        checkpoints stay in shared memory. Raises the first flush error no
+        handle reported. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._adapters.close()
+        finally:
+            self._engine.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"engine for {os.fspath(self.root)}: closed")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Checkpointer({os.fspath(self.root)!r}, rank={self.rank}, {state})"
+
+
+def _step(step: object) -> int:
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInput(f"step: {step!r} is not an integer") from None
+    if not 0 <= value < 2**64:
+        raise InvalidInput(f"step: {value} is not between 0 and 2**64 - 1")
+    return value
+
+
+def _fill(staging: _acp.Staging, tensors: list[FlatTensor]) -> None:
+    """Copies every tensor into the slot; ``staging.entries()`` are in the
+    order of ``tensors``."""
+    groups: dict[str, list[tuple[int, object, Any]]] = {}
+    adapters = {}
+    for index, t in enumerate(tensors):
+        groups.setdefault(t.adapter.framework, []).append((index, t.obj, t.info))
+        adapters[t.adapter.framework] = t.adapter
+    transfers = [adapters[fw].stage(staging, items) for fw, items in groups.items()]
+    run_transfers(staging.copy_from, transfers)

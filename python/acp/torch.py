@@ -1,0 +1,369 @@
+"""PyTorch support: tensors in checkpoint states.
+
+Imported by acp when a state holds a torch tensor; importing it imports
+torch. What it does:
+
+- maps every dtype safetensors names to torch's (bf16 and fp8 included) and
+  refuses the others (complex, quantized, sparse, tensor subclasses) with
+  ``acp.InvalidInput`` naming the key;
+- saves CPU tensors by handing their addresses to the engine, which copies
+  them into the ring slot over its copy threads with the GIL released; a
+  non-contiguous tensor (a transposed view, a slice) is first made
+  contiguous, which costs one extra copy of that tensor;
+- saves CUDA tensors with device-to-host copies straight into the slot,
+  registered as pinned memory (``cudaHostRegister``, cached per slot range),
+  issued non-blocking on a side stream per device and batched with
+  ``torch._foreach_copy_``; the save's stall ends when they are complete;
+- saves tensors that share storage with the same offset, shape and strides
+  (tied weights) once, and restores them as one tensor object;
+- restores into fresh tensors (``load()``), copied by the engine in parallel
+  into memory they own, or in place (``load(into=...)``), from the resident
+  slot: host-to-device straight from the slot for CUDA tensors.
+
+A restored tensor is contiguous: strides and the sharing of partly
+overlapping views are not kept. ``nn.Parameter`` and ``requires_grad`` are.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from acp._acp import InvalidInput
+from acp._codec import Entry, TensorInfo, Transfer
+
+__all__ = ["DTYPES", "Adapter", "dtype_from_safetensors", "dtype_to_safetensors"]
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+"""torch dtype -> safetensors dtype name, for every dtype acp stores."""
+
+_FROM_NAME = {name: dtype for dtype, name in DTYPES.items()}
+
+
+def dtype_to_safetensors(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype``; raises ``acp.InvalidInput`` for a
+    dtype acp cannot store."""
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise InvalidInput(f"dtype {dtype} has no safetensors name") from None
+
+
+def dtype_from_safetensors(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    try:
+        return _FROM_NAME[name]
+    except KeyError:
+        raise InvalidInput(f"dtype {name!r} has no torch equivalent") from None
+
+
+def _where(key: str) -> str:
+    return f"key `{key}`" if key else "the state"
+
+
+def _slot_tensor(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor over slot bytes (never empty). Read-only buffers make torch
+    warn that it cannot mark tensors read-only; we only read those."""
+    if buf.readonly:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+    else:
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+    return raw.view(dtype).view(tuple(shape))
+
+
+class _Pins:
+    """Host ranges registered with CUDA as pinned memory, kept across saves
+    (the ring's slots are reused, so their ranges come back)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}  # start -> end, page aligned
+        self.failures = 0
+
+    def ensure(self, start: int, end: int) -> bool:
+        if end <= start:
+            return True
+        page = 4096
+        start, end = start // page * page, -(-end // page) * page
+        for s, e in self.ranges.items():
+            if s <= start and end <= e:
+                return True
+        cudart = torch.cuda.cudart()
+        for s in [s for s, e in self.ranges.items() if s < end and start < e]:
+            cudart.cudaHostUnregister(s)
+            del self.ranges[s]
+        if int(cudart.cudaHostRegister(start, end - start, 0)) != 0:
+            self.failures += 1
+            return False
+        self.ranges[start] = end
+        return True
+
+    def ensure_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+        if not spans:
+            return True
+        return self.ensure(min(s for s, _ in spans), max(e for _, e in spans))
+
+    def close(self) -> None:
+        if self.ranges:
+            cudart = torch.cuda.cudart()
+            for s in self.ranges:
+                cudart.cudaHostUnregister(s)
+            self.ranges.clear()
+
+
+class _DeviceCopies:
+    """Copies between slot tensors and device tensors: non-blocking, on one
+    side stream per device, batched per device; ``wait`` synchronises."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], pins: _Pins) -> None:
+        self.pairs = pairs  # (destination, source)
+        self.pins = pins
+        self.streams: list[torch.cuda.Stream] = []
+        self.pinned = True
+
+    def start(self) -> None:
+        groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in self.pairs:
+            device = src.device if src.device.type == "cuda" else dst.device
+            groups.setdefault(device, []).append((dst, src))
+        host = [d if d.device.type == "cpu" else s for d, s in self.pairs]
+        self.pinned = self.pins.ensure_tensors(host)
+        for device, pairs in groups.items():
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            dsts = [d for d, _ in pairs]
+            srcs = [s for _, s in pairs]
+            with torch.no_grad(), torch.cuda.stream(stream):
+                if hasattr(torch, "_foreach_copy_"):
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                else:  # pragma: no cover - older torch
+                    for d, s in pairs:
+                        d.copy_(s, non_blocking=True)
+            self.streams.append(stream)
+
+    def wait(self) -> None:
+        for stream in self.streams:
+            stream.synchronize()
+
+    def close(self) -> None:
+        self.pairs = []
+        self.streams = []
+
+
+class _HostCopies:
+    """Strided copies on the CPU done by torch (to or from slot tensors)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pairs = pairs
+
+    def start(self) -> None:
+        with torch.no_grad():
+            for dst, src in self.pairs:
+                dst.copy_(src)
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pairs = []
+
+
+def _device(saved: str | None, map_location: Any, key: str) -> torch.device:
+    saved = saved or "cpu"
+    if map_location is None:
+        target = torch.device(saved)
+    elif isinstance(map_location, (str, torch.device)):
+        target = torch.device(map_location)
+    elif isinstance(map_location, dict):
+        target = torch.device(map_location.get(saved, saved))
+    else:
+        raise InvalidInput(
+            f"map_location: {type(map_location).__name__} is not supported "
+            "(give a device, a device name, or a dict of device names)"
+        )
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInput(
+            f"{_where(key)}: saved on {saved}, but CUDA is not available; pass map_location='cpu'"
+        )
+    if target.type not in ("cpu", "cuda"):
+        raise InvalidInput(f"{_where(key)}: device {target} is not supported")
+    return target
+
+
+class Adapter:
+    """The codec adapter for torch (see ``acp._codec.Adapter``)."""
+
+    framework = "torch"
+
+    def __init__(self) -> None:
+        self.pins = _Pins()
+
+    # --- save -------------------------------------------------------------
+
+    def describe(self, obj: object, key: str) -> TensorInfo | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        t = obj
+        kind = type(t)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            raise InvalidInput(
+                f"{_where(key)}: tensor subclass `{kind.__module__}.{kind.__qualname__}` "
+                "is not supported (save a plain tensor, e.g. its .data)"
+            )
+        if t.layout != torch.strided or t.is_nested:
+            raise InvalidInput(f"{_where(key)}: {t.layout} tensors are not supported")
+        if t.is_quantized:
+            raise InvalidInput(f"{_where(key)}: quantized tensors are not supported")
+        if t.device.type not in ("cpu", "cuda"):
+            raise InvalidInput(
+                f"{_where(key)}: tensors on {t.device} are not supported (move it to the CPU)"
+            )
+        dtype = DTYPES.get(t.dtype)
+        if dtype is None:
+            raise InvalidInput(f"{_where(key)}: dtype {t.dtype} has no safetensors name")
+        shape = tuple(t.shape)
+        nbytes = t.numel() * t.element_size()
+        meta: dict[str, Any] = {}
+        if t.device.type != "cpu":
+            meta["dev"] = str(t.device)
+        if kind is torch.nn.Parameter:
+            meta["param"] = True
+        if t.requires_grad:
+            meta["rg"] = True
+        alias = None
+        if nbytes:
+            storage = t.untyped_storage().data_ptr()
+            alias = (str(t.device), storage, t.storage_offset(), shape, t.stride(), t.dtype, kind)
+            alias += (t.requires_grad,)
+        return TensorInfo(dtype, shape, nbytes, alias, meta)
+
+    def encode_value(self, obj: object, key: str) -> Any:
+        if isinstance(obj, torch.Size):
+            return {"kind": "size", "v": list(obj)}
+        if isinstance(obj, torch.dtype):
+            return {"kind": "dtype", "v": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"kind": "device", "v": str(obj)}
+        kind = type(obj)
+        hint = " (save its state_dict())" if hasattr(obj, "state_dict") else ""
+        raise InvalidInput(
+            f"{_where(key)}: a value of type `{kind.__module__}.{kind.__qualname__}` "
+            f"cannot be saved{hint}"
+        )
+
+    def decode_value(self, kind: str, value: Any, key: str) -> object:
+        if kind == "size":
+            return torch.Size(value)
+        if kind == "dtype":
+            dtype = getattr(torch, str(value), None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        if kind == "device":
+            return torch.device(value)
+        raise InvalidInput(f"{_where(key)}: unknown torch value {kind}={value!r}")
+
+    def stage(self, staging: Any, items: Sequence[tuple[int, object, TensorInfo]]) -> Transfer:
+        transfer = Transfer()
+        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, obj, info in items:
+            t = obj.detach()  # type: ignore[attr-defined]
+            if info.nbytes == 0:
+                transfer.host.append((index, 0, 0))
+            elif t.device.type == "cpu":
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                transfer.keep.append(t)
+                transfer.host.append((index, t.data_ptr(), info.nbytes))
+            else:
+                dst = _slot_tensor(staging.buffer(index), t.dtype, info.shape)
+                device_pairs.append((dst, t))
+        if device_pairs:
+            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins))
+        return transfer
+
+    # --- load -------------------------------------------------------------
+
+    def new_tensors(
+        self, loaded: Any, items: Sequence[tuple[Entry, dict[str, Any]]], map_location: Any
+    ) -> tuple[list[object], Transfer]:
+        transfer = Transfer()
+        out: list[object] = []
+        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for entry, ref in items:
+            dtype = dtype_from_safetensors(entry.dtype)
+            device = _device(ref.get("dev"), map_location, entry.name)
+            t = torch.empty(entry.shape, dtype=dtype, device=device)
+            if device.type == "cpu":
+                transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))
+            elif entry.nbytes:
+                src = _slot_tensor(loaded.buffer(entry.index), dtype, entry.shape)
+                device_pairs.append((t, src))
+            if ref.get("param"):
+                out.append(torch.nn.Parameter(t, requires_grad=bool(ref.get("rg"))))
+            else:
+                out.append(t.requires_grad_() if ref.get("rg") else t)
+        if device_pairs:
+            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins))
+        return out, transfer
+
+    def fill_tensors(
+        self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
+    ) -> Transfer:
+        transfer = Transfer()
+        device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: dict[tuple[int, int], str] = {}
+        for (entry, obj), key in zip(items, keys):
+            t: torch.Tensor = obj  # type: ignore[assignment]
+            if entry.nbytes == 0 or (entry.index, t.data_ptr()) in seen:
+                continue  # nothing to copy, or a tied tensor already planned
+            seen[entry.index, t.data_ptr()] = key
+            if t.device.type == "cpu" and t.is_contiguous():
+                transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))
+                continue
+            src = _slot_tensor(loaded.buffer(entry.index), t.dtype, entry.shape)
+            (host_pairs if t.device.type == "cpu" else device_pairs).append((t, src))
+        _check_no_overlap(transfer.host, seen)
+        if host_pairs:
+            transfer.jobs.append(_HostCopies(host_pairs))
+        if device_pairs:
+            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins))
+        return transfer
+
+    def close(self) -> None:
+        self.pins.close()
+
+
+def _check_no_overlap(host: list[tuple[int, int, int]], keys: dict[tuple[int, int], str]) -> None:
+    spans = sorted((addr, addr + n, index) for index, addr, n in host if n)
+    reach: tuple[int, int, int] | None = None  # (end, index, start) reaching furthest
+    for start, end, index in spans:
+        if reach is not None and start < reach[0]:
+            first = keys[reach[1], reach[2]]
+            raise InvalidInput(
+                f"into=: {_where(first)} and {_where(keys[index, start])} share memory "
+                "but are different tensors in the checkpoint"
+            )
+        if reach is None or end > reach[0]:
+            reach = (end, index, start)

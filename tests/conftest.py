@@ -1,0 +1,60 @@
+"""Shared fixtures: a checkpointer per test on its own root, job and
+shared-memory directory, closed (and its shared memory removed) afterwards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import acp
+
+SMALL_RING = 32 << 20
+"""Test rings are small: every checkpoint in the suite is a few MiB."""
+
+LARGE = os.environ.get("ACP_TEST_LARGE") == "1"
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory for ring slots, on tmpfs when there is one."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    d = base / f"acp-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir(mode=0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+MakeCkpt = Callable[..., acp.Checkpointer]
+
+
+@pytest.fixture
+def make_ckpt(tmp_path: Path, shm_dir: Path) -> Iterator[MakeCkpt]:
+    """Opens checkpointers on ``tmp_path / "ckpt"`` with a job unique to the
+    test (so shared-memory slots never collide); closes them at the end."""
+    opened: list[acp.Checkpointer] = []
+    job = f"t-{uuid.uuid4().hex[:16]}"
+
+    def make(**kwargs: Any) -> acp.Checkpointer:
+        kwargs.setdefault("job", job)
+        kwargs.setdefault("ring_bytes", SMALL_RING)
+        kwargs.setdefault("shm_dir", shm_dir)
+        kwargs.setdefault("mlock", False)
+        root = kwargs.pop("root", tmp_path / "ckpt")
+        ckpt = acp.Checkpointer(root, **kwargs)
+        opened.append(ckpt)
+        return ckpt
+
+    yield make
+    for ckpt in opened:
+        ckpt.close()
+
+
+@pytest.fixture
+def ckpt(make_ckpt: MakeCkpt) -> acp.Checkpointer:
+    return make_ckpt()

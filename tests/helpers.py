@@ -1,0 +1,44 @@
+"""Comparison helpers for the tests."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (so nan == nan and -0.0 != 0.0)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a: Any, b: Any, key: str = "") -> None:
+    """``b`` equals ``a`` with identical types all the way down; tensors
+    bit for bit, with the same dtype, shape, device and parameter-ness."""
+    assert type(a) is type(b), f"{key}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{key}: {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{key}: {a.shape} != {b.shape}"
+        assert a.device == b.device, f"{key}: {a.device} != {b.device}"
+        assert a.requires_grad == b.requires_grad, key
+        assert torch.equal(bits(a), bits(b)), f"{key}: values differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{key}: keys {list(a)} != {list(b)}"
+        for (k1, v1), k2 in zip(a.items(), b):
+            assert type(k1) is type(k2), f"{key}.{k1}: key type"
+            assert_same(v1, b[k2], f"{key}.{k1}")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), key
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{key}: length"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{key}.{i}")
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{key}: {a!r} != {b!r}"
+    elif type(a).__module__ == "numpy":
+        import numpy as np
+
+        np.testing.assert_array_equal(a, b, err_msg=key)
+        assert a.dtype == b.dtype, key
+    else:
+        assert a == b, f"{key}: {a!r} != {b!r}"

@@ -1,0 +1,330 @@
+"""PyTorch states through the real engine: round trips, dtypes, views, tied
+weights, in-place loads, refusals."""
+
+from __future__ import annotations
+
+import glob
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import acp
+from acp.torch import DTYPES
+
+from .helpers import assert_same, bits
+
+
+def train_some(steps: int, seed: int = 0) -> tuple[nn.Module, Any, Any, Any, list[float]]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = [one_step(model, opt, sched) for _ in range(steps)]
+    return model, opt, sched, scaler, losses
+
+
+def one_step(model: nn.Module, opt: Any, sched: Any) -> float:
+    x = torch.randn(6, 8)
+    loss = model(x).pow(2).mean() + 0.01 * float(np.random.rand()) + 0.01 * random.random()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss)
+
+
+def full_state(model: nn.Module, opt: Any, sched: Any, scaler: Any) -> dict[str, Any]:
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        },
+        "epoch": 3,
+        "best": 1.0,
+        "tag": ("run", 1),
+    }
+
+
+def test_training_state_round_trips_bit_exact(ckpt: acp.Checkpointer) -> None:
+    random.seed(1)
+    np.random.seed(1)
+    model, opt, sched, scaler, _ = train_some(3)
+    state = full_state(model, opt, sched, scaler)
+    h = ckpt.save(10, state)
+    stats = h.wait()
+    assert stats.done
+    assert not stats.skipped
+    assert stats.error is None
+    assert stats.bytes
+    assert stats.bytes >= stats.tensor_bytes > 0
+    assert stats.stall_secs >= stats.copy_secs >= 0
+    assert h.done()
+    out = ckpt.load()
+    assert_same(state, out)
+    # the types PyTorch's loaders care about
+    assert type(out["optim"]["param_groups"][0]["betas"]) is tuple
+    assert all(type(k) is int for k in out["optim"]["state"])
+    assert type(out["model"]) is type(state["model"])
+    assert ckpt.last_load is not None
+    assert ckpt.last_load.source == "ram"
+    assert ckpt.steps() == [10]
+    assert ckpt.latest() == 10
+
+
+def test_resumed_training_matches_uninterrupted(ckpt: acp.Checkpointer) -> None:
+    random.seed(2)
+    np.random.seed(2)
+    model, opt, sched, scaler, _ = train_some(3, seed=5)
+    ckpt.save(3, full_state(model, opt, sched, scaler)).wait()
+    expected = [one_step(model, opt, sched) for _ in range(4)]
+
+    model2, opt2, sched2, _, _ = train_some(0, seed=99)
+    state = ckpt.load(3)
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["optim"])
+    sched2.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    assert [one_step(model2, opt2, sched2) for _ in range(4)] == expected
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_every_dtype(ckpt: acp.Checkpointer, dtype: torch.dtype) -> None:
+    state = {"x": random_tensor(dtype, (3, 7)), "s": random_tensor(dtype, ())}
+    ckpt.save(1, state).wait()
+    assert_same(state, ckpt.load())
+
+
+def test_all_dtypes_in_one_file_with_safetensors(ckpt: acp.Checkpointer) -> None:
+    from safetensors.torch import load_file
+
+    state = {str(d).removeprefix("torch."): random_tensor(d, (5,)) for d in DTYPES}
+    state["nested"] = {"w": torch.arange(4.0)}  # type: ignore[dict-item]
+    ckpt.save(2, state).wait()
+    files = glob.glob(str(Path(ckpt.root) / "**" / "*.safetensors"), recursive=True)
+    assert len(files) == 1
+    read = load_file(files[0])
+    assert set(read) == {*(k for k in state if k != "nested"), "nested.w"}
+    for k, t in state.items():
+        if k != "nested":
+            assert torch.equal(bits(read[k]), bits(t)), k  # type: ignore[arg-type]
+
+
+def test_zero_d_and_empty_tensors(ckpt: acp.Checkpointer) -> None:
+    state = {
+        "scalar": torch.tensor(3.25),
+        "int_scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.zeros(0),
+        "empty2d": torch.zeros(3, 0, dtype=torch.bfloat16),
+        "only_empty": [torch.zeros(0, 5), torch.zeros(0, 5)],
+    }
+    ckpt.save(1, state).wait()
+    assert_same(state, ckpt.load())
+
+
+def test_only_plain_values(ckpt: acp.Checkpointer) -> None:
+    state = {"epoch": 4, "lr": [0.1, 0.01], "done": False}
+    ckpt.save(1, state).wait()
+    assert_same(state, ckpt.load())
+
+
+def test_non_contiguous_tensors_and_views(ckpt: acp.Checkpointer) -> None:
+    base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    state = {
+        "transposed": base.t(),
+        "sliced": base[1:5:2, 3:],
+        "offset_view": base[2],
+        "expanded": torch.arange(3.0).reshape(3, 1).expand(3, 4),
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "narrow_int": torch.arange(20, dtype=torch.int16)[::3],
+    }
+    ckpt.save(1, state).wait()
+    out = ckpt.load()
+    for k, t in state.items():
+        assert out[k].is_contiguous(), k
+        assert torch.equal(out[k], t), k
+        assert out[k].dtype == t.dtype
+
+
+def test_tied_weights_are_saved_once_and_restored_shared(ckpt: acp.Checkpointer) -> None:
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    sd = model.state_dict()
+    assert sd["emb.weight"].data_ptr() == sd["head.weight"].data_ptr()
+    other = sd["emb.weight"][1:]  # shares storage at another offset: a separate tensor
+    h = ckpt.save(1, {"model": sd, "other": other, "again": sd["emb.weight"]})
+    stats = h.wait()
+    assert stats.tensors == 2
+    out = ckpt.load()
+    assert out["model"]["emb.weight"] is out["model"]["head.weight"]
+    assert out["again"] is out["model"]["emb.weight"]
+    assert torch.equal(out["other"], other)
+    assert out["other"].data_ptr() != out["model"]["emb.weight"].data_ptr()
+
+
+def test_parameters_and_requires_grad_survive(ckpt: acp.Checkpointer) -> None:
+    p = nn.Parameter(torch.randn(3))
+    frozen = nn.Parameter(torch.randn(2), requires_grad=False)
+    leaf = torch.randn(4, requires_grad=True)
+    ckpt.save(1, {"p": p, "frozen": frozen, "leaf": leaf, "plain": torch.ones(1)}).wait()
+    out = ckpt.load()
+    assert type(out["p"]) is nn.Parameter
+    assert out["p"].requires_grad
+    assert type(out["frozen"]) is nn.Parameter
+    assert not out["frozen"].requires_grad
+    assert type(out["leaf"]) is torch.Tensor
+    assert out["leaf"].requires_grad
+    assert out["leaf"].is_leaf
+    assert not out["plain"].requires_grad
+    assert torch.equal(out["p"].detach(), p.detach())
+
+
+def test_torch_values_round_trip(ckpt: acp.Checkpointer) -> None:
+    state = {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu")}
+    ckpt.save(1, state).wait()
+    assert_same(state, ckpt.load())
+
+
+def test_loaded_tensors_own_their_memory(ckpt: acp.Checkpointer) -> None:
+    ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
+    out = ckpt.load()
+    ckpt.save(2, {"w": torch.zeros(1000)}).wait()
+    ckpt.save(3, {"w": torch.ones(1000)}).wait()  # the slots are reused
+    assert torch.equal(out["w"], torch.arange(1000.0))
+    out["w"].add_(1)  # writable
+    assert torch.equal(ckpt.load(1)["w"], torch.arange(1000.0))
+
+
+def test_load_into_copies_in_place(ckpt: acp.Checkpointer) -> None:
+    model, opt, sched, scaler, _ = train_some(2, seed=3)
+    ckpt.save(5, full_state(model, opt, sched, scaler)).wait()
+    x = torch.randn(4, 8)
+    model.eval()
+    expected = model(x).detach()
+
+    params = list(model.parameters())
+    ptrs = [p.data_ptr() for p in params]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5).add_(1)
+    assert not torch.equal(model(x), expected)
+    sd = model.state_dict()
+    stats = ckpt.load(into={"model": sd})
+    assert isinstance(stats, acp.LoadStats)
+    assert stats.step == 5
+    assert stats.source == "ram"
+    assert stats.copied_bytes > 0
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert torch.equal(model(x).detach(), expected)
+
+
+def test_load_into_a_fresh_optimizer(ckpt: acp.Checkpointer) -> None:
+    model, opt, _sched, _scaler, _ = train_some(3, seed=4)
+    ckpt.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait()
+    model2 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    into = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    assert into["optim"]["state"] == {}
+    ckpt.load(into=into)
+    opt2.load_state_dict(into["optim"])
+    assert_same(opt.state_dict(), opt2.state_dict())
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_load_into_selects_top_level_keys(ckpt: acp.Checkpointer) -> None:
+    ckpt.save(1, {"a": torch.ones(3), "b": torch.full((2,), 2.0), "epoch": 9}).wait()
+    target = {"a": torch.zeros(3)}
+    ckpt.load(into=target)
+    assert list(target) == ["a"]
+    assert torch.equal(target["a"], torch.ones(3))
+
+
+def test_load_into_mismatch_names_the_key_and_copies_nothing(ckpt: acp.Checkpointer) -> None:
+    ckpt.save(1, {"m": {"a.weight": torch.ones(3, 4), "b": torch.ones(2)}}).wait()
+    a = torch.zeros(3, 4)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"m": {"a.weight": a, "b": torch.zeros(3)}}, r"`m\.b`.*\[2\].*\[3\]"),
+        ({"m": {"a.weight": a, "b": torch.zeros(2, dtype=torch.float16)}}, r"`m\.b`.*F32.*F16"),
+        ({"m": {"a.weight": a, "b": torch.zeros(2), "c": torch.zeros(1)}}, r"`m\.c`: not in"),
+        ({"m": {"a.weight": a, "b": 3}}, r"`m\.b`"),
+        ({"m": {"a.weight": a, "b": {"x": torch.zeros(2)}}}, r"`m\.b`"),
+        ({"zzz": torch.zeros(1)}, r"`zzz`: not in"),
+    ]
+    for into, pattern in cases:
+        with pytest.raises(acp.InvalidInput, match=pattern):
+            ckpt.load(into=into)
+        assert torch.equal(a, torch.zeros(3, 4)), "copied before the error"
+
+
+def test_load_with_map_location(ckpt: acp.Checkpointer) -> None:
+    ckpt.save(1, {"w": torch.ones(2)}).wait()
+    out = ckpt.load(map_location="cpu")
+    assert out["w"].device.type == "cpu"
+    out = ckpt.load(map_location={"cpu": "cpu"})
+    assert out["w"].device.type == "cpu"
+    with pytest.raises(acp.InvalidInput, match="map_location"):
+        ckpt.load(map_location=lambda s, loc: s)
+
+
+class MyTensor(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        (torch.ones(2).as_subclass(MyTensor), r"`x`: tensor subclass `.*MyTensor`"),
+        (torch.ones(2, dtype=torch.complex64), r"`x`: dtype torch.complex64"),
+        (torch.ones(2).to_sparse(), r"`x`: torch.sparse_coo"),
+        (torch.empty(2, device="meta"), r"`x`: tensors on meta"),
+        (nn.Linear(2, 2), r"`x`: .*Linear.*state_dict"),
+        (torch.Generator(), r"`x`: .*Generator"),
+    ],
+)
+def test_unsupported_torch_values_are_refused(
+    ckpt: acp.Checkpointer, value: object, pattern: str
+) -> None:
+    with pytest.raises(acp.InvalidInput, match=pattern):
+        ckpt.save(1, {"x": value})
+    assert ckpt.steps() == []
+    ckpt.save(1, {"x": torch.ones(1)}).wait()  # nothing was left half-way
+    assert ckpt.steps() == [1]
+
+
+def test_restore_after_reopen_comes_from_ram_then_storage(make_ckpt: Any) -> None:
+    first = make_ckpt()
+    first.save(1, {"w": torch.arange(10.0)}).wait()
+    first.close()
+    second = make_ckpt()
+    out = second.load()
+    assert torch.equal(out["w"], torch.arange(10.0))
+    assert second.last_load is not None
+    assert second.last_load.source == "ram"
+    out = second.load(storage_only=True)
+    assert torch.equal(out["w"], torch.arange(10.0))
+    assert second.last_load.source == "storage"
+    assert second.last_load.verified
