@@ -88,6 +88,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
 from acp import _acp
+from acp.checkpointer import Checkpointer
 
 __all__ = [
     "METADATA_KEY",
@@ -355,8 +356,10 @@ class _EngineRef:
         self.owned = False
         if isinstance(target, _acp.Engine):
             self.engine = target
-        elif isinstance(getattr(target, "engine", None), _acp.Engine):
-            self.engine = target.engine  # an acp.Checkpointer
+        elif isinstance(target, Checkpointer):
+            # The Checkpointer's engine: this writes DCP's layout, not the
+            # Checkpointer's state codec, through the same ring and root.
+            self.engine = target._engine
         elif isinstance(target, (str, os.PathLike)):
             self.engine = _acp.Engine(os.fspath(target), **engine_kwargs)
             self.owned = True
@@ -384,8 +387,10 @@ class _EngineRef:
         return step
 
     def close(self) -> None:
-        if self.owned:
+        if self.owned and self.engine is not None:
             self.engine.close()
+            # Dropping the engine releases its ring, so the job can be opened again.
+            self.engine = None
 
 
 def _storage_dtype(dtype: torch.dtype) -> str:
@@ -552,6 +557,8 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         requested, state.requested = state.requested, None
         if staged is not None:
             if requested is not None and requested != staged.step:
+                if staged.handle is not None:
+                    staged.handle.wait()  # the data is committed as the staged step
                 raise ValueError(
                     f"acp.dcp: the state was staged as step {staged.step}, but async_save's "
                     f"checkpoint_id names step {requested}; call writer.reset({requested}) (or "
@@ -778,10 +785,18 @@ def _copy_into_slot(staging: Any, tensors: list[torch.Tensor]) -> None:
     if direct:
         staging.copy_from(direct)
     for i in other:
-        t = tensors[i]
-        view = staging.buffer(i)
+        _copy_through_view(staging, i, tensors[i])
+
+
+def _copy_through_view(staging: Any, i: int, t: torch.Tensor) -> None:
+    """Copies ``t`` into slot tensor ``i`` with torch; the view and the tensor
+    over it are gone when this returns, error or not."""
+    view = staging.buffer(i)
+    dst = None
+    try:
         dst = torch.frombuffer(view, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
         dst.copy_(t.resolve_conj().resolve_neg())
+    finally:
         del dst
         view.release()
         del view
@@ -895,7 +910,7 @@ class StorageReader(_storage.StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        loaded = self._loaded
+        loaded, self._loaded = self._loaded, None  # the slot is unpinned when this returns
         if loaded is None:
             raise RuntimeError("acp.dcp: read_data() before read_metadata()")
         started = time.perf_counter()
@@ -935,16 +950,28 @@ class StorageReader(_storage.StorageReader):
             for req, target, _ in fast:
                 planner.commit_tensor(req, target)
         for req, target in slow:
-            i = self._entry(req)
-            buf = loaded.buffer(i)
+            if target is None and not self._load_bytes:
+                raise ValueError(
+                    f"acp.dcp: `{req.storage_index.fqn}` is a pickled DCP value and "
+                    "load_bytes=False refuses to unpickle it"
+                )
+            self._read_one(loaded, req, target, planner)
+        if self.last_load is not None:
+            self.last_load["copy_secs"] = time.perf_counter() - started
+        return _done_future(None)
+
+    def _read_one(
+        self, loaded: Any, req: ReadItem, target: torch.Tensor | None, planner: LoadPlanner
+    ) -> None:
+        """Reads one item through a view of the slot. The view and any tensor
+        over it are dropped before this returns, error or not: slot views
+        must not outlive the call in a traceback's frames."""
+        buf = loaded.buffer(self._entry(req))
+        src = None
+        try:
             if target is None:
-                if not self._load_bytes:
-                    raise ValueError(
-                        f"acp.dcp: `{req.storage_index.fqn}` is a pickled DCP value and "
-                        "load_bytes=False refuses to unpickle it"
-                    )
                 planner.load_bytes(req, io.BytesIO(bytes(buf)))
-                continue
+                return
             md = self._sdm[req.storage_index.fqn]
             assert isinstance(md, TensorStorageMetadata)
             src = _readonly_view(buf, md.properties.dtype, self._chunk_sizes(req, md))
@@ -956,11 +983,10 @@ class StorageReader(_storage.StorageReader):
                 )
             target.copy_(src)
             planner.commit_tensor(req, target)
+        finally:
             del src
-        if self.last_load is not None:
-            self.last_load["copy_secs"] = time.perf_counter() - started
-        self._loaded = None  # unpins the slot once the views above are gone
-        return _done_future(None)
+            buf.release()
+            del buf
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
