@@ -445,7 +445,7 @@ def run_acp(ctx: Ctx) -> None:
     shm = _shm_dir()
     ckpt = _acp_checkpointer(ctx, root, shm)
     steps = iter(range(1, 1 << 30))
-    last: dict[str, Any] = {}
+    last: dict[str, Any] = {"saves": [], "loads": []}
 
     def save() -> dict[str, float]:
         t0 = time.perf_counter()
@@ -453,22 +453,33 @@ def run_acp(ctx: Ctx) -> None:
         stall = time.perf_counter() - t0
         stats = h.wait()
         total = time.perf_counter() - t0
-        last["stats"] = stats
+        last["saves"].append(stats)
         return {"stall": stall, "total": total}
 
     def load(storage_only: bool) -> None:
         stats = ckpt.load(into=ctx.state, storage_only=storage_only)
         last["source"] = stats.source
+        last["loads"].append(stats)
 
     try:
-        ctx.measure("acp", "ckpt.save", "save", save, note="stall: until save() returns")
-        s = last.get("stats")
-        if s is not None:
-            print(
-                f"    (flush {s.flush_bytes_per_sec / 1e9 if s.flush_bytes_per_sec else 0:.2f} "
-                f"GB/s, io={s.io}, direct={s.direct})",
-                flush=True,
+        rows = ctx.measure("acp", "ckpt.save", "save", save)
+        saves = last["saves"]
+        if saves and "stall" in rows:
+            rows["stall"].note = "medians: " + ", ".join(
+                f"{name} {_ms(saves, field)}"
+                for name, field in (
+                    ("walking the state", "flatten_secs"),
+                    ("copy", "copy_secs"),
+                    ("slot wait", "slot_wait_secs"),
+                )
             )
+        if saves and "total" in rows:
+            flush = statistics.median(s.flush_bytes_per_sec or 0.0 for s in saves)
+            rows["total"].note = (
+                f"flush {_ms(saves, 'flush_secs')} ({flush / 1e9:.2f} GB/s, io={saves[-1].io}, "
+                f"O_DIRECT={saves[-1].direct}), commit {_ms(saves, 'commit_secs')}"
+            )
+        last["loads"] = []
         rows = ctx.measure(
             "acp",
             "ckpt.load(into=state) from RAM",
@@ -479,6 +490,11 @@ def run_acp(ctx: Ctx) -> None:
             after=lambda: ctx.check("acp RAM"),
         )
         _note_source(rows, last, "ram")
+        for row in rows.values():
+            row.note += (
+                f"; find+verify {_ms(last['loads'], 'engine_secs')}, "
+                f"copy {_ms(last['loads'], 'copy_secs')}"
+            )
         for cache in ("cold", "warm"):
             rows = ctx.measure(
                 "acp",
@@ -496,6 +512,12 @@ def run_acp(ctx: Ctx) -> None:
         if shm:
             shutil.rmtree(shm, ignore_errors=True)
         rm(root)
+
+
+def _ms(stats: list[Any], attr: str) -> str:
+    """The median of a stats attribute, in milliseconds."""
+    values = [getattr(s, attr) for s in stats if getattr(s, attr) is not None]
+    return f"{statistics.median(values) * 1e3:.0f} ms" if values else "-"
 
 
 def _note_source(rows: dict[str, Row], last: dict[str, Any], want: str) -> None:

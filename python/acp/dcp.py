@@ -354,6 +354,7 @@ class _EngineRef:
 
     def __init__(self, target: Any, engine_kwargs: dict[str, Any]) -> None:
         self.owned = False
+        self.engine: Any
         if isinstance(target, _acp.Engine):
             self.engine = target
         elif isinstance(target, Checkpointer):
@@ -405,8 +406,8 @@ def _check_world(kwargs: dict[str, Any]) -> None:
         )
 
 
-def _done_future(value: Any) -> Future:
-    fut: Future = Future()
+def _done_future(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
 
@@ -513,7 +514,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
 
     # ---- DCP StorageWriter protocol
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Starts a new checkpoint; ``checkpoint_id`` names its step."""
         self._save_id = str(uuid.uuid4())
         self._save.items = self._save.results = self._save.staged = None
@@ -534,7 +535,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             )
         return plans
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
         staged = self._find_staged(plan, planner)
         if staged is not None:
             self._save.staged = staged
@@ -587,7 +588,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         return StorageMeta(checkpoint_id=None if step is None else str(step), save_id=self._save_id)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _valid_checkpoint_id(checkpoint_id)
 
     @property
@@ -698,9 +699,9 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             metadata.storage_meta = StorageMeta(checkpoint_id=str(step), save_id=self._save_id)
         values = json.dumps({METADATA_KEY: metadata_to_json(metadata)})
         specs = [
-            (it.name, _storage_dtype(it.data.dtype), list(it.data.shape))
+            (it.name, _storage_dtype(it.data.dtype), tuple(it.data.shape))
             if it.data.dtype in _ST_DTYPES
-            else (it.name, "U8", [it.data.numel() * it.data.element_size()])
+            else (it.name, "U8", (it.data.numel() * it.data.element_size(),))
             for it in items
         ]
         started = time.perf_counter()
@@ -755,11 +756,10 @@ def _resolve(plan: SavePlan, planner: SavePlanner) -> list[_Item]:
                 raise TypeError(f"DCP gave {type(data).__name__} for tensor `{wi.index.fqn}`")
             tensor = data.detach()
             td = wi.tensor_data
-            whole = td is None or (
-                all(o == 0 for o in td.chunk.offsets) and tuple(td.chunk.sizes) == tuple(td.size)
-            )
             name = wi.index.fqn
-            if not whole:
+            if td is not None and (
+                any(o != 0 for o in td.chunk.offsets) or tuple(td.chunk.sizes) != tuple(td.size)
+            ):
                 name += "@" + ",".join(str(o) for o in td.chunk.offsets)
         base, n = name, 1
         while name in used:
@@ -869,7 +869,7 @@ class StorageReader(_storage.StorageReader):
         self._load_id = str(uuid.uuid4())
         self.last_load: dict[str, Any] | None = None
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._loaded = None
         self._names = {}
         self._storage_data = {}
@@ -909,13 +909,13 @@ class StorageReader(_storage.StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
         loaded, self._loaded = self._loaded, None  # the slot is unpinned when this returns
         if loaded is None:
             raise RuntimeError("acp.dcp: read_data() before read_metadata()")
         started = time.perf_counter()
         entries = loaded.entries()
-        fast: list[tuple[ReadItem, torch.Tensor, int]] = []
+        fast: list[tuple[ReadItem, torch.Tensor, int]] = []  # engine copies, in parallel
         fast_used: set[int] = set()
         slow: list[tuple[ReadItem, torch.Tensor | None]] = []
         for req in plan.items:
@@ -947,15 +947,15 @@ class StorageReader(_storage.StorageReader):
             loaded.copy_into(
                 [(i, t.data_ptr() if entries[i][3] else 0, entries[i][3]) for _, t, i in fast]
             )
-            for req, target, _ in fast:
-                planner.commit_tensor(req, target)
-        for req, target in slow:
-            if target is None and not self._load_bytes:
+            for req, done, _ in fast:
+                planner.commit_tensor(req, done)
+        for req, maybe in slow:
+            if maybe is None and not self._load_bytes:
                 raise ValueError(
                     f"acp.dcp: `{req.storage_index.fqn}` is a pickled DCP value and "
                     "load_bytes=False refuses to unpickle it"
                 )
-            self._read_one(loaded, req, target, planner)
+            self._read_one(loaded, req, maybe, planner)
         if self.last_load is not None:
             self.last_load["copy_secs"] = time.perf_counter() - started
         return _done_future(None)
@@ -989,7 +989,7 @@ class StorageReader(_storage.StorageReader):
             del buf
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _valid_checkpoint_id(checkpoint_id)
 
     @property

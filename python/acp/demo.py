@@ -140,13 +140,15 @@ def _train_step(run: _Run) -> int:
     idx = _batch(run.cfg, run.data)
     loss = F.cross_entropy(run.model(run.inputs[idx]), run.labels[idx])
     run.opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     run.opt.step()
-    return struct.unpack("<I", struct.pack("<f", loss.item()))[0]
+    bits: int = struct.unpack("<I", struct.pack("<f", loss.item()))[0]
+    return bits
 
 
 def _bits_to_float(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits))[0]
+    value: float = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return value
 
 
 def _emit(**event: Any) -> None:
@@ -358,6 +360,9 @@ def _child_restore(args: argparse.Namespace, cfg: Config) -> int:
             opt.load_state_dict(template["optim"])
             out["ram"].append(time.perf_counter() - t0)
             out["ram_source"] = stats.source
+            out.setdefault("ram_engine", []).append(stats.engine_secs)
+            out.setdefault("ram_copy", []).append(stats.copy_secs)
+            out["ram_verified"] = stats.verified
         for _ in range(cfg.repeats):
             out["cache"] = _drop_caches([args.root], args.warm)
             t0 = time.perf_counter()
@@ -553,6 +558,13 @@ def _table(fig: _Figures) -> None:
         med, lo, hi = (statistics.median(xs) * 1e3, min(xs) * 1e3, max(xs) * 1e3)
         _say(f"{group:10} {name:52} {med:8.1f} {lo:8.1f} {hi:8.1f} {len(xs):3}")
     _say("")
+    if r.get("ram_engine"):
+        _say(
+            f"acp restore from RAM, median: {statistics.median(r['ram_engine']) * 1e3:.1f} ms "
+            "finding the slot"
+            + (" and verifying its blake3 digests" if r.get("ram_verified") else "")
+            + f", {statistics.median(r['ram_copy']) * 1e3:.1f} ms copying into the tensors."
+        )
     stall, tsave = statistics.median(fig.stalls), statistics.median(fig.torch_fsync)
     ram, tload = statistics.median(r["ram"]), statistics.median(r["torch"])
     _say(
