@@ -43,8 +43,10 @@ DCP's, not acp's. Pass ``StorageReader(..., load_bytes=False)`` to refuse
 such entries instead of unpickling them (for checkpoints you do not trust),
 or use ``acp.Checkpointer.save`` directly, which stores plain values as JSON.
 
-Single process (``no_dist=True``, or no process group) is what this module
-supports today; a world size above one is refused with an error.
+Single process (``no_dist=True``, or no process group) with DCP's thread
+executor is what this module supports today: a world size above one is
+refused with an error, and ``AsyncCheckpointerType.PROCESS`` cannot carry the
+writer (its engine) to another process.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ class Config:
     samples: int = 8192
     lr: float = 1e-3
     seed: int = 1234
-    steps: int = 60
-    kill_after: int = 30
+    steps: int = 40
+    kill_after: int = 20
     repeats: int = 5
     threads: int = 1
 
@@ -574,6 +574,7 @@ def _table(fig: _Figures) -> None:
 
 
 def _parent(args: argparse.Namespace, cfg: Config) -> int:
+    started = time.monotonic()
     import torch  # to describe the model
 
     model, opt, _, _ = _build(cfg)
@@ -594,6 +595,7 @@ def _parent(args: argparse.Namespace, cfg: Config) -> int:
     _check(cfg, fig)
     _restores(args, fig)
     _table(fig)
+    _say(f"(the demo took {time.monotonic() - started:.0f} s)")
     from_ram = fig.restored.get("source") == "ram"
     if not from_ram:
         _say(f"FAILED: the restart restored from {fig.restored.get('source')}, not from RAM")
@@ -608,7 +610,7 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
         prog="python -m acp.demo",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    ap.add_argument("--steps", type=int, help="training steps (default 60; 12 with --quick)")
+    ap.add_argument("--steps", type=int, help="training steps (default 40; 12 with --quick)")
     ap.add_argument("--kill-after", type=int, help="SIGKILL after this step (default: half)")
     ap.add_argument("--quick", action="store_true", help="a tiny model, for tests")
     ap.add_argument("--repeats", type=int, help="timed restores of each kind (default 5)")
