@@ -27,13 +27,13 @@ build-dev: venv ## Build the wheel (release) and install it into .venv.
 
 fmt: ## Format Rust and Python code.
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests acp-bench/peers
+	$(VENV)/bin/ruff format
 
 lint: venv ## fmt check, clippy -D warnings, ruff.
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests acp-bench/peers
-	$(VENV)/bin/ruff format --check python tests acp-bench/peers
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
 
 test-rust: ## Rust unit, integration and doc tests.
 	cargo test --workspace

@@ -156,3 +156,11 @@ def test_unknown_framework_module_is_a_clear_error() -> None:
     adapters = _codec.Adapters()
     with pytest.raises(acp.InvalidInput, match="mindspore"):
         adapters.get("mindspore", "w")
+
+
+def test_plain_values_round_trip_through_the_engine(ckpt: acp.Checkpointer) -> None:
+    """The values tree crosses serde_json in the engine: floats and big ints
+    must come back bit for bit, dict order kept."""
+    ckpt.save(1, PLAIN_STATES).wait()
+    assert same(ckpt.load(1, storage_only=True), PLAIN_STATES)
+    assert same(ckpt.load(1), PLAIN_STATES)

@@ -85,6 +85,7 @@ pub struct EngineConfig {
     pub(crate) keep_every: Option<u64>,
     pub(crate) persist_on_open: bool,
     pub(crate) stall_timeout: Duration,
+    pub(crate) commit_timeout: Duration,
     pub(crate) faults: Option<Arc<FaultInjector>>,
 }
 
@@ -119,6 +120,7 @@ impl EngineConfig {
             keep_every: None,
             persist_on_open: true,
             stall_timeout: Duration::from_secs(300),
+            commit_timeout: Duration::from_secs(600),
             faults: None,
         }
     }
@@ -259,11 +261,33 @@ impl EngineConfig {
         self
     }
 
+    /// With several ranks: how long rank 0 waits for every rank's file to be
+    /// durable, and how long the other ranks wait for rank 0's commit, before
+    /// the save fails with [`Error::Timeout`] naming the ranks that did not
+    /// answer. Default 600 s.
+    #[must_use]
+    pub fn with_commit_timeout(mut self, timeout: Duration) -> Self {
+        self.commit_timeout = timeout;
+        self
+    }
+
     /// Injects I/O failures (tests and fault drills).
     #[must_use]
     pub fn with_faults(mut self, faults: Arc<FaultInjector>) -> Self {
         self.faults = Some(faults);
         self
+    }
+
+    /// This process's rank.
+    #[must_use]
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The number of ranks.
+    #[must_use]
+    pub fn world_size(&self) -> u32 {
+        self.world_size
     }
 
     /// The checkpoint root.

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{PoisonError, RwLock};
 use std::time::Duration;
 
 use acp_core::{
@@ -19,10 +20,30 @@ use crate::save::Staging;
 
 /// A checkpoint engine: a shared-memory ring, flush threads and the
 /// checkpoint directory of one job and rank.
+///
+/// `close()` drops this object's hold on the core engine, so the ring (and
+/// its lock on the job's slots) is released once no staging or loaded
+/// checkpoint still uses it: the same job can then be opened again.
 #[pyclass(module = "acp._acp", frozen)]
 #[derive(Debug)]
 pub(crate) struct Engine {
-    inner: acp_core::Engine,
+    inner: RwLock<Option<acp_core::Engine>>,
+    root: PathBuf,
+}
+
+impl Engine {
+    /// The open core engine (a cheap clone), or `Closed`.
+    fn get(&self) -> PyResult<acp_core::Engine> {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or_else(|| {
+                err(Error::Closed {
+                    root: self.root.clone(),
+                })
+            })
+    }
 }
 
 /// The name of an I/O engine, as Python sees it.
@@ -66,7 +87,8 @@ impl Engine {
         root, *, job=None, rank=0, world_size=1, ring_bytes=None, ring_slots=None,
         shm_dir=None, mlock=None, copy_threads=None, chunk_bytes=None, queue_depth=None,
         io=None, direct_io=None, on_full=None, full_timeout=None, verify=None,
-        keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None, faults=None,
+        keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
+        commit_timeout=None, faults=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -94,6 +116,7 @@ impl Engine {
         keep_every: Option<u64>,
         persist_on_open: Option<bool>,
         stall_timeout: Option<f64>,
+        commit_timeout: Option<f64>,
         faults: Option<&FaultInjector>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
@@ -177,22 +200,38 @@ impl Engine {
         if let Some(v) = stall_timeout {
             c = c.with_stall_timeout(seconds("stall_timeout", v)?);
         }
+        if let Some(v) = commit_timeout {
+            c = c.with_commit_timeout(seconds("commit_timeout", v)?);
+        }
         if let Some(f) = faults {
             c = c.with_faults(f.shared());
         }
         let inner = py.detach(|| acp_core::Engine::open(c)).map_err(err)?;
-        Ok(Engine { inner })
+        Ok(Engine {
+            root: inner.root().to_path_buf(),
+            inner: RwLock::new(Some(inner)),
+        })
     }
 
     /// The checkpoint root.
     #[getter]
     fn root(&self) -> PathBuf {
-        self.inner.root().to_path_buf()
+        self.root.clone()
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
     }
 
     /// What opening the engine found and chose, as a dict.
     fn open_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.inner.open_report();
+        let engine = self.get()?;
+        let r = engine.open_report();
         let d = PyDict::new(py);
         d.set_item("io", io_name(r.io))?;
         d.set_item("mlocked", r.mlocked)?;
@@ -233,42 +272,48 @@ impl Engine {
             extra_metadata: extra_metadata.unwrap_or_default(),
         };
         let values_json = values_json.to_owned();
+        let engine = self.get()?;
         py.detach(|| {
             let values: serde_json::Value = serde_json::from_str(&values_json)
                 .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))?;
-            let staging = self.inner.begin_save(step, &specs, &values, &opts)?;
+            let staging = engine.begin_save(step, &specs, &values, &opts)?;
             staging.map(Staging::new).transpose()
         })
         .map_err(err)
     }
 
     /// Loads a committed step (the newest when `step` is None), from RAM
-    /// when a resident slot holds it, else from storage.
-    #[pyo3(signature = (step=None, storage_only=false, fallback=false))]
+    /// when a resident slot holds it, else from storage; `rank` loads the
+    /// file another rank wrote.
+    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None))]
     fn load(
         &self,
         py: Python<'_>,
         step: Option<u64>,
         storage_only: bool,
         fallback: bool,
+        rank: Option<u32>,
     ) -> PyResult<Loaded> {
         let req = LoadRequest {
             step,
             storage_only,
             fallback,
+            rank,
         };
-        py.detach(|| Loaded::new(self.inner.load(&req)?))
-            .map_err(err)
+        let engine = self.get()?;
+        py.detach(|| Loaded::new(engine.load(&req)?)).map_err(err)
     }
 
     /// The committed steps, ascending.
     fn steps(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
-        py.detach(|| self.inner.steps()).map_err(err)
+        let engine = self.get()?;
+        py.detach(|| engine.steps()).map_err(err)
     }
 
     /// The newest committed step, or None.
     fn latest(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        py.detach(|| self.inner.latest()).map_err(err)
+        let engine = self.get()?;
+        py.detach(|| engine.latest()).map_err(err)
     }
 
     /// Deletes committed steps that are neither among the newest `keep_last`
@@ -280,7 +325,8 @@ impl Engine {
         keep_last: usize,
         keep_every: Option<u64>,
     ) -> PyResult<Vec<u64>> {
-        py.detach(|| self.inner.retain(keep_last, keep_every))
+        let engine = self.get()?;
+        py.detach(|| engine.retain(keep_last, keep_every))
             .map_err(err)
     }
 
@@ -289,16 +335,33 @@ impl Engine {
     #[pyo3(signature = (timeout=None))]
     fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
-        py.detach(|| self.inner.wait_idle(timeout)).map_err(err)
+        let engine = self.get()?;
+        py.detach(|| engine.wait_idle(timeout)).map_err(err)
     }
 
-    /// Drains the flush queue and stops the flush thread; resident slots stay
-    /// in shared memory. Raises the first flush error no handle reported.
+    /// Drains the flush queue, stops the flush thread and lets go of the
+    /// engine; resident slots stay in shared memory. Raises the first flush
+    /// error no handle reported. A second call does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.close()).map_err(err)
+        let taken = self
+            .inner
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match taken {
+            // Closing waits for the flushes; dropping may join the flush thread.
+            Some(engine) => py
+                .detach(move || {
+                    let closed = engine.close();
+                    drop(engine);
+                    closed
+                })
+                .map_err(err),
+            None => Ok(()),
+        }
     }
 
     fn __repr__(&self) -> String {
-        format!("Engine(root={:?})", self.inner.root())
+        format!("Engine(root={:?}, closed={})", self.root, self.closed())
     }
 }

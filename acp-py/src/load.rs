@@ -6,7 +6,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::{err, invalid};
 use crate::save::{host_ranges, EntryInfo};
-use crate::tensors::{memoryview_owned_by, require_disjoint, slice_span, spans};
+use crate::tensors::{host_slices_mut, loaded_view, slice_span};
 
 /// A loaded checkpoint. Its tensors' bytes live in a resident ring slot (or
 /// a private buffer) for as long as this object, which `buffer()` views
@@ -41,6 +41,23 @@ impl Loaded {
             entries,
             values_json,
         })
+    }
+
+    /// The bytes of tensor `i` (an index into `entries()`).
+    ///
+    /// # Errors
+    /// `acp.InvalidInput` when `i` is out of range.
+    pub(crate) fn bytes(&self, i: usize) -> PyResult<&[u8]> {
+        let entry = self.inner.entries().get(i).ok_or_else(|| {
+            invalid(
+                self.what(),
+                format!(
+                    "tensor index {i} out of range (there are {})",
+                    self.entries.len()
+                ),
+            )
+        })?;
+        Ok(self.inner.data(entry))
     }
 
     fn what(&self) -> String {
@@ -88,21 +105,7 @@ impl Loaded {
     /// A read-only, zero-copy memoryview over the bytes of tensor `i`
     /// (an index into `entries()`). It keeps this checkpoint alive.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
-        let this = slf.get();
-        let entry = this.inner.entries().get(i).ok_or_else(|| {
-            invalid(
-                this.what(),
-                format!(
-                    "tensor index {i} out of range (there are {})",
-                    this.entries.len()
-                ),
-            )
-        })?;
-        let bytes = this.inner.data(entry);
-        // SAFETY: the bytes belong to `this.inner`, which lives as long as
-        // `slf`, which the view keeps alive; the view is read-only, so the
-        // mutable pointer is never written through.
-        unsafe { memoryview_owned_by(slf.as_any(), bytes.as_ptr().cast_mut(), bytes.len(), false) }
+        loaded_view(slf, i)
     }
 
     /// Copies tensors out: each `(index, address, nbytes)` names a tensor
@@ -113,7 +116,7 @@ impl Loaded {
     /// tensor that nothing reads or writes until the call returns.
     fn copy_into(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
         let what = self.what();
-        let ranges = host_ranges(&what, &self.entries, &items)?;
+        let mut ranges = host_ranges(&what, &self.entries, &items)?;
         py.detach(|| -> Result<(), Error> {
             let sources: Vec<_> = self
                 .inner
@@ -122,18 +125,7 @@ impl Loaded {
                 .enumerate()
                 .map(|(i, e)| slice_span(i, self.inner.data(e)))
                 .collect();
-            require_disjoint(&what, &spans(&ranges), &sources)?;
-            let mut dsts: Vec<(usize, &mut [u8])> = ranges
-                .iter()
-                .map(|r| {
-                    // SAFETY: the Python caller guarantees the range is a
-                    // live tensor nobody else touches during this call
-                    // (stated on this method); `host_ranges` checked it, and
-                    // `require_disjoint` that no two destinations overlap
-                    // each other or the checkpoint's bytes.
-                    (r.index, unsafe { r.as_mut_slice() })
-                })
-                .collect();
+            let mut dsts = host_slices_mut(&what, &mut ranges, &sources)?;
             self.inner.copy_into(&mut dsts)
         })
         .map_err(err)

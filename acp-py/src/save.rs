@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::engine::{io_name, seconds};
 use crate::errors::{err, invalid};
-use crate::tensors::{memoryview_owned_by, require_disjoint, slice_span, spans, HostRange};
+use crate::tensors::{host_slices, slice_span, staging_view, HostRange};
 
 /// What Python sees of one laid-out tensor.
 #[derive(Debug, Clone)]
@@ -90,7 +90,13 @@ enum State {
     /// Aborted while a view of its bytes was still exported: kept (and the
     /// slot held) until this object dies, which the views prevent until
     /// they are gone.
-    Aborting(acp_core::Staging),
+    Aborting(
+        #[expect(
+            dead_code,
+            reason = "held only so that dropping it (the abort) comes last"
+        )]
+        acp_core::Staging,
+    ),
     Done,
 }
 
@@ -99,6 +105,7 @@ enum State {
 #[pyclass(module = "acp._acp", frozen)]
 pub(crate) struct Staging {
     step: u64,
+    image_bytes: u64,
     entries: Vec<EntryInfo>,
     state: Mutex<State>,
     /// `(tensor index, weakref to a memoryview handed out by buffer())`.
@@ -121,6 +128,12 @@ impl Staging {
     pub(crate) fn new(s: acp_core::Staging) -> Result<Staging, Error> {
         Ok(Staging {
             step: s.step(),
+            image_bytes: s
+                .entries()
+                .iter()
+                .map(|e| e.offset + e.len)
+                .max()
+                .unwrap_or(0),
             entries: s
                 .entries()
                 .iter()
@@ -131,6 +144,28 @@ impl Staging {
         })
     }
 
+    /// Where the slot bytes of tensor `i` are, while the staging is open.
+    ///
+    /// # Errors
+    /// `acp.InvalidInput` when finished or aborted, or `i` is out of range.
+    pub(crate) fn slot_bytes(&self, i: usize) -> PyResult<(*mut u8, usize)> {
+        let mut state = lock(&self.state);
+        let State::Open(staging) = &mut *state else {
+            return Err(err(self.closed()));
+        };
+        if i >= self.entries.len() {
+            return Err(invalid(
+                format!("staging of step {}", self.step),
+                format!(
+                    "tensor index {i} out of range (there are {})",
+                    self.entries.len()
+                ),
+            ));
+        }
+        let bytes = staging.tensor_mut(i);
+        Ok((bytes.as_mut_ptr(), bytes.len()))
+    }
+
     fn closed(&self) -> Error {
         Error::invalid(
             format!("staging of step {}", self.step),
@@ -138,32 +173,33 @@ impl Staging {
         )
     }
 
-    /// Releases every memoryview handed out by `buffer()`, so none can write
-    /// into the slot after it is sealed or freed.
+    /// Fails while a memoryview handed out by `buffer()` is alive, so none
+    /// can write into the slot after it is sealed or freed. (Checking
+    /// exports is not enough: `torch.frombuffer` keeps a reference to the
+    /// view, not an export of it.)
     ///
     /// # Errors
-    /// `BufferError` naming the tensor when a view is still exported (an
-    /// array or tensor made from it is alive); the views not yet released
-    /// stay listed.
-    fn release_views(&self, py: Python<'_>) -> PyResult<()> {
+    /// `BufferError` naming the tensor whose view is alive.
+    fn check_views_gone(&self, py: Python<'_>) -> PyResult<()> {
         let mut views = lock(&self.views);
-        while let Some((index, weak)) = views.pop() {
-            let view = weak.bind(py).call0()?;
-            if view.is_none() {
+        let mut alive = None;
+        let mut kept = Vec::new();
+        for (index, weak) in views.drain(..) {
+            if weak.bind(py).call0()?.is_none() {
                 continue;
             }
-            if let Err(e) = view.call_method0("release") {
-                let name = &self.entries[index].name;
-                views.push((index, weak));
-                let msg = format!(
-                    "staging of step {}: the buffer of tensor `{name}` is still in use \
-                     (an array or tensor made from it is alive); drop it first ({e})",
-                    self.step
-                );
-                return Err(PyBufferError::new_err(msg));
-            }
+            alive.get_or_insert(index);
+            kept.push((index, weak));
         }
-        Ok(())
+        *views = kept;
+        match alive {
+            None => Ok(()),
+            Some(index) => Err(PyBufferError::new_err(format!(
+                "staging of step {}: the buffer of tensor `{}` is still in use (a view, \
+                 array or tensor over it is alive); drop it first",
+                self.step, self.entries[index].name
+            ))),
+        }
     }
 }
 
@@ -175,6 +211,13 @@ impl Staging {
         self.step
     }
 
+    /// The end of the last tensor's bytes in the image (0 without tensors):
+    /// the image size, up to the header when there are no tensors.
+    #[getter]
+    fn image_bytes(&self) -> u64 {
+        self.image_bytes
+    }
+
     /// The laid-out tensors, in the order given to `begin_save`, as
     /// `(name, dtype, shape, nbytes)`.
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
@@ -182,9 +225,9 @@ impl Staging {
     }
 
     /// Copies host memory into the slot: each `(index, address, nbytes)`
-    /// names a tensor and the contiguous bytes to copy into it. With every
-    /// tensor listed once the copy runs in parallel over the engine's copy
-    /// threads; a subset is copied on this thread. The GIL is released.
+    /// names a tensor and the contiguous bytes to copy into it (any subset,
+    /// each tensor at most once). The copy runs in parallel over the
+    /// engine's copy threads with the GIL released.
     ///
     /// The caller guarantees each range is the live memory of a contiguous
     /// tensor that nothing writes until the call returns.
@@ -194,7 +237,6 @@ impl Staging {
             &self.entries,
             &items,
         )?;
-        let full = ranges.len() == self.entries.len();
         py.detach(|| -> Result<(), Error> {
             let mut state = lock(&self.state);
             let State::Open(staging) = &mut *state else {
@@ -206,76 +248,39 @@ impl Staging {
                 .enumerate()
                 .map(|(i, t)| slice_span(i, t))
                 .collect();
-            require_disjoint(
-                &format!("copy into step {}", self.step),
-                &slot,
-                &spans(&ranges),
-            )?;
-            if full {
-                let mut srcs: Vec<&[u8]> = vec![&[]; ranges.len()];
-                for r in &ranges {
-                    // SAFETY: the Python caller guarantees the range is a
-                    // live tensor nobody writes during this call (stated on
-                    // this method); `host_ranges` checked it, and it does not
-                    // overlap the slot, which is written.
-                    srcs[r.index] = unsafe { r.as_slice() };
-                }
-                staging.copy_from(&srcs)
-            } else {
-                let mut dsts = staging.tensors_mut();
-                for r in &ranges {
-                    // SAFETY: as above.
-                    let src = unsafe { r.as_slice() };
-                    dsts[r.index].copy_from_slice(src);
-                }
-                Ok(())
-            }
+            let what = format!("copy into step {}", self.step);
+            let srcs = host_slices(&what, &ranges, &slot)?;
+            let items: Vec<(usize, &[u8])> = ranges
+                .iter()
+                .zip(srcs)
+                .map(|(r, src)| (r.index(), src))
+                .collect();
+            staging.copy_some(&items)
         })
         .map_err(err)
     }
 
     /// A writable memoryview over the slot bytes of tensor `i`, for copies
-    /// that land directly in the slot (device to host). It keeps this
-    /// staging alive; `finish()` and `abort()` release it, and refuse while
-    /// an array or tensor made from it is alive. Do not keep slices of it.
+    /// that land directly in the slot (device to host). It (and anything
+    /// made from it) keeps this staging alive. `finish()` refuses while it
+    /// is alive, and `abort()` then frees the slot only once it is gone.
+    /// Do not keep slices of it past `finish()`: the slot is sealed.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
-        let this = slf.get();
-        let (ptr, len) = {
-            let mut state = lock(&this.state);
-            let State::Open(staging) = &mut *state else {
-                return Err(err(this.closed()));
-            };
-            if i >= this.entries.len() {
-                return Err(invalid(
-                    format!("staging of step {}", this.step),
-                    format!(
-                        "tensor index {i} out of range (there are {})",
-                        this.entries.len()
-                    ),
-                ));
-            }
-            let bytes = staging.tensor_mut(i);
-            (bytes.as_mut_ptr(), bytes.len())
-        };
-        // SAFETY: the bytes are the slot of a ring mapping that stays mapped
-        // while the core staging (held by `slf`) lives; the view keeps `slf`
-        // alive. Writes after `finish`/`abort` are prevented by releasing
-        // the view there (documented above for slices of it).
-        let view = unsafe { memoryview_owned_by(slf.as_any(), ptr, len, true)? };
+        let view = staging_view(slf, i)?;
         let weak = slf
             .py()
             .import("weakref")?
             .getattr("ref")?
             .call1((&view,))?
             .unbind();
-        lock(&this.views).push((i, weak));
+        lock(&slf.get().views).push((i, weak));
         Ok(view)
     }
 
     /// Ends the stall: seals the slot and queues its flush. Returns the
     /// save's handle.
     fn finish(&self, py: Python<'_>) -> PyResult<SaveHandle> {
-        self.release_views(py)?;
+        self.check_views_gone(py)?;
         let staging = {
             let mut state = lock(&self.state);
             match std::mem::replace(&mut *state, State::Done) {
@@ -290,10 +295,10 @@ impl Staging {
         Ok(SaveHandle { inner })
     }
 
-    /// Abandons the save and frees the slot. When a view from `buffer()` is
-    /// still exported, the slot is freed only once it is gone.
+    /// Abandons the save and frees the slot. While a view from `buffer()`
+    /// is alive, the slot is freed only once it is gone.
     fn abort(&self, py: Python<'_>) {
-        let released = self.release_views(py).is_ok();
+        let released = self.check_views_gone(py).is_ok();
         let mut state = lock(&self.state);
         match std::mem::replace(&mut *state, State::Done) {
             State::Open(s) if !released => *state = State::Aborting(s),

@@ -21,6 +21,8 @@ use pyo3::types::PyAny;
 use pyo3::{ffi, intern};
 
 use crate::errors::invalid;
+use crate::load::Loaded;
+use crate::save::Staging;
 
 /// `PyBUF_READ` and `PyBUF_WRITE` from `memoryobject.h`; the limited API
 /// declares them, pyo3-ffi exports them only for Python 3.11+.
@@ -29,11 +31,11 @@ const PYBUF_WRITE: i32 = 0x200;
 
 /// One `(index, address, nbytes)` triple from Python, checked to describe a
 /// plausible range: non-null unless empty, not wrapping, at most
-/// `isize::MAX` bytes.
-#[derive(Debug, Clone, Copy)]
+/// `isize::MAX` bytes. Not `Clone`: each yields at most one exclusive slice
+/// at a time (see [`host_slices_mut`]).
+#[derive(Debug)]
 pub(crate) struct HostRange {
-    /// The tensor index it goes with.
-    pub(crate) index: usize,
+    index: usize,
     addr: usize,
     len: usize,
 }
@@ -60,40 +62,81 @@ impl HostRange {
         Ok(HostRange { index, addr, len })
     }
 
+    /// The tensor index it goes with.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+
     fn span(&self) -> (usize, usize) {
         (self.addr, self.addr + self.len)
     }
+}
 
-    /// The range as a shared slice.
-    ///
-    /// # Safety
-    /// For all of `'a`, the `len` bytes at `addr` must be one live allocation
-    /// (a tensor's storage) that nothing writes.
-    pub(crate) unsafe fn as_slice<'a>(&self) -> &'a [u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: `new` checked the address is non-null and the range does
-        // not wrap and fits `isize`; the caller guarantees it is one live
-        // allocation that nothing writes during 'a. Bytes have no alignment
-        // or validity requirement.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
-    }
+/// Shared slices over host ranges from Python, in the order given, after
+/// checking that none overlaps a range of `written` (the slot being filled).
+///
+/// Trust: every [`HostRange`] comes from a triple passed to a method whose
+/// documentation (`Staging.copy_from`, in `_acp.pyi` too) obliges the caller
+/// to name the live memory of a contiguous tensor that nothing writes until
+/// the call returns; the slices must not outlive that call.
+///
+/// # Errors
+/// [`Error::Invalid`] when a range overlaps a written one.
+pub(crate) fn host_slices<'a>(
+    what: &str,
+    ranges: &'a [HostRange],
+    written: &[(usize, usize, usize)],
+) -> Result<Vec<&'a [u8]>, Error> {
+    require_disjoint(what, written, &spans(ranges))?;
+    Ok(ranges
+        .iter()
+        .map(|r| {
+            if r.len == 0 {
+                return &[][..];
+            }
+            // SAFETY: `HostRange::new` checked the address is non-null and the
+            // range neither wraps nor exceeds `isize::MAX`; by the trust rule
+            // above it is one live allocation nothing writes while the slice
+            // is used, and it does not overlap the memory written meanwhile
+            // (checked above). Bytes have no alignment or validity
+            // requirement.
+            unsafe { std::slice::from_raw_parts(r.addr as *const u8, r.len) }
+        })
+        .collect())
+}
 
-    /// The range as an exclusive slice.
-    ///
-    /// # Safety
-    /// For all of `'a`, the `len` bytes at `addr` must be one live, writable
-    /// allocation that nothing else reads or writes, and no other slice made
-    /// by this module may overlap it (see [`check_disjoint`]).
-    pub(crate) unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
-        if self.len == 0 {
-            return &mut [];
-        }
-        // SAFETY: as in `as_slice`, plus the caller's guarantee that the
-        // range is writable and accessed through this slice only.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
-    }
+/// Exclusive slices over host ranges from Python, as `(tensor index,
+/// slice)`, after checking that no two overlap and none overlaps `read`
+/// (the checkpoint's bytes).
+///
+/// Trust: as [`host_slices`], for `Loaded.copy_into`: the memory of live,
+/// writable, contiguous tensors that nothing else reads or writes until the
+/// call returns.
+///
+/// # Errors
+/// [`Error::Invalid`] when two ranges overlap.
+pub(crate) fn host_slices_mut<'a>(
+    what: &str,
+    ranges: &'a mut [HostRange],
+    read: &[(usize, usize, usize)],
+) -> Result<Vec<(usize, &'a mut [u8])>, Error> {
+    require_disjoint(what, &spans(ranges), read)?;
+    Ok(ranges
+        .iter_mut()
+        .map(|r| {
+            if r.len == 0 {
+                return (r.index, &mut [][..]);
+            }
+            // SAFETY: as in `host_slices`, and the ranges are writable by
+            // the trust rule above; no two of them overlap each other or the
+            // memory read meanwhile (checked above), and `ranges` is borrowed
+            // mutably for as long as the slices live, so each range yields
+            // one exclusive slice.
+            (r.index, unsafe {
+                std::slice::from_raw_parts_mut(r.addr as *mut u8, r.len)
+            })
+        })
+        .collect())
 }
 
 /// Checks that no range of `written` overlaps another range of `written` or
@@ -180,7 +223,7 @@ pub(crate) fn slice_span(index: usize, bytes: &[u8]) -> (usize, usize, usize) {
 /// # Safety
 /// The `len` bytes at `ptr` must stay allocated, and writable when
 /// `writable`, for as long as `owner` lives.
-pub(crate) unsafe fn memoryview_owned_by<'py>(
+unsafe fn memoryview_owned_by<'py>(
     owner: &Bound<'py, PyAny>,
     ptr: *mut u8,
     len: usize,
@@ -215,6 +258,46 @@ pub(crate) unsafe fn memoryview_owned_by<'py>(
         .import(intern!(py, "builtins"))?
         .getattr(intern!(py, "memoryview"))?;
     memoryview.call1((wrapper,))
+}
+
+/// A writable memoryview over the slot bytes of tensor `i` of `staging`
+/// (see `Staging.buffer`).
+///
+/// # Errors
+/// As [`Staging::slot_bytes`].
+pub(crate) fn staging_view<'py>(
+    staging: &Bound<'py, Staging>,
+    i: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (ptr, len) = staging.get().slot_bytes(i)?;
+    // SAFETY: the bytes are in the mapping of the slot that the core staging
+    // held by `staging` owns; the view keeps `staging` alive, `finish()`
+    // refuses while the view lives and `abort()` keeps the core staging
+    // until `staging` dies, so the mapping outlives the view.
+    unsafe { memoryview_owned_by(staging.as_any(), ptr, len, true) }
+}
+
+/// A read-only memoryview over the bytes of tensor `i` of `loaded` (see
+/// `Loaded.buffer`).
+///
+/// # Errors
+/// As [`Loaded::bytes`].
+pub(crate) fn loaded_view<'py>(
+    loaded: &Bound<'py, Loaded>,
+    i: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let bytes = loaded.get().bytes(i)?;
+    // SAFETY: the bytes belong to the checkpoint that `loaded` (a frozen
+    // object) owns for its whole life, and the view keeps `loaded` alive; the
+    // view is read-only, so the pointer is never written through.
+    unsafe {
+        memoryview_owned_by(
+            loaded.as_any(),
+            bytes.as_ptr().cast_mut(),
+            bytes.len(),
+            false,
+        )
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,30 @@ contiguous tensor that nothing else touches until the call returns.
 """
 
 import os
+import pathlib
 from typing import Any, final
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AcpError",
+    "AcpTimeout",
+    "BusyError",
+    "CheckpointCorrupt",
+    "CheckpointExists",
+    "CheckpointNotFound",
+    "ConfigError",
+    "Engine",
+    "EngineClosed",
+    "FaultInjector",
+    "InvalidInput",
+    "Loaded",
+    "NoSpace",
+    "SaveHandle",
+    "Staging",
+    "StorageError",
+    "Unsupported",
+    "__version__",
+]
 
 __version__: str
 FORMAT_VERSION: int
@@ -58,10 +81,13 @@ class Engine:
         keep_every: int | None = None,
         persist_on_open: bool | None = None,
         stall_timeout: float | None = None,
+        commit_timeout: float | None = None,
         faults: FaultInjector | None = None,
     ) -> Engine: ...
     @property
-    def root(self) -> str: ...
+    def root(self) -> pathlib.Path: ...
+    @property
+    def closed(self) -> bool: ...
     def open_report(self) -> dict[str, Any]: ...
     def begin_save(
         self,
@@ -72,7 +98,11 @@ class Engine:
         extra_metadata: dict[str, str] | None = None,
     ) -> Staging | None: ...
     def load(
-        self, step: int | None = None, storage_only: bool = False, fallback: bool = False
+        self,
+        step: int | None = None,
+        storage_only: bool = False,
+        fallback: bool = False,
+        rank: int | None = None,
     ) -> Loaded: ...
     def steps(self) -> list[int]: ...
     def latest(self) -> int | None: ...
@@ -84,6 +114,8 @@ class Engine:
 class Staging:
     @property
     def step(self) -> int: ...
+    @property
+    def image_bytes(self) -> int: ...
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]: ...
     def copy_from(self, items: list[tuple[int, int, int]]) -> None: ...
     def buffer(self, i: int) -> memoryview: ...

@@ -143,10 +143,17 @@ class Adapter(Protocol):
     ) -> tuple[list[object], Transfer]:
         """Fresh tensors for ``(entry, reference fields)``, and how to fill them."""
 
+    def result(self, obj: object, ref: dict[str, Any]) -> object:
+        """The value for a reference, from its tensor once it is filled."""
+
     def fill_tensors(
         self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
     ) -> Transfer:
         """Plans copying entries into existing tensors (already checked)."""
+
+    def forget_memory(self) -> None:
+        """Drops what the adapter keeps about ring memory (pinned ranges):
+        a load may remap a slot."""
 
     def close(self) -> None:
         """Releases what the adapter holds for its checkpointer."""
@@ -159,9 +166,13 @@ class Adapters:
         self._by_framework: dict[str, Adapter] = {}
 
     def framework_of(self, obj: object) -> str | None:
-        module = type(obj).__module__ or ""
-        top = module.partition(".")[0]
-        return top if top in ADAPTER_MODULES else None
+        """The framework of ``obj``'s type, or of a base class (so that a
+        framework's adapter sees, and can refuse, subclasses of its types)."""
+        for cls in type(obj).__mro__[:-1]:
+            top = (cls.__module__ or "").partition(".")[0]
+            if top in ADAPTER_MODULES:
+                return top
+        return None
 
     def get(self, framework: str, key: str) -> Adapter:
         adapter = self._by_framework.get(framework)
@@ -182,6 +193,10 @@ class Adapters:
 
     def loaded(self) -> Iterator[Adapter]:
         return iter(list(self._by_framework.values()))
+
+    def forget_memory(self) -> None:
+        for adapter in self.loaded():
+            adapter.forget_memory()
 
     def close(self) -> None:
         for adapter in self.loaded():
@@ -222,15 +237,16 @@ class Flat:
 
 
 class _Flattener:
-    def __init__(self, adapters: Adapters) -> None:
+    def __init__(self, adapters: Adapters, prefix: str) -> None:
         self.adapters = adapters
+        self.prefix = prefix
         self.tensors: list[FlatTensor] = []
         self.names: set[str] = set()
         self.aliases: dict[tuple[str, Hashable], FlatTensor] = {}
         self.open_containers: set[int] = set()
 
     def unique_name(self, key: str) -> str:
-        name = key or "tensor"
+        name = self.prefix + (key or "tensor")
         name = name.replace("\0", "\\0")
         if name == "__metadata__":
             name = "__metadata__#1"
@@ -322,13 +338,14 @@ class _Flattener:
         return {"t": "tensor", "fw": framework, "name": shared.name, **info.meta}
 
 
-def flatten(state: object, adapters: Adapters) -> Flat:
-    """The tensors of ``state`` and its JSON tree.
+def flatten(state: object, adapters: Adapters, name_prefix: str = "") -> Flat:
+    """The tensors of ``state`` and its JSON tree. Tensor names are the
+    dotted key paths, after ``name_prefix``.
 
     Raises:
         InvalidInput: naming the key of the first value that cannot be saved.
     """
-    f = _Flattener(adapters)
+    f = _Flattener(adapters, name_prefix)
     tree = {CODEC_KEY: CODEC_VERSION, STATE_KEY: f.node(state, "")}
     return Flat(tree, f.tensors)
 

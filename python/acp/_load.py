@@ -8,6 +8,7 @@ from typing import Any
 
 from acp._acp import CheckpointCorrupt, InvalidInput
 from acp._codec import (
+    Adapter,
     Adapters,
     Decoder,
     Entry,
@@ -58,8 +59,12 @@ class _Fresh:
         self.adapters = adapters
         self.entries = entries
         self.refs: dict[str, dict[str, Any]] = {}
-        self.tensors: dict[str, object] = {}
-        self.decoder = Decoder(adapters, lambda ref, key: self.tensors[ref["name"]])
+        self.tensors: dict[str, tuple[Adapter, object]] = {}
+        self.decoder = Decoder(adapters, self.value)
+
+    def value(self, ref: dict[str, Any], key: str) -> object:
+        adapter, obj = self.tensors[ref["name"]]
+        return adapter.result(obj, ref)
 
     def want(self, node: Any) -> None:
         for ref in tensor_refs(node):
@@ -83,7 +88,7 @@ class _Fresh:
         for framework, items in groups.items():
             adapter = self.adapters.get(framework, items[0][0].name)
             objs, transfer = adapter.new_tensors(self.loaded, items, map_location)
-            self.tensors.update(zip((e.name for e, _ in items), objs))
+            self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(items, objs))
             out.append(transfer)
         return out
 
@@ -148,7 +153,7 @@ class _IntoPlanner:
             if tensor is None:
                 return self.replace(target, node, key)
             framework, info = tensor
-            entry = self.entries.get(node.get("name"))  # type: ignore[arg-type]
+            entry = self.entries.get(node.get("name"))
             if entry is None:
                 raise CheckpointCorrupt(
                     f"step {self.loaded.step}: the values refer to tensor `{node.get('name')}`, "

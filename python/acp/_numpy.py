@@ -106,9 +106,10 @@ class Adapter:
             a = np.empty(entry.shape, dtype=dtype)
             arrays.append(a)
             transfer.host.append((entry.index, _address(a) if entry.nbytes else 0, entry.nbytes))
-        transfer.keep.extend(arrays)
-        out = [a[()] if ref.get("scalar") else a for a, (_, ref) in zip(arrays, items)]
-        return out, transfer
+        return list(arrays), transfer
+
+    def result(self, obj: object, ref: dict[str, Any]) -> object:
+        return obj[()] if ref.get("scalar") else obj  # type: ignore[index]
 
     def fill_tensors(
         self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
@@ -133,6 +134,9 @@ class Adapter:
             seen.add((entry.index, _address(a)))
             transfer.host.append((entry.index, _address(a), entry.nbytes))
         return transfer
+
+    def forget_memory(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -180,6 +180,9 @@ class Checkpointer:
             committed steps and every multiple of ``keep_every``.
         on_full: when no slot is free, ``"wait"`` (at most ``full_timeout``
             seconds, default 600) or ``"skip"`` the save.
+        commit_timeout: with several ranks, how long a save waits for the
+            other ranks (rank 0 gathers and commits), default 600 s; the
+            error names the ranks that did not answer.
         The other keywords tune the engine; see ``acp._acp.Engine``.
     """
 
@@ -206,8 +209,10 @@ class Checkpointer:
         queue_depth: int | None = None,
         persist_on_open: bool | None = None,
         stall_timeout: float | None = None,
+        commit_timeout: float | None = None,
         faults: _acp.FaultInjector | None = None,
     ) -> None:
+        self._closed = True  # until the engine is open
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -233,6 +238,7 @@ class Checkpointer:
             keep_every=keep_every,
             persist_on_open=persist_on_open,
             stall_timeout=stall_timeout,
+            commit_timeout=commit_timeout,
             faults=faults,
         )
         self.root = self._engine.root
@@ -261,7 +267,8 @@ class Checkpointer:
         into the ring (the stall), while the engine writes and commits it.
 
         ``state`` nests dicts, lists, tuples, str, int, float, bool, bytes,
-        None and tensors (torch, NumPy). Anything else raises
+        None and tensors (torch, NumPy); its tensors are named by their key
+        paths (``model.fc.weight``), after ``rank{N}.`` with several ranks. Anything else raises
         ``acp.InvalidInput`` naming its key before anything is written; a
         committed ``step`` raises ``acp.CheckpointExists`` unless
         ``overwrite``, which replaces it atomically. ``metadata`` adds
@@ -270,7 +277,11 @@ class Checkpointer:
         self._check_open()
         t0 = perf_counter()
         step = _step(step)
-        flat = flatten(state, self._adapters)
+        # Tensor names are unique over all ranks' files (the step's index
+        # maps each to its file): with several ranks, each rank's are
+        # prefixed with it.
+        prefix = f"rank{self.rank}." if self.world_size > 1 else ""
+        flat = flatten(state, self._adapters, prefix)
         specs = [(t.name, t.info.dtype, t.info.shape) for t in flat.tensors]
         extra = {}
         frameworks = flat.frameworks()
@@ -323,6 +334,7 @@ class Checkpointer:
         map_location: Any = None,
         fallback: bool = False,
         storage_only: bool = False,
+        rank: int | None = None,
     ) -> Any:
         """Loads a committed step (the newest when ``step`` is None) from RAM
         when it is resident, else from storage.
@@ -338,7 +350,8 @@ class Checkpointer:
         is copied. Keys present in the checkpoint but not at the top level of
         ``into`` are not loaded. ``fallback`` (with ``step=None``) falls back
         to the newest intact step when the latest is corrupt;
-        ``storage_only`` ignores the resident copy.
+        ``storage_only`` ignores the resident copy; ``rank`` loads the file
+        another rank wrote (each rank's file holds that rank's state).
 
         Raises ``acp.CheckpointNotFound`` when there is no such step,
         ``acp.CheckpointCorrupt`` naming the file and tensor.
@@ -347,7 +360,10 @@ class Checkpointer:
         t0 = perf_counter()
         if step is not None:
             step = _step(step)
-        loaded = self._engine.load(step, storage_only, fallback)
+        # A load from storage may regrow (remap) a ring slot: forget what
+        # was registered about slot memory before it happens.
+        self._adapters.forget_memory()
+        loaded = self._engine.load(step, storage_only, fallback, rank)
         t1 = perf_counter()
         if into is None:
             result = load_state(loaded, self._adapters, map_location)

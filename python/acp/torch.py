@@ -27,7 +27,7 @@ overlapping views are not kept. ``nn.Parameter`` and ``requires_grad`` are.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,73 +92,117 @@ def _slot_tensor(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> t
     return raw.view(dtype).view(tuple(shape))
 
 
+_PAGE = 4096
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context
+
+
+def _span(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """The page-aligned host range that covers ``tensors``."""
+    start = min(t.data_ptr() for t in tensors)
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+    return start // _PAGE * _PAGE, -(-end // _PAGE) * _PAGE
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _register(start: int, end: int) -> bool:
+    """Registers the range; False when CUDA refuses (the copies then run
+    from pageable memory: correct, slower)."""
+    try:
+        rc = _cudart().cudaHostRegister(start, end - start, _HOST_REGISTER_PORTABLE)
+    except (RuntimeError, AssertionError, AttributeError):
+        return False
+    return int(rc) == 0
+
+
+def _unregister(start: int) -> None:
+    _cudart().cudaHostUnregister(start)
+
+
 class _Pins:
-    """Host ranges registered with CUDA as pinned memory, kept across saves
-    (the ring's slots are reused, so their ranges come back)."""
+    """Slot memory registered with CUDA as pinned, so device copies run at
+    full speed and truly asynchronously.
+
+    Registering costs about as much as copying, so the ranges of save slots
+    stay registered from one save to the next (the ring reuses its slots).
+    That is safe only while the slot's mapping stays the same: the engine
+    remaps a slot only to grow it, for an image larger than it ever held,
+    so every registration is dropped when the image size changes. Load
+    ranges are registered for the load only (the memory may be private to
+    the checkpoint). Everything is unregistered when the checkpointer closes.
+    """
 
     def __init__(self) -> None:
         self.ranges: dict[int, int] = {}  # start -> end, page aligned
+        self.image_bytes: int | None = None
         self.failures = 0
 
-    def ensure(self, start: int, end: int) -> bool:
-        if end <= start:
-            return True
-        page = 4096
-        start, end = start // page * page, -(-end // page) * page
-        for s, e in self.ranges.items():
-            if s <= start and end <= e:
-                return True
-        cudart = torch.cuda.cudart()
+    def for_save(self, image_bytes: int, host: Sequence[torch.Tensor]) -> None:
+        if image_bytes != self.image_bytes:
+            self.close()
+            self.image_bytes = image_bytes
+        start, end = _span(host)
+        if any(s <= start and end <= e for s, e in self.ranges.items()):
+            return
         for s in [s for s, e in self.ranges.items() if s < end and start < e]:
-            cudart.cudaHostUnregister(s)
+            _unregister(s)
             del self.ranges[s]
-        if int(cudart.cudaHostRegister(start, end - start, 0)) != 0:
+        if _register(start, end):
+            self.ranges[start] = end
+        else:
             self.failures += 1
-            return False
-        self.ranges[start] = end
-        return True
 
-    def ensure_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
-        if not spans:
-            return True
-        return self.ensure(min(s for s, _ in spans), max(e for _, e in spans))
+    def for_load(self, host: Sequence[torch.Tensor]) -> Callable[[], None]:
+        start, end = _span(host)
+        if any(s <= start and end <= e for s, e in self.ranges.items()):
+            return lambda: None
+        if not _register(start, end):
+            self.failures += 1
+            return lambda: None
+        return lambda: _unregister(start)
 
     def close(self) -> None:
-        if self.ranges:
-            cudart = torch.cuda.cudart()
-            for s in self.ranges:
-                cudart.cudaHostUnregister(s)
-            self.ranges.clear()
+        for s in self.ranges:
+            _unregister(s)
+        self.ranges.clear()
+        self.image_bytes = None
 
 
 class _DeviceCopies:
     """Copies between slot tensors and device tensors: non-blocking, on one
-    side stream per device, batched per device; ``wait`` synchronises."""
+    side stream per device, batched per device; ``wait`` synchronises.
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], pins: _Pins) -> None:
+    ``pin`` registers the host side (the slot tensors) and returns what
+    undoes it, called by ``close`` once the copies are complete."""
+
+    def __init__(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        pin: Callable[[list[torch.Tensor]], Callable[[], None]],
+    ) -> None:
         self.pairs = pairs  # (destination, source)
-        self.pins = pins
+        self.pin = pin
+        self.unpin: Callable[[], None] = lambda: None
         self.streams: list[torch.cuda.Stream] = []
-        self.pinned = True
 
     def start(self) -> None:
         groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in self.pairs:
             device = src.device if src.device.type == "cuda" else dst.device
             groups.setdefault(device, []).append((dst, src))
-        host = [d if d.device.type == "cpu" else s for d, s in self.pairs]
-        self.pinned = self.pins.ensure_tensors(host)
+        self.unpin = self.pin([d if d.device.type == "cpu" else s for d, s in self.pairs])
         for device, pairs in groups.items():
-            stream = torch.cuda.Stream(device=device)
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream(device))
             dsts = [d for d, _ in pairs]
             srcs = [s for _, s in pairs]
             with torch.no_grad(), torch.cuda.stream(stream):
-                if hasattr(torch, "_foreach_copy_"):
+                try:
                     torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                else:  # pragma: no cover - older torch
-                    for d, s in pairs:
+                except (RuntimeError, NotImplementedError):
+                    for d, s in pairs:  # a dtype or device mix foreach refuses
                         d.copy_(s, non_blocking=True)
             self.streams.append(stream)
 
@@ -167,8 +211,11 @@ class _DeviceCopies:
             stream.synchronize()
 
     def close(self) -> None:
+        self.wait()
         self.pairs = []
         self.streams = []
+        unpin, self.unpin = self.unpin, lambda: None
+        unpin()
 
 
 class _HostCopies:
@@ -251,11 +298,11 @@ class Adapter:
             meta["param"] = True
         if t.requires_grad:
             meta["rg"] = True
-        alias = None
+        alias: tuple[object, ...] | None = None
         if nbytes:
             storage = t.untyped_storage().data_ptr()
-            alias = (str(t.device), storage, t.storage_offset(), shape, t.stride(), t.dtype, kind)
-            alias += (t.requires_grad,)
+            alias = (str(t.device), storage, t.storage_offset(), shape, t.stride(), t.dtype)
+            alias += (kind, t.requires_grad)
         return TensorInfo(dtype, shape, nbytes, alias, meta)
 
     def encode_value(self, obj: object, key: str) -> Any:
@@ -299,7 +346,13 @@ class Adapter:
                 dst = _slot_tensor(staging.buffer(index), t.dtype, info.shape)
                 device_pairs.append((dst, t))
         if device_pairs:
-            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins))
+            image_bytes = staging.image_bytes
+
+            def pin(host: list[torch.Tensor]) -> Callable[[], None]:
+                self.pins.for_save(image_bytes, host)
+                return lambda: None
+
+            transfer.jobs.append(_DeviceCopies(device_pairs, pin))
         return transfer
 
     # --- load -------------------------------------------------------------
@@ -324,8 +377,11 @@ class Adapter:
             else:
                 out.append(t.requires_grad_() if ref.get("rg") else t)
         if device_pairs:
-            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins))
+            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins.for_load))
         return out, transfer
+
+    def result(self, obj: object, ref: dict[str, Any]) -> object:
+        return obj
 
     def fill_tensors(
         self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
@@ -348,8 +404,11 @@ class Adapter:
         if host_pairs:
             transfer.jobs.append(_HostCopies(host_pairs))
         if device_pairs:
-            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins))
+            transfer.jobs.append(_DeviceCopies(device_pairs, self.pins.for_load))
         return transfer
+
+    def forget_memory(self) -> None:
+        self.pins.close()
 
     def close(self) -> None:
         self.pins.close()

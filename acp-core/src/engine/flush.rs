@@ -23,10 +23,11 @@ use super::handle::Completion;
 use super::{retain, SaveReport, Shared};
 use crate::error::{Error, Result};
 use crate::format::{
-    data_file_name, hex, parse_header, root_digest, Digest, FileEntry, Index, FORMAT_VERSION,
-    INDEX_FILE_NAME,
+    data_file_name, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry, Index,
+    Manifest, FORMAT_VERSION, INDEX_FILE_NAME,
 };
 use crate::staging::{PinnedSlot, SlotState};
+use crate::storage::local::read_small;
 
 /// One sealed slot to flush and commit.
 #[derive(Debug)]
@@ -122,34 +123,48 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let t_commit = Instant::now();
         shared.note_progress(format!("step {step}: committing in {}", pending.display()));
         let header = parse_header(&path, image, len)?;
-        let index = Index {
-            step,
-            world_size: shared.cfg.world_size,
-            format_version: FORMAT_VERSION,
-            files: [(
-                file_name.clone(),
-                FileEntry {
-                    rank,
-                    size: len,
-                    chunk_bytes: chunk as u64,
-                    chunks: digests.iter().map(hex).collect(),
-                    root: hex(&root_digest(&digests)),
-                },
-            )]
-            .into_iter()
-            .collect(),
-            weight_map: header
-                .entries
-                .iter()
-                .map(|e| (e.name.clone(), file_name.clone()))
-                .collect(),
+        let entry = FileEntry {
+            rank,
+            size: len,
+            chunk_bytes: chunk as u64,
+            chunks: digests.iter().map(hex).collect(),
+            root: hex(&root_digest(&digests)),
         };
-        root.write_durable(&pending.join(INDEX_FILE_NAME), &index.to_json())?;
-        root.sync_dir(&pending)?;
-        let replaced = root.publish(&pending, step, job.overwrite)?;
-        if let Some(old) = replaced {
-            if let Err(e) = std::fs::remove_dir_all(&old) {
-                tracing::warn!("acp: could not remove replaced step {}: {e}", old.display());
+        let tensors: Vec<String> = header.entries.into_iter().map(|e| e.name).collect();
+        if shared.cfg.world_size == 1 {
+            let index = Index {
+                step,
+                world_size: 1,
+                format_version: FORMAT_VERSION,
+                weight_map: tensors
+                    .into_iter()
+                    .map(|t| (t, file_name.clone()))
+                    .collect(),
+                files: [(file_name, entry)].into_iter().collect(),
+            };
+            root.write_durable(&pending.join(INDEX_FILE_NAME), &index.to_json())?;
+            root.sync_dir(&pending)?;
+            publish(shared, &pending, step, job.overwrite)?;
+        } else {
+            let manifest = Manifest {
+                format_version: FORMAT_VERSION,
+                step,
+                rank,
+                world_size: shared.cfg.world_size,
+                file: file_name,
+                entry,
+                tensors,
+            };
+            root.write_durable(
+                &pending.join(manifest_file_name(rank)),
+                &manifest.to_json()?,
+            )?;
+            root.sync_dir(&pending)?;
+            if rank == 0 {
+                commit_ranks(shared, step, job.overwrite)?;
+            } else {
+                wait_for_commit(shared, step, &manifest.entry.root)?;
+                let _ = std::fs::remove_dir_all(&pending);
             }
         }
         shared.ring.set_state(slot, SlotState::Persisted);
@@ -193,4 +208,115 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let _ = std::fs::remove_dir_all(&pending);
     }
     result.map_err(|e: Error| e)
+}
+
+/// Publishes a complete step directory and removes the step it replaced.
+fn publish(shared: &Shared, dir: &std::path::Path, step: u64, overwrite: bool) -> Result<()> {
+    if let Some(old) = shared.root.publish(dir, step, overwrite)? {
+        if let Err(e) = std::fs::remove_dir_all(&old) {
+            tracing::warn!("acp: could not remove replaced step {}: {e}", old.display());
+        }
+    }
+    Ok(())
+}
+
+/// How often the ranks look for each other's progress on storage.
+const POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Rank 0 of a multi-rank save: waits until every rank has reported its file
+/// durable (a manifest in its pending directory), moves the files into one
+/// directory, writes the index and publishes the step.
+fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
+    let root = &shared.root;
+    let world = shared.cfg.world_size;
+    let deadline = Instant::now() + shared.cfg.commit_timeout;
+    let reported = loop {
+        let reported = root.reported_ranks(step)?;
+        if (0..world).all(|r| reported.contains_key(&r)) {
+            break reported;
+        }
+        let missing: Vec<u32> = (0..world).filter(|r| !reported.contains_key(r)).collect();
+        shared.note_progress(format!("step {step}: waiting for ranks {missing:?}"));
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: format!("step {step}: ranks {missing:?} did not report their files durable"),
+                secs: shared.cfg.commit_timeout.as_secs_f64(),
+            });
+        }
+        std::thread::sleep(POLL);
+    };
+    let mut manifests = Vec::with_capacity(reported.len());
+    for (&r, dir) in &reported {
+        if r >= world {
+            continue;
+        }
+        let path = dir.join(manifest_file_name(r));
+        let m = Manifest::parse(&path, &read_small(&path, 256 << 20)?, step, r)?;
+        if m.world_size != world {
+            return Err(Error::corrupt(
+                &path,
+                None,
+                format!(
+                    "rank {r} saved with world size {}, rank 0 with {world}",
+                    m.world_size
+                ),
+            ));
+        }
+        manifests.push((dir.clone(), m));
+    }
+    let commit = root.create_commit_dir(step)?;
+    let result = (|| {
+        let mut index = Index {
+            step,
+            world_size: world,
+            format_version: FORMAT_VERSION,
+            files: std::collections::BTreeMap::new(),
+            weight_map: std::collections::BTreeMap::new(),
+        };
+        for (dir, m) in &manifests {
+            root.rename(&dir.join(&m.file), &commit.join(&m.file))?;
+            for t in &m.tensors {
+                if let Some(other) = index.weight_map.insert(t.clone(), m.file.clone()) {
+                    return Err(Error::invalid(
+                        format!("tensor `{t}` of step {step}"),
+                        format!("saved by two ranks ({other} and {})", m.file),
+                    ));
+                }
+            }
+            index.files.insert(m.file.clone(), m.entry.clone());
+        }
+        root.write_durable(&commit.join(INDEX_FILE_NAME), &index.to_json())?;
+        root.sync_dir(&commit)?;
+        publish(shared, &commit, step, overwrite)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&commit);
+    }
+    result?;
+    for (dir, _) in &manifests {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    Ok(())
+}
+
+/// A rank other than 0: waits until rank 0 has committed `step` with this
+/// rank's file (recognised by its root digest).
+fn wait_for_commit(shared: &Shared, step: u64, our_root: &str) -> Result<()> {
+    let deadline = Instant::now() + shared.cfg.commit_timeout;
+    let file = data_file_name(shared.cfg.rank);
+    loop {
+        if let Ok(index) = shared.root.read_index(step) {
+            if index.files.get(&file).is_some_and(|e| e.root == our_root) {
+                return Ok(());
+            }
+        }
+        shared.note_progress(format!("step {step}: waiting for rank 0 to commit"));
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: format!("step {step}: rank 0 did not commit (ranks [0] did not answer)"),
+                secs: shared.cfg.commit_timeout.as_secs_f64(),
+            });
+        }
+        std::thread::sleep(POLL);
+    }
 }

@@ -52,7 +52,7 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     };
     let mut first_err: Option<Error> = None;
     for step in candidates {
-        match load_step(shared, step, req.storage_only, t0) {
+        match load_step(shared, step, req.rank, req.storage_only, t0) {
             Ok(c) => {
                 if let Some(e) = &first_err {
                     tracing::warn!("acp: fell back to step {step}: {e}");
@@ -78,8 +78,17 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     }))
 }
 
-fn load_step(shared: &Shared, step: u64, storage_only: bool, t0: Instant) -> Result<Checkpoint> {
-    let rank = shared.cfg.rank;
+fn load_step(
+    shared: &Shared,
+    step: u64,
+    rank: Option<u32>,
+    storage_only: bool,
+    t0: Instant,
+) -> Result<Checkpoint> {
+    let own = shared.cfg.rank;
+    let rank = rank.unwrap_or(own);
+    // Only this rank's own file can be resident in this rank's ring.
+    let storage_only = storage_only || rank != own;
     let index = shared.root.read_index(step)?;
     let file_name = data_file_name(rank);
     let dir = shared.root.step_dir(step);
@@ -126,7 +135,9 @@ fn load_step(shared: &Shared, step: u64, storage_only: bool, t0: Instant) -> Res
         }
     }
     let path = dir.join(&file_name);
-    let fits = entry.size <= shared.ring.max_image_bytes();
+    // Another rank's file is read into private memory: the ring holds this
+    // rank's own checkpoints only.
+    let fits = rank == own && entry.size <= shared.ring.max_image_bytes();
     let slot = if fits {
         shared.ring.acquire(entry.size, None)?
     } else {

@@ -134,6 +134,10 @@ pub struct LoadRequest {
     /// When the wanted (latest) step is corrupt, fall back to the newest
     /// older committed step that is intact. Only with `step: None`.
     pub fallback: bool,
+    /// Load the file written by this rank instead of this engine's own
+    /// (read from storage unless it is this engine's rank). With several
+    /// ranks, each file holds that rank's share of the tensors.
+    pub rank: Option<u32>,
 }
 
 /// Where a loaded checkpoint came from.
@@ -791,6 +795,52 @@ impl Staging {
             threads,
         );
         Ok(())
+    }
+
+    /// Copies `items[k].1` into tensor `items[k].0` for a subset of the
+    /// tensors (each at most once), in parallel over the copy threads. The
+    /// rest are left for [`Staging::tensor_mut`] (e.g. device-to-host copies).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor whose index is out of range,
+    /// repeated, or whose length differs, before anything is copied.
+    pub fn copy_some(&mut self, items: &[(usize, &[u8])]) -> Result<()> {
+        let n = self.layout.entries.len();
+        let mut seen = vec![false; n];
+        for (i, s) in items {
+            let Some(e) = self.layout.entries.get(*i) else {
+                return Err(Error::invalid(
+                    format!("tensor index {i}"),
+                    format!("step {} has {n} tensors", self.step),
+                ));
+            };
+            if std::mem::replace(&mut seen[*i], true) {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    "given twice",
+                ));
+            }
+            if s.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!("{} bytes given, {} expected", s.len(), e.len),
+                ));
+            }
+        }
+        let threads = self.engine.shared().cfg.copy_threads;
+        let mut dsts: Vec<Option<&mut [u8]>> = self.tensors_mut().into_iter().map(Some).collect();
+        let pairs = items
+            .iter()
+            .filter_map(|(i, s)| dsts[*i].take().map(|d| (d, *s)))
+            .collect();
+        copy::parallel_copy(pairs, threads);
+        Ok(())
+    }
+
+    /// The image length in bytes (the data file's size).
+    #[must_use]
+    pub fn image_len(&self) -> u64 {
+        self.layout.total_len
     }
 
     /// Ends the stall: seals the slot and queues its flush.

@@ -237,7 +237,7 @@ impl Index {
 }
 
 /// Checks one `files` entry: rank, chunk count and digests.
-fn check_file(path: &Path, name: &str, file: &FileEntry, world_size: u32) -> Result<()> {
+pub(super) fn check_file(path: &Path, name: &str, file: &FileEntry, world_size: u32) -> Result<()> {
     let bad = |reason: String| {
         Error::corrupt(path, None, format!("`metadata.acp.files.{name}`: {reason}"))
     };

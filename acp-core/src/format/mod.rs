@@ -144,6 +144,7 @@ mod header;
 mod index;
 mod json;
 mod layout;
+mod manifest;
 #[cfg(test)]
 mod tests;
 
@@ -152,6 +153,7 @@ pub use dtype::Dtype;
 pub use header::{parse_header, ParsedHeader, MAX_HEADER_BYTES};
 pub use index::{data_file_name, validate_file_name, FileEntry, Index, INDEX_FILE_NAME};
 pub use layout::{validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN, MAX_NAME_BYTES};
+pub use manifest::{manifest_file_name, Manifest};
 
 /// The format version this build writes and the newest it reads.
 pub const FORMAT_VERSION: u32 = 1;

@@ -172,6 +172,66 @@ impl Root {
         Ok(path)
     }
 
+    /// Creates the directory in which rank 0 assembles a multi-rank step.
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn create_commit_dir(&self, step: u64) -> Result<PathBuf> {
+        let path = self.path.join(format!(
+            ".commit-{step:012}-r00000-{}-{}",
+            std::process::id(),
+            nonce()
+        ));
+        self.check("create directory", &path)?;
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| Error::io("create directory", &path, e))?;
+        Ok(path)
+    }
+
+    /// The pending directories of `step` that hold a manifest, by rank
+    /// (the newest one when a rank has several).
+    ///
+    /// # Errors
+    /// [`Error::Io`] listing the root.
+    pub fn reported_ranks(&self, step: u64) -> Result<std::collections::BTreeMap<u32, PathBuf>> {
+        let prefix = format!(".pending-{step:012}-r");
+        let mut found: std::collections::BTreeMap<u32, (std::time::SystemTime, PathBuf)> =
+            std::collections::BTreeMap::new();
+        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        for ent in rd.flatten() {
+            let name = ent.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+                continue;
+            };
+            let Some(rank) = rest.get(..5).and_then(|r| r.parse::<u32>().ok()) else {
+                continue;
+            };
+            let manifest = ent.path().join(crate::format::manifest_file_name(rank));
+            let Ok(meta) = fs::symlink_metadata(&manifest) else {
+                continue;
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            let when = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
+            if found.get(&rank).is_none_or(|(w, _)| *w < when) {
+                found.insert(rank, (when, ent.path()));
+            }
+        }
+        Ok(found.into_iter().map(|(r, (_, p))| (r, p)).collect())
+    }
+
+    /// Renames `from` to `to` (both inside the root).
+    ///
+    /// # Errors
+    /// [`Error::Io`].
+    pub fn rename(&self, from: &Path, to: &Path) -> Result<()> {
+        self.check("rename", to)?;
+        fs::rename(from, to).map_err(|e| Error::io("rename", to, e))
+    }
+
     /// Removes pending and trash directories that `rank` left behind in a
     /// previous life (the caller holds this rank's ring lock, so no live
     /// process of this rank owns them). Returns how many were removed.
@@ -184,7 +244,9 @@ impl Root {
         for ent in rd.flatten() {
             let name = ent.file_name();
             let Some(name) = name.to_str() else { continue };
-            let ours = (name.starts_with(".pending-") || name.starts_with(".trash-"))
+            let ours = (name.starts_with(".pending-")
+                || name.starts_with(".trash-")
+                || name.starts_with(".commit-"))
                 && name.contains(&tag);
             if ours
                 && ent.file_type().is_ok_and(|t| t.is_dir())
