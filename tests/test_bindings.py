@@ -165,7 +165,8 @@ def test_views_in_garbage_cycles_are_freed_safely(tmp_path: Path) -> None:
         f"""
         import gc, acp
         ckpt = acp.Checkpointer(
-            {str(tmp_path / "root")!r}, job="gc-cycle", shm_dir={str(tmp_path)!r}, ring_bytes=8 << 20
+            {str(tmp_path / "root")!r}, job="gc-cycle", shm_dir={str(tmp_path)!r},
+            ring_bytes=8 << 20,
         )
         import numpy as np
         ckpt.save(1, {{"w": np.arange(16, dtype=np.float32)}}).wait()

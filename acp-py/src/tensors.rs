@@ -14,9 +14,9 @@
 )]
 
 use acp_core::Error;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
-use pyo3::intern;
 
 use crate::errors::invalid;
 use crate::load::Loaded;
