@@ -512,6 +512,7 @@ def cmd_import(args: argparse.Namespace, out: Out) -> int:
                 args.root,
                 args.step,
                 overwrite=args.force,
+                values_json=safetensors_values(args.files),
                 shm_dir=args.shm_dir,
                 progress=out.progress,
             )
@@ -577,6 +578,37 @@ def sniff(path: str | os.PathLike[str]) -> str:
     if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= size:
         return "safetensors"
     raise UsageError(f"{os.fspath(path)}: unknown format; pass --format")
+
+
+def _header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header: dict[str, Any] = json.loads(f.read(min(n, 100_000_000)))
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{os.fspath(path)}: not found") from None
+    except (struct.error, ValueError) as e:
+        raise CheckpointCorrupt(f"{os.fspath(path)}: not a safetensors file: {e}") from e
+    return header
+
+
+def safetensors_values(files: Sequence[str]) -> str | None:
+    """The values tree to save with imported safetensors files: None (keep
+    the file's own) for one file that acp wrote with its state codec, else
+    a flat dict of its tensors by name, so ``Checkpointer.load`` returns
+    ``{name: tensor}`` (torch tensors when torch is installed, else NumPy)."""
+    from acp._codec import CODEC_KEY, CODEC_VERSION, STATE_KEY
+
+    headers = [_header(f) for f in files]
+    if len(headers) == 1:
+        values = (headers[0].get("__metadata__") or {}).get("acp.values")
+        if values is not None and CODEC_KEY in json.loads(values):
+            return None
+    fw = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+    names = [name for h in headers for name in h if name != "__metadata__"]
+    refs = [{"t": "tensor", "fw": fw, "name": name} for name in names]
+    tree = {CODEC_KEY: CODEC_VERSION, STATE_KEY: {"t": "dict", "k": names, "v": refs}}
+    return json.dumps(tree, separators=(",", ":"))
 
 
 class SafetensorsFile:

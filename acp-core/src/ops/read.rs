@@ -19,16 +19,18 @@ pub(crate) struct DataFile {
     chunk: u64,
     /// The header, once read from verified chunks.
     header: Option<ParsedHeader>,
+    /// The header parsed from chunks that failed their digest: used only to
+    /// name the tensors a changed chunk holds.
+    guess: Option<ParsedHeader>,
     /// The last verified chunk (index, bytes), for ranged reads.
     cache: Option<(u64, Vec<u8>)>,
 }
 
-/// A changed chunk: its byte range and the tensors it covers.
+/// A changed chunk: the tensors it covers and why it is bad.
 #[derive(Debug, Clone)]
 pub(crate) struct BadChunk {
-    pub(crate) start: u64,
-    pub(crate) end: u64,
     pub(crate) tensors: Vec<String>,
+    pub(crate) reason: String,
 }
 
 impl DataFile {
@@ -82,6 +84,7 @@ impl DataFile {
             digests: entry.chunks.iter().map(|c| unhex(c)).collect(),
             chunk: entry.chunk_bytes.max(1),
             header: None,
+            guess: None,
             cache: None,
         })
     }
@@ -118,29 +121,49 @@ impl DataFile {
     /// The tensors whose bytes overlap `[start, end)`; empty when the
     /// header is unknown or the range holds only header bytes.
     fn tensors_in(&self, start: u64, end: u64) -> Vec<String> {
-        self.header.as_ref().map_or_else(Vec::new, |h| {
-            h.entries
-                .iter()
-                .filter(|e| e.offset < end && e.offset + e.len.max(1) > start)
-                .map(|e| e.name.clone())
-                .collect()
-        })
+        self.header
+            .as_ref()
+            .or(self.guess.as_ref())
+            .map_or_else(Vec::new, |h| {
+                h.entries
+                    .iter()
+                    .filter(|e| e.offset < end && e.offset + e.len.max(1) > start)
+                    .map(|e| e.name.clone())
+                    .collect()
+            })
+    }
+
+    /// Whether `[start, end)` holds header bytes.
+    fn holds_header(&self, start: u64) -> bool {
+        self.header
+            .as_ref()
+            .or(self.guess.as_ref())
+            .is_none_or(|h| start < h.data_start)
+    }
+
+    /// Why chunk `i` is bad, for people: its byte range and whether the
+    /// header is in it.
+    pub(crate) fn mismatch_reason(&self, start: u64, end: u64) -> String {
+        let tensors = self.tensors_in(start, end);
+        match (self.holds_header(start), tensors.is_empty()) {
+            (true, true) => format!("digest mismatch in bytes {start}..{end} (header)"),
+            (true, false) => {
+                format!("digest mismatch in bytes {start}..{end} (header and tensor data)")
+            }
+            _ => format!("digest mismatch in bytes {start}..{end}"),
+        }
     }
 
     fn mismatch(&self, i: u64) -> Error {
         let (start, end) = self.chunk_span(i);
         let tensors = self.tensors_in(start, end);
-        match tensors.first() {
-            Some(t) => Error::corrupt(
-                &self.path,
-                Some(t),
-                format!("digest mismatch in bytes {start}..{end}"),
-            ),
-            None => Error::corrupt(
-                &self.path,
-                None,
-                format!("digest mismatch in bytes {start}..{end} (header)"),
-            ),
+        let reason = self.mismatch_reason(start, end);
+        if tensors.is_empty() {
+            Error::corrupt(&self.path, None, reason)
+        } else {
+            // A chunk digest cannot tell which of its tensors changed: name
+            // every one it holds.
+            Error::corrupt(&self.path, Some(&tensors.join("`, `")), reason)
         }
     }
 
@@ -153,17 +176,22 @@ impl DataFile {
         if self.header.is_none() {
             let mut bytes = Vec::new();
             let mut buf = Vec::new();
+            let mut bad = None;
             let mut i = 0;
             let mut need = 8u64;
             while (bytes.len() as u64) < need.min(self.entry.size) && i < self.chunks() {
-                if !self.read_chunk(i, &mut buf)? {
-                    return Err(self.mismatch(i));
+                if !self.read_chunk(i, &mut buf)? && bad.is_none() {
+                    bad = Some(i);
                 }
                 bytes.extend_from_slice(&buf);
                 if let Some(n) = bytes.first_chunk::<8>() {
                     need = u64::from_le_bytes(*n).saturating_add(8);
                 }
                 i += 1;
+            }
+            if let Some(i) = bad {
+                self.guess = parse_header(&self.path, &bytes, self.entry.size).ok();
+                return Err(self.mismatch(i));
             }
             let h = parse_header(&self.path, &bytes, self.entry.size)?;
             self.header = Some(h);
@@ -212,9 +240,8 @@ impl DataFile {
             if !self.read_chunk(i, &mut buf)? {
                 let (start, end) = self.chunk_span(i);
                 bad.push(BadChunk {
-                    start,
-                    end,
                     tensors: self.tensors_in(start, end),
+                    reason: self.mismatch_reason(start, end),
                 });
             }
             progress.advance(buf.len() as u64);

@@ -156,11 +156,7 @@ fn verify_step(
             report.problems.push(Problem {
                 file: shown(&f.path),
                 tensors: b.tensors.clone(),
-                reason: if b.tensors.is_empty() {
-                    format!("digest mismatch in bytes {}..{} (header)", b.start, b.end)
-                } else {
-                    format!("digest mismatch in bytes {}..{}", b.start, b.end)
-                },
+                reason: b.reason.clone(),
             });
         }
         match header {
