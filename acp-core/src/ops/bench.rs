@@ -104,7 +104,7 @@ pub fn bench(opts: &BenchOptions, progress: &dyn Progress) -> Result<BenchReport
             .map_or(0, |d| d.subsec_nanos())
     );
     let scratch = opts.dir.join(&nonce);
-    let shm = opts.shm_dir.join(&nonce);
+    let shm = opts.shm_dir.join(format!("{nonce}-shm"));
     for d in [&scratch, &shm] {
         std::fs::DirBuilder::new()
             .mode(0o700)

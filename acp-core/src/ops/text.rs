@@ -80,8 +80,8 @@ pub fn list(r: &ListReport) -> String {
     } else {
         let _ = writeln!(
             s,
-            "  {:>12}  {:>10}  {:>5}  {:>7}  {:>10}  {:<12}  ",
-            "STEP", "SIZE", "RANKS", "TENSORS", "COMMITTED", "IN RAM (ranks)"
+            "  {:>12}  {:>10}  {:>5}  {:>7}  {:>10}  IN RAM (ranks)",
+            "STEP", "SIZE", "RANKS", "TENSORS", "COMMITTED"
         );
     }
     for row in &r.steps {
