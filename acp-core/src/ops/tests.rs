@@ -467,3 +467,114 @@ fn bench_runs_small() {
     assert_eq!(std::fs::read_dir(&f.shm).unwrap().count(), 0);
     assert!(text::bench(&r).contains("memcpy"));
 }
+
+#[test]
+fn multi_rank_steps_export_merged_and_persist_together() {
+    let f = fixture();
+    let save_rank = |rank: u32, step: u64| {
+        let engine = Engine::open(
+            config(&f)
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_commit_timeout(std::time::Duration::from_secs(30)),
+        )
+        .unwrap();
+        let data = f32s(&[rank as f32; 64]);
+        let name = format!("rank{rank}.w");
+        engine
+            .save(
+                step,
+                &[HostTensor {
+                    name: &name,
+                    dtype: Dtype::F32,
+                    shape: &[64],
+                    data: &data,
+                }],
+                &json!({"rank": rank}),
+                &SaveOptions::default(),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        engine.close().unwrap();
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| save_rank(0, 1));
+        s.spawn(|| save_rank(1, 1));
+    });
+    let r = list(&f.root, Some("ops-test"), &f.shm).unwrap();
+    assert_eq!(r.steps[0].files, 2);
+    assert_eq!(r.steps[0].resident_ranks, [0, 1]);
+    assert!(verify(&f.root, None, false, &Quiet).unwrap().ok);
+    let out = f.root.parent().unwrap().join("merged.safetensors");
+    let e = export_safetensors(&f.root, None, None, &out, false, &Quiet).unwrap();
+    assert_eq!((e.tensors, e.ranks.clone()), (2, vec![0, 1]));
+    let bytes = std::fs::read(&out).unwrap();
+    let h = crate::format::parse_header(&out, &bytes, bytes.len() as u64).unwrap();
+    assert_eq!(h.metadata["values.rank1"], r#"{"rank":1}"#);
+    let w1 = h.entries.iter().find(|e| e.name == "rank1.w").unwrap();
+    let off = usize::try_from(w1.offset).unwrap();
+    assert_eq!(&bytes[off..off + 256], &f32s(&[1.0; 64])[..]);
+    // One rank's file alone, byte for byte.
+    let one = f.root.parent().unwrap().join("r1.safetensors");
+    export_safetensors(&f.root, None, Some(1), &one, false, &Quiet).unwrap();
+    let src = f
+        .root
+        .join("step-000000000001")
+        .join("rank-00001.safetensors");
+    assert_eq!(std::fs::read(&one).unwrap(), std::fs::read(src).unwrap());
+    let e = export_safetensors(&f.root, None, Some(5), &one, true, &Quiet).unwrap_err();
+    assert_eq!(exit_code(&e), 3);
+}
+
+#[test]
+fn persist_commits_a_multi_rank_step_whose_ranks_all_died() {
+    let f = fixture();
+    let dead_rank = |rank: u32| {
+        let faults = Arc::new(FaultInjector::fail_at(0, libc::EIO, true));
+        let engine = Engine::open(
+            config(&f)
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_faults(faults)
+                .with_commit_timeout(std::time::Duration::from_secs(5)),
+        )
+        .unwrap();
+        let data = f32s(&[rank as f32; 16]);
+        let name = format!("rank{rank}.w");
+        let h = engine
+            .save(
+                4,
+                &[HostTensor {
+                    name: &name,
+                    dtype: Dtype::F32,
+                    shape: &[16],
+                    data: &data,
+                }],
+                &json!(null),
+                &SaveOptions::default(),
+            )
+            .unwrap();
+        assert!(h.wait().is_err());
+        let _ = engine.close();
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| dead_rank(0));
+        s.spawn(|| dead_rank(1));
+    });
+    let r = persist(&PersistOptions {
+        root: f.root.clone(),
+        job: Some("ops-test".into()),
+        ranks: None,
+        shm_dir: f.shm.clone(),
+        world_size: None,
+        commit_timeout: std::time::Duration::from_secs(30),
+    })
+    .unwrap();
+    assert_eq!(r.world_size, 2);
+    assert_eq!(r.ranks.len(), 2);
+    assert!(r.ranks.iter().all(|k| k.persisted_steps == [4]), "{r:?}");
+    let i = inspect(&f.root, Some(4)).unwrap();
+    assert_eq!(i.files.len(), 2);
+    assert!(verify(&f.root, Some(4), false, &Quiet).unwrap().ok);
+}
