@@ -501,3 +501,37 @@ def test_readme_examples_run(tmp_path: Path) -> None:
                     Path(slot["path"]).unlink(missing_ok=True)
         for slot in run_json("ls", root, "--job", r.job, "--shm-dir", r.shm_dir)["slots"]:
             Path(slot["path"]).unlink(missing_ok=True)
+
+
+def test_progress_bar_only_on_a_terminal(root: Root) -> None:
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "acp.cli", "verify", str(root.path), "--all"],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        os.close(slave)
+        slave = -1
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+    assert proc.returncode == 0
+    assert b"verify step" in drawn
+    assert b"%" in drawn
+    assert "verify step" not in proc.stdout
