@@ -55,6 +55,7 @@ pub mod config;
 pub mod error;
 pub mod format;
 pub mod io;
+pub mod ops;
 pub mod staging;
 pub mod storage;
 
@@ -68,3 +69,8 @@ pub use engine::{
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};
 pub use io::IoKind;
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

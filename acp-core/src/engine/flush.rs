@@ -109,7 +109,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         );
         shared.lock().committed.clear();
     }
-    let pending = root.create_pending(step, rank)?;
+    let pending = root.create_pending(step)?;
     let result = (|| {
         let file_name = data_file_name(rank);
         let path = pending.join(&file_name);
