@@ -667,8 +667,17 @@ fn root_cases(suite: &mut Suite) {
     std::fs::create_dir(r.join("step-00000000000x")).unwrap();
     std::fs::create_dir(r.join("step-000000000011")).unwrap();
     std::fs::write(r.join("step-000000000011").join(INDEX_NAME), b"{").unwrap();
-    std::fs::create_dir(r.join(".pending-000000000012-r00000-1-2")).unwrap();
-    std::fs::create_dir(r.join(".pending-000000000012-r00003-1-2")).unwrap();
+    // Temporary directories carry the rank and the job's tag: this job's
+    // rank 0 left one (swept at open); another rank and another job too.
+    let tag = &hex(blake3::hash(b"torture-hostile").as_bytes())[..8];
+    let ours = format!(".pending-000000000012-r00000-{tag}-1-2");
+    let theirs = [
+        format!(".pending-000000000012-r00003-{tag}-1-2"),
+        ".pending-000000000012-r00000-0badf00d-1-2".to_owned(),
+    ];
+    for d in std::iter::once(&ours).chain(&theirs) {
+        std::fs::create_dir(r.join(d)).unwrap();
+    }
     std::fs::write(r.join("latest"), b"99999999999999999999999999\n").unwrap();
     std::os::unix::fs::symlink("/etc", r.join("step-000000000013")).unwrap();
     std::os::unix::fs::symlink(r.join("nowhere"), r.join("step-000000000014")).unwrap();
@@ -693,10 +702,8 @@ fn root_cases(suite: &mut Suite) {
         if ck.step() != STEP {
             return Err(format!("fallback loaded step {}", ck.step()));
         }
-        // This rank's leftover pending directory is swept; another rank's is kept.
-        if r.join(".pending-000000000012-r00000-1-2").exists()
-            || !r.join(".pending-000000000012-r00003-1-2").exists()
-        {
+        // This rank's leftover pending directory is swept; the others are kept.
+        if r.join(&ours).exists() || theirs.iter().any(|d| !r.join(d).exists()) {
             return Err("sweep removed the wrong leftovers".into());
         }
         Ok(())
