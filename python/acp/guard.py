@@ -164,23 +164,38 @@ def dying_checkpoint(
     )
     ckpt.last_dying = report
     if report.ok:
-        log.warning(
-            "acp: dying checkpoint (%s): newest committed step %s (newest staged %s), %.2f s",
-            cause,
-            committed,
-            staged,
-            report.secs,
+        _say(
+            logging.WARNING,
+            f"acp: dying checkpoint ({cause}): newest committed step {committed} "
+            f"(newest staged {staged}), {report.secs:.2f} s",
         )
     else:
-        log.error(
-            "acp: dying checkpoint (%s) failed: %s; step %s stays resident in shared memory: "
-            "restart on this node or run `acp persist %s`",
-            cause,
-            error,
-            staged,
-            ckpt.root,
+        _say(
+            logging.ERROR,
+            f"acp: dying checkpoint ({cause}) failed: {error}; step {staged} stays resident "
+            f"in shared memory: restart on this node or run `acp persist {ckpt.root}`",
         )
     return report
+
+
+def _say(level: int, text: str) -> None:
+    """Logs on the ``acp`` logger; when the application configured no
+    handler for it (acp's own is a NullHandler), also writes to stderr: the
+    process is about to exit and its operator must see the outcome."""
+    log.log(level, "%s", text)
+    if not _handled(log):
+        print(text, file=sys.stderr, flush=True)
+
+
+def _handled(logger: logging.Logger) -> bool:
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
 
 
 class SigtermHandler:
