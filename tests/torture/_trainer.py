@@ -106,6 +106,18 @@ def main() -> None:
         print("SAVE_RETURNED", flush=True)
         train_forever()
 
+    elif mode == "sigterm-loop":
+        # Saves in a loop (no waits: staging and flushing overlap) until
+        # SIGTERM; says which steps finished staging.
+        ckpt.install_sigterm_handler()
+        step = (ckpt.latest() or 0) + 1
+        rng = np.random.default_rng(int(os.environ.get("SEED", "0")))
+        while True:
+            ckpt.save(step, state(step))
+            print(f"STAGED {step}", flush=True)
+            step += 1
+            time.sleep(float(rng.uniform(0, 0.02)))
+
     elif mode == "sigterm-chain":
         marker = Path(root).parent / "previous-handler-ran"
 
