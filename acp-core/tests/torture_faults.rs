@@ -392,3 +392,62 @@ fn a_read_error_at_every_operation_of_a_load_is_reported_or_harmless() {
     }
     report("io-error-every-op-load", n_trials, &failures);
 }
+
+/// Rank 1 fails the directory fsync after writing its manifest, slowly (a
+/// stall, then EIO). Rank 0 must not have taken the manifest as the report
+/// that rank 1's file is durable meanwhile: the step is committed exactly
+/// when every rank's save succeeds. (The two-rank torture found rank 0
+/// committing a step whose rank 1 save then failed.)
+#[test]
+fn a_rank_failing_after_its_manifest_is_written_is_never_committed() {
+    let (_t, root, shm) = torture_util::dirs();
+    let faults = [
+        Arc::new(FaultInjector::counting()),
+        Arc::new(FaultInjector::counting()),
+    ];
+    let engines: Vec<Engine> = (0..2)
+        .map(|r| {
+            Engine::open(rank_config(
+                &root,
+                &shm,
+                r,
+                &faults[r as usize],
+                Duration::from_secs(3),
+            ))
+            .unwrap()
+        })
+        .collect();
+    let both = |step| {
+        let h: Vec<_> = (0..2)
+            .map(|r| rank_save(&engines[r], r as u32, step))
+            .collect();
+        h.into_iter().map(|h| h.wait()).collect::<Vec<_>>()
+    };
+    for r in both(1) {
+        r.unwrap();
+    }
+    // Where rank 1's pending-directory fsync falls in one save.
+    let before = faults[1].ops();
+    for r in both(2) {
+        r.unwrap();
+    }
+    let log = faults[1].log();
+    let k = log[usize::try_from(before).unwrap()..]
+        .iter()
+        .position(|l| l.starts_with("fsync directory") && l.contains(".pending-"))
+        .expect("rank 1 fsyncs its pending directory") as u64;
+    faults[1].arm_stall(k, Duration::from_secs(2));
+    faults[1].arm(k, libc::EIO, false);
+    let results = both(3);
+    faults[1].heal();
+    let committed = engines[0].steps().unwrap();
+    assert!(results[1].is_err(), "{results:?}");
+    assert!(
+        !committed.contains(&3),
+        "step 3 committed although rank 1's save failed: {results:?}"
+    );
+    for r in both(4) {
+        r.unwrap();
+    }
+    assert_eq!(engines[0].steps().unwrap(), vec![1, 2, 4]);
+}

@@ -184,11 +184,17 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 entry,
                 tensors,
             };
-            root.write_durable(
-                &pending.join(manifest_file_name(rank)),
-                &manifest.to_json()?,
-            )?;
+            // Rank 0 takes a manifest it can see as this rank's report that
+            // its file is durable, so the manifest appears (by a rename)
+            // only once the file, the manifest and the directory are.
+            // Written in place, rank 0 could commit the step while this
+            // rank's directory fsync was still to fail: a committed step
+            // whose save reported an error.
+            let name = manifest_file_name(rank);
+            let unpublished = pending.join(format!(".{name}.tmp"));
+            root.write_durable(&unpublished, &manifest.to_json()?)?;
             root.sync_dir(&pending)?;
+            root.rename(&unpublished, &pending.join(&name))?;
             if rank == 0 {
                 commit_ranks(shared, step, job.overwrite)?;
             } else {
