@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use acp_core::format::{parse_header, Entry};
 use acp_core::{Checkpoint, Engine, EngineConfig, Error, LoadRequest, Source};
-use torture_util::{check, copy_tree, files_under, report, save, trials, Rng};
+use torture_util::{check, copy_tree, files_under, report_with, save, trials, Rng};
 
 fn config(root: &Path, shm: &Path) -> EngineConfig {
     EngineConfig::new(root)
@@ -390,11 +390,12 @@ fn every_change_to_a_stored_or_resident_checkpoint_is_detected() {
             failures.push(format!("trial {trial}: {e}"));
         }
     }
-    eprintln!(
+    let notes = format!(
         "stored changes detected: {}, index edits that kept the meaning: {}, \
          `latest` hint changes: {}, resident images rejected: {}, \
          resident changes no load could see: {}",
         tally.detected, tally.neutral, tally.hint, tally.resident_rejected, tally.harmless
     );
-    report("corrupt", n, &failures);
+    eprintln!("{notes}");
+    report_with("corrupt", n, &failures, &notes);
 }

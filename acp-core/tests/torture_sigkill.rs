@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use acp_core::storage::faults::FaultInjector;
 use acp_core::{Dtype, Engine, EngineConfig, Error, LoadRequest, SaveOptions, TensorSpec};
 use serde_json::json;
-use torture_util::{check, payload, report, save, sigkill_self, trials, Rng, SIZES};
+use torture_util::{check, payload, report_with, save, sigkill_self, trials, Rng, SIZES};
 
 fn config(root: &Path, shm: &Path) -> EngineConfig {
     EngineConfig::new(root)
@@ -287,7 +287,8 @@ fn sigkill_at_random_moments_leaves_a_committed_bit_exact_step() {
             failures.push(format!("trial {trial}: {e}"));
         }
     }
-    eprintln!("killed at: {hit:?}");
+    let notes = format!("killed at: {hit:?}");
+    eprintln!("{notes}");
     assert!(floor > 0, "no step was ever committed");
-    report("sigkill", n, &failures);
+    report_with("sigkill", n, &failures, &notes);
 }

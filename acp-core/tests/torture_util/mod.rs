@@ -38,6 +38,11 @@ pub(crate) fn trials(ci: u64, full_count: u64) -> u64 {
 
 /// Reports a suite's figures and fails the test when a trial failed.
 pub(crate) fn report(name: &str, trials: u64, failures: &[String]) {
+    report_with(name, trials, failures, "");
+}
+
+/// [`report`] with a line of details (what the trials hit).
+pub(crate) fn report_with(name: &str, trials: u64, failures: &[String], notes: &str) {
     let line = format!(
         "TORTURE {name}: trials={trials} failures={}",
         failures.len()
@@ -45,6 +50,7 @@ pub(crate) fn report(name: &str, trials: u64, failures: &[String]) {
     eprintln!("{line}");
     if let Ok(path) = std::env::var("ACP_TORTURE_REPORT") {
         let rec = json!({"suite": name, "trials": trials, "failures": failures.len(),
+                         "notes": notes,
                          "first_failures": failures.iter().take(5).collect::<Vec<_>>()});
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
