@@ -170,10 +170,11 @@ def dying_checkpoint(
             f"(newest staged {staged}), {report.secs:.2f} s",
         )
     else:
+        persist = f"acp persist {ckpt.root}" + (f" --job {ckpt.job}" if ckpt.job else "")
         _say(
             logging.ERROR,
             f"acp: dying checkpoint ({cause}) failed: {error}; step {staged} stays resident "
-            f"in shared memory: restart on this node or run `acp persist {ckpt.root}`",
+            f"in shared memory: restart on this node or run `{persist}`",
         )
     return report
 

@@ -183,3 +183,28 @@ def test_dying_checkpoint_in_process(make_ckpt: MakeCkpt) -> None:
     assert ckpt.last_dying is report
     ckpt.wait()
     assert ckpt.steps() == [1, 2, 3]
+
+
+def test_acp_persist_commits_what_an_oom_killed_trainer_left(tmp_path: Path, shm_dir: Path) -> None:
+    """The same OOM kill, recovered by the command-line tool instead of a
+    restarted trainer."""
+    import json
+    import subprocess
+    import sys
+
+    root, j = tmp_path / "ckpt", job()
+    code, _, err = finish(run_trainer("oom-kill", root, shm_dir, j))
+    assert code == -signal.SIGKILL, err
+    cmd = [sys.executable, "-m", "acp.cli", "persist", str(root), "--job", j]
+    run = subprocess.run(
+        [*cmd, "--shm-dir", str(shm_dir), "--json", "-q"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2" in json.dumps(json.loads(run.stdout)), run.stdout
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.stats()["engine"]["persisting_steps"] == []
+        assert_state(ckpt.load(storage_only=True), 2)
