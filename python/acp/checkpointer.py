@@ -9,12 +9,13 @@ import threading
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 from acp import _acp
 from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, FlatTensor, flatten
 from acp._load import load_into, load_state, run_transfers
+from acp._metrics import Metrics
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
 
@@ -252,6 +253,9 @@ class Checkpointer:
         self._last_save: SaveHandle | None = None
         self.last_load: LoadStats | None = None
         """The figures of the latest ``load``."""
+        # Figures and log lines (acp._metrics).
+        self._metrics = Metrics(os.fspath(self.root), job, self.rank)
+        self._metrics.opened(self._engine.open_report())
 
     # --- saving -----------------------------------------------------------
 
@@ -322,6 +326,7 @@ class Checkpointer:
             self._stall_total += stall
             self._stall_max = max(self._stall_max, stall)
             self._last_save = result
+        self._metrics.saved(result)
         return result
 
     # --- loading ----------------------------------------------------------
@@ -385,6 +390,7 @@ class Checkpointer:
             bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
         )
         self.last_load = stats
+        self._metrics.loaded(stats)
         return result if into is None else stats
 
     # --- the rest ---------------------------------------------------------
@@ -409,9 +415,21 @@ class Checkpointer:
         """Blocks until every save so far has finished (committed or failed)."""
         self._check_open()
         self._engine.wait_idle(timeout)
+        self._metrics.collect()
 
-    def stats(self) -> dict[str, Any]:
-        """Totals and the latest figures of this checkpointer."""
+    @overload
+    def stats(self, format: Literal["dict"] = "dict") -> dict[str, Any]: ...
+    @overload
+    def stats(self, format: Literal["prometheus"]) -> str: ...
+
+    def stats(self, format: str = "dict") -> dict[str, Any] | str:
+        """Totals and the latest figures of this checkpointer; ``"figures"``
+        holds the aggregates of every save and load (see ``acp.metrics``).
+        ``format="prometheus"`` gives them in the Prometheus text format."""
+        if format == "prometheus":
+            return self._metrics.prometheus()
+        if format != "dict":
+            raise InvalidInput(f"stats: format {format!r} is not 'dict' or 'prometheus'")
         with self._lock:
             last = self._last_save
             out: dict[str, Any] = {
@@ -427,6 +445,7 @@ class Checkpointer:
         out["last_save"] = None if last is None else last.stats.as_dict()
         out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
         out["engine"] = None if self._closed else self._engine.open_report()
+        out["figures"] = self._metrics.summary()
         return out
 
     @property
@@ -444,7 +463,10 @@ class Checkpointer:
         try:
             self._adapters.close()
         finally:
-            self._engine.close()
+            try:
+                self._engine.close()
+            finally:
+                self._metrics.close()
 
     def __enter__(self) -> Checkpointer:
         return self
