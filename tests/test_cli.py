@@ -535,3 +535,17 @@ def test_progress_bar_only_on_a_terminal(root: Root) -> None:
     assert b"verify step" in drawn
     assert b"%" in drawn
     assert "verify step" not in proc.stdout
+
+
+def test_export_torch_of_a_numpy_state(tmp_path: Path, shm_dir: Path) -> None:
+    import numpy as np
+
+    r = Root(tmp_path / "ckpt", shm_dir)
+    with r.open() as ckpt:
+        ckpt.save(1, {"a": np.arange(6, dtype=np.int32).reshape(2, 3), "s": np.float64(2.5)})
+    out = tmp_path / "np.pt"
+    run("export", r.path, out, "--to", "torch")
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["a"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
+    assert isinstance(got["s"], torch.Tensor)
+    assert float(got["s"]) == 2.5

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
@@ -279,6 +282,17 @@ class Checkpointer:
         string entries to the safetensors header.
         """
         self._check_open()
+        with _gc_paused():
+            return self._save(step, state, overwrite=overwrite, metadata=metadata)
+
+    def _save(
+        self,
+        step: int,
+        state: object,
+        *,
+        overwrite: bool,
+        metadata: dict[str, str] | None,
+    ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
         # Tensor names are unique over all ranks' files (the step's index
@@ -479,6 +493,12 @@ class Checkpointer:
     ) -> None:
         self.close()
 
+    @property
+    def engine(self) -> _acp.Engine:
+        """The underlying ``acp._acp.Engine`` (for storage plugins and tools)."""
+        self._check_open()
+        return self._engine
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"engine for {os.fspath(self.root)}: closed")
@@ -486,6 +506,20 @@ class Checkpointer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"Checkpointer({os.fspath(self.root)!r}, rank={self.rank}, {state})"
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector for the stall: walking a
+    state of thousands of tensors allocates enough to trigger collections,
+    which can cost more than the copy itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _step(step: object) -> int:

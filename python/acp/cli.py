@@ -602,7 +602,8 @@ def safetensors_values(files: Sequence[str]) -> str | None:
     headers = [_header(f) for f in files]
     if len(headers) == 1:
         values = (headers[0].get("__metadata__") or {}).get("acp.values")
-        if values is not None and CODEC_KEY in json.loads(values):
+        tree = json.loads(values) if values is not None else None
+        if isinstance(tree, dict) and CODEC_KEY in tree:
             return None
     fw = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     names = [name for h in headers for name in h if name != "__metadata__"]
@@ -656,6 +657,9 @@ class SafetensorsFile:
 
         values = json.loads(self.values_json)
         if isinstance(values, dict) and "acp.codec" in values:
+            # Every tensor comes back as a torch tensor, whatever framework
+            # saved it: the bytes and dtypes are the same.
+            self.values_json = json.dumps(_as_torch_refs(values))
             return load_state(self, Adapters(), "cpu")
         out: dict[str, Any] = {name: self.tensor(i) for i, name in enumerate(self.names())}
         if values is not None:
@@ -674,6 +678,18 @@ class SafetensorsFile:
         t = torch.empty(shape, dtype=dtype_from_safetensors(dt))
         self.copy_into([(i, t.data_ptr(), t.numel() * t.element_size())])
         return t
+
+
+def _as_torch_refs(node: Any) -> Any:
+    """The values tree with every tensor reference made a torch one."""
+    if isinstance(node, list):
+        return [_as_torch_refs(v) for v in node]
+    if isinstance(node, dict):
+        out = {k: _as_torch_refs(v) for k, v in node.items()}
+        if out.get("t") == "tensor":
+            out["fw"] = "torch"
+        return out
+    return node
 
 
 def read_safetensors(path: Path) -> SafetensorsFile:
