@@ -39,8 +39,9 @@ pub(super) struct Job {
     pub(super) started: Instant,
     pub(super) stall_secs: f64,
     pub(super) slot_wait_secs: f64,
-    /// A slot left by a previous process (persist on open).
-    pub(super) recovery: bool,
+    /// A slot left by a previous process that nobody holds the handle of
+    /// (persist on open): its failure is raised by `close`.
+    pub(super) unwatched: bool,
 }
 
 /// The flush thread's loop: one job at a time, in order, until the queue
@@ -49,7 +50,7 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
     for job in rx {
         let slot = job.pin.slot();
         let step = job.step;
-        let recovery = job.recovery;
+        let unwatched = job.unwatched;
         let done = Arc::clone(&job.done);
         let result = flush_one(shared, job);
         {
@@ -65,7 +66,7 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
                 }
                 Err(e) => {
                     st.failed_slots.push(slot);
-                    if recovery && st.unreported.is_none() {
+                    if unwatched && st.unreported.is_none() {
                         st.unreported = Some(e.duplicate());
                     }
                 }
@@ -155,11 +156,15 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 entry,
                 tensors,
             };
-            root.write_durable(
-                &pending.join(manifest_file_name(rank)),
-                &manifest.to_json()?,
-            )?;
+            // Rank 0 takes a manifest as soon as its name appears, and may
+            // move this directory's data file and remove the directory at
+            // once: the name appears by a rename, after the content and
+            // the directory are durable.
+            let name = manifest_file_name(rank);
+            let tmp = pending.join(format!("{name}.tmp"));
+            root.write_durable(&tmp, &manifest.to_json()?)?;
             root.sync_dir(&pending)?;
+            root.rename(&tmp, &pending.join(name))?;
             if rank == 0 {
                 commit_ranks(shared, step, job.overwrite)?;
             } else {
