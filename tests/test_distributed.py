@@ -270,3 +270,67 @@ def test_replicated_state_is_written_once_and_loaded_whole(tmp_path: Path, shm_d
     finally:
         for c in ckpts:
             c.close()
+
+
+def _ranks_in_threads(fn: Any, world: int) -> list[Any]:
+    """Runs ``fn(rank)`` for every rank in its own thread; each result or
+    exception, by rank."""
+    results: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except Exception as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def test_ranks_agree_to_fall_back_or_to_fail_together(tmp_path: Path, shm_dir: Path) -> None:
+    """Rank 1's file of the newest step is corrupt on storage: with
+    ``fallback`` both ranks load the step before; without, both raise,
+    rank 0 naming rank 1."""
+    store = _Store()
+
+    def open_rank(rank: int) -> acp.Checkpointer:
+        return acp.Checkpointer(
+            tmp_path / "ckpt",
+            job="agree",
+            rank=rank,
+            world_size=2,
+            shm_dir=shm_dir,
+            ring_bytes=SMALL_RING,
+            mlock=False,
+            commit_timeout=30,
+            store=store,
+        )
+
+    ckpts = _ranks_in_threads(open_rank, 2)
+    try:
+        for step in (1, 2):
+            hs = [c.save(step, {"w": torch.full((1000,), float(step))}) for c in ckpts]
+            for h in hs:
+                h.wait()
+        data = tmp_path / "ckpt/step-000000000002/rank-00001.safetensors"
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+        got = _ranks_in_threads(lambda r: ckpts[r].load(storage_only=True, fallback=True), 2)
+        assert [g["w"][0].item() for g in got] == [1.0, 1.0]
+
+        errors = _ranks_in_threads(lambda r: ckpts[r].load(storage_only=True), 2)
+        assert isinstance(errors[1], acp.CheckpointCorrupt), errors
+        assert isinstance(errors[0], acp.CheckpointCorrupt), errors
+        assert "ranks [1] could not load it" in str(errors[0])
+
+        # Without agreement (a load on one rank only), no store is involved.
+        assert ckpts[0].load(agree=False)["w"][0].item() == 2.0
+    finally:
+        for c in ckpts:
+            c.close()

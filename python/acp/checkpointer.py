@@ -251,8 +251,10 @@ class Checkpointer:
         if store is None and self.world_size > 1:
             store = default_store()
         coordinated = store is not None and self.world_size > 1
-        if coordinated and persist_on_open is None:
-            # The ranks decide together which resident images to commit.
+        # Unless told otherwise, the ranks decide together which resident
+        # images to commit (the same choice on every rank: a collective).
+        recover_together = coordinated and persist_on_open is None
+        if recover_together:
             persist_on_open = False
         self._engine = _acp.Engine(
             os.fspath(root),
@@ -290,7 +292,7 @@ class Checkpointer:
                 self.world_size,
                 600.0 if commit_timeout is None else commit_timeout,
             )
-            if not self._engine.open_report()["persisting_steps"]:
+            if recover_together:
                 self._recovering = recover(self._coordinator, self._engine)
         self._adapters = Adapters()
         self._closed = False

@@ -56,7 +56,7 @@ import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, InvalidInput
 from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten, parse, tensor_refs
@@ -379,8 +379,9 @@ def _error_payload(e: BaseException) -> str:
     return json.dumps({"type": type(e).__name__, "message": str(e)})
 
 
-def _raise_for_others(step: int, failed: dict[int, dict[str, str]]) -> None:
-    """Raises, on a rank that loaded fine, the error of the ranks that did not."""
+def _raise_for_others(step: int | None, failed: dict[int, dict[str, str]]) -> NoReturn:
+    """Raises, on a rank that did its part, the error of the ranks that did
+    not (the class of the lowest one's, when it is acp's)."""
     from acp import _acp
 
     first = failed[min(failed)]
@@ -388,6 +389,8 @@ def _raise_for_others(step: int, failed: dict[int, dict[str, str]]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, AcpError)):
         cls = AcpError
     detail = "; ".join(f"rank {r}: {f.get('message', '')}" for r, f in sorted(failed.items()))
+    if step is None:
+        raise cls(f"listing the committed steps failed on ranks {sorted(failed)} ({detail})")
     raise cls(f"step {step}: ranks {sorted(failed)} could not load it ({detail})")
 
 
@@ -411,11 +414,19 @@ def agreed_load(
     bound: int | None = None
     while True:
         if step is None:
-            steps = engine.steps()
-            if bound is not None:
-                steps = [s for s in steps if s < bound]
-            mine = steps[-1] if steps else -1
-            seen = [int(x) for x in coord.gather("load: newest committed step", str(mine))]
+            try:
+                steps = engine.steps()
+                steps = [s for s in steps if bound is None or s < bound]
+                mine, listing = str(steps[-1] if steps else -1), None
+            except Exception as e:  # every rank answers, whatever failed
+                mine, listing = _error_payload(e), e
+            posted = coord.gather("load: newest committed step", mine)
+            failed = {r: json.loads(a) for r, a in enumerate(posted) if a.startswith("{")}
+            if failed:
+                if listing is not None:
+                    raise listing
+                _raise_for_others(None, failed)
+            seen = [int(x) for x in posted]
             chosen = min(seen)
             if chosen < 0:
                 none = [r for r, s in enumerate(seen) if s < 0]
