@@ -91,14 +91,16 @@ def test_ddp_rank_killed_in_its_copy_resumes_on_a_replaced_node(
 def test_ddp_rank_killed_after_its_copy_commits_the_step_on_restart(
     tmp_path: Path, shm_dir: Path
 ) -> None:
-    """Rank 1 dies right after step 4 is in its ring (rank 0's too), before
-    the commit. Restarted on the same node, the ranks find that every one
-    holds step 4, commit it from RAM and resume from it."""
+    """Rank 1 dies right after step 4 is in its ring (rank 0's too), most
+    often before the commit (its flush races with the kill). Restarted on
+    the same node, the ranks find that every one holds step 4, commit it
+    from RAM if it was not, and resume from it."""
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     run = torchrun(2, "ddp_resume.py", root, out, "train", 6, 4, "sealed", shm=shm_dir)
     assert run.returncode != 0, run.stderr[-3000:]
-    assert 4 not in committed(root)
+    assert committed(root)[:3] == [1, 2, 3]
+    assert committed(root)[3:] in ([], [4])
     trained = result(out, "digests-train")
 
     run = torchrun(2, "ddp_resume.py", root, out, "resume", 1, shm=shm_dir)

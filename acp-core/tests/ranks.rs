@@ -277,3 +277,89 @@ fn a_rank_that_never_reports_is_named_and_nothing_is_committed() {
     assert!(e1.to_string().contains("rank 0"), "{e1}");
     assert!(r0.steps().unwrap().is_empty());
 }
+
+#[test]
+fn some_tensors_of_another_rank_read_only_their_chunks() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let open = |rank| {
+        Engine::open(
+            EngineConfig::new(&root)
+                .with_shm_dir(&shm)
+                .with_job("partial")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(16 << 20)
+                .with_chunk_bytes(64 << 10)
+                .with_commit_timeout(Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let (e0, e1) = (open(0), open(1));
+    // Rank 1 writes four tensors of 256 KiB, each over four chunks.
+    let data: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i + 1; 256 << 10]).collect();
+    let names: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
+    let tensors: Vec<HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .map(|(n, d)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: &[256 << 10],
+            data: d,
+        })
+        .collect();
+    let h1 = e1
+        .save(3, &tensors, &json!({"of": 1}), &SaveOptions::default())
+        .unwrap();
+    let h0 = save(&e0, 0, 3);
+    h0.wait().unwrap();
+    let size = h1.wait().unwrap().bytes;
+    let some = |storage_only, names: &[&str]| {
+        e0.load(&LoadRequest {
+            step: Some(3),
+            rank: Some(1),
+            storage_only,
+            tensors: Some(names.iter().map(|n| (*n).to_owned()).collect()),
+            ..LoadRequest::default()
+        })
+    };
+    for storage_only in [false, true] {
+        let got = some(storage_only, &["t2"]).unwrap();
+        let want = if storage_only {
+            Source::Storage
+        } else {
+            Source::Ram
+        };
+        assert_eq!(got.report().source, want);
+        assert_eq!(got.entries().len(), 1);
+        assert_eq!(got.tensor("t2").unwrap().data, data[2].as_slice());
+        assert_eq!(got.values(), &json!({"of": 1}));
+        // The header's chunk and t2's four (or five, unaligned) chunks.
+        assert!(
+            got.report().bytes <= 6 * (64 << 10),
+            "{}",
+            got.report().bytes
+        );
+        assert!(got.report().bytes < size / 2);
+    }
+    assert!(matches!(
+        some(true, &["t1", "nope"]).unwrap_err(),
+        Error::NotFound { .. }
+    ));
+    // A changed byte under a wanted tensor is caught; one elsewhere is not read.
+    let file = root.join("step-000000000003/rank-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 10;
+    bytes[at] ^= 0xFF;
+    std::fs::write(&file, &bytes).unwrap();
+    assert!(matches!(
+        some(true, &["t3"]).unwrap_err(),
+        Error::Corrupt { .. }
+    ));
+    assert_eq!(
+        some(true, &["t0"]).unwrap().tensor("t0").unwrap().data,
+        data[0].as_slice()
+    );
+}

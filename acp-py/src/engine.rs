@@ -284,8 +284,9 @@ impl Engine {
 
     /// Loads a committed step (the newest when `step` is None), from RAM
     /// when a resident slot holds it, else from storage; `rank` loads the
-    /// file another rank wrote.
-    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None))]
+    /// file another rank wrote (from its slot when resident on this node),
+    /// and `tensors` only those of its tensors.
+    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None))]
     fn load(
         &self,
         py: Python<'_>,
@@ -293,12 +294,14 @@ impl Engine {
         storage_only: bool,
         fallback: bool,
         rank: Option<u32>,
+        tensors: Option<Vec<String>>,
     ) -> PyResult<Loaded> {
         let req = LoadRequest {
             step,
             storage_only,
             fallback,
             rank,
+            tensors,
         };
         let engine = self.get()?;
         py.detach(|| Loaded::new(engine.load(&req)?)).map_err(err)

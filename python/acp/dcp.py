@@ -1173,7 +1173,14 @@ class StorageReader(_storage.StorageReader):
         sources: dict[int, str] = {}
         nbytes = 0
         for r in sorted(groups, key=lambda r: (r != self._ref.rank, r)):
-            loaded = self._ref.engine.load(step=step, storage_only=self._storage_only, rank=r)
+            # This rank's own file is loaded whole (from its ring slot when
+            # resident); of another's, only the chunks under the wanted items.
+            names = None
+            if r != self._ref.rank:
+                names = sorted({self._storage_data[req.storage_index] for req in groups[r]})
+            loaded = self._ref.engine.load(
+                step=step, storage_only=self._storage_only, rank=r, tensors=names
+            )
             try:
                 self._names = {e[0]: i for i, e in enumerate(loaded.entries())}
                 self._read_all(loaded, dataclasses.replace(plan, items=groups[r]), planner)

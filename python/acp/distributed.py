@@ -256,16 +256,17 @@ def with_other_ranks(engine: Any, loaded: Any, rank: int, storage_only: bool) ->
     index = json.loads(engine.index_json(loaded.step))
     weight_map: dict[str, str] = index.get("weight_map", {})
     files: dict[str, Any] = index.get("metadata", {}).get("acp", {}).get("files", {})
-    ranks: set[int] = set()
-    for name in missing:
+    wanted: dict[int, list[str]] = {}
+    for name in sorted(missing):
         file = weight_map.get(name)
         if file is None or file not in files:
             continue  # the state codec names the missing tensor
-        ranks.add(int(files[file]["rank"]))
-    ranks.discard(rank)
+        wanted.setdefault(int(files[file]["rank"]), []).append(name)
+    wanted.pop(rank, None)
     parts: list[tuple[int, Any]] = [(rank, loaded)]
-    for r in sorted(ranks):
-        parts.append((r, engine.load(step=loaded.step, storage_only=storage_only, rank=r)))
+    for r, names in sorted(wanted.items()):
+        other = engine.load(step=loaded.step, storage_only=storage_only, rank=r, tensors=names)
+        parts.append((r, other))
     return Sources(parts)
 
 

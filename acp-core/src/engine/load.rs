@@ -54,7 +54,13 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     };
     let mut first_err: Option<Error> = None;
     for step in candidates {
-        match load_step(shared, step, req.rank, req.storage_only, t0) {
+        let result = match (&req.tensors, req.rank) {
+            (Some(names), Some(rank)) if rank != shared.cfg.rank => {
+                ranks::load_tensors(shared, step, rank, names, req.storage_only, t0)
+            }
+            _ => load_step(shared, step, req.rank, req.storage_only, t0),
+        };
+        match result {
             Ok(c) => {
                 if let Some(e) = &first_err {
                     tracing::warn!("acp: fell back to step {step}: {e}");
@@ -183,7 +189,7 @@ fn load_step(
 
 /// Private page-aligned memory for an image of `len` bytes (padded to a
 /// page, as the I/O layer reads whole pages).
-fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
+pub(super) fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
     let padded = to_usize(len).div_ceil(4096).max(1) * 4096;
     memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))
 }

@@ -135,10 +135,15 @@ pub struct LoadRequest {
     /// When the wanted (latest) step is corrupt, fall back to the newest
     /// older committed step that is intact. Only with `step: None`.
     pub fallback: bool,
-    /// Load the file written by this rank instead of this engine's own
-    /// (read from storage unless it is this engine's rank). With several
+    /// Load the file written by this rank instead of this engine's own:
+    /// from that rank's slot when it is resident on this node (verified
+    /// against the committed digests), else from storage. With several
     /// ranks, each file holds that rank's share of the tensors.
     pub rank: Option<u32>,
+    /// Only these tensors of another rank's file (with its values): only
+    /// the digest chunks under its header and under them are read. Ignored
+    /// for this engine's own file, which is loaded whole.
+    pub tensors: Option<Vec<String>>,
 }
 
 /// Where a loaded checkpoint came from.

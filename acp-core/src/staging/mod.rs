@@ -158,7 +158,7 @@ use slot::Image;
 use table::Inner;
 
 pub use peek::{peek_slot, SlotPeek};
-pub use peer::{copy_peer_image, PeerImage};
+pub use peer::{copy_peer_image, PeerImage, PeerSlot};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]
