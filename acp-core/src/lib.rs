@@ -68,3 +68,8 @@ pub use engine::{
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};
 pub use io::IoKind;
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
