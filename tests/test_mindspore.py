@@ -345,7 +345,7 @@ def test_a_dtype_mindspore_lacks_names_the_parameter(
         ("", "empty parameter name"),
         (" w", "leading or trailing whitespace"),
         ("w\n", "leading or trailing whitespace"),
-        ("a\tb", "control character"),
+        ("a\tb", "non-printable character"),
         ("x" * 1025, "at most 1024"),
         (3, "parameter names are strings"),
     ],

@@ -12,7 +12,6 @@ import mindspore
 import mindspore.common.dtype as mstype
 import numpy as np
 from mindspore import Parameter, Tensor, mint
-from mindspore.common.initializer import Zero
 
 from acp._acp import InvalidInput
 from acp._codec import Entry, TensorInfo, Transfer
@@ -108,28 +107,57 @@ def _host_copy(t: Any, name: str) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(t.asnumpy()).view(host)
 
 
-def host_tensor(name: str, shape: tuple[int, ...]) -> Any:
-    """A fresh host tensor of safetensors dtype ``name``, its memory not yet
-    touched (the engine's copy faults each page in once)."""
-    return mint.empty(shape, dtype=_FROM_NAME[name], device="CPU")
-
-
-def new_parameter(t: Any, name: str | None, requires_grad: bool) -> Any:
-    """A Parameter whose data is ``t``'s memory. ``Parameter(t)`` copies, so
-    a lazily initialised one takes ``t`` with ``set_data`` (no copy); where
-    the initializer refuses the dtype, ``Parameter(t)`` copies. Where
-    MindSpore cannot make a Parameter of that dtype at all (fp8 on the CPU
-    backend), the tensor itself is returned, with a warning."""
+def _numpy_bf16() -> np.dtype[Any] | None:
+    """MindSpore's NumPy bfloat16 type, when this NumPy can use it (it needs
+    the NumPy major version MindSpore was built with)."""
     try:
+        dtype = np.dtype(mstype.np_bfloat16)
+        if Tensor.from_numpy(np.zeros(1, dtype)).dtype == mstype.bfloat16:
+            return dtype
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    return None
+
+
+# The NumPy dtype whose arrays Tensor.from_numpy turns into each dtype.
+_FROM_NUMPY: dict[str, np.dtype[Any]] = {
+    name: np.dtype(host) for name, _, host in _TABLE if name not in ("BF16", "F8_E4M3", "F8_E5M2")
+}
+_BF16 = _numpy_bf16()
+if _BF16 is not None:
+    _FROM_NUMPY["BF16"] = _BF16
+
+
+def host_tensor(name: str, shape: tuple[int, ...]) -> tuple[Any, int]:
+    """A fresh host tensor of safetensors dtype ``name`` and its address,
+    its memory not yet touched (the engine's copy faults each page in once).
+
+    NumPy allocates it (``Tensor.from_numpy`` shares the array): that costs
+    a few microseconds and gets transparent huge pages for large arrays,
+    where ``mint.empty`` dispatches an operator and ``data_ptr()`` then
+    waits for MindSpore's queue (milliseconds per tensor). fp8, which NumPy
+    lacks, takes that path."""
+    np_dtype = _FROM_NUMPY.get(name)
+    if np_dtype is None:
+        t = mint.empty(shape, dtype=_FROM_NAME[name], device="CPU")
+        return t, int(t.data_ptr())
+    a = np.empty(shape, dtype=np_dtype)
+    return Tensor.from_numpy(a), _address(a)
+
+
+def new_parameter(t: Any, name: str | None, requires_grad: bool, dtype: str) -> Any:
+    """A Parameter whose data is ``t``'s memory. ``Parameter(t)`` copies
+    (and a lazily initialised one is filled with zeros when created), so a
+    one-element Parameter takes ``t`` with ``set_data``, which swaps the data
+    without a copy. Where MindSpore cannot make a Parameter of that dtype at
+    all (fp8 on the CPU backend), the tensor itself is returned, with a
+    warning."""
+    np_dtype = _FROM_NUMPY.get(dtype)
+    if np_dtype is not None:
         p = Parameter(
-            Tensor(shape=tuple(t.shape), dtype=t.dtype, init=Zero()),
-            name=name,
-            requires_grad=requires_grad,
+            Tensor.from_numpy(np.zeros((), np_dtype)), name=name, requires_grad=requires_grad
         )
         p.set_data(t)
-    except (KeyError, RuntimeError, TypeError, ValueError):
-        pass
-    else:
         return p
     try:
         return Parameter(t, name=name, requires_grad=requires_grad)
@@ -147,6 +175,16 @@ def new_parameter(t: Any, name: str | None, requires_grad: bool) -> Any:
 
 # --------------------------------------------------------------------------
 # The codec adapter
+
+
+_MAP_PARAMETER: dict[type, bool] = {}
+
+
+def _is_map_parameter(cls: type) -> bool:
+    known = _MAP_PARAMETER.get(cls)
+    if known is None:
+        known = _MAP_PARAMETER[cls] = any(c.__name__ == "MapParameter" for c in cls.__mro__)
+    return known
 
 
 class Assign:
@@ -205,7 +243,7 @@ class Adapter:
         if not isinstance(obj, Tensor):
             return None
         t: Any = obj
-        if any(c.__name__ == "MapParameter" for c in type(t).__mro__):
+        if _is_map_parameter(type(t)):
             raise InvalidInput(f"{_where(key)}: MapParameter is not supported")
         is_param = isinstance(t, Parameter)
         if is_param and t.has_init:
@@ -280,11 +318,9 @@ class Adapter:
         out: list[object] = []
         for entry, _ in items:
             dtype_from_safetensors(entry.dtype, f"tensor `{entry.name}`")
-            t = host_tensor(entry.dtype, entry.shape)
+            t, addr = host_tensor(entry.dtype, entry.shape)
             transfer.keep.append(t)
-            transfer.host.append(
-                (entry.index, int(t.data_ptr()) if entry.nbytes else 0, entry.nbytes)
-            )
+            transfer.host.append((entry.index, addr if entry.nbytes else 0, entry.nbytes))
             out.append(t)
         return out, transfer
 
@@ -295,7 +331,12 @@ class Adapter:
         known = self._params.get(id(obj))
         if known is None:
             pname = ref.get("pname")
-            p = new_parameter(obj, pname if isinstance(pname, str) else None, ref.get("rg", True))
+            p = new_parameter(
+                obj,
+                pname if isinstance(pname, str) else None,
+                ref.get("rg", True),
+                DTYPES[obj.dtype],  # type: ignore[attr-defined]
+            )
             known = (obj, p)
             self._params[id(obj)] = known
         return known[1]
@@ -317,9 +358,9 @@ class Adapter:
                 seen.add((entry.index, addr))
                 transfer.host.append((entry.index, addr, entry.nbytes))
             else:
-                src = host_tensor(entry.dtype, entry.shape)
+                src, addr = host_tensor(entry.dtype, entry.shape)
                 transfer.keep.append(src)
-                transfer.host.append((entry.index, int(src.data_ptr()), entry.nbytes))
+                transfer.host.append((entry.index, addr, entry.nbytes))
                 pairs.append((t, src))
         if pairs:
             transfer.jobs.append(Assign(pairs))

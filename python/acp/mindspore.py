@@ -128,8 +128,8 @@ def _check_name(name: object, what: str) -> str:
             f"{what}: parameter name `{name[:40]}...` is {len(name)} characters long; "
             f"MindSpore allows at most {_MAX_NAME_CHARS}"
         )
-    if any(ord(c) < 32 for c in name):
-        raise InvalidInput(f"{what}: parameter name {name!r} contains a control character")
+    if not name.isprintable():
+        raise InvalidInput(f"{what}: parameter name {name!r} has a non-printable character")
     return name
 
 
