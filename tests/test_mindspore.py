@@ -620,4 +620,4 @@ def test_rank_from_mindspore_then_ascend_then_torchrun_variables(
     monkeypatch.setattr(management, "get_rank", lambda *a: 5)
     monkeypatch.setattr(management, "get_group_size", lambda *a: 16)
     assert am.rank_and_world_size() == (5, 16)
-    assert acp.rank_and_world_size() == (5, 16)
+    assert acp.rank_and_world_size() == (5, 16)  # the Checkpointer's default too

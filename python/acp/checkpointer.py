@@ -33,9 +33,8 @@ def rank_and_world_size() -> tuple[int, int]:
     """This process's rank and the world size: from torch.distributed when
     torch is already imported and a process group is initialised, or from
     MindSpore's communication state when ``mindspore.communication.init()``
-    was called; else from ``RANK``/``WORLD_SIZE`` and Ascend's
-    ``RANK_ID``/``RANK_SIZE`` (these first when MindSpore is imported), else
-    0 and 1. Never imports a framework."""
+    was called; else from ``RANK``/``WORLD_SIZE``, else Ascend's
+    ``RANK_ID``/``RANK_SIZE``, else 0 and 1. Never imports a framework."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None:
         try:
@@ -46,10 +45,7 @@ def rank_and_world_size() -> tuple[int, int]:
     comm = sys.modules.get("mindspore.communication.management")
     if comm is not None and getattr(getattr(comm, "GlobalComm", None), "INITED", False):
         return int(comm.get_rank()), int(comm.get_group_size())
-    order = [("RANK", "WORLD_SIZE"), ("RANK_ID", "RANK_SIZE")]
-    if "mindspore" in sys.modules:
-        order.reverse()
-    for rank_var, size_var in order:
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("RANK_ID", "RANK_SIZE")):
         rank, size = _env_int(rank_var), _env_int(size_var)
         if rank is not None or size is not None:
             return rank or 0, size or 1

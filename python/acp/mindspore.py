@@ -37,6 +37,7 @@ import logging
 import operator
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ from acp._mindspore_codec import (
     dtype_to_safetensors,
     type_name,
 )
-from acp.checkpointer import Checkpointer, LoadStats, SaveHandle, _step, rank_and_world_size
+from acp.checkpointer import Checkpointer, LoadStats, SaveHandle, _step
 
 __all__ = [
     "DTYPES",
@@ -485,8 +486,28 @@ def load_params(
 # --------------------------------------------------------------------------
 # Resume and the training callback
 
-# ``rank_and_world_size`` (re-exported): MindSpore's communication state when
-# it is initialised, else RANK_ID/RANK_SIZE, else RANK/WORLD_SIZE.
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size, MindSpore's way: from its
+    communication state when ``mindspore.communication.init()`` was called,
+    else ``RANK_ID``/``RANK_SIZE`` (ModelArts, Ascend launchers), else
+    ``RANK``/``WORLD_SIZE`` (msrun, torchrun), else 0 and 1. Pass them to
+    ``acp.Checkpointer(rank=..., world_size=...)``, whose own default looks
+    at MindSpore's communication state too but reads ``RANK`` first."""
+    comm = sys.modules.get("mindspore.communication.management")
+    if comm is not None and getattr(getattr(comm, "GlobalComm", None), "INITED", False):
+        return int(comm.get_rank()), int(comm.get_group_size())
+    for rank_var, size_var in (("RANK_ID", "RANK_SIZE"), ("RANK", "WORLD_SIZE")):
+        rank = os.environ.get(rank_var, "").strip()
+        size = os.environ.get(size_var, "").strip()
+        if rank or size:
+            try:
+                return int(rank or 0), int(size or 1)
+            except ValueError:
+                raise ConfigError(
+                    f"config `{rank_var}`/`{size_var}`: {rank!r}/{size!r} is not an integer"
+                ) from None
+    return 0, 1
 
 
 @dataclass
