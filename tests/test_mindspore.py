@@ -279,6 +279,16 @@ def test_prefixed_names_match_unless_strict(ckpt: acp.Checkpointer) -> None:
     same_params(am.param_dict(net), am.param_dict(loose))
 
 
+def test_prefix_matching_uses_each_saved_tensor_once() -> None:
+    targets = {"fc.weight": 1, "weight": 2, "bias": 3}
+    saved = ["fc.weight", "model.bias", "model.weight"]
+    matched, missing = am._match(targets, saved, strict_load=False)
+    assert matched == {"fc.weight": "fc.weight", "weight": "model.weight", "bias": "model.bias"}
+    assert missing == []
+    matched, missing = am._match({"fc.weight": 1, "weight": 2}, ["fc.weight"], strict_load=False)
+    assert (matched, missing) == ({"fc.weight": "fc.weight"}, ["weight"])
+
+
 def test_float_types_convert_unless_strict(ckpt: acp.Checkpointer) -> None:
     net16 = Net(dtype=mstype.float16)
     am.save(ckpt, 1, net16).wait()

@@ -302,21 +302,23 @@ def _match(
         elif not name.startswith("accu_grads"):
             missing.append(name)
     while missing and not strict_load:
-        prefix = None
-        for name in missing:
-            prefix = next(
-                (s[: -len(name)] for s in saved if s.endswith(name) and len(s) > len(name)), None
-            )
-            if prefix is not None:
-                break
+        free = present - set(matched.values())  # each saved tensor goes to one parameter
+        prefix = next(
+            (
+                s[: -len(n)]
+                for n in missing
+                for s in saved
+                if s in free and s.endswith(n) and s != n
+            ),
+            None,
+        )
         if prefix is None:
             break
-        hits = [n for n in missing if prefix + n in present]
-        for n in hits:
-            matched[n] = prefix + n
+        for n in missing:
+            if prefix + n in free:
+                matched[n] = prefix + n
+                free.discard(prefix + n)
         missing = [n for n in missing if n not in matched]
-        if not hits:
-            break
     return matched, missing
 
 
