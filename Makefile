@@ -35,11 +35,13 @@ fmt: ## Format Rust and Python code.
 lint: venv ## fmt check, clippy -D warnings, ruff.
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --workspace --all-targets --features acp-core/cli -- -D warnings
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
 
-test-rust: ## Rust unit, integration and doc tests.
+test-rust: ## Rust unit, integration and doc tests (and the acp binary's).
 	cargo test --workspace
+	cargo test -p acp-core --features cli --test cli
 
 test-py: build-dev ## The pytest suite against the built wheel.
 	$(PY) -m pytest

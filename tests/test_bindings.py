@@ -150,3 +150,37 @@ def test_engine_reports(engine: _acp.Engine) -> None:
     assert r["bytes"] > 0
     assert h.report() == r
     assert _acp.SaveHandle.skipped(9).wait()["skipped"]
+
+
+def test_views_in_garbage_cycles_are_freed_safely(tmp_path: Path) -> None:
+    """A view caught in a reference cycle (say, a traceback's frame) is
+    collected without crashing the interpreter, and keeps its bytes valid
+    until then."""
+    import subprocess
+    import sys
+    import textwrap
+
+    # In a child: a crash there is a failed test, not a dead test runner.
+    code = textwrap.dedent(
+        f"""
+        import gc, acp
+        ckpt = acp.Checkpointer(
+            {str(tmp_path / "root")!r}, job="gc-cycle", shm_dir={str(tmp_path)!r},
+            ring_bytes=8 << 20,
+        )
+        import numpy as np
+        ckpt.save(1, {{"w": np.arange(16, dtype=np.float32)}}).wait()
+        loaded = ckpt.engine.load()
+        v = loaded.buffer(0)
+        c = [v]
+        c.append(c)
+        del loaded, v, c
+        gc.collect()
+        ckpt.close()
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    gc.collect()

@@ -55,6 +55,7 @@ pub mod config;
 pub mod error;
 pub mod format;
 pub mod io;
+pub mod ops;
 pub mod staging;
 pub mod storage;
 

@@ -110,7 +110,9 @@ fn a_rank_that_never_reports_is_named_and_nothing_is_committed() {
     let t = tempfile::tempdir().unwrap();
     let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
     std::fs::create_dir(&shm).unwrap();
-    let short = |rank| {
+    // Rank 1 waits longer than rank 0, so it is still there when rank 0
+    // gives up on rank 2.
+    let short = |rank: u32| {
         Engine::open(
             EngineConfig::new(&root)
                 .with_shm_dir(&shm)
@@ -118,12 +120,25 @@ fn a_rank_that_never_reports_is_named_and_nothing_is_committed() {
                 .with_rank(rank)
                 .with_world_size(3)
                 .with_ring_bytes(16 << 20)
-                .with_commit_timeout(Duration::from_secs(3)),
+                .with_commit_timeout(Duration::from_secs(if rank == 0 { 3 } else { 8 })),
         )
         .unwrap()
     };
     let (r0, r1) = (short(0), short(1));
-    let (h0, h1) = (save(&r0, 0, 1), save(&r1, 1, 1));
+    let h1 = save(&r1, 1, 1);
+    // Let rank 1 report first, however slow this machine is right now.
+    let reported = |root: &Path| {
+        std::fs::read_dir(root).unwrap().flatten().any(|e| {
+            let n = e.file_name().into_string().unwrap_or_default();
+            n.starts_with(".pending-000000000001-r00001")
+                && e.path().join("rank-00001.manifest.json").exists()
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while !reported(&root) && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let h0 = save(&r0, 0, 1);
     let e0 = h0.wait().unwrap_err();
     assert!(matches!(e0, Error::Timeout { .. }), "{e0}");
     assert!(e0.to_string().contains("ranks [2]"), "{e0}");

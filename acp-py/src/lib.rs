@@ -8,6 +8,7 @@ mod engine;
 mod errors;
 mod faults;
 mod load;
+mod ops;
 mod save;
 mod tensors;
 
@@ -23,6 +24,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::SaveHandle>()?;
     m.add_class::<load::Loaded>()?;
     m.add_class::<faults::FaultInjector>()?;
+    ops::register(m)?;
     for (name, class) in errors::classes(m.py())?.named() {
         m.add(name, class.clone_ref(m.py()))?;
     }

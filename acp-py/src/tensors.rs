@@ -13,21 +13,14 @@
     reason = "turns Python-supplied host addresses into slices"
 )]
 
-use std::ffi::c_char;
-
 use acp_core::Error;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
-use pyo3::{ffi, intern};
 
 use crate::errors::invalid;
 use crate::load::Loaded;
 use crate::save::Staging;
-
-/// `PyBUF_READ` and `PyBUF_WRITE` from `memoryobject.h`; the limited API
-/// declares them, pyo3-ffi exports them only for Python 3.11+.
-const PYBUF_READ: i32 = 0x100;
-const PYBUF_WRITE: i32 = 0x200;
 
 /// One `(index, address, nbytes)` triple from Python, checked to describe a
 /// plausible range: non-null unless empty, not wrapping, at most
@@ -212,13 +205,14 @@ pub(crate) fn slice_span(index: usize, bytes: &[u8]) -> (usize, usize, usize) {
 /// A memoryview over `len` bytes at `ptr` that keeps `owner` alive for as
 /// long as the view, or any view, array or tensor made from it, lives.
 ///
-/// The raw view from `PyMemoryView_FromMemory` holds no reference to
-/// anything. It is wrapped in a `pickle.PickleBuffer`, which holds a buffer
-/// export of it, and the view returned is a memoryview of that wrapper, so
-/// every view derived from it (slices, `torch.frombuffer`, `numpy.frombuffer`)
-/// keeps the wrapper, hence the raw view, alive. A `weakref.finalize` on the
-/// raw view holds `owner` until the raw view dies. (pyo3's buffer protocol
-/// needs Python 3.11 in abi3 builds; this works from 3.9.)
+/// The bytes are wrapped in a `ctypes` array made with `from_address`, which
+/// owns nothing; `owner` is stored as an attribute of that array, and the
+/// view returned is a byte-format cast of a memoryview of it, so every view
+/// derived from it (slices, `torch.frombuffer`, `numpy.frombuffer`) keeps the
+/// array, hence `owner`, alive. ctypes objects take part in garbage
+/// collection properly, so a view caught in a reference cycle is freed
+/// safely. (pyo3's buffer protocol needs Python 3.11 in abi3 builds; this
+/// works from 3.9.)
 ///
 /// # Safety
 /// The `len` bytes at `ptr` must stay allocated, and writable when
@@ -230,34 +224,24 @@ unsafe fn memoryview_owned_by<'py>(
     writable: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = owner.py();
-    let size = ffi::Py_ssize_t::try_from(len).map_err(|_| invalid("memoryview", "too large"))?;
-    let flags = if writable { PYBUF_WRITE } else { PYBUF_READ };
-    // SAFETY: the caller guarantees `len` bytes at `ptr` stay valid (and
-    // writable when asked) while `owner` lives, and the chain built below
-    // keeps `owner` alive while any view of these bytes lives. The call
-    // returns a new reference or null with an exception set, which
-    // `from_owned_ptr_or_err` takes over.
-    let raw = unsafe {
-        let view = ffi::PyMemoryView_FromMemory(ptr.cast::<c_char>(), size, flags);
-        Bound::from_owned_ptr_or_err(py, view)?
-    };
-    let finalize = py
-        .import(intern!(py, "weakref"))?
-        .getattr(intern!(py, "finalize"))?;
-    // `finalize(obj, func, *args)` holds `args` until `obj` dies; `id` is a
-    // harmless function to call then.
-    let id = py
+    let ctypes = py.import(intern!(py, "ctypes"))?;
+    let array_type = ctypes
+        .getattr(intern!(py, "c_char"))?
+        .call_method1(intern!(py, "__mul__"), (len,))?;
+    // The caller's guarantee (the bytes live while `owner` does) is what
+    // makes handing this address to ctypes sound; ctypes only records it.
+    let array = array_type.call_method1(intern!(py, "from_address"), (ptr as usize,))?;
+    array.setattr(intern!(py, "_acp_owner"), owner)?;
+    let view = py
         .import(intern!(py, "builtins"))?
-        .getattr(intern!(py, "id"))?;
-    finalize.call1((&raw, id, owner))?;
-    let wrapper = py
-        .import(intern!(py, "pickle"))?
-        .getattr(intern!(py, "PickleBuffer"))?
-        .call1((&raw,))?;
-    let memoryview = py
-        .import(intern!(py, "builtins"))?
-        .getattr(intern!(py, "memoryview"))?;
-    memoryview.call1((wrapper,))
+        .getattr(intern!(py, "memoryview"))?
+        .call1((array,))?
+        .call_method1(intern!(py, "cast"), (intern!(py, "B"),))?;
+    if writable {
+        Ok(view)
+    } else {
+        view.call_method0(intern!(py, "toreadonly"))
+    }
 }
 
 /// A writable memoryview over the slot bytes of tensor `i` of `staging`

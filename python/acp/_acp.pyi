@@ -7,6 +7,7 @@ contiguous tensor that nothing else touches until the call returns.
 
 import os
 import pathlib
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
@@ -24,11 +25,21 @@ __all__ = [
     "InvalidInput",
     "Loaded",
     "NoSpace",
+    "Report",
     "SaveHandle",
     "Staging",
     "StorageError",
     "Unsupported",
     "__version__",
+    "ops_bench",
+    "ops_diff",
+    "ops_export",
+    "ops_gc",
+    "ops_import",
+    "ops_inspect",
+    "ops_list",
+    "ops_persist",
+    "ops_verify",
 ]
 
 __version__: str
@@ -144,3 +155,59 @@ class Loaded:
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]: ...
     def buffer(self, i: int) -> memoryview: ...
     def copy_into(self, items: list[tuple[int, int, int]]) -> None: ...
+
+# --- the back end of the `acp` command line (acp_core::ops) ---------------
+
+_Path = str | os.PathLike[str]
+_Progress = Callable[[str, int, int], object]
+
+@final
+class Report:
+    """An operation's outcome: ``json`` (the report) and ``text`` (for people)."""
+
+    @property
+    def json(self) -> str: ...
+    @property
+    def text(self) -> str: ...
+
+def ops_list(root: _Path, job: str | None = None, shm_dir: _Path | None = None) -> Report: ...
+def ops_inspect(root: _Path, step: int | None = None) -> Report: ...
+def ops_verify(
+    root: _Path, step: int | None = None, all: bool = False, progress: _Progress | None = None
+) -> Report: ...
+def ops_export(
+    root: _Path,
+    out: _Path,
+    step: int | None = None,
+    rank: int | None = None,
+    overwrite: bool = False,
+    progress: _Progress | None = None,
+) -> Report: ...
+def ops_import(
+    files: Sequence[_Path],
+    root: _Path,
+    step: int,
+    overwrite: bool = False,
+    values_json: str | None = None,
+    shm_dir: _Path | None = None,
+    progress: _Progress | None = None,
+) -> Report: ...
+def ops_diff(root: _Path, a: int, b: int, progress: _Progress | None = None) -> Report: ...
+def ops_gc(
+    root: _Path,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    unfinished_older_than: float | None = None,
+    dry_run: bool = False,
+) -> Report: ...
+def ops_persist(
+    root: _Path,
+    job: str | None = None,
+    ranks: Sequence[int] | None = None,
+    shm_dir: _Path | None = None,
+    world_size: int | None = None,
+    commit_timeout: float = 600.0,
+) -> Report: ...
+def ops_bench(
+    dir: _Path, size: int, shm_dir: _Path | None = None, progress: _Progress | None = None
+) -> Report: ...

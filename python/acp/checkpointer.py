@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 from acp import _acp
 from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, FlatTensor, flatten
 from acp._load import load_into, load_state, run_transfers
+from acp._metrics import Metrics
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
 
@@ -256,6 +260,9 @@ class Checkpointer:
         self._last_save: SaveHandle | None = None
         self.last_load: LoadStats | None = None
         """The figures of the latest ``load``."""
+        # Figures and log lines (acp._metrics).
+        self._metrics = Metrics(os.fspath(self.root), job, self.rank)
+        self._metrics.opened(self._engine.open_report())
 
     # --- saving -----------------------------------------------------------
 
@@ -279,6 +286,17 @@ class Checkpointer:
         string entries to the safetensors header.
         """
         self._check_open()
+        with _gc_paused():
+            return self._save(step, state, overwrite=overwrite, metadata=metadata)
+
+    def _save(
+        self,
+        step: int,
+        state: object,
+        *,
+        overwrite: bool,
+        metadata: dict[str, str] | None,
+    ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
         # Tensor names are unique over all ranks' files (the step's index
@@ -326,6 +344,7 @@ class Checkpointer:
             self._stall_total += stall
             self._stall_max = max(self._stall_max, stall)
             self._last_save = result
+        self._metrics.saved(result)
         return result
 
     # --- loading ----------------------------------------------------------
@@ -389,6 +408,7 @@ class Checkpointer:
             bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
         )
         self.last_load = stats
+        self._metrics.loaded(stats)
         return result if into is None else stats
 
     # --- the rest ---------------------------------------------------------
@@ -413,9 +433,21 @@ class Checkpointer:
         """Blocks until every save so far has finished (committed or failed)."""
         self._check_open()
         self._engine.wait_idle(timeout)
+        self._metrics.collect()
 
-    def stats(self) -> dict[str, Any]:
-        """Totals and the latest figures of this checkpointer."""
+    @overload
+    def stats(self, format: Literal["dict"] = "dict") -> dict[str, Any]: ...
+    @overload
+    def stats(self, format: Literal["prometheus"]) -> str: ...
+
+    def stats(self, format: str = "dict") -> dict[str, Any] | str:
+        """Totals and the latest figures of this checkpointer; ``"figures"``
+        holds the aggregates of every save and load (see ``acp.metrics``).
+        ``format="prometheus"`` gives them in the Prometheus text format."""
+        if format == "prometheus":
+            return self._metrics.prometheus()
+        if format != "dict":
+            raise InvalidInput(f"stats: format {format!r} is not 'dict' or 'prometheus'")
         with self._lock:
             last = self._last_save
             out: dict[str, Any] = {
@@ -431,6 +463,7 @@ class Checkpointer:
         out["last_save"] = None if last is None else last.stats.as_dict()
         out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
         out["engine"] = None if self._closed else self._engine.open_report()
+        out["figures"] = self._metrics.summary()
         return out
 
     @property
@@ -448,7 +481,10 @@ class Checkpointer:
         try:
             self._adapters.close()
         finally:
-            self._engine.close()
+            try:
+                self._engine.close()
+            finally:
+                self._metrics.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -461,6 +497,12 @@ class Checkpointer:
     ) -> None:
         self.close()
 
+    @property
+    def engine(self) -> _acp.Engine:
+        """The underlying ``acp._acp.Engine`` (for storage plugins and tools)."""
+        self._check_open()
+        return self._engine
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"engine for {os.fspath(self.root)}: closed")
@@ -468,6 +510,20 @@ class Checkpointer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"Checkpointer({os.fspath(self.root)!r}, rank={self.rank}, {state})"
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector for the stall: walking a
+    state of thousands of tensors allocates enough to trigger collections,
+    which can cost more than the copy itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _step(step: object) -> int:

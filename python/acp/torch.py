@@ -28,14 +28,38 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from acp._acp import InvalidInput
 from acp._codec import Entry, TensorInfo, Transfer
 
-__all__ = ["DTYPES", "Adapter", "dtype_from_safetensors", "dtype_to_safetensors"]
+__all__ = [
+    "DTYPES",
+    "Adapter",
+    "Stager",
+    "StorageReader",
+    "StorageWriter",
+    "dtype_from_safetensors",
+    "dtype_to_safetensors",
+]
+
+if TYPE_CHECKING:
+    from acp.dcp import Stager, StorageReader, StorageWriter
+
+_DCP_NAMES = ("StorageWriter", "StorageReader", "Stager")
+
+
+def __getattr__(name: str) -> Any:
+    # The torch.distributed.checkpoint plugins live in acp.dcp, imported on
+    # first use: importing torch.distributed.checkpoint is slow.
+    if name in _DCP_NAMES:
+        from acp import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",

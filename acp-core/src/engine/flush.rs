@@ -93,7 +93,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
     let root = &shared.root;
     let rank = shared.cfg.rank;
     let t_flush = Instant::now();
-    let pending = root.create_pending(step, rank)?;
+    let pending = root.create_pending(step)?;
     let result = (|| {
         let file_name = data_file_name(rank);
         let path = pending.join(&file_name);

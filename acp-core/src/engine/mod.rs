@@ -258,6 +258,7 @@ impl Engine {
         let root = Root::open(&config.root, config.faults.clone())?;
         let io = crate::io::open_engine(config.io)?;
         let (prefix, job_tag) = job_names(&config, &root);
+        let root = root.owned_by(config.rank, &crate::format::hex(&job_tag)[..8]);
         let (ring, ring_report) = Ring::open(RingOptions {
             dir: config.shm_dir.clone(),
             prefix,
@@ -270,7 +271,7 @@ impl Engine {
         })?;
         // We hold this rank's ring lock: whatever pending directories this
         // rank left are from a dead process.
-        let swept = root.sweep_leftovers(config.rank);
+        let swept = root.sweep_leftovers();
         if swept > 0 {
             tracing::info!(swept, root = %root.path().display(), "acp: removed unfinished saves of a previous process");
         }

@@ -141,6 +141,7 @@
 
 mod control;
 mod open;
+mod peek;
 mod slot;
 mod table;
 
@@ -154,6 +155,8 @@ use crate::format::Digest;
 use control::{round_up, PAGE};
 use slot::Image;
 use table::Inner;
+
+pub use peek::{peek_slot, SlotPeek};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]

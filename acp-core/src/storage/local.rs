@@ -37,6 +37,9 @@ pub const LATEST_FILE_NAME: &str = "latest";
 pub struct Root {
     path: PathBuf,
     faults: Option<std::sync::Arc<FaultInjector>>,
+    /// `r{rank:05}-{job tag}`: marks the temporary directories this engine
+    /// creates, so that it sweeps only its own job's and rank's leftovers.
+    owner: String,
 }
 
 impl Root {
@@ -51,7 +54,19 @@ impl Root {
             .create(path)
             .map_err(|e| Error::io("create directory", path, e))?;
         let path = fs::canonicalize(path).map_err(|e| Error::io("resolve", path, e))?;
-        Ok(Root { path, faults })
+        Ok(Root {
+            path,
+            faults,
+            owner: "r00000-any".to_owned(),
+        })
+    }
+
+    /// Marks this root's temporary directories as those of `rank` of the
+    /// job whose tag is `job_tag` (a few hex digits).
+    #[must_use]
+    pub fn owned_by(mut self, rank: u32, job_tag: &str) -> Root {
+        self.owner = format!("r{rank:05}-{job_tag}");
+        self
     }
 
     /// Opens an existing root without creating it.
@@ -68,7 +83,11 @@ impl Root {
                 Error::io("resolve", path, e)
             }
         })?;
-        Ok(Root { path, faults: None })
+        Ok(Root {
+            path,
+            faults: None,
+            owner: "r00000-any".to_owned(),
+        })
     }
 
     /// The canonical path.
@@ -157,9 +176,10 @@ impl Root {
     ///
     /// # Errors
     /// [`Error::Io`].
-    pub fn create_pending(&self, step: u64, rank: u32) -> Result<PathBuf> {
+    pub fn create_pending(&self, step: u64) -> Result<PathBuf> {
         let name = format!(
-            ".pending-{step:012}-r{rank:05}-{}-{}",
+            ".pending-{step:012}-{}-{}-{}",
+            self.owner,
             std::process::id(),
             nonce()
         );
@@ -178,7 +198,8 @@ impl Root {
     /// [`Error::Io`].
     pub fn create_commit_dir(&self, step: u64) -> Result<PathBuf> {
         let path = self.path.join(format!(
-            ".commit-{step:012}-r00000-{}-{}",
+            ".commit-{step:012}-{}-{}-{}",
+            self.owner,
             std::process::id(),
             nonce()
         ));
@@ -197,6 +218,7 @@ impl Root {
     /// [`Error::Io`] listing the root.
     pub fn reported_ranks(&self, step: u64) -> Result<std::collections::BTreeMap<u32, PathBuf>> {
         let prefix = format!(".pending-{step:012}-r");
+        let job = format!("-{}-", self.owner.split_once('-').map_or("", |(_, j)| j));
         let mut found: std::collections::BTreeMap<u32, (std::time::SystemTime, PathBuf)> =
             std::collections::BTreeMap::new();
         let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
@@ -208,6 +230,10 @@ impl Root {
             let Some(rank) = rest.get(..5).and_then(|r| r.parse::<u32>().ok()) else {
                 continue;
             };
+            // Only this job's ranks (another job may share the root).
+            if !rest.get(5..).is_some_and(|r| r.starts_with(&job)) {
+                continue;
+            }
             let manifest = ent.path().join(crate::format::manifest_file_name(rank));
             let Ok(meta) = fs::symlink_metadata(&manifest) else {
                 continue;
@@ -232,14 +258,15 @@ impl Root {
         fs::rename(from, to).map_err(|e| Error::io("rename", to, e))
     }
 
-    /// Removes pending and trash directories that `rank` left behind in a
-    /// previous life (the caller holds this rank's ring lock, so no live
-    /// process of this rank owns them). Returns how many were removed.
-    pub fn sweep_leftovers(&self, rank: u32) -> usize {
+    /// Removes the pending, commit and trash directories that this job's
+    /// rank (see [`Root::owned_by`]) left behind in a previous life (the
+    /// caller holds that rank's ring lock, so no live process owns them).
+    /// Returns how many were removed.
+    pub fn sweep_leftovers(&self) -> usize {
         let Ok(rd) = fs::read_dir(&self.path) else {
             return 0;
         };
-        let tag = format!("-r{rank:05}-");
+        let tag = format!("-{}-", self.owner);
         let mut n = 0;
         for ent in rd.flatten() {
             let name = ent.file_name();
@@ -332,7 +359,8 @@ impl Root {
         }
         // `pending` now holds the old step; move it out of the way.
         let trash = self.path.join(format!(
-            ".trash-{step:012}-r00000-{}-{}",
+            ".trash-{step:012}-{}-{}-{}",
+            self.owner,
             std::process::id(),
             nonce()
         ));
@@ -367,7 +395,8 @@ impl Root {
     pub fn remove_step(&self, step: u64) -> Result<()> {
         let dir = self.step_dir(step);
         let trash = self.path.join(format!(
-            ".trash-{step:012}-r00000-{}-{}",
+            ".trash-{step:012}-{}-{}-{}",
+            self.owner,
             std::process::id(),
             nonce()
         ));

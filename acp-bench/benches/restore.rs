@@ -1,0 +1,275 @@
+//! Restore: loading a committed step into pre-faulted destination tensors,
+//! from storage (cold) and from the resident ring slot, against a raw
+//! sequential read of the same file and a memcpy of the same bytes.
+//!
+//! Rows:
+//! - `raw_read`: page cache dropped (untimed), then a plain `read` loop of
+//!   4 MiB into a pre-faulted buffer;
+//! - `raw_read_direct`: the same cold file read with `O_DIRECT` through
+//!   `io_uring`, 4 MiB blocks, 8 in flight (acp's defaults);
+//! - `acp_load_storage`: page cache dropped (untimed), then
+//!   `load(storage_only)` (read into a ring slot, blake3 verification,
+//!   header parse) and `copy_into` the destination tensors;
+//! - `memcpy_1t`, `memcpy_nt`: the tensors copied from a pre-faulted buffer
+//!   into the destination;
+//! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
+//!   default: every chunk re-hashed) and `copy_into`;
+//! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
+//!   engine; the resident slot is trusted, no hashing).
+//!
+//! Each `acp_load_storage` iteration also times a cold `raw_read` right
+//! before it, and each `acp_load_ram` a `memcpy_nt` (untimed for
+//! criterion): the notes give the medians of those back-to-back ratios,
+//! and of `LoadReport::secs` (the load up to the views being ready,
+//! without the `copy_into`).
+//!
+//! Dropping the page cache needs root; when refused, the storage rows are
+//! warm reads, and the report's notes say so.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use acp_bench::{
+    bench_bytes, copy_pairs, copy_pairs_parallel, drop_caches, engine_config, human_bytes,
+    measurement_time, median, raw, save, split_dst, threads, wait_and_trim, warm_engine,
+    warm_up_time, AlignedBuf, Notes, Paired, Scratch, TensorSet, BLOCK, SAMPLES,
+};
+use acp_core::{Checkpoint, Engine, LoadRequest, Source, Verify};
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+
+/// `(entry index, offset in the destination, len)` of every tensor of `ck`.
+fn ranges(ck: &Checkpoint, set: &TensorSet) -> Vec<(usize, usize, usize)> {
+    let by_name: HashMap<&str, (usize, usize)> = set
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), (t.offset, t.len)))
+        .collect();
+    ck.entries()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let (off, len) = by_name[e.name.as_str()];
+            (i, off, len)
+        })
+        .collect()
+}
+
+/// Loads `step` per `req`, copies every tensor into `dst`; returns the
+/// checkpoint (dropped by the caller, untimed) after checking its source.
+fn load_into(engine: &Engine, req: &LoadRequest, set: &TensorSet, dst: &mut [u8]) -> Checkpoint {
+    let ck = engine
+        .load(req)
+        .unwrap_or_else(|e| panic!("loading {req:?}: {e}"));
+    let want = if req.storage_only {
+        Source::Storage
+    } else {
+        Source::Ram
+    };
+    assert_eq!(ck.report().source, want, "{req:?}");
+    let mut dsts = split_dst(dst, &ranges(&ck, set));
+    ck.copy_into(&mut dsts)
+        .unwrap_or_else(|e| panic!("copy_into: {e}"));
+    ck
+}
+
+fn restore(c: &mut Criterion) {
+    let bytes = bench_bytes();
+    let n = threads();
+    let set = TensorSet::model_like(bytes);
+    let src = AlignedBuf::random(set.total, 1);
+    let mut dst = AlignedBuf::new(set.total);
+    let scratch = Scratch::new("restore");
+    let engine = Engine::open(engine_config(&scratch, set.total, 2))
+        .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+    let host = set.host(&src);
+    let mut step = 0;
+    warm_engine(&engine, &mut step, &host, 3);
+    let image = wait_and_trim(&engine, &save(&engine, step + 1, &host)).bytes;
+    step += 1;
+    let path = engine
+        .root()
+        .join(format!("step-{step:012}"))
+        .join(acp_core::format::data_file_name(0));
+    let mut read_buf = AlignedBuf::new(usize::try_from(image).expect("fits in memory"));
+    let cold = drop_caches();
+    let storage = LoadRequest {
+        step: Some(step),
+        storage_only: true,
+        ..LoadRequest::default()
+    };
+    let ram = LoadRequest {
+        step: Some(step),
+        ..LoadRequest::default()
+    };
+    // Check once, untimed, that the loads return the saved bytes.
+    for req in [&storage, &ram] {
+        dst.fill(0);
+        drop(load_into(&engine, req, &set, &mut dst));
+        assert!(dst[..] == src[..], "{req:?} returned other bytes");
+    }
+
+    let mut g = c.benchmark_group("restore");
+    g.sample_size(SAMPLES)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(measurement_time() / 2)
+        .throughput(Throughput::Bytes(set.total as u64));
+
+    g.bench_function("raw_read", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let _ = drop_caches();
+                let t = Instant::now();
+                let got = raw::read_buffered(&path, &mut read_buf, BLOCK)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                timed += t.elapsed();
+                assert_eq!(got as u64, image);
+            }
+            timed
+        });
+    });
+    g.bench_function("raw_read_direct", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let _ = drop_caches();
+                let t = Instant::now();
+                let got = raw::read_uring(&path, read_buf.padded_mut(), BLOCK, 8)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                timed += t.elapsed();
+                assert_eq!(got as u64, image);
+            }
+            timed
+        });
+    });
+    let mut paired_storage = Paired::default();
+    let mut storage_secs = Vec::new();
+    g.bench_function("acp_load_storage", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let _ = drop_caches();
+                let t = Instant::now();
+                raw::read_buffered(&path, &mut read_buf, BLOCK)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                let base = t.elapsed();
+                let _ = drop_caches();
+                let t = Instant::now();
+                let ck = load_into(&engine, &storage, &set, &mut dst);
+                let took = t.elapsed();
+                timed += took;
+                paired_storage.push(base, took);
+                storage_secs.push(ck.report().secs);
+                drop(ck);
+            }
+            timed
+        });
+    });
+
+    g.sampling_mode(SamplingMode::Auto)
+        .warm_up_time(warm_up_time())
+        .measurement_time(measurement_time());
+    let mut pairs = set.pairs(&mut read_buf, &src);
+    g.bench_function("memcpy_1t", |b| {
+        b.iter(|| {
+            copy_pairs(&mut pairs);
+            black_box(&mut pairs);
+        });
+    });
+    g.bench_function("memcpy_nt", |b| {
+        b.iter(|| {
+            copy_pairs_parallel(&mut pairs, n);
+            black_box(&mut pairs);
+        });
+    });
+    let mut paired_ram = Paired::default();
+    let mut ram_secs = Vec::new();
+    g.bench_function("acp_load_ram", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                copy_pairs_parallel(&mut pairs, n);
+                black_box(&mut pairs);
+                let base = t.elapsed();
+                let t = Instant::now();
+                let ck = load_into(&engine, &ram, &set, &mut dst);
+                let took = t.elapsed();
+                timed += took;
+                paired_ram.push(base, took);
+                ram_secs.push(ck.report().secs);
+                drop(ck);
+            }
+            timed
+        });
+    });
+    drop(pairs);
+    let mlocked = engine.open_report().mlocked;
+    engine
+        .close()
+        .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    drop(engine);
+    drop(scratch);
+
+    let scratch2 = Scratch::new("restore-trusted");
+    let trusted =
+        Engine::open(engine_config(&scratch2, set.total, 2).with_verify(Verify::StorageOnly))
+            .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+    let mut step2 = 0;
+    warm_engine(&trusted, &mut step2, &host, 3);
+    let ram2 = LoadRequest {
+        step: Some(step2),
+        ..LoadRequest::default()
+    };
+    g.bench_function("acp_load_ram_trusted", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                let ck = load_into(&trusted, &ram2, &set, &mut dst);
+                timed += t.elapsed();
+                drop(ck);
+            }
+            timed
+        });
+    });
+    g.finish();
+    trusted
+        .close()
+        .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+
+    let mut notes = Notes::new("restore");
+    notes.set("bytes", human_bytes(set.total as u64));
+    notes.set("file bytes", image);
+    notes.set(
+        "cold reads (drop_caches)",
+        match &cold {
+            Ok(()) => "yes".to_owned(),
+            Err(e) => format!("NO, warm page cache: {e}"),
+        },
+    );
+    notes.set("memcpy_nt threads", n);
+    notes.set(
+        "paired storage",
+        paired_storage.summary("raw_read", "acp_load_storage"),
+    );
+    notes.set(
+        "paired ram",
+        paired_ram.summary("memcpy_nt", "acp_load_ram"),
+    );
+    notes.set(
+        "acp_load_storage: median LoadReport.secs, before copy_into (ms)",
+        median(&storage_secs) * 1e3,
+    );
+    notes.set(
+        "acp_load_ram: median LoadReport.secs, before copy_into (ms)",
+        median(&ram_secs) * 1e3,
+    );
+    notes.set("ring mlocked", mlocked);
+    notes.save();
+}
+
+criterion_group!(benches, restore);
+criterion_main!(benches);

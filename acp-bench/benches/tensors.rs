@@ -1,0 +1,154 @@
+//! Tensors: the per-tensor cost of the stall. 20,000 F32 tensors of random
+//! sizes between 4 and 64 KiB (fixed seed; `ACP_BENCH_TENSORS` changes the
+//! count), and 10 tensors of the same total size, saved by acp and copied
+//! one by one by memcpy into a pre-faulted buffer.
+//!
+//! Per-tensor overhead = (`acp_save_many_1t` − `memcpy_many_1t`) / count,
+//! with the engine's copy threads set to 1 so both sides copy on one
+//! thread; the `_nt` rows use N threads on both sides (the engine's
+//! default). The report prints the overhead. Each acp iteration also times
+//! its memcpy baseline right before the save (untimed for criterion); the
+//! notes give the median of those back-to-back differences per tensor.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use acp_bench::{
+    copy_pairs_parallel, engine_config, human_bytes, measurement_time, median, save,
+    small_tensor_count, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes,
+    Paired, Scratch, TensorSet, SAMPLES,
+};
+use acp_core::{Engine, HostTensor};
+use criterion::{
+    criterion_group, criterion_main, measurement::WallTime, BenchmarkGroup, Criterion,
+    SamplingMode, Throughput,
+};
+
+/// One acp row: the engine, the tensors, and the baseline timed right
+/// before each save.
+struct Row<'a, 'b> {
+    name: String,
+    engine: &'a Engine,
+    host: &'a [HostTensor<'b>],
+    base: &'a mut dyn FnMut() -> Duration,
+}
+
+/// Times the stall of saves on `row.engine`; flushes untimed. Returns the
+/// `SaveReport` stalls and the back-to-back pairs.
+fn bench_save(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    row: Row<'_, '_>,
+    step: &mut u64,
+) -> (Vec<f64>, Paired) {
+    let mut stalls = Vec::new();
+    let mut paired = Paired::default();
+    g.bench_function(&row.name, |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let base = (row.base)();
+                *step += 1;
+                let t = Instant::now();
+                let h = save(row.engine, *step, row.host);
+                let stall = t.elapsed();
+                timed += stall;
+                paired.push(base, stall);
+                stalls.push(wait_and_trim(row.engine, &h).stall_secs);
+            }
+            timed
+        });
+    });
+    (stalls, paired)
+}
+
+/// Times one memcpy of `set` from `src` into `dst` (the pair list is built
+/// untimed).
+fn timed_copy(set: &TensorSet, dst: &mut [u8], src: &[u8], threads: usize) -> Duration {
+    let mut pairs = set.pairs(dst, src);
+    let t = Instant::now();
+    copy_pairs_parallel(&mut pairs, threads);
+    black_box(&mut pairs);
+    t.elapsed()
+}
+
+fn tensors(c: &mut Criterion) {
+    let count = small_tensor_count();
+    let n = threads();
+    let many = TensorSet::small(count, 4 << 10, 64 << 10, 42);
+    let few = TensorSet::even(10, many.total);
+    let src = AlignedBuf::random(many.total, 4);
+    let mut dst = AlignedBuf::new(many.total);
+    let host_many = many.host(&src);
+    let host_few = few.host(&src);
+
+    let mut g = c.benchmark_group("tensors");
+    g.sample_size(SAMPLES)
+        .warm_up_time(warm_up_time())
+        .measurement_time(measurement_time())
+        .throughput(Throughput::Bytes(many.total as u64));
+    for (set, name, threads) in [
+        (&many, "memcpy_many_1t", 1),
+        (&few, "memcpy_10_1t", 1),
+        (&many, "memcpy_many_nt", n),
+        (&few, "memcpy_10_nt", n),
+    ] {
+        let mut pairs = set.pairs(&mut dst, &src);
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                copy_pairs_parallel(&mut pairs, threads);
+                black_box(&mut pairs);
+            });
+        });
+    }
+
+    g.sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(measurement_time() / 4);
+    let mut notes = Notes::new("tensors");
+    for (suffix, copy_threads) in [("_1t", 1), ("_nt", n)] {
+        let scratch = Scratch::new(&format!("tensors{suffix}"));
+        let engine =
+            Engine::open(engine_config(&scratch, many.total, 2).with_copy_threads(copy_threads))
+                .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+        let mut step = 0;
+        warm_engine(&engine, &mut step, &host_many, 2);
+        warm_engine(&engine, &mut step, &host_few, 2);
+        for (set, host, label) in [(&many, &host_many, "many"), (&few, &host_few, "10")] {
+            let name = format!("acp_save_{label}{suffix}");
+            let mut base = || timed_copy(set, &mut dst, &src, copy_threads);
+            let row = Row {
+                name: name.clone(),
+                engine: &engine,
+                host,
+                base: &mut base,
+            };
+            let (stalls, paired) = bench_save(&mut g, row, &mut step);
+            notes.set(
+                &format!("{name}: median SaveReport.stall_secs (ms)"),
+                median(&stalls) * 1e3,
+            );
+            let base_row = format!("memcpy_{label}{suffix}");
+            notes.set(&format!("{name}: paired"), paired.summary(&base_row, &name));
+            if label == "many" {
+                #[expect(clippy::cast_precision_loss, reason = "a tensor count")]
+                let per = paired.median_diff() / set.len() as f64 * 1e6;
+                notes.set(
+                    &format!("{name}: paired per-tensor overhead vs {base_row} (µs)"),
+                    per,
+                );
+            }
+        }
+        engine
+            .close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
+    g.finish();
+
+    notes.set("tensors", count);
+    notes.set("bytes", human_bytes(many.total as u64));
+    notes.set("_nt threads", n);
+    notes.save();
+}
+
+criterion_group!(benches, tensors);
+criterion_main!(benches);

@@ -1,0 +1,924 @@
+#!/usr/bin/env python3
+"""acp side by side with the tools a user would pick instead, in one process, on the same data.
+
+    python acp-bench/peers/compare.py                       # 0.25 GiB, 3 repeats, a few minutes
+    python acp-bench/peers/compare.py --size-gib 1 4 --repeats 3 --json out.json
+
+State: a transformer-like model's fp32 parameters plus Adam's state for each (exp_avg,
+exp_avg_sq and a 0-dim step), laid out as ``model.state_dict()`` and ``opt.state_dict()``
+produce them (integer keys, param_groups). ``--size-gib`` is the size of that whole state
+(parameters are a third of it). Every tool saves and loads this same state, each to its own
+file or directory under ``--dir`` (one file system), in this process.
+
+Measured (median of ``--repeats``, with min and max; seconds):
+
+- baselines: memcpy of the same bytes into preallocated, prefaulted memory: libc ``memcpy``
+  (``ctypes.memmove``) on 1 thread and on every CPU, torch ``copy_`` and numpy ``copyto``;
+- acp: ``ckpt.save`` stall (returns once the bytes are in the RAM ring) and total (until
+  committed on storage), in steady state (each ring slot used once before; the first save
+  into each slot, which creates it, is its own row); ``ckpt.load(into=state)`` from RAM
+  and from storage;
+- ``torch.save`` + fsync; ``torch.load(weights_only=True)`` + copy into the state's tensors;
+- safetensors ``save_file`` + fsync; ``load_file`` + copy into the state's tensors;
+- torch.distributed.checkpoint: ``dcp.save``; ``dcp.async_save`` blocking part (until it
+  returns) and total (until its future completes); ``dcp.load`` (in place);
+- acp through DCP (``acp.dcp.StorageWriter``/``StorageReader``): the same three DCP calls.
+
+Every load ends with every byte in the state's own tensors (the state is zeroed before each
+load, outside the timing, and checked after). Caches: before each measured run the page cache
+is emptied (``echo 3 > /proc/sys/vm/drop_caches``, or ``posix_fadvise(DONTNEED)`` on our files
+when that is refused, which the output says) unless the row says ``warm`` (the files were read
+once just before). acp's RAM ring is shared memory: dropping caches does not touch it.
+
+Output: a Markdown table per size with GB/s and the ratio to the fastest memcpy, a table of
+acp against each peer (peer time / acp time: above 1, acp is faster), and ``--json`` with
+every run. More peers (MindSpore is next) plug in with ``--plugin file.py``, whose
+``register(compare)`` returns a list of ``compare.Group``; see ``Group``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+warnings.filterwarnings("ignore")  # DCP warns on every no_dist call
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+PAGE = 4096
+
+
+# ----------------------------------------------------------------------------- the state
+
+
+def _fill(tensors: list[torch.Tensor], seed: int = 0) -> None:
+    """Fills every tensor with pseudo-random bytes (a 64 MiB pattern, repeated)."""
+    g = torch.Generator().manual_seed(seed)
+    pattern = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, generator=g)
+    for t in tensors:
+        u = t.reshape(-1).view(torch.uint8)
+        for off in range(0, u.numel(), pattern.numel()):
+            n = min(pattern.numel(), u.numel() - off)
+            u[off : off + n].copy_(pattern[:n])
+
+
+def make_state(size_gib: float, extra_small: int) -> dict[str, Any]:
+    """``{"model": params, "optim": Adam state_dict}`` of about ``size_gib`` GiB in all."""
+    target = int(size_gib * GiB) // 3  # params; Adam adds two tensors of the same size
+    h = 512 if target < 256 * MiB else 1024 if target < 2 * GiB else 2048
+    g = torch.Generator().manual_seed(0)
+    small = [int(x) * 256 for x in torch.randint(1, 65, (extra_small,), generator=g)]
+    small_bytes = sum(s * 4 for s in small)
+    per_layer = (12 * h * h + 13 * h) * 4
+    layers = max(1, int((target - small_bytes) * 0.9) // per_layer)
+    vocab = max(1, (target - small_bytes - layers * per_layer) // (h * 4))
+    params: dict[str, torch.Tensor] = {"embed.weight": torch.empty(vocab, h)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        for name, shape in (
+            ("ln1.weight", (h,)),
+            ("ln1.bias", (h,)),
+            ("attn.qkv.weight", (3 * h, h)),
+            ("attn.qkv.bias", (3 * h,)),
+            ("attn.proj.weight", (h, h)),
+            ("attn.proj.bias", (h,)),
+            ("ln2.weight", (h,)),
+            ("ln2.bias", (h,)),
+            ("mlp.up.weight", (4 * h, h)),
+            ("mlp.up.bias", (4 * h,)),
+            ("mlp.down.weight", (h, 4 * h)),
+            ("mlp.down.bias", (h,)),
+        ):
+            params[p + name] = torch.empty(shape)
+    for j, s in enumerate(small):
+        params[f"adapters.{j}.scale"] = torch.empty(s)
+    names = list(params)
+    optim = {
+        "state": {
+            i: {
+                "step": torch.tensor(100.0),
+                "exp_avg": torch.empty_like(params[n]),
+                "exp_avg_sq": torch.empty_like(params[n]),
+            }
+            for i, n in enumerate(names)
+        },
+        "param_groups": [
+            {
+                "lr": 1e-3,
+                "betas": (0.9, 0.999),
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "amsgrad": False,
+                "maximize": False,
+                "foreach": None,
+                "capturable": False,
+                "differentiable": False,
+                "fused": None,
+                "decoupled_weight_decay": False,
+                "params": list(range(len(names))),
+            }
+        ],
+    }
+    state = {"model": params, "optim": optim}
+    _fill(tensors_of(state))
+    return state
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def flatten(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Named tensors and the JSON-able rest, for safetensors (which holds only tensors)."""
+    flat: dict[str, torch.Tensor] = {}
+    rest: dict[str, Any] = {}
+    if isinstance(obj, torch.Tensor):
+        flat[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            f, r = flatten(v, f"{prefix}.{k}" if prefix else str(k))
+            flat.update(f)
+            rest.update(r)
+    else:
+        rest[prefix] = obj
+    return flat, rest
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A cheap checksum over a sample of every tensor's bytes."""
+    total = 0
+    for t in tensors:
+        u = t.reshape(-1).view(torch.uint8)
+        if u.numel():
+            total += int(u[:: PAGE + 1].sum()) + int(u[-1]) * 7 + u.numel()
+    return total
+
+
+def copy_tree(dst: Any, src: Any) -> None:
+    """Copies the tensors of ``src`` into the same places of ``dst``."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k, v in dst.items():
+            copy_tree(v, src[k])
+    elif isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src):
+            copy_tree(d, s)
+
+
+# ----------------------------------------------------------------------------- caches, files
+
+
+def files_under(paths: list[str]) -> list[str]:
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            out += [os.path.join(r, n) for r, _, ns in os.walk(p) for n in ns]
+        elif os.path.exists(p):
+            out.append(p)
+    return out
+
+
+def drop_caches(paths: list[str]) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "cold"
+    except OSError:
+        pass
+    try:
+        for p in files_under(paths):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except (OSError, AttributeError):
+        return "warm (could not drop caches)"
+    return "cold (fadvise)"
+
+
+def warm(paths: list[str]) -> str:
+    buf = bytearray(16 * MiB)
+    for p in files_under(paths):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return "warm"
+
+
+def fsync_path(p: str) -> None:
+    for fp in files_under([p]):
+        fd = os.open(fp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rm(p: str) -> None:
+    if os.path.isdir(p):
+        shutil.rmtree(p)
+    elif os.path.exists(p):
+        os.unlink(p)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Row:
+    group: str
+    op: str
+    kind: str  # "copy", "save", "stall", "load"
+    runs: list[float] = field(default_factory=list)
+    cache: str = ""
+    note: str = ""
+    error: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+
+@dataclass
+class Group:
+    """One tool. ``run(ctx)`` measures its operations with ``ctx.measure``."""
+
+    name: str
+    run: Callable[[Ctx], None]
+
+
+class Ctx:
+    def __init__(self, state: dict[str, Any], workdir: str, repeats: int) -> None:
+        self.state = state
+        self.tensors = tensors_of(state)
+        self.bytes = sum(nbytes(t) for t in self.tensors)
+        self.dir = workdir
+        self.repeats = repeats
+        self.rows: list[Row] = []
+        self.expected = fingerprint(self.tensors)
+        self.cache_modes: set[str] = set()
+
+    def zero(self) -> None:
+        for t in self.tensors:
+            t.zero_()
+
+    def check(self, what: str) -> None:
+        if fingerprint(self.tensors) != self.expected:
+            raise AssertionError(f"{what}: the state's bytes differ after the load")
+
+    def measure(
+        self,
+        group: str,
+        op: str,
+        kind: str,
+        fn: Callable[[], Any],
+        *,
+        before: Callable[[], Any] | None = None,
+        cache: str | None = "cold",
+        paths: Callable[[], list[str]] | None = None,
+        after: Callable[[], Any] | None = None,
+        note: str = "",
+    ) -> dict[str, Row]:
+        """Runs ``fn`` ``repeats`` times. ``fn`` may return ``{"blocking": s, "total": s}``
+        (async saves): each key becomes its own row. Errors are reported, not raised."""
+        rows: dict[str, Row] = {}
+        for _ in range(self.repeats):
+            if before is not None:
+                before()
+            mode = ""
+            if cache == "cold":
+                mode = drop_caches(paths() if paths else [self.dir])
+            elif cache == "warm":
+                mode = warm(paths() if paths else [])
+            self.cache_modes.add(mode)
+            gc.collect()
+            try:
+                t0 = time.perf_counter()
+                out = fn()
+                dt = time.perf_counter() - t0
+                if after is not None:
+                    after()
+            except Exception as e:  # report and go on: one tool failing must not stop the rest
+                msg = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  {group} {op}: FAILED {msg}", flush=True)
+                row = Row(group, op, kind, cache=mode, error=msg)
+                self.rows.append(row)
+                return {"time": row}
+            parts = out if isinstance(out, dict) else {"time": dt}
+            for key, secs in parts.items():
+                if key not in rows:
+                    label = op if key == "time" else f"{op} [{key}]"
+                    k = "stall" if key in ("blocking", "stall") else kind
+                    rows[key] = Row(
+                        group, label, k, cache=mode if kind == "load" else "", note=note
+                    )
+                rows[key].runs.append(secs)
+        for row in rows.values():
+            self.rows.append(row)
+            print(
+                f"  {row.op:58s} {row.median:8.4f} s  {self.bytes / row.median / 1e9:6.2f} GB/s"
+                f"  {row.cache}",
+                flush=True,
+            )
+        return rows
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def run_baselines(ctx: Ctx) -> None:
+    srcs = [t.reshape(-1) for t in ctx.tensors if t.numel()]
+    dsts = [torch.empty_like(s) for s in srcs]
+    for d in dsts:
+        d.fill_(1)  # prefault
+    ptrs = [(d.data_ptr(), s.data_ptr(), nbytes(s)) for d, s in zip(dsts, srcs)]
+    threads = os.cpu_count() or 1
+
+    def memmove(part: list[tuple[int, int, int]]) -> None:
+        for d, s, n in part:
+            ctypes.memmove(d, s, n)  # ctypes releases the GIL around the call
+
+    def memmove_threads() -> None:
+        # Split by bytes, not by count: a few tensors hold most of the bytes.
+        parts: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+        loads = [0] * threads
+        for p in sorted(ptrs, key=lambda x: -x[2]):
+            i = loads.index(min(loads))
+            parts[i].append(p)
+            loads[i] += p[2]
+        ts = [threading.Thread(target=memmove, args=(part,)) for part in parts[1:]]
+        for t in ts:
+            t.start()
+        memmove(parts[0])
+        for t in ts:
+            t.join()
+
+    def torch_copy() -> None:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+    np_srcs = [s.numpy().view(np.uint8) for s in srcs]
+    np_dsts = [d.numpy().view(np.uint8) for d in dsts]
+
+    def numpy_copy() -> None:
+        for d, s in zip(np_dsts, np_srcs):
+            np.copyto(d, s)
+
+    ctx.measure(
+        "baseline",
+        "memcpy, 1 thread (libc via ctypes.memmove)",
+        "copy",
+        lambda: memmove(ptrs),
+        cache=None,
+    )
+    ctx.measure(
+        "baseline",
+        f"memcpy, {threads} threads (libc via ctypes.memmove)",
+        "copy",
+        memmove_threads,
+        cache=None,
+    )
+    ctx.measure(
+        "baseline",
+        f"torch copy_ ({torch.get_num_threads()} torch threads)",
+        "copy",
+        torch_copy,
+        cache=None,
+    )
+    ctx.measure("baseline", "numpy copyto", "copy", numpy_copy, cache=None)
+
+
+# ----------------------------------------------------------------------------- acp
+
+
+RING_SLOTS = 2
+
+
+def _acp_checkpointer(ctx: Ctx, root: str, shm: str | None) -> Any:
+    import acp
+
+    slot = ctx.bytes + 64 * MiB
+    return acp.Checkpointer(
+        root,
+        job=f"compare-{os.getpid()}-{os.path.basename(root)}",
+        ring_slots=RING_SLOTS,
+        ring_bytes=2 * slot,
+        keep_last=2,
+        shm_dir=shm,
+    )
+
+
+def _shm_dir() -> str | None:
+    return (
+        tempfile.mkdtemp(prefix="acp-compare-", dir="/dev/shm")
+        if os.path.isdir("/dev/shm")
+        else None
+    )
+
+
+def run_acp(ctx: Ctx) -> None:
+    root = os.path.join(ctx.dir, "acp")
+    shm = _shm_dir()
+    ckpt = _acp_checkpointer(ctx, root, shm)
+    steps = iter(range(1, 1 << 30))
+    last: dict[str, Any] = {"saves": [], "loads": []}
+
+    def save() -> dict[str, float]:
+        t0 = time.perf_counter()
+        h = ckpt.save(next(steps), ctx.state)
+        stall = time.perf_counter() - t0
+        stats = h.wait()
+        total = time.perf_counter() - t0
+        last["saves"].append(stats)
+        return {"stall": stall, "total": total}
+
+    def load(storage_only: bool) -> None:
+        stats = ckpt.load(into=ctx.state, storage_only=storage_only)
+        last["source"] = stats.source
+        last["loads"].append(stats)
+
+    try:
+        # A training run saves again and again into the same ring slots; the
+        # first save into each slot also creates it. Measure that apart.
+        for i in range(RING_SLOTS):
+            drop_caches([ctx.dir])
+            first = save()
+            ctx.rows.append(
+                Row("acp", f"ckpt.save into a fresh ring slot ({i + 1} of {RING_SLOTS}) [stall]",
+                    "stall", [first["stall"]], note="once per slot per process")
+            )  # fmt: skip
+        last["saves"] = []
+        rows = ctx.measure("acp", "ckpt.save", "save", save)
+        saves = last["saves"]
+        if saves and "stall" in rows:
+            rows["stall"].note = "medians: " + ", ".join(
+                f"{name} {_ms(saves, field)}"
+                for name, field in (
+                    ("walking the state", "flatten_secs"),
+                    ("copy", "copy_secs"),
+                    ("slot wait", "slot_wait_secs"),
+                )
+            )
+        if saves and "total" in rows:
+            flush = statistics.median(s.flush_bytes_per_sec or 0.0 for s in saves)
+            rows["total"].note = (
+                f"flush {_ms(saves, 'flush_secs')} ({flush / 1e9:.2f} GB/s, io={saves[-1].io}, "
+                f"O_DIRECT={saves[-1].direct}), commit {_ms(saves, 'commit_secs')}"
+            )
+        last["loads"] = []
+        rows = ctx.measure(
+            "acp",
+            "ckpt.load(into=state) from RAM",
+            "load",
+            lambda: load(False),
+            before=ctx.zero,
+            cache=None,
+            after=lambda: ctx.check("acp RAM"),
+        )
+        _note_source(rows, last, "ram")
+        for row in rows.values():
+            row.note += (
+                f"; find+verify {_ms(last['loads'], 'engine_secs')}, "
+                f"copy {_ms(last['loads'], 'copy_secs')}"
+            )
+        for cache in ("cold", "warm"):
+            rows = ctx.measure(
+                "acp",
+                f"ckpt.load(into=state) from storage, {cache}",
+                "load",
+                lambda: load(True),
+                before=ctx.zero,
+                cache=cache,
+                paths=lambda: [root],
+                after=lambda: ctx.check("acp storage"),
+            )
+            _note_source(rows, last, "storage")
+    finally:
+        ckpt.close()
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
+        rm(root)
+
+
+def _ms(stats: list[Any], attr: str) -> str:
+    """The median of a stats attribute, in milliseconds."""
+    values = [getattr(s, attr) for s in stats if getattr(s, attr) is not None]
+    return f"{statistics.median(values) * 1e3:.0f} ms" if values else "-"
+
+
+def _note_source(rows: dict[str, Row], last: dict[str, Any], want: str) -> None:
+    for row in rows.values():
+        if last.get("source") != want:
+            row.note = f"source={last.get('source')} (expected {want})"
+        else:
+            row.note = f"source={want}"
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def run_torch(ctx: Ctx) -> None:
+    path = os.path.join(ctx.dir, "state.pt")
+
+    def save() -> None:
+        torch.save(ctx.state, path)
+        fsync_path(path)
+
+    def load() -> None:
+        sd = torch.load(path, weights_only=True)
+        copy_tree(ctx.state, sd)
+
+    ctx.measure("torch", "torch.save + fsync", "save", save, before=lambda: rm(path))
+    for cache in ("cold", "warm"):
+        ctx.measure(
+            "torch",
+            f"torch.load(weights_only) + copy into state, {cache}",
+            "load",
+            load,
+            before=ctx.zero,
+            cache=cache,
+            paths=lambda: [path],
+            after=lambda: ctx.check("torch.load"),
+        )
+    rm(path)
+
+
+def run_safetensors(ctx: Ctx) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(ctx.dir, "state.safetensors")
+    flat, rest = flatten(ctx.state)
+    meta = {"rest": json.dumps(rest)}
+
+    def save() -> None:
+        save_file(flat, path, metadata=meta)
+        fsync_path(path)
+
+    def load() -> None:
+        got = load_file(path)
+        for k, t in flat.items():
+            t.copy_(got[k])
+
+    ctx.measure(
+        "safetensors", "safetensors save_file + fsync", "save", save, before=lambda: rm(path)
+    )
+    for cache in ("cold", "warm"):
+        ctx.measure(
+            "safetensors",
+            f"safetensors load_file + copy into state, {cache}",
+            "load",
+            load,
+            before=ctx.zero,
+            cache=cache,
+            paths=lambda: [path],
+            after=lambda: ctx.check("safetensors"),
+        )
+    rm(path)
+
+
+def _dcp_async(state: dict[str, Any], **kw: Any) -> dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    fut = dcp.async_save(state, no_dist=True, **kw)
+    t1 = time.perf_counter()
+    if hasattr(fut, "upload_completion"):
+        fut.upload_completion.result()
+    else:
+        fut.result()
+    return {"blocking": t1 - t0, "total": time.perf_counter() - t0}
+
+
+def run_dcp(ctx: Ctx) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(ctx.dir, "state.dcp")
+    ctx.measure(
+        "dcp",
+        "dcp.save",
+        "save",
+        lambda: dcp.save(ctx.state, checkpoint_id=path, no_dist=True),
+        before=lambda: rm(path),
+    )
+    ctx.measure(
+        "dcp",
+        "dcp.async_save",
+        "save",
+        lambda: _dcp_async(ctx.state, checkpoint_id=path),
+        before=lambda: rm(path),
+    )
+    if not os.path.exists(path):
+        dcp.save(ctx.state, checkpoint_id=path, no_dist=True)
+    for cache in ("cold", "warm"):
+        ctx.measure(
+            "dcp",
+            f"dcp.load (in place), {cache}",
+            "load",
+            lambda: dcp.load(ctx.state, checkpoint_id=path, no_dist=True),
+            before=ctx.zero,
+            cache=cache,
+            paths=lambda: [path],
+            after=lambda: ctx.check("dcp.load"),
+        )
+    rm(path)
+
+
+def run_acp_dcp(ctx: Ctx) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import acp.dcp
+
+    root = os.path.join(ctx.dir, "acp-dcp")
+    shm = _shm_dir()
+    ckpt = _acp_checkpointer(ctx, root, shm)
+    writer = acp.dcp.StorageWriter(ckpt)
+    steps = iter(range(1, 1 << 30))
+    try:
+        for _ in range(RING_SLOTS):  # create the ring's slots outside the timing
+            dcp.save(ctx.state, checkpoint_id=next(steps), storage_writer=writer, no_dist=True)
+        ctx.measure(
+            "acp+dcp",
+            "dcp.save, acp StorageWriter",
+            "save",
+            lambda: dcp.save(
+                ctx.state, checkpoint_id=next(steps), storage_writer=writer, no_dist=True
+            ),
+        )
+
+        def async_save() -> dict[str, float]:
+            writer.reset(next(steps))
+            return _dcp_async(ctx.state, storage_writer=writer, async_stager=acp.dcp.Stager(writer))
+
+        ctx.measure("acp+dcp", "dcp.async_save, acp Stager + StorageWriter", "save", async_save)
+        reader = acp.dcp.StorageReader(ckpt)
+        rows = ctx.measure(
+            "acp+dcp",
+            "dcp.load, acp StorageReader, from RAM",
+            "load",
+            lambda: dcp.load(ctx.state, storage_reader=reader, no_dist=True),
+            before=ctx.zero,
+            cache=None,
+            after=lambda: ctx.check("acp dcp.load"),
+        )
+        last = reader.last_load or {}
+        _note_source(rows, {"source": last.get("source")}, "ram")
+    finally:
+        ckpt.close()
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
+        rm(root)
+
+
+def run_mindspore(ctx: Ctx) -> None:
+    """The hook for MindSpore's save_checkpoint/load_checkpoint columns (a later issue)."""
+    raise NotImplementedError(
+        "MindSpore columns are not measured yet; add them here or by --plugin"
+    )
+
+
+GROUPS = {
+    "acp": Group("acp", run_acp),
+    "torch": Group("torch", run_torch),
+    "safetensors": Group("safetensors", run_safetensors),
+    "dcp": Group("dcp", run_dcp),
+    "acp-dcp": Group("acp+dcp", run_acp_dcp),
+    "mindspore": Group("mindspore", run_mindspore),
+}
+DEFAULT_OPS = "baseline,acp,torch,safetensors,dcp,acp-dcp"
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _find(ctx: Ctx, op_start: str, kind: str | None = None) -> Row | None:
+    for r in ctx.rows:
+        if r.op.startswith(op_start) and not r.error and (kind is None or r.kind == kind):
+            return r
+    return None
+
+
+def md_tables(case: str, ctx: Ctx) -> str:
+    copies = [r for r in ctx.rows if r.kind == "copy" and not r.error]
+    ref = min(copies, key=lambda r: r.median) if copies else None
+    lines = [
+        f"\n### {case}: {len(ctx.tensors):,} tensors, {ctx.bytes / 1e9:.3f} GB\n",
+        f"Ratio column: median / fastest memcpy ({ref.op if ref else 'none measured'}).\n",
+        "| tool | operation | median s | min s | max s | GB/s | x memcpy | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in ctx.rows:
+        if r.error:
+            lines.append(f"| {r.group} | {r.op} | FAILED | | | | | {r.error[:100]} |")
+            continue
+        ratio = f"{r.median / ref.median:.2f}" if ref else "-"
+        note = ", ".join(x for x in (r.cache, r.note) if x)
+        lines.append(
+            f"| {r.group} | {r.op} | {r.median:.4f} | {min(r.runs):.4f} | {max(r.runs):.4f} | "
+            f"{ctx.bytes / r.median / 1e9:.2f} | {ratio} | {note} |"
+        )
+    lines += ["", _peer_table(ctx)]
+    return "\n".join(lines)
+
+
+def _peer_table(ctx: Ctx) -> str:
+    """acp against each peer: peer median / acp median (above 1: acp is faster)."""
+    acp_rows = {
+        "save stall": _find(ctx, "ckpt.save [stall]"),
+        "save, to committed": _find(ctx, "ckpt.save [total]"),
+        "load from RAM": _find(ctx, "ckpt.load(into=state) from RAM"),
+        "load from storage, cold": _find(ctx, "ckpt.load(into=state) from storage, cold"),
+    }
+    peers = {
+        "torch.save / torch.load": {
+            "save stall": "torch.save + fsync",
+            "save, to committed": "torch.save + fsync",
+            "load from RAM": "torch.load(weights_only) + copy into state, warm",
+            "load from storage, cold": "torch.load(weights_only) + copy into state, cold",
+        },
+        "safetensors": {
+            "save stall": "safetensors save_file + fsync",
+            "save, to committed": "safetensors save_file + fsync",
+            "load from RAM": "safetensors load_file + copy into state, warm",
+            "load from storage, cold": "safetensors load_file + copy into state, cold",
+        },
+        "dcp.save / dcp.load": {
+            "save stall": "dcp.save",
+            "save, to committed": "dcp.save",
+            "load from RAM": "dcp.load (in place), warm",
+            "load from storage, cold": "dcp.load (in place), cold",
+        },
+        "dcp.async_save": {
+            "save stall": "dcp.async_save [blocking]",
+            "save, to committed": "dcp.async_save [total]",
+        },
+    }
+    head = "| acp | acp s | " + " | ".join(peers) + " |"
+    lines = [
+        "acp against each peer: peer median / acp median (above 1: acp is faster). Peers' "
+        'loads "from RAM" are from a warm page cache.\n',
+        head,
+        "|---|---:|" + "---:|" * len(peers),
+    ]
+    for metric, row in acp_rows.items():
+        if row is None:
+            continue
+        cells = []
+        for ops in peers.values():
+            op = ops.get(metric)
+            peer = None
+            if op is not None:
+                peer = next((r for r in ctx.rows if r.op == op and not r.error), None)
+            cells.append(f"{peer.median / row.median:.1f}x" if peer else "-")
+        lines.append(f"| {metric} | {row.median:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _load_plugin(path: str, groups: dict[str, Group], ops: list[str]) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_plugin", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--plugin {path}: not a python file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for g in mod.register(sys.modules[__name__]):
+        groups[g.name] = g
+        ops.append(g.name)
+
+
+def _env(base: str) -> dict[str, Any]:
+    import acp
+
+    env = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "acp": acp.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "dir": base,
+    }
+    try:
+        import safetensors
+
+        env["safetensors"] = safetensors.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def _run_case(
+    size: float, a: argparse.Namespace, base: str, ops: list[str], groups: dict[str, Group]
+) -> tuple[str, dict[str, Any]]:
+    case = f"state{size:g}GiB"
+    t0 = time.perf_counter()
+    state = make_state(size, a.extra_small)
+    wd = os.path.join(base, case)
+    os.makedirs(wd)
+    ctx = Ctx(state, wd, a.repeats)
+    print(
+        f"\n## {case}: {len(ctx.tensors)} tensors, {ctx.bytes / 1e9:.3f} GB "
+        f"(built in {time.perf_counter() - t0:.1f} s)",
+        flush=True,
+    )
+    if "baseline" in ops:
+        run_baselines(ctx)
+    for name in ops:
+        if name != "baseline":
+            groups[name].run(ctx)
+            gc.collect()
+    ctx.check("end of case")
+    record = {
+        "bytes": ctx.bytes,
+        "tensors": len(ctx.tensors),
+        "cache_modes": sorted(m for m in ctx.cache_modes if m),
+        "rows": [vars(r) | {"median": r.median if r.runs else None} for r in ctx.rows],
+    }
+    return md_tables(case, ctx), record
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--size-gib",
+        type=float,
+        nargs="+",
+        default=[0.25],
+        help="state sizes (parameters + Adam state), GiB; default 0.25",
+    )
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--extra-small", type=int, default=500, help="small adapter tensors in the model"
+    )
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a new one in /tmp)")
+    ap.add_argument(
+        "--ops", default=DEFAULT_OPS, help=f"comma list of: baseline,{','.join(GROUPS)}"
+    )
+    ap.add_argument("--json", default=None, help="write every run here")
+    ap.add_argument("--plugin", default=None, help="python file with register(compare) -> [Group]")
+    a = ap.parse_args()
+    groups = dict(GROUPS)
+    ops = a.ops.split(",")
+    if a.plugin:
+        _load_plugin(a.plugin, groups, ops)
+    unknown = [o for o in ops if o != "baseline" and o not in groups]
+    if unknown:
+        ap.error(f"unknown --ops {unknown}")
+    base = tempfile.mkdtemp(prefix="acp-compare-", dir=a.dir)
+    env = _env(base)
+    print("# compare", json.dumps(env), flush=True)
+    out: dict[str, Any] = {"env": env, "args": vars(a), "cases": {}}
+    md = []
+    try:
+        for size in a.size_gib:
+            table, record = _run_case(size, a, base, ops, groups)
+            md.append(table)
+            out["cases"][f"state{size:g}GiB"] = record
+            gc.collect()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n".join(md))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    sys.stdout.flush()
+    os._exit(0)  # DCP's executor threads would otherwise hold the exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+//! `acp gc`: retention on a root without opening a ring, and removal of
+//! what dead saves left behind.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{open_root, shown};
+use crate::error::{Error, Result};
+
+/// What `gc` removes.
+#[derive(Debug, Clone, Default)]
+pub struct GcOptions {
+    /// Keep the newest `keep_last` committed steps (at least 1); `None`
+    /// removes no committed step.
+    pub keep_last: Option<usize>,
+    /// Also keep every step that is a multiple of this.
+    pub keep_every: Option<u64>,
+    /// Also remove unfinished saves (`.pending-…`, `.commit-…`, `.trash-…`
+    /// directories and `.latest-…` files) not modified for this long.
+    pub unfinished_older_than: Option<Duration>,
+    /// Only report what would be removed.
+    pub dry_run: bool,
+}
+
+/// What `gc` removed (or, with `dry_run`, would remove).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GcReport {
+    /// The checkpoint root.
+    pub root: String,
+    /// Whether nothing was removed on purpose.
+    pub dry_run: bool,
+    /// Committed steps removed.
+    pub removed_steps: Vec<u64>,
+    /// Committed steps kept.
+    pub kept_steps: Vec<u64>,
+    /// Unfinished-save entries removed (names in the root).
+    pub removed_unfinished: Vec<String>,
+    /// Bytes freed (approximate: the files' sizes).
+    pub freed_bytes: u64,
+}
+
+/// The steps retention removes from `steps` (ascending): all but the newest
+/// `keep_last` and the multiples of `keep_every`. The engine's rule.
+#[must_use]
+pub fn retention_plan(steps: &[u64], keep_last: usize, keep_every: Option<u64>) -> Vec<u64> {
+    let n = steps.len();
+    steps
+        .iter()
+        .enumerate()
+        .filter(|&(i, &step)| {
+            let recent = i + keep_last >= n;
+            let milestone = keep_every.is_some_and(|m| m > 0 && step % m == 0);
+            !recent && !milestone
+        })
+        .map(|(_, &s)| s)
+        .collect()
+}
+
+/// Applies retention to `root` (removing each step by renaming it out of
+/// view, syncing the root, then deleting it, so a reader never sees half a
+/// step) and, when asked, removes unfinished saves older than the given
+/// age. Safe beside a live trainer: it never removes the newest step, and
+/// an unfinished save younger than the age is left alone.
+///
+/// # Errors
+/// [`Error::Config`] for `keep_last == 0`; [`Error::NotFound`]; [`Error::Io`].
+pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
+    let root = open_root(root)?;
+    if opts.keep_last == Some(0) {
+        return Err(Error::Config {
+            field: "keep_last",
+            reason: "must be at least 1 (0 would delete every checkpoint)".into(),
+        });
+    }
+    let steps = root.steps()?;
+    let remove = opts
+        .keep_last
+        .map_or_else(Vec::new, |k| retention_plan(&steps, k, opts.keep_every));
+    let mut freed = 0;
+    for &step in &remove {
+        freed += dir_bytes(&root.step_dir(step));
+        if !opts.dry_run {
+            root.remove_step(step)?;
+        }
+    }
+    let mut removed_unfinished = Vec::new();
+    if let Some(age) = opts.unfinished_older_than {
+        let rd = std::fs::read_dir(root.path()).map_err(|e| Error::io("list", root.path(), e))?;
+        for ent in rd.flatten() {
+            let name = ent.file_name().to_string_lossy().into_owned();
+            let unfinished = [".pending-", ".commit-", ".trash-", ".latest-"]
+                .iter()
+                .any(|p| name.starts_with(p));
+            if !unfinished {
+                continue;
+            }
+            let Ok(meta) = std::fs::symlink_metadata(ent.path()) else {
+                continue;
+            };
+            let old = meta
+                .modified()
+                .ok()
+                .and_then(|m| m.elapsed().ok())
+                .is_some_and(|e| e >= age);
+            if !old {
+                continue;
+            }
+            freed += if meta.is_dir() {
+                dir_bytes(&ent.path())
+            } else {
+                meta.len()
+            };
+            if !opts.dry_run {
+                let gone = if meta.is_dir() {
+                    std::fs::remove_dir_all(ent.path())
+                } else {
+                    std::fs::remove_file(ent.path())
+                };
+                gone.map_err(|e| Error::io("remove", ent.path(), e))?;
+            }
+            removed_unfinished.push(name);
+        }
+        removed_unfinished.sort();
+    }
+    Ok(GcReport {
+        root: shown(root.path()),
+        dry_run: opts.dry_run,
+        kept_steps: steps
+            .iter()
+            .copied()
+            .filter(|s| !remove.contains(s))
+            .collect(),
+        removed_steps: remove,
+        removed_unfinished,
+        freed_bytes: freed,
+    })
+}
+
+/// The bytes of the regular files directly in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir).map_or(0, |rd| {
+        rd.flatten()
+            .filter_map(|e| std::fs::symlink_metadata(e.path()).ok())
+            .filter(std::fs::Metadata::is_file)
+            .map(|m| m.len())
+            .sum()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_keeps_newest_and_milestones() {
+        let steps = [100, 200, 300, 400, 500];
+        assert_eq!(retention_plan(&steps, 2, None), vec![100, 200, 300]);
+        assert_eq!(retention_plan(&steps, 2, Some(200)), vec![100, 300]);
+        assert_eq!(retention_plan(&steps, 9, None), Vec::<u64>::new());
+        assert_eq!(retention_plan(&steps, 1, Some(0)), vec![100, 200, 300, 400]);
+    }
+}
