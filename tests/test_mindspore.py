@@ -597,6 +597,29 @@ def test_export_a_torch_checkpoint_by_path(
     np.testing.assert_array_equal(theirs["model.fc.bias"].asnumpy(), sd["fc.bias"].numpy())
 
 
+def test_write_ckpt_from_raw_bytes_keeps_every_type(tmp_path: Path) -> None:
+    """What `acp export --to mindspore` hands over: names, dtypes, shapes,
+    bytes. bf16 stays bf16 (not widened), integers keep their width."""
+    dtypes = [d for d in am.DTYPES if d not in FP8]  # MindSpore cannot serialise fp8 on the CPU
+    tensors = {str(d): random_tensor(d, (3, 2), i) for i, d in enumerate(dtypes)}
+    items = [(k, am.dtype_to_safetensors(t.dtype), t.shape, raw(t)) for k, t in tensors.items()]
+    for fmt in ("ckpt", "safetensors"):
+        out = am.write_ckpt(items, tmp_path / "w", format=fmt, append={"step_num": 3, "tag": "x"})
+        assert out == tmp_path / f"w.{fmt}"
+        back = ms.load_checkpoint(str(out), format=fmt)
+        for k, t in tensors.items():
+            assert back[k].dtype == t.dtype, k
+            assert raw(back[k]) == raw(t), k
+        assert int(back["step_num"].asnumpy()) == 3
+        assert ("tag" in back) == (fmt == "ckpt")  # safetensors cannot hold strings
+    out = am.write_ckpt(items[:1], tmp_path / "w.ckpt")  # replaces the read-only file
+    assert set(ms.load_checkpoint(str(out))) == {items[0][0]}
+    with pytest.raises(acp.InvalidInput, match=r"tensor `a`: 3 bytes for F32 \[1\]"):
+        am.write_ckpt([("a", "F32", (1,), b"abc")], tmp_path / "x.ckpt")
+    with pytest.raises(acp.InvalidInput, match="leading or trailing whitespace"):
+        am.write_ckpt([(" a", "F32", (1,), b"abcd")], tmp_path / "x.ckpt")
+
+
 def test_conversion_bad_input(ckpt: acp.Checkpointer, tmp_path: Path) -> None:
     with pytest.raises(acp.InvalidInput, match="format 'pt'"):
         am.export_ckpt(ckpt, tmp_path / "x.pt", format="pt")

@@ -33,13 +33,14 @@ checkpoint.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import operator
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -47,6 +48,7 @@ from types import FrameType
 from typing import Any
 
 import mindspore
+import numpy as np
 from mindspore import Tensor
 from mindspore.train import Callback
 
@@ -75,6 +77,7 @@ from acp._mindspore_codec import (
     Convert,
     dtype_from_safetensors,
     dtype_to_safetensors,
+    host_tensor,
     type_name,
 )
 from acp.checkpointer import Checkpointer, LoadStats, SaveHandle, _step
@@ -98,6 +101,7 @@ __all__ = [
     "resume",
     "save",
     "state_dict",
+    "write_ckpt",
 ]
 
 log = logging.getLogger("acp.mindspore")
@@ -391,6 +395,7 @@ def load_into_net(
     stats = _load_stats(loaded.report(), t0, t1, perf_counter(), copied)
     del loaded
     ckpt.last_load = stats
+    ckpt._metrics.loaded(stats)
     if param_not_load:
         log.warning(
             "load_into_net: %d parameters of the network are not in step %d: %s",
@@ -405,12 +410,12 @@ def _engine_load(
     ckpt: Checkpointer, step: int | None, storage_only: bool, fallback: bool, rank: int | None
 ) -> Any:
     """The engine's load (``acp._acp.Loaded``), as ``Checkpointer.load`` does it."""
-    ckpt._check_open()
+    engine = ckpt.engine  # raises acp.EngineClosed when closed
     if step is not None:
         step = _step(step)
     # A load from storage may regrow (remap) a ring slot.
     ckpt._adapters.forget_memory()
-    return ckpt._engine.load(step, storage_only, fallback, rank)
+    return engine.load(step, storage_only, fallback, rank)
 
 
 def _entry(entries: Mapping[str, Entry], ref: Mapping[str, Any], step: int) -> Entry:
@@ -870,22 +875,71 @@ def export_ckpt(
                 continue
             if k in refs:
                 raise InvalidInput(f"export_ckpt: `{k}` is both a parameter and a value")
-            if isinstance(node, str) and fmt == "safetensors":
-                log.warning("export_ckpt: MindSpore's safetensors cannot hold string `%s`", k)
-                continue
             append[k] = node
         saved_step = loaded.step
         del loaded
         save_obj = [{"name": n, "data": t} for n, t in zip(names, tensors)]
-        if path.exists():
-            path.chmod(0o600)  # MindSpore leaves its files read-only
-        mindspore.save_checkpoint(save_obj, os.fspath(path), append_dict=append or None, format=fmt)
-        out = path if path.name.endswith(fmt) else path.with_name(f"{path.name}.{fmt}")
+        out = _save_ms(save_obj, path, fmt, append)
         log.info("exported step %d (%d tensors) to %s", saved_step, len(names), out)
         return out
     finally:
         if owned:
             opened.close()
+
+
+def write_ckpt(
+    tensors: Iterable[tuple[str, str, Sequence[int], Any]],
+    dest: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    append: Mapping[str, Any] | None = None,
+) -> Path:
+    """Writes named raw tensors as a MindSpore checkpoint file; returns its
+    path. For tools that already hold the bytes (``acp export --to
+    mindspore`` reads them from a verified safetensors export).
+
+    ``tensors`` yields ``(name, safetensors dtype, shape, buffer)``; the
+    buffer (bytes, memoryview, array...) holds the tensor's little-endian
+    bytes. Every dtype acp stores keeps its type, bf16 and fp8 included.
+    ``append`` holds scalar values (int, float, bool, str) for MindSpore's
+    ``append_dict``. ``format`` as in ``export_ckpt``.
+
+    Raises ``acp.InvalidInput`` naming the tensor for a name MindSpore
+    would reject, a dtype it lacks, or a buffer of the wrong size.
+    """
+    path = Path(dest)
+    fmt = _format_of(path, format, "write_ckpt")
+    save_obj = []
+    for name, dtype, dims, buffer in tensors:
+        _check_name(name, f"write_ckpt: tensor `{name}`")
+        dtype_from_safetensors(dtype, f"write_ckpt: tensor `{name}`")
+        src = np.frombuffer(buffer, dtype=np.uint8)
+        shape = tuple(int(d) for d in dims)
+        t, addr = host_tensor(dtype, shape)
+        if src.size != int(t.nbytes):
+            raise InvalidInput(
+                f"write_ckpt: tensor `{name}`: {src.size} bytes for {dtype} {list(shape)} "
+                f"({int(t.nbytes)} expected)"
+            )
+        if src.size:
+            ctypes.memmove(addr, src.ctypes.data, src.size)
+        save_obj.append({"name": name, "data": t})
+    return _save_ms(save_obj, path, fmt, dict(append or {}))
+
+
+def _save_ms(save_obj: list[dict[str, Any]], path: Path, fmt: str, append: dict[str, Any]) -> Path:
+    """``mindspore.save_checkpoint``, replacing a read-only file it left."""
+    for k, v in list(append.items()):
+        if isinstance(v, str) and fmt == "safetensors":
+            log.warning("MindSpore's safetensors cannot hold string `%s`; left out", k)
+            del append[k]
+        elif not isinstance(v, (bool, int, float, str)):
+            raise InvalidInput(f"append `{k}`: a {type_name(v)} is not an int, float, bool or str")
+    out = path if path.name.endswith(f".{fmt}") else path.with_name(f"{path.name}.{fmt}")
+    if out.exists():
+        out.chmod(0o600)  # MindSpore leaves its files read-only
+    mindspore.save_checkpoint(save_obj, os.fspath(path), append_dict=append or None, format=fmt)
+    return out
 
 
 def import_ckpt(
