@@ -18,6 +18,7 @@ ACP_TEST_NO_EXCEPTION_SAVE=1 turns the callback's exception_save off.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -84,6 +85,7 @@ class At(Callback):  # type: ignore[misc]
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING)  # the callback says what it persisted
     mode, root, shm, job, out = sys.argv[1:6]
     at = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     ms.set_device("CPU")
