@@ -192,15 +192,40 @@ def _bench_acp(
     params: dict[str, Any], holder: Any, rows: _Rows, *, repeats: int, base: Path, verify: bool
 ) -> tuple[float, float]:
     """acp's rows; returns its stall and its restore from RAM."""
+    root = base / "acp"
+    shutil.rmtree(root, ignore_errors=True)
+    # Resident slots outlive the checkpointer (that is the point): a private
+    # directory for them, removed at the end.
+    shm = Path(tempfile.mkdtemp(prefix="acp-ms-bench-", dir=_shm_base(base)))
+    try:
+        return _bench_acp_in(
+            params, holder, rows, repeats=repeats, root=root, shm=shm, verify=verify
+        )
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _shm_base(base: Path) -> str:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else str(base)
+
+
+def _bench_acp_in(
+    params: dict[str, Any],
+    holder: Any,
+    rows: _Rows,
+    *,
+    repeats: int,
+    root: Path,
+    shm: Path,
+    verify: bool,
+) -> tuple[float, float]:
     import acp
     import acp.mindspore as am
 
-    root = base / "acp"
-    shutil.rmtree(root, ignore_errors=True)
     slots = 2
     opts: dict[str, Any] = {
         "job": f"bench-ms-{uuid.uuid4().hex[:8]}",
-        "shm_dir": Path("/dev/shm") if Path("/dev/shm").is_dir() else base,
+        "shm_dir": shm,
         "ring_bytes": slots * (rows.nbytes + 64 * MiB),
         "ring_slots": slots,
         "keep_last": 2,
