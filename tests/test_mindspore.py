@@ -618,6 +618,8 @@ def test_write_ckpt_from_raw_bytes_keeps_every_type(tmp_path: Path) -> None:
         am.write_ckpt([("a", "F32", (1,), b"abc")], tmp_path / "x.ckpt")
     with pytest.raises(acp.InvalidInput, match="leading or trailing whitespace"):
         am.write_ckpt([(" a", "F32", (1,), b"abcd")], tmp_path / "x.ckpt")
+    with pytest.raises(acp.InvalidInput, match=r"tensor `f8`: MindSpore .* cannot write fp8"):
+        am.write_ckpt([("f8", "F8_E4M3", (4,), b"abcd")], tmp_path / "x.safetensors")
 
 
 def test_conversion_bad_input(ckpt: acp.Checkpointer, tmp_path: Path) -> None:

@@ -929,6 +929,18 @@ def write_ckpt(
 
 def _save_ms(save_obj: list[dict[str, Any]], path: Path, fmt: str, append: dict[str, Any]) -> Path:
     """``mindspore.save_checkpoint``, replacing a read-only file it left."""
+    fp8 = [o["name"] for o in save_obj if DTYPES.get(o["data"].dtype) in ("F8_E4M3", "F8_E5M2")]
+    if fp8 and fmt == "safetensors":
+        raise InvalidInput(
+            f"tensor `{fp8[0]}`: MindSpore {mindspore.__version__} cannot write fp8 tensors to "
+            "safetensors (its NumPy has no fp8 type); export to .ckpt"
+        )
+    if fp8:
+        log.warning(
+            "tensor `%s`: MindSpore %s on the CPU writes fp8 to .ckpt but cannot read it back",
+            fp8[0],
+            mindspore.__version__,
+        )
     for k, v in list(append.items()):
         if isinstance(v, str) and fmt == "safetensors":
             log.warning("MindSpore's safetensors cannot hold string `%s`; left out", k)
