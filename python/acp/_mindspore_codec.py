@@ -111,7 +111,7 @@ def _numpy_bf16() -> np.dtype[Any] | None:
     """MindSpore's NumPy bfloat16 type, when this NumPy can use it (it needs
     the NumPy major version MindSpore was built with)."""
     try:
-        dtype = np.dtype(mstype.np_bfloat16)
+        dtype: np.dtype[Any] = np.dtype(mstype.np_bfloat16)
         if Tensor.from_numpy(np.zeros(1, dtype)).dtype == mstype.bfloat16:
             return dtype
     except (AttributeError, RuntimeError, TypeError, ValueError):
