@@ -45,9 +45,10 @@ def _env_int(name: str) -> int | None:
 
 def rank_and_world_size() -> tuple[int, int]:
     """This process's rank and the world size: from torch.distributed when
-    torch is already imported and a process group is initialised, else from
-    ``RANK``/``WORLD_SIZE``, else Ascend's ``RANK_ID``/``RANK_SIZE``, else
-    0 and 1. Never imports torch."""
+    torch is already imported and a process group is initialised, or from
+    MindSpore's communication state when ``mindspore.communication.init()``
+    was called; else from ``RANK``/``WORLD_SIZE``, else Ascend's
+    ``RANK_ID``/``RANK_SIZE``, else 0 and 1. Never imports a framework."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None:
         try:
@@ -55,6 +56,9 @@ def rank_and_world_size() -> tuple[int, int]:
                 return int(dist.get_rank()), int(dist.get_world_size())
         except (RuntimeError, ValueError):
             pass
+    comm = sys.modules.get("mindspore.communication.management")
+    if comm is not None and getattr(getattr(comm, "GlobalComm", None), "INITED", False):
+        return int(comm.get_rank()), int(comm.get_group_size())
     for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("RANK_ID", "RANK_SIZE")):
         rank, size = _env_int(rank_var), _env_int(size_var)
         if rank is not None or size is not None:
