@@ -336,3 +336,24 @@ def test_ranks_agree_to_fall_back_or_to_fail_together(tmp_path: Path, shm_dir: P
     finally:
         for c in ckpts:
             c.close()
+
+
+def test_a_rank_missing_at_open_is_named_and_the_ring_released(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Constructing the Checkpointer is collective with a store: a rank that
+    never comes is named, and the engine of the one that waited is closed
+    (its job can be opened again)."""
+    store = _Store()
+    kwargs: dict[str, Any] = {
+        "job": "alone",
+        "rank": 0,
+        "world_size": 2,
+        "shm_dir": shm_dir,
+        "ring_bytes": SMALL_RING,
+        "mlock": False,
+        "commit_timeout": 0.3,
+    }
+    with pytest.raises(acp.AcpTimeout, match=r"open: resident steps: ranks \[1\] did not answer"):
+        acp.Checkpointer(tmp_path / "ckpt", store=store, **kwargs)
+    acp.Checkpointer(tmp_path / "ckpt", **kwargs).close()  # no store: no coordination

@@ -289,15 +289,19 @@ class Checkpointer:
         self._recovering: list[_acp.SaveHandle] = []
         if coordinated:
             assert store is not None
-            self._coordinator = Coordinator(
-                store,
-                job if job is not None else os.fspath(self.root),
-                self.rank,
-                self.world_size,
-                600.0 if commit_timeout is None else commit_timeout,
-            )
-            if recover_together:
-                self._recovering = recover(self._coordinator, self._engine)
+            try:
+                self._coordinator = Coordinator(
+                    store,
+                    job if job is not None else os.fspath(self.root),
+                    self.rank,
+                    self.world_size,
+                    600.0 if commit_timeout is None else commit_timeout,
+                )
+                if recover_together:
+                    self._recovering = recover(self._coordinator, self._engine)
+            except BaseException:
+                self._engine.close()  # lets go of the ring: the job can be opened again
+                raise
         self._adapters = Adapters()
         self._closed = False
         self._lock = threading.Lock()
