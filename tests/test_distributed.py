@@ -357,3 +357,48 @@ def test_a_rank_missing_at_open_is_named_and_the_ring_released(
     with pytest.raises(acp.AcpTimeout, match=r"open: resident steps: ranks \[1\] did not answer"):
         acp.Checkpointer(tmp_path / "ckpt", store=store, **kwargs)
     acp.Checkpointer(tmp_path / "ckpt", **kwargs).close()  # no store: no coordination
+
+
+def test_hsdp_replica_groups_share_out_their_own_shard(tmp_path: Path, shm_dir: Path) -> None:
+    """Four ranks, two shards, each held by a replica group ({0, 2} and
+    {1, 3}): each group's shard is written once, shared by its two ranks,
+    and every rank loads its group's shard whole."""
+    groups = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+    shards = {
+        g: {f"w{i}": torch.full((256 * (i + 1),), float(g * 10 + i)) for i in range(4)}
+        for g in (0, 1)
+    }
+    ckpts = [
+        acp.Checkpointer(
+            tmp_path / "ckpt",
+            job="hsdp",
+            rank=r,
+            world_size=4,
+            shm_dir=shm_dir,
+            ring_bytes=SMALL_RING,
+            mlock=False,
+            commit_timeout=60,
+            replica_group=groups[r],
+        )
+        for r in range(4)
+    ]
+    try:
+        handles = [c.save(1, {"shard": shards[c.rank % 2]}, replicated=True) for c in ckpts]
+        written = [h.wait().tensor_bytes for h in handles]
+        assert sum(written) == 2 * sum(4 * 256 * (i + 1) for i in range(4))
+        assert all(w > 0 for w in written)
+        index = json.loads(
+            (tmp_path / "ckpt/step-000000000001/model.safetensors.index.json").read_text()
+        )
+        assert sorted(index["weight_map"]) == sorted(
+            f"group{g}.shard.w{i}" for g in (0, 1) for i in range(4)
+        )
+        for c in ckpts:
+            got = c.load()
+            for k, v in shards[c.rank % 2].items():
+                assert torch.equal(got["shard"][k], v), (c.rank, k)
+        with pytest.raises(acp.ConfigError, match="replica_group"):
+            acp.Checkpointer(tmp_path / "ckpt", rank=0, world_size=4, replica_group=[1, 3])
+    finally:
+        for c in ckpts:
+            c.close()
