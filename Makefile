@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # below 2 (torch 2.15 runs with either).
 PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2"
 
-.PHONY: help venv build-dev fmt lint test test-rust test-py demo bench clean
+.PHONY: help venv build-dev fmt lint test test-rust test-py demo bench torture-full fuzz-build fuzz-smoke clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,24 @@ demo: build-dev ## Train a small model, SIGKILL it, resume from RAM, print the f
 
 bench: ## Criterion benchmarks (ACP_BENCH_GIB=1 for 1 GiB sizes).
 	cargo bench -p acp-bench
+
+torture-full: build-dev ## The torture suite at full trial counts; prints the figures of RELIABILITY.md.
+	$(PY) tests/torture/run_full.py
+
+# cargo-fuzz targets of acp-core (acp-core/fuzz, its own workspace, nightly).
+FUZZ_TARGETS := parse_header index_parse manifest_parse file_name recovery
+FUZZ_SECS ?= 12
+
+fuzz-build: ## Build the fuzz targets (needs nightly and `cargo install cargo-fuzz`).
+	@cargo +nightly fuzz --version >/dev/null 2>&1 || { echo "fuzz-build: needs the nightly toolchain and cargo-fuzz (cargo install cargo-fuzz)"; exit 1; }
+	cd acp-core && cargo +nightly fuzz build
+
+fuzz-smoke: fuzz-build ## Fuzz each target FUZZ_SECS s (12: 60 s in all) from the committed corpus.
+	cd acp-core && for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/work/$$t && \
+	  cargo +nightly fuzz run $$t fuzz/work/$$t fuzz/corpus/$$t -- \
+	    -max_total_time=$(FUZZ_SECS) -rss_limit_mb=2048 -print_final_stats=1 || exit 1; \
+	done
 
 clean: ## Remove build outputs and the venv.
 	cargo clean

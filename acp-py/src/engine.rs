@@ -61,6 +61,10 @@ fn config_error(field: &'static str, reason: impl Into<String>) -> PyErr {
     })
 }
 
+/// How long a blocking wait runs with the GIL released before it lets
+/// Python handle pending signals.
+pub(crate) const SIGNAL_TICK: Duration = Duration::from_millis(100);
+
 /// Seconds from Python as a [`Duration`].
 pub(crate) fn seconds(field: &'static str, secs: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs)
@@ -361,12 +365,28 @@ impl Engine {
     }
 
     /// Waits until every queued flush has finished, at most `timeout`
-    /// seconds (forever when None).
+    /// seconds (forever when None, unless the watchdog finds the flush
+    /// stuck: `AcpTimeout` naming what). Signals are handled meanwhile.
     #[pyo3(signature = (timeout=None))]
     fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
-        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        let limit = timeout.map(|t| seconds("timeout", t)).transpose()?;
         let engine = self.get()?;
-        py.detach(|| engine.wait_idle(timeout)).map_err(err)
+        let start = std::time::Instant::now();
+        loop {
+            let left = limit.map(|l| l.saturating_sub(start.elapsed()));
+            let slice = left.map_or(SIGNAL_TICK, |l| l.min(SIGNAL_TICK));
+            if py.detach(|| engine.wait_idle_timeout(slice)).map_err(err)? {
+                return Ok(());
+            }
+            if left.is_some_and(|l| l <= slice) {
+                return Err(err(Error::Timeout {
+                    what: format!("flushes of {}", self.root.display()),
+                    secs: timeout.unwrap_or_default(),
+                }));
+            }
+            // A signal handler (SIGTERM, Ctrl-C) runs here, not after the wait.
+            py.check_signals()?;
+        }
     }
 
     /// Drains the flush queue, stops the flush thread and lets go of the

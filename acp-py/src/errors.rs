@@ -81,6 +81,15 @@ impl Classes {
             "An operating-system call on the checkpoint storage failed.",
             Some(py.get_type::<PyOSError>()),
         )?;
+        // `OSError.__str__` formats `[Errno N] strerror: filename` once
+        // `errno` and `filename` are set, which would replace acp's message
+        // (operation, path and cause) with `[Errno 5] None: '...'`. The
+        // message is what users read: keep `BaseException.__str__`.
+        storage.bind(py).setattr(
+            "__str__",
+            py.get_type::<pyo3::exceptions::PyBaseException>()
+                .getattr("__str__")?,
+        )?;
         let no_space = new_class(
             py,
             "NoSpace",

@@ -1,5 +1,5 @@
-//! `FaultInjector`: turns the N-th storage operation into an OS error, so
-//! Python tests can fail a save at a chosen step.
+//! `FaultInjector`: turns the N-th storage operation into an OS error or a
+//! stall, so Python tests can fail or hang a save at a chosen step.
 
 use std::sync::Arc;
 
@@ -39,7 +39,22 @@ impl FaultInjector {
         }
     }
 
-    /// Stops failing.
+    /// Fails the operation `n` operations from now (0 = the next one) with
+    /// `errno`; with `sticky`, every later one too.
+    #[pyo3(signature = (n, errno=5, sticky=false))]
+    fn arm(&self, n: u64, errno: i32, sticky: bool) {
+        self.inner.arm(n, errno, sticky);
+    }
+
+    /// Stalls the operation `n` operations from now for `seconds` (or until
+    /// `heal()`), as a hung file server would; then it goes on normally.
+    fn arm_stall(&self, n: u64, seconds: f64) -> PyResult<()> {
+        let d = crate::engine::seconds("seconds", seconds)?;
+        self.inner.arm_stall(n, d);
+        Ok(())
+    }
+
+    /// Stops failing and stalling; a stalled operation goes on at once.
     fn heal(&self) {
         self.inner.heal();
     }

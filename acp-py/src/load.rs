@@ -85,7 +85,8 @@ impl Loaded {
         &self.values_json
     }
 
-    /// The load's figures: source, bytes, verified, secs.
+    /// The load's figures: source, bytes, verified, secs, and `rejected`:
+    /// why a resident copy was found but not used (None when it was not).
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.report();
         let d = PyDict::new(py);
@@ -94,6 +95,7 @@ impl Loaded {
         d.set_item("bytes", r.bytes)?;
         d.set_item("verified", r.verified)?;
         d.set_item("secs", r.secs)?;
+        d.set_item("rejected", r.rejected.as_deref())?;
         Ok(d)
     }
 

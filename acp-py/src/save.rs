@@ -8,7 +8,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::engine::{io_name, seconds};
+use crate::engine::{io_name, seconds, SIGNAL_TICK};
 use crate::errors::{err, invalid};
 use crate::tensors::{host_slices, slice_span, staging_view, HostRange};
 
@@ -375,24 +375,30 @@ impl SaveHandle {
 
     /// Blocks (GIL released) until the step is committed and returns the
     /// save's figures; raises the error that stopped the save, or
-    /// `AcpTimeout` after `timeout` seconds.
+    /// `AcpTimeout` after `timeout` seconds or when the watchdog finds the
+    /// flush stuck (naming what). Signals are handled meanwhile.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
-        let report = match timeout {
-            None => py.detach(|| self.inner.wait()).map_err(err)?,
-            Some(t) => {
-                let limit = seconds("timeout", t)?;
-                py.detach(|| self.inner.wait_timeout(limit))
-                    .map_err(err)?
-                    .ok_or_else(|| {
-                        err(Error::Timeout {
-                            what: format!("save of step {}", self.inner.step()),
-                            secs: t,
-                        })
-                    })?
+        let limit = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        let start = std::time::Instant::now();
+        loop {
+            let left = limit.map(|l| l.saturating_sub(start.elapsed()));
+            let slice = left.map_or(SIGNAL_TICK, |l| l.min(SIGNAL_TICK));
+            if let Some(report) = py
+                .detach(|| self.inner.wait_timeout(slice.max(Duration::from_micros(1))))
+                .map_err(err)?
+            {
+                return report_dict(py, &report);
             }
-        };
-        report_dict(py, &report)
+            if left.is_some_and(|l| l <= slice) {
+                return Err(err(Error::Timeout {
+                    what: format!("save of step {}", self.inner.step()),
+                    secs: timeout.unwrap_or_default(),
+                }));
+            }
+            // A signal handler (SIGTERM, Ctrl-C) runs here, not after the wait.
+            py.check_signals()?;
+        }
     }
 
     /// The save's figures when it has finished, else None; raises the

@@ -33,8 +33,11 @@ from acp._acp import (
     __version__,
 )
 from acp.checkpointer import Checkpointer, LoadStats, SaveHandle, SaveStats, rank_and_world_size
+from acp.guard import EXIT_SAVE_FAILED, EXIT_TERMINATED, DyingReport, Terminated
 
 __all__ = [
+    "EXIT_SAVE_FAILED",
+    "EXIT_TERMINATED",
     "FORMAT_VERSION",
     "AcpError",
     "AcpTimeout",
@@ -44,6 +47,7 @@ __all__ = [
     "CheckpointNotFound",
     "Checkpointer",
     "ConfigError",
+    "DyingReport",
     "EngineClosed",
     "InvalidInput",
     "LoadStats",
@@ -51,6 +55,7 @@ __all__ = [
     "SaveHandle",
     "SaveStats",
     "StorageError",
+    "Terminated",
     "Unsupported",
     "__version__",
     "rank_and_world_size",

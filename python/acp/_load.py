@@ -97,9 +97,15 @@ def load_state(loaded: Any, adapters: Adapters, map_location: Any) -> Any:
     """A fresh state from a loaded checkpoint."""
     node = parse(loaded.values_json, loaded.step)
     fresh = _Fresh(loaded, adapters, entries_of(loaded))
-    fresh.want(node)
-    run_transfers(loaded.copy_into, fresh.transfers(map_location))
-    return fresh.decoder.value(node, "")
+    try:
+        fresh.want(node)
+        run_transfers(loaded.copy_into, fresh.transfers(map_location))
+        return fresh.decoder.value(node, "")
+    finally:
+        # `fresh` is in a reference cycle (its decoder calls back into it):
+        # it must not keep the checkpoint, whose ring slot stays pinned until
+        # the garbage collector runs otherwise (and `save` pauses it).
+        fresh.loaded = None
 
 
 _KEEP = object()
@@ -218,6 +224,18 @@ def load_into(loaded: Any, adapters: Adapters, into: object, map_location: Any =
     """
     node = parse(loaded.values_json, loaded.step)
     planner = _IntoPlanner(loaded, adapters)
+    try:
+        return _load_into(planner, into, node, map_location)
+    finally:
+        # The planner's builders close over it (a reference cycle): it must
+        # not keep the checkpoint's ring slot pinned until the next collection.
+        planner.loaded = None
+        planner.fresh.loaded = None
+        planner.assigns.clear()
+
+
+def _load_into(planner: _IntoPlanner, into: object, node: Any, map_location: Any) -> int:
+    loaded, adapters = planner.loaded, planner.adapters
     if planner.plan(into, node, "", top=True) is not _KEEP:
         raise InvalidInput(
             "into=: must be a dict, list or tensor matching the checkpoint's state "

@@ -29,6 +29,7 @@ from acp.distributed import (
     recover,
     with_other_ranks,
 )
+from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
 
@@ -121,6 +122,9 @@ class LoadStats:
     ranks: dict[int, str] | None = None
     """When tensors came from other ranks' files too: where each file came
     from (``"ram"`` or ``"storage"``), by the rank that wrote it."""
+    rejected: str | None = None
+    """Why a resident copy was found but not used: it failed verification
+    (the error names the slot file and tensor); the load read storage."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -310,8 +314,13 @@ class Checkpointer:
         self._stall_total = 0.0
         self._stall_max = 0.0
         self._last_save: SaveHandle | None = None
+        self._last_staged: SaveHandle | None = None
+        self._main_guards = 0
+        self._sigterm: SigtermHandler | None = None
         self.last_load: LoadStats | None = None
         """The figures of the latest ``load``."""
+        self.last_dying: DyingReport | None = None
+        """What the latest dying checkpoint did (see ``guard()``)."""
         # Figures and log lines (acp._metrics).
         self._metrics = Metrics(os.fspath(self.root), job, self.rank)
         self._metrics.opened(self._engine.open_report())
@@ -386,19 +395,23 @@ class Checkpointer:
         extra = {k: v for k, v in extra.items() if v}
         t1 = perf_counter()
         staging = self._engine.begin_save(step, specs, flat.json(), overwrite, extra)
-        tensor_bytes = sum(t.info.nbytes for t in tensors)
-        if staging is None:
-            handle = _acp.SaveHandle.skipped(step)
-            copy_secs = 0.0
-        else:
-            try:
+        # From here until finish() returns, any exception (one raised by a
+        # signal handler included: SIGTERM during the copy) aborts the
+        # staging, so a half-filled slot is never sealed.
+        try:
+            tensor_bytes = sum(t.info.nbytes for t in tensors)
+            if staging is None:
+                handle = _acp.SaveHandle.skipped(step)
+                copy_secs = 0.0
+            else:
                 t2 = perf_counter()
                 _fill(staging, tensors)
                 copy_secs = perf_counter() - t2
                 handle = staging.finish()
-            except BaseException:
+        except BaseException:
+            if staging is not None:
                 staging.abort()
-                raise
+            raise
         stall = perf_counter() - t0
         stats = SaveStats(
             step=step,
@@ -411,6 +424,8 @@ class Checkpointer:
             tensor_bytes=tensor_bytes,
         )
         result = SaveHandle(handle, stats)
+        if staging is not None:
+            self._last_staged = result
         with self._lock:
             self._saves += 1
             self._skipped += staging is None
@@ -534,6 +549,7 @@ class Checkpointer:
             copied_bytes=copied,
             bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
             ranks=ranks,
+            rejected=report.get("rejected"),
         )
         self.last_load = stats
         self._metrics.loaded(stats)
@@ -604,6 +620,35 @@ class Checkpointer:
         out["figures"] = self._metrics.summary()
         return out
 
+    # --- faults -----------------------------------------------------------
+
+    def guard(self, *, timeout: float | None = None, sigterm: bool = False) -> Guard:
+        """A context manager for the training loop: when an exception
+        escapes it, every completely staged checkpoint is flushed and
+        committed (waiting at most ``timeout`` seconds, and never past the
+        watchdog), then the exception goes on. With ``sigterm=True``, acp's
+        SIGTERM handler is installed for the block (see
+        ``install_sigterm_handler``). A save interrupted while staging is
+        aborted; the one before it is what gets committed. If the dying
+        checkpoint fails, the process exits with status 74. See
+        ``acp.guard`` for the exit statuses."""
+        return Guard(self, timeout=timeout, sigterm=sigterm)
+
+    def install_sigterm_handler(self, *, timeout: float | None = None) -> SigtermHandler:
+        """Opt-in SIGTERM handling (call from the main thread): on SIGTERM,
+        every completely staged checkpoint is flushed and committed, the
+        previous handler is called, and the process exits with 143 (all
+        committed) or 74 (the dying checkpoint failed). Inside ``guard()``
+        the handler unwinds the block first. Returns the handler;
+        ``uninstall()`` puts the previous one back."""
+        return install_sigterm_handler(self, timeout=timeout)
+
+    def dying_checkpoint(self, timeout: float | None = None) -> DyingReport:
+        """Waits until every completely staged checkpoint is committed (at
+        most ``timeout`` seconds, never past the watchdog) and reports the
+        outcome without raising. What ``guard()`` and the SIGTERM handler do."""
+        return dying_checkpoint(self, cause="call", timeout=timeout)
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -616,6 +661,8 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
+        if self._sigterm is not None:
+            self._sigterm.uninstall()
         try:
             self._adapters.close()
         finally:

@@ -52,6 +52,12 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
         let step = job.step;
         let unwatched = job.unwatched;
         let done = Arc::clone(&job.done);
+        // The watchdog times the flush from here: a storage call that hangs
+        // before the first chunk (creating the directory) is caught too.
+        shared.note_progress(format!(
+            "step {step}: starting the flush into {}",
+            shared.root.path().display()
+        ));
         let result = flush_one(shared, job);
         {
             let mut st = shared.lock();
@@ -94,6 +100,16 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
     let root = &shared.root;
     let rank = shared.cfg.rank;
     let t_flush = Instant::now();
+    // A root removed under the engine (rm -rf, or moved away) is made
+    // again, as `open` would: the next save works once it is gone.
+    if root.recreate_if_missing()? {
+        tracing::warn!(
+            step,
+            "acp: checkpoint root {} was removed; created it again",
+            root.path().display()
+        );
+        shared.lock().committed.clear();
+    }
     let pending = root.create_pending(step)?;
     let result = (|| {
         let file_name = data_file_name(rank);
@@ -124,6 +140,19 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let t_commit = Instant::now();
         shared.note_progress(format!("step {step}: committing in {}", pending.display()));
         let header = parse_header(&path, image, len)?;
+        // The slot's control block names the step; the image's own header
+        // must agree, or a damaged control block would commit a checkpoint
+        // under the wrong step.
+        if header.step != Some(step) {
+            return Err(Error::corrupt(
+                shared.ring.slot_path(slot),
+                None,
+                format!(
+                    "the slot holds step {step}, its image's header says {:?}",
+                    header.step
+                ),
+            ));
+        }
         let entry = FileEntry {
             rank,
             size: len,

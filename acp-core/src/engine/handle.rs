@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::{SaveHandle, SaveReport};
+use super::{SaveHandle, SaveReport, Shared, WATCH_TICK};
 use crate::error::{Error, Result};
 use crate::io::IoKind;
 
@@ -99,7 +99,25 @@ fn clone_result(r: &Result<SaveReport>) -> Result<SaveReport> {
 
 impl SaveHandle {
     pub(crate) fn from_completion(c: Arc<Completion>) -> SaveHandle {
-        SaveHandle { done: c }
+        SaveHandle {
+            done: c,
+            watch: None,
+        }
+    }
+
+    /// A handle whose waits watch `engine`'s flush for progress.
+    pub(super) fn watched(c: Arc<Completion>, engine: std::sync::Weak<Shared>) -> SaveHandle {
+        SaveHandle {
+            done: c,
+            watch: Some(engine),
+        }
+    }
+
+    /// The watchdog's error when the engine's flush is stuck.
+    fn stuck(&self) -> Option<Error> {
+        let shared = self.watch.as_ref()?.upgrade()?;
+        let mut st = shared.lock();
+        shared.stuck(&mut st)
     }
 
     /// A handle for a save skipped by the policy.
@@ -119,7 +137,7 @@ impl SaveHandle {
             io: IoKind::Psync,
             direct: false,
         }));
-        SaveHandle { done: c }
+        SaveHandle::from_completion(c)
     }
 
     /// The step.
@@ -137,29 +155,44 @@ impl SaveHandle {
     /// Blocks until the step is committed.
     ///
     /// # Errors
-    /// The error that stopped the save.
+    /// The error that stopped the save; [`Error::Timeout`] naming what is
+    /// stuck when the flush makes no progress for the stall timeout.
     pub fn wait(&self) -> Result<SaveReport> {
-        self.done
-            .wait_until(None)
-            .unwrap_or_else(|| Err(timeout_error(self.done.step, 0.0)))
-    }
-
-    /// Like [`SaveHandle::wait`], at most `timeout`; `Ok(None)` when still running.
-    ///
-    /// # Errors
-    /// The error that stopped the save.
-    pub fn wait_timeout(&self, timeout: Duration) -> Result<Option<SaveReport>> {
-        match self.done.wait_until(Some(Instant::now() + timeout)) {
-            None => Ok(None),
-            Some(r) => r.map(Some),
+        loop {
+            if let Some(r) = self.done.wait_until(Some(Instant::now() + WATCH_TICK)) {
+                return r;
+            }
+            if let Some(e) = self.stuck() {
+                return Err(e);
+            }
         }
     }
-}
 
-fn timeout_error(step: u64, secs: f64) -> Error {
-    Error::Timeout {
-        what: format!("save of step {step}"),
-        secs,
+    /// Like [`SaveHandle::wait`], at most `timeout`; `Ok(None)` when still
+    /// running. A zero timeout only polls (the watchdog is not consulted).
+    ///
+    /// # Errors
+    /// The error that stopped the save; the watchdog's [`Error::Timeout`].
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<Option<SaveReport>> {
+        let start = Instant::now();
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            if let Some(r) = self
+                .done
+                .wait_until(Some(Instant::now() + left.min(WATCH_TICK)))
+            {
+                return r.map(Some);
+            }
+            if timeout.is_zero() {
+                return Ok(None);
+            }
+            if let Some(e) = self.stuck() {
+                return Err(e);
+            }
+            if start.elapsed() >= timeout {
+                return Ok(None);
+            }
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use super::{
 };
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry};
+use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry, ParsedHeader};
 use crate::staging::{PinnedSlot, SlotState};
 
 /// The memory a loaded checkpoint's views point into.
@@ -38,7 +38,12 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     let candidates: Vec<u64> = match req.step {
         Some(s) => vec![s],
         None => {
-            let steps = shared.root.steps()?;
+            let mut steps = shared.root.steps()?;
+            // A step directory whose index is gone was committed once (the
+            // index is in place before the rename that commits): its loss
+            // is corruption to report, not a step to skip in silence.
+            steps.extend(shared.root.steps_without_index()?);
+            steps.sort_unstable();
             if steps.is_empty() {
                 return Err(Error::NotFound {
                     what: format!("committed checkpoint in {}", shared.root.path().display()),
@@ -72,7 +77,10 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
                     && req.step.is_none()
                     && matches!(
                         e.kind(),
-                        ErrorKind::Corrupt | ErrorKind::NotFound | ErrorKind::Io
+                        ErrorKind::Corrupt
+                            | ErrorKind::NotFound
+                            | ErrorKind::Io
+                            | ErrorKind::Unsupported
                     ) =>
             {
                 tracing::warn!("acp: step {step} cannot be loaded: {e}");
@@ -107,6 +115,17 @@ fn load_step(
         });
     };
     let threads = shared.cfg.copy_threads;
+    let expected = Expected {
+        tensors: index
+            .weight_map
+            .iter()
+            .filter(|(_, f)| **f == file_name)
+            .map(|(t, _)| t.as_str())
+            .collect(),
+        rank,
+        world_size: index.world_size,
+    };
+    let mut rejected = None;
     if !storage_only && rank != own {
         // Another rank's image may be resident in its slot on this node.
         let mut buf = heap(entry.size, &dir)?;
@@ -115,7 +134,9 @@ fn load_step(
             match verify(&slot_path, &buf[..len], entry, threads) {
                 Ok(_) => {
                     let backing = Backing::Heap(buf, len);
-                    return finish(shared, step, backing, &slot_path, Source::Ram, true, t0);
+                    return finish(
+                        shared, step, backing, &slot_path, Source::Ram, true, t0, &expected,
+                    );
                 }
                 Err(e) => tracing::warn!(
                     "acp: rank {rank}'s resident copy of step {step} rejected, reading storage: {e}"
@@ -140,6 +161,7 @@ fn load_step(
                     tracing::warn!(
                         "acp: resident copy of step {step} rejected, reading storage: {e}"
                     );
+                    rejected = Some(e.to_string());
                     drop(pin);
                     shared.ring.release(info.slot);
                     break;
@@ -153,10 +175,14 @@ fn load_step(
                 Source::Ram,
                 verified,
                 t0,
-            );
+                &expected,
+            )
+            .map(|c| c.with_rejected(rejected));
         }
     }
     let path = dir.join(&file_name);
+    // The file's true size before any memory is sized by the index's.
+    check_file_size(&path, entry.size, &expected.tensors)?;
     // Another rank's file is read into private memory: the ring holds this
     // rank's own checkpoints only.
     let fits = rank == own && entry.size <= shared.ring.max_image_bytes();
@@ -184,7 +210,91 @@ fn load_step(
         verify(&path, &buf[..len], entry, threads)?;
         Backing::Heap(buf, len)
     };
-    finish(shared, step, backing, &path, Source::Storage, true, t0)
+    finish(
+        shared,
+        step,
+        backing,
+        &path,
+        Source::Storage,
+        true,
+        t0,
+        &expected,
+    )
+    .map(|c| c.with_rejected(rejected))
+}
+
+/// What the index says of one data file, checked against its header.
+struct Expected<'a> {
+    /// The tensors the index maps to the file, sorted.
+    tensors: Vec<&'a str>,
+    rank: u32,
+    world_size: u32,
+}
+
+/// Checks that `path` is a regular file of `size` bytes (the index's), so
+/// no buffer is sized by an index that disagrees with the file. Names the
+/// tensor cut by a truncation when the header is still readable, else the
+/// first tensor the file should hold.
+fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
+    let first = tensors.first().copied();
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::corrupt(
+                path,
+                first,
+                format!(
+                    "missing: the index lists it, with {} tensors",
+                    tensors.len()
+                ),
+            ));
+        }
+        Err(e) => return Err(Error::io("stat", path, e)),
+    };
+    if !meta.is_file() {
+        return Err(Error::corrupt(path, first, "not a regular file"));
+    }
+    let got = meta.len();
+    if got == size {
+        return Ok(());
+    }
+    let cut = if got < size {
+        tensor_at(path, size, got)
+    } else {
+        None
+    };
+    Err(Error::corrupt(
+        path,
+        cut.as_deref().or(first),
+        format!("file is {got} bytes, the index says {size}"),
+    ))
+}
+
+/// The tensor holding byte `offset` of the data file at `path` (whose
+/// index says it has `size` bytes), read from its header; `None` when the
+/// header cannot be read or parsed. Reads at most 1 MiB of header.
+fn tensor_at(path: &Path, size: u64, offset: u64) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    let mut prefix = [0u8; 8];
+    f.read_exact(&mut prefix).ok()?;
+    let n = u64::from_le_bytes(prefix);
+    if n > 1 << 20 {
+        return None;
+    }
+    let mut bytes = prefix.to_vec();
+    f.take(n).read_to_end(&mut bytes).ok()?;
+    let header = parse_header(path, &bytes, size).ok()?;
+    header
+        .entries
+        .into_iter()
+        .find(|e| e.offset <= offset && offset < e.offset + e.len.max(1))
+        .map(|e| e.name)
 }
 
 /// Private page-aligned memory for an image of `len` bytes (padded to a
@@ -228,23 +338,37 @@ fn verify(path: &Path, image: &[u8], entry: &FileEntry, threads: usize) -> Resul
         }
         let start = (i * chunk) as u64;
         let end = start + chunk as u64;
-        let tensor = parse_header(path, image, image.len() as u64)
-            .ok()
-            .and_then(|h| {
+        // A digest covers a chunk: every tensor with bytes in it is suspect.
+        let suspects: Vec<String> = parse_header(path, image, image.len() as u64)
+            .map(|h| {
                 h.entries
                     .into_iter()
-                    .find(|e| e.offset < end && e.offset + e.len.max(1) > start)
+                    .filter(|e| e.len > 0 && e.offset < end && e.offset + e.len > start)
                     .map(|e| e.name)
-            });
-        let what = match &tensor {
-            Some(_) => format!("digest mismatch in bytes {start}..{end}"),
-            None => format!("digest mismatch in bytes {start}..{end} (header)"),
+                    .collect()
+            })
+            .unwrap_or_default();
+        let what = match suspects.len() {
+            0 => format!("digest mismatch in bytes {start}..{end} (header)"),
+            1 => format!("digest mismatch in bytes {start}..{end}"),
+            n => format!(
+                "digest mismatch in bytes {start}..{end}, which hold parts of {n} tensors: `{}`",
+                suspects.join("`, `")
+            ),
         };
-        return Err(Error::corrupt(path, tensor.as_deref(), what));
+        return Err(Error::corrupt(
+            path,
+            suspects.first().map(String::as_str),
+            what,
+        ));
     }
     Ok(got)
 }
 
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one call site per source; a struct would only rename them"
+)]
 fn finish(
     shared: &Shared,
     step: u64,
@@ -253,6 +377,7 @@ fn finish(
     source: Source,
     verified: bool,
     t0: Instant,
+    expected: &Expected<'_>,
 ) -> Result<Checkpoint> {
     let image = backing.image();
     let header = parse_header(path, image, image.len() as u64)?;
@@ -263,11 +388,13 @@ fn finish(
             format!("header says step {:?}, expected {step}", header.step),
         ));
     }
+    check_agrees(path, &header, expected)?;
     let report = LoadReport {
         source,
         bytes: image.len() as u64,
         verified,
         secs: t0.elapsed().as_secs_f64(),
+        rejected: None,
     };
     Ok(Checkpoint {
         step,
@@ -279,11 +406,56 @@ fn finish(
     })
 }
 
+/// The index and the file's header must tell the same story: the same
+/// tensors, rank and world size. (The digests vouch for the file; this
+/// catches an index changed where its digests do not reach.)
+fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected<'_>) -> Result<()> {
+    let mut names: Vec<&str> = header.entries.iter().map(|e| e.name.as_str()).collect();
+    names.sort_unstable();
+    if names != expected.tensors {
+        let odd = names
+            .iter()
+            .find(|n| expected.tensors.binary_search(n).is_err())
+            .or_else(|| {
+                expected
+                    .tensors
+                    .iter()
+                    .find(|n| names.binary_search(n).is_err())
+            })
+            .copied();
+        return Err(Error::corrupt(
+            path,
+            odd,
+            "the index and the file's header list different tensors",
+        ));
+    }
+    for (key, want) in [
+        ("acp.rank", expected.rank),
+        ("acp.world_size", expected.world_size),
+    ] {
+        if let Some(got) = header.metadata.get(key) {
+            if got.parse::<u32>().ok() != Some(want) {
+                return Err(Error::corrupt(
+                    path,
+                    None,
+                    format!("header says {key} {got}, the index {want}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn to_usize(v: u64) -> usize {
     super::to_usize(v)
 }
 
 impl Checkpoint {
+    fn with_rejected(mut self, rejected: Option<String>) -> Checkpoint {
+        self.report.rejected = rejected;
+        self
+    }
+
     /// The step.
     #[must_use]
     pub fn step(&self) -> u64 {

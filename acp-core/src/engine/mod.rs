@@ -92,9 +92,15 @@ pub struct Staging {
 }
 
 /// The completion handle of a save. Also a [`Future`](std::future::Future).
+///
+/// Its blocking waits watch the flush: when it makes no progress for the
+/// engine's stall timeout, they fail with [`Error::Timeout`] naming what is
+/// stuck (the save may still finish later; wait again to see it).
 #[derive(Debug, Clone)]
 pub struct SaveHandle {
     done: Arc<handle::Completion>,
+    /// The engine whose flush to watch, while it lives.
+    watch: Option<std::sync::Weak<Shared>>,
 }
 
 /// The figures of a finished save.
@@ -167,6 +173,9 @@ pub struct LoadReport {
     pub verified: bool,
     /// Seconds from the call to the views being ready.
     pub secs: f64,
+    /// Why a resident copy of the step was found but not used (it failed
+    /// verification: the error, naming the slot file and tensor).
+    pub rejected: Option<String>,
 }
 
 /// A loaded checkpoint; its tensors are zero-copy views into a pinned slot
@@ -223,6 +232,8 @@ struct EngineState {
     committed: std::collections::BTreeSet<u64>,
     /// When the running flush last made progress, and what it was doing.
     progress: Option<(Instant, String)>,
+    /// Whether the watchdog has logged the current stall (once per stall).
+    stall_logged: bool,
     /// A flush error that no handle has reported yet (recovery flushes).
     unreported: Option<Error>,
 }
@@ -235,8 +246,64 @@ impl Shared {
     }
 
     fn note_progress(&self, what: impl Into<String>) {
-        self.lock().progress = Some((Instant::now(), what.into()));
+        let mut st = self.lock();
+        st.progress = Some((Instant::now(), what.into()));
+        st.stall_logged = false;
     }
+
+    /// The watchdog: the error to report when the running flush has made
+    /// no progress for the stall timeout, naming what it is stuck on.
+    /// Logged once per stall.
+    fn stuck(&self, st: &mut EngineState) -> Option<Error> {
+        let (at, what) = st.progress.as_ref()?;
+        let idle = at.elapsed();
+        if idle < self.cfg.stall_timeout {
+            return None;
+        }
+        let what = format!("flush stuck: {what}");
+        if !std::mem::replace(&mut st.stall_logged, true) {
+            tracing::error!(
+                "acp: {what}: no progress for {:.1} s (stall timeout {:.1} s)",
+                idle.as_secs_f64(),
+                self.cfg.stall_timeout.as_secs_f64()
+            );
+        }
+        Some(Error::Timeout {
+            what,
+            secs: idle.as_secs_f64(),
+        })
+    }
+}
+
+/// How often waits look at the watchdog.
+const WATCH_TICK: Duration = Duration::from_millis(100);
+
+/// Whether the digests recorded in a recovered slot are those the index of
+/// its (committed) step records for this rank's file.
+fn slot_matches_index(
+    ring: &Ring,
+    root: &Root,
+    cfg: &EngineConfig,
+    info: &crate::staging::SlotInfo,
+) -> bool {
+    let Some(digests) = ring.digests(info.slot) else {
+        return false;
+    };
+    let Ok(index) = root.read_index(info.step) else {
+        return false;
+    };
+    index
+        .files
+        .get(&crate::format::data_file_name(cfg.rank))
+        .is_some_and(|f| {
+            f.size == info.len
+                && f.chunk_bytes == cfg.chunk_bytes as u64
+                && f.chunks.len() == digests.len()
+                && f.chunks
+                    .iter()
+                    .zip(&digests)
+                    .all(|(h, d)| crate::format::unhex(h).as_ref() == Some(d))
+        })
 }
 
 /// The slot file prefix of `rank` of this engine's job, and the job tag:
@@ -296,6 +363,26 @@ impl Engine {
         } else {
             Vec::new()
         };
+        // The other complete slots left Resident or Flushing: a process that
+        // died between a commit and marking its slot left a committed copy
+        // (Persisted, once its digests match the index's); the rest (older
+        // than the newest committed step, or not persisted on open) stay
+        // restorable but are given up when the ring needs room, like a slot
+        // whose flush failed. Left as they were, they would hold their
+        // slots for ever and stall every later save.
+        let mut stale = Vec::new();
+        for info in &ring_report.recovered {
+            if !matches!(info.state, SlotState::Resident | SlotState::Flushing)
+                || to_persist.iter().any(|p| p.slot == info.slot)
+            {
+                continue;
+            }
+            if committed.contains(&info.step) && slot_matches_index(&ring, &root, &config, info) {
+                ring.set_state(info.slot, SlotState::Persisted);
+            } else {
+                stale.push(info.slot);
+            }
+        }
         let report = OpenReport {
             io: io.kind(),
             mlocked: ring_report.mlocked,
@@ -322,6 +409,7 @@ impl Engine {
             report,
             state: Mutex::new(EngineState {
                 committed: committed.iter().copied().collect(),
+                failed_slots: stale,
                 ..EngineState::default()
             }),
             idle: Condvar::new(),
@@ -474,16 +562,14 @@ impl Engine {
                 shared.ring.release(info.slot);
             }
         }
+        let start = Instant::now();
+        let mut first_look = true;
         loop {
-            let wait = match shared.cfg.when_full {
-                WhenFull::Skip => None,
-                WhenFull::Wait(d) => Some(d),
-            };
             // Slots whose flush failed are given up only when the ring needs
             // room: they keep the newest restorable copy until then.
-            let first = shared.ring.acquire(len, None)?;
-            if first.is_some() {
-                return Ok(first);
+            let free = shared.ring.acquire(len, None)?;
+            if free.is_some() {
+                return Ok(free);
             }
             let failed = shared.lock().failed_slots.pop();
             if let Some(slot) = failed {
@@ -494,13 +580,39 @@ impl Engine {
                 shared.ring.release(slot);
                 continue;
             }
-            return shared.ring.acquire(len, wait).map_err(|e| match e {
-                Error::Timeout { secs, .. } => Error::Timeout {
+            let limit = match shared.cfg.when_full {
+                WhenFull::Skip => return Ok(None),
+                WhenFull::Wait(d) => d,
+            };
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Err(Error::Timeout {
                     what: format!("step {step}: waiting for a free ring slot (every slot is staging or flushing)"),
+                    secs: limit.as_secs_f64(),
+                });
+            }
+            // Every slot waits on the flush: when it is stuck, say so now
+            // rather than after the whole slot wait (after one tick, as in
+            // `wait_until`).
+            let stuck = if std::mem::take(&mut first_look) {
+                None
+            } else {
+                shared.stuck(&mut shared.lock())
+            };
+            if let Some(Error::Timeout { what, secs }) = stuck {
+                return Err(Error::Timeout {
+                    what: format!("step {step}: waiting for a free ring slot: {what}"),
                     secs,
-                },
-                other => other,
-            });
+                });
+            }
+            match shared
+                .ring
+                .acquire(len, Some((limit - waited).min(WATCH_TICK)))
+            {
+                Ok(Some(slot)) => return Ok(Some(slot)),
+                Ok(None) | Err(Error::Timeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
     }
 
@@ -690,6 +802,16 @@ impl Engine {
         wait_for(self.shared(), timeout, |st| st.in_flight == 0)
     }
 
+    /// Waits at most `timeout` until every queued flush has finished;
+    /// `Ok(false)` when some are still running then (and none is stuck).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] from the watchdog, naming what is stuck, when a
+    /// flush makes no progress for the configured stall timeout.
+    pub fn wait_idle_timeout(&self, timeout: Duration) -> Result<bool> {
+        wait_until(self.shared(), Some(timeout), |st| st.in_flight == 0)
+    }
+
     /// Drains the flush queue and stops the flush thread. Resident slots stay
     /// in shared memory. Further saves fail with [`Error::Closed`]. Never
     /// waits longer than the watchdog allows for a stuck flush.
@@ -732,39 +854,49 @@ fn wait_for(
     timeout: Option<Duration>,
     done: impl Fn(&EngineState) -> bool,
 ) -> Result<()> {
+    if wait_until(shared, timeout, done)? {
+        return Ok(());
+    }
+    let st = shared.lock();
+    Err(Error::Timeout {
+        what: format!(
+            "{} flushes of {}",
+            st.in_flight,
+            shared.root.path().display()
+        ),
+        secs: timeout.map_or(0.0, |t| t.as_secs_f64()),
+    })
+}
+
+/// Waits until `done(state)` holds (`Ok(true)`) or `timeout` passes
+/// (`Ok(false)`); fails when the watchdog finds the flush stuck.
+fn wait_until(
+    shared: &Shared,
+    timeout: Option<Duration>,
+    done: impl Fn(&EngineState) -> bool,
+) -> Result<bool> {
     let start = Instant::now();
-    let stall = shared.cfg.stall_timeout;
     let mut st = shared.lock();
+    let mut first = true;
     loop {
         if done(&st) {
-            return Ok(());
+            return Ok(true);
         }
+        // Not on the first look: a flush that just got going again (the
+        // disk answered) gets one tick to say so.
+        if !std::mem::take(&mut first) {
+            if let Some(e) = shared.stuck(&mut st) {
+                return Err(e);
+            }
+        }
+        let mut tick = WATCH_TICK;
         if let Some(t) = timeout {
-            if start.elapsed() >= t {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "{} flushes of {}",
-                        st.in_flight,
-                        shared.root.path().display()
-                    ),
-                    secs: t.as_secs_f64(),
-                });
+            let waited = start.elapsed();
+            if waited >= t {
+                return Ok(false);
             }
+            tick = tick.min(t - waited);
         }
-        if let Some((at, what)) = &st.progress {
-            if at.elapsed() >= stall {
-                let what = format!("flush stuck: {what}");
-                tracing::error!(
-                    "acp: {what}: no progress for {:.0} s",
-                    at.elapsed().as_secs_f64()
-                );
-                return Err(Error::Timeout {
-                    what,
-                    secs: at.elapsed().as_secs_f64(),
-                });
-            }
-        }
-        let tick = Duration::from_millis(200);
         st = shared
             .idle
             .wait_timeout(st, tick)
@@ -941,7 +1073,7 @@ impl Staging {
         };
         // An enqueue failure (engine closed) completes `done` with the error.
         let _ = self.engine.enqueue(job);
-        SaveHandle::from_completion(done)
+        SaveHandle::watched(done, Arc::downgrade(&self.engine.inner.shared))
     }
 }
 

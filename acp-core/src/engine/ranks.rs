@@ -354,6 +354,7 @@ fn checkpoint(
             bytes: read,
             verified: true,
             secs: t0.elapsed().as_secs_f64(),
+            rejected: None,
         },
         copy_threads: shared.cfg.copy_threads,
     }

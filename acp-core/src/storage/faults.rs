@@ -1,32 +1,52 @@
 //! A fault injector: turns the N-th storage operation of the engine into an
-//! error, so tests can fail every step of a save in turn.
+//! error, a stall (a hung disk or NFS server), or whatever a test hook does
+//! (e.g. kill the process at that exact point), so tests can break every
+//! step of a save in turn.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// A test hook called before each storage operation with its number
+/// (0-based, since the injector was made), name and path.
+type Hook = Box<dyn Fn(u64, &str, &Path) + Send + Sync>;
 
 /// Counts storage operations (each chunk write or read, fsync, rename,
-/// small-file write, directory sync) and fails the chosen ones.
-#[derive(Debug)]
+/// small-file write, directory sync) and fails or stalls the chosen ones.
 pub struct FaultInjector {
     ops: AtomicU64,
     fail_at: AtomicU64,
     errno: AtomicI32,
     sticky: AtomicBool,
+    /// The operation to stall and for how long (`u64::MAX`: none).
+    stall_at: AtomicU64,
+    stall_for: Mutex<Duration>,
+    /// Bumped by [`FaultInjector::heal`]; a stalled operation ends early
+    /// when it changes.
+    heals: Mutex<u64>,
+    healed: Condvar,
+    hook: Mutex<Option<Hook>>,
     log: Mutex<Vec<String>>,
+}
+
+impl std::fmt::Debug for FaultInjector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultInjector")
+            .field("ops", &self.ops)
+            .field("fail_at", &self.fail_at)
+            .field("errno", &self.errno)
+            .field("sticky", &self.sticky)
+            .field("stall_at", &self.stall_at)
+            .finish_non_exhaustive()
+    }
 }
 
 impl FaultInjector {
     /// An injector that fails nothing, only counts.
     #[must_use]
     pub fn counting() -> Self {
-        FaultInjector {
-            ops: AtomicU64::new(0),
-            fail_at: AtomicU64::new(u64::MAX),
-            errno: AtomicI32::new(libc::EIO),
-            sticky: AtomicBool::new(false),
-            log: Mutex::new(Vec::new()),
-        }
+        Self::fail_at(u64::MAX, libc::EIO, false)
     }
 
     /// Fails operation number `n` (0-based, counted from now) with `errno`;
@@ -38,6 +58,11 @@ impl FaultInjector {
             fail_at: AtomicU64::new(n),
             errno: AtomicI32::new(errno),
             sticky: AtomicBool::new(sticky),
+            stall_at: AtomicU64::new(u64::MAX),
+            stall_for: Mutex::new(Duration::ZERO),
+            heals: Mutex::new(0),
+            healed: Condvar::new(),
+            hook: Mutex::new(None),
             log: Mutex::new(Vec::new()),
         }
     }
@@ -50,9 +75,37 @@ impl FaultInjector {
         self.fail_at.store(self.ops() + n, Ordering::SeqCst);
     }
 
-    /// Stops failing (the cause is gone).
+    /// Stalls the operation `n` operations from now (0 = the next one) for
+    /// `duration`, or until [`FaultInjector::heal`], whichever comes first,
+    /// as a hung NFS server or a dead disk would; then it goes on normally.
+    pub fn arm_stall(&self, n: u64, duration: Duration) {
+        *self
+            .stall_for
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = duration;
+        self.stall_at.store(self.ops() + n, Ordering::SeqCst);
+    }
+
+    /// Calls `hook(n, op, path)` before each operation, after it is counted
+    /// and logged and before any failure or stall is applied. Tests use it
+    /// to act at an exact point of a save, e.g. to SIGKILL the process.
+    pub fn set_hook(&self, hook: impl Fn(u64, &str, &Path) + Send + Sync + 'static) {
+        *self
+            .hook
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::new(hook));
+    }
+
+    /// Stops failing and stalling (the cause is gone); a stalled operation
+    /// goes on at once.
     pub fn heal(&self) {
         self.fail_at.store(u64::MAX, Ordering::SeqCst);
+        self.stall_at.store(u64::MAX, Ordering::SeqCst);
+        *self
+            .heals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+        self.healed.notify_all();
     }
 
     /// Operations seen so far.
@@ -76,6 +129,17 @@ impl FaultInjector {
         if let Ok(mut l) = self.log.lock() {
             l.push(format!("{op} {}", path.display()));
         }
+        if let Some(hook) = self
+            .hook
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+        {
+            hook(n, op, path);
+        }
+        if n == self.stall_at.load(Ordering::SeqCst) {
+            self.stall();
+        }
         let at = self.fail_at.load(Ordering::SeqCst);
         if n == at || (self.sticky.load(Ordering::SeqCst) && n > at) {
             return Err(std::io::Error::from_raw_os_error(
@@ -84,6 +148,31 @@ impl FaultInjector {
         }
         Ok(())
     }
+
+    /// Blocks for the armed stall duration, or until healed.
+    fn stall(&self) {
+        let duration = *self
+            .stall_for
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let deadline = Instant::now() + duration;
+        let mut heals = self
+            .heals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let start = *heals;
+        while *heals == start {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            heals = self
+                .healed
+                .wait_timeout(heals, deadline - now)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
 }
 
 /// Calls `f.check` when an injector is set.
@@ -91,5 +180,39 @@ pub(crate) fn check(f: Option<&FaultInjector>, op: &str, path: &Path) -> std::io
     match f {
         Some(f) => f.check(op, path),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stall_ends_when_healed() {
+        let f = std::sync::Arc::new(FaultInjector::counting());
+        f.arm_stall(0, Duration::from_secs(60));
+        let g = std::sync::Arc::clone(&f);
+        let t = std::thread::Builder::new()
+            .name("stalled".into())
+            .spawn(move || g.check("write", Path::new("/x")))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!t.is_finished());
+        f.heal();
+        t.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn the_hook_sees_every_operation() {
+        let f = FaultInjector::counting();
+        let seen = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let s = std::sync::Arc::clone(&seen);
+        f.set_hook(move |n, op, _| s.lock().unwrap().push((n, op.to_owned())));
+        f.check("fsync", Path::new("/a")).unwrap();
+        f.check("rename", Path::new("/b")).unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(0, "fsync".to_owned()), (1, "rename".to_owned())]
+        );
     }
 }

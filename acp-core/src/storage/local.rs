@@ -132,6 +132,32 @@ impl Root {
         Ok(steps)
     }
 
+    /// Step directories (`step-…`, not symlinks) that hold no index file.
+    /// The commit protocol never leaves one (the index is in place before
+    /// the rename that commits), so each is a committed step whose index
+    /// was lost.
+    ///
+    /// # Errors
+    /// [`Error::Io`] listing the root.
+    pub fn steps_without_index(&self) -> Result<Vec<u64>> {
+        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        let mut steps = Vec::new();
+        for ent in rd {
+            let ent = ent.map_err(|e| Error::io("list", &self.path, e))?;
+            let Some(step) = ent.file_name().to_str().and_then(parse_step_dir_name) else {
+                continue;
+            };
+            if !ent.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME)).is_err() {
+                steps.push(step);
+            }
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
     /// Whether step `step` is committed.
     #[must_use]
     pub fn is_committed(&self, step: u64) -> bool {
@@ -144,7 +170,8 @@ impl Root {
     ///
     /// # Errors
     /// [`Error::NotFound`] when the step is not committed; [`Error::Corrupt`]
-    /// when its index is malformed or names another step.
+    /// when its index is malformed, names another step, or is missing from
+    /// an existing step directory.
     pub fn read_index(&self, step: u64) -> Result<Index> {
         let dir = self.step_dir(step);
         if !fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
@@ -155,9 +182,11 @@ impl Root {
         let path = dir.join(INDEX_FILE_NAME);
         let bytes = read_small(&path, 64 << 20).map_err(|e| match e {
             Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                Error::NotFound {
-                    what: format!("step {step} in {}", self.path.display()),
-                }
+                Error::corrupt(
+                    &path,
+                    None,
+                    "missing: the step directory exists, so the step was committed with one",
+                )
             }
             other => other,
         })?;
@@ -170,6 +199,26 @@ impl Root {
             ));
         }
         Ok(index)
+    }
+
+    /// Creates the root again (mode 0700, with its parents) when it was
+    /// removed; returns whether it had to.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when it cannot be made.
+    pub fn recreate_if_missing(&self) -> Result<bool> {
+        match fs::symlink_metadata(&self.path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.check("create directory", &self.path)?;
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&self.path)
+                    .map_err(|e| Error::io("create directory", &self.path, e))?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Creates a fresh pending directory for `step` written by `rank`.

@@ -1,0 +1,317 @@
+"""The dying checkpoint: when training raises or the process is told to
+stop, every completely staged checkpoint is flushed and committed before
+the process exits.
+
+Two pieces, used alone or together::
+
+    ckpt.install_sigterm_handler()  # opt in: SIGTERM → dying checkpoint → exit
+    with ckpt.guard():  # an exception escaping → dying checkpoint
+        for step in range(start, steps):
+            train_step()
+            if step % 100 == 0:
+                ckpt.save(step, state)
+
+What is persisted is what ``save()`` finished staging: its flush is already
+queued, so the dying checkpoint waits for the queue to drain (bounded by
+``timeout`` and by the engine's watchdog, ``stall_timeout``). A save that
+was interrupted while staging (an exception inside ``save`` itself, or a
+SIGTERM that arrives while tensors are being copied) is aborted, never
+finished: its slot is freed and the checkpoint before it is the one that
+counts. Python runs signal handlers in the main thread between bytecodes,
+so a SIGTERM that arrives during a copy in Rust (GIL released) is handled
+right after the copy returns, before ``save`` can seal the slot; acp's
+handler raises there, and ``save`` aborts the staging on the way out.
+
+Exit status after SIGTERM (with the handler installed) or an exception
+escaping ``guard()``:
+
+====================  ====================================================
+status                meaning
+====================  ====================================================
+143 (128 + SIGTERM)   SIGTERM; every completely staged checkpoint is
+                      committed (``EXIT_TERMINATED``)
+1                     an exception escaped ``guard()``; every completely
+                      staged checkpoint is committed; the exception is
+                      re-raised unchanged, so Python prints it and exits 1
+74 (``EX_IOERR``)     the dying checkpoint failed (storage error, or the
+                      watchdog found the flush stuck): the newest staged
+                      checkpoint is only resident in this node's RAM;
+                      restart the trainer on this node (it commits it on
+                      open) or run ``acp persist ROOT`` (``EXIT_SAVE_FAILED``)
+====================  ====================================================
+
+The previous SIGTERM handler is chained: a Python handler installed before
+acp's is called after the dying checkpoint (and may exit as it likes); if it
+returns, the process exits with the status above. A second SIGTERM while
+the dying checkpoint runs is ignored. SIGKILL cannot be caught: the staged
+slot stays in shared memory and the next ``Checkpointer`` opened on this
+node for the same job commits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import traceback
+import weakref
+from dataclasses import asdict, dataclass
+from time import perf_counter
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+from acp._acp import AcpError
+
+if TYPE_CHECKING:
+    from acp.checkpointer import Checkpointer
+
+__all__ = [
+    "EXIT_SAVE_FAILED",
+    "EXIT_TERMINATED",
+    "DyingReport",
+    "Guard",
+    "SigtermHandler",
+    "Terminated",
+    "dying_checkpoint",
+    "install_sigterm_handler",
+]
+
+log = logging.getLogger("acp")
+
+EXIT_TERMINATED = 128 + signal.SIGTERM
+"""Exit status after SIGTERM when every completely staged checkpoint is committed."""
+EXIT_SAVE_FAILED = 74
+"""Exit status when the dying checkpoint failed (``EX_IOERR`` of sysexits.h)."""
+
+_Handler = Union[Callable[[int, Union[FrameType, None]], Any], int, signal.Handlers, None]
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by acp's SIGTERM handler while a ``guard()``
+    block runs there, so the block unwinds (aborting a save caught half-way
+    through staging) and the guard does the dying checkpoint. A
+    ``SystemExit``, so ``except Exception`` in training code lets it pass."""
+
+    def __init__(self, signum: int, frame: FrameType | None, handler: SigtermHandler) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.frame = frame
+        self.handler = handler
+
+
+@dataclass(frozen=True)
+class DyingReport:
+    """What the dying checkpoint did."""
+
+    cause: str
+    """``"signal"``, ``"exception"`` or ``"call"``."""
+    staged_step: int | None
+    """The newest step whose ``save()`` finished staging, if any."""
+    committed_step: int | None
+    """The newest committed step once the flushes drained."""
+    ok: bool
+    """Every completely staged checkpoint is committed."""
+    error: str | None
+    """Why not, naming the path and cause (or what the watchdog found stuck)."""
+    secs: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def dying_checkpoint(
+    ckpt: Checkpointer, *, cause: str = "call", timeout: float | None = None
+) -> DyingReport:
+    """Waits (at most ``timeout`` seconds, and never past the engine's
+    watchdog) until every completely staged checkpoint is flushed and
+    committed; reports the outcome. Never raises an ``AcpError``: the
+    failure is in the report. Takes no lock of the checkpointer, so a signal
+    handler may call it while the main thread is anywhere."""
+    t0 = perf_counter()
+    last = ckpt._last_staged
+    staged = None if last is None else last.step
+    error: str | None = None
+    committed: int | None = None
+    engine = ckpt._engine
+    if engine.closed:
+        # close() already drained the queue; its error went to its caller.
+        if last is not None and last.done():
+            error = last.stats.error
+        elif last is not None:
+            error = f"step {staged}: engine closed before the flush finished"
+    else:
+        try:
+            engine.wait_idle(timeout)
+        except AcpError as e:
+            error = str(e)
+        if last is not None and error is None:
+            try:
+                last.wait(0)
+            except AcpError as e:
+                error = str(e)
+        try:
+            committed = engine.latest()
+        except AcpError as e:
+            error = error or str(e)
+    report = DyingReport(
+        cause=cause,
+        staged_step=staged,
+        committed_step=committed,
+        ok=error is None,
+        error=error,
+        secs=perf_counter() - t0,
+    )
+    ckpt.last_dying = report
+    if report.ok:
+        _say(
+            logging.WARNING,
+            f"acp: dying checkpoint ({cause}): newest committed step {committed} "
+            f"(newest staged {staged}), {report.secs:.2f} s",
+        )
+    else:
+        _say(
+            logging.ERROR,
+            f"acp: dying checkpoint ({cause}) failed: {error}; step {staged} stays resident "
+            f"in shared memory: restart on this node or run `acp persist {ckpt.root}`",
+        )
+    return report
+
+
+def _say(level: int, text: str) -> None:
+    """Logs on the ``acp`` logger; when the application configured no
+    handler for it (acp's own is a NullHandler), also writes to stderr: the
+    process is about to exit and its operator must see the outcome."""
+    log.log(level, "%s", text)
+    if not _handled(log):
+        print(text, file=sys.stderr, flush=True)
+
+
+def _handled(logger: logging.Logger) -> bool:
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+class SigtermHandler:
+    """acp's SIGTERM handler for one checkpointer (see the module docs).
+    Calling ``uninstall()`` puts the previous handler back."""
+
+    def __init__(self, ckpt: Checkpointer, timeout: float | None) -> None:
+        self._ckpt = weakref.ref(ckpt)
+        self.timeout = timeout
+        self.previous: _Handler = signal.getsignal(signal.SIGTERM)
+        self._busy = False
+        signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self._busy:
+            log.warning("acp: SIGTERM again while the dying checkpoint runs; ignored")
+            return
+        ckpt = self._ckpt()
+        if ckpt is not None and ckpt._main_guards > 0:
+            # The guard unwinds the block (aborting a half-staged save) and
+            # does the rest in its __exit__.
+            raise Terminated(signum, frame, self)
+        self._busy = True
+        try:
+            ok = True
+            if ckpt is not None:
+                ok = dying_checkpoint(ckpt, cause="signal", timeout=self.timeout).ok
+            self.exit(signum, frame, ok)
+        finally:
+            self._busy = False
+
+    def exit(self, signum: int, frame: FrameType | None, ok: bool) -> None:
+        """Chains the previous handler, then exits with the status for ``ok``."""
+        prev = self.previous
+        if callable(prev):
+            prev(signum, frame)
+        raise SystemExit(EXIT_TERMINATED if ok else EXIT_SAVE_FAILED)
+
+    def uninstall(self) -> None:
+        """Restores the handler that was there before, if acp's is still the
+        current one."""
+        previous = self.previous
+        if signal.getsignal(signal.SIGTERM) is self:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        ckpt = self._ckpt()
+        if ckpt is not None and ckpt._sigterm is self:
+            ckpt._sigterm = None
+
+
+def install_sigterm_handler(ckpt: Checkpointer, *, timeout: float | None = None) -> SigtermHandler:
+    """Installs acp's SIGTERM handler for ``ckpt`` (from the main thread).
+    Returns it; ``handler.uninstall()`` restores the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError("install_sigterm_handler: call it from the main thread")
+    handler = SigtermHandler(ckpt, timeout)
+    ckpt._sigterm = handler
+    return handler
+
+
+class Guard:
+    """The context manager ``Checkpointer.guard()`` returns."""
+
+    def __init__(self, ckpt: Checkpointer, *, timeout: float | None, sigterm: bool) -> None:
+        self._ckpt = ckpt
+        self._timeout = timeout
+        self._sigterm = sigterm
+        self._installed: SigtermHandler | None = None
+        self._main = False
+
+    def __enter__(self) -> Checkpointer:
+        ckpt = self._ckpt
+        self._main = threading.current_thread() is threading.main_thread()
+        if self._sigterm and ckpt._sigterm is None:
+            self._installed = install_sigterm_handler(ckpt, timeout=self._timeout)
+        if self._main:
+            ckpt._main_guards += 1
+        return ckpt
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        ckpt = self._ckpt
+        if self._main:
+            ckpt._main_guards -= 1
+        try:
+            if exc is None:
+                return
+            if isinstance(exc, Terminated):
+                handler = exc.handler
+                handler._busy = True
+                try:
+                    report = dying_checkpoint(ckpt, cause="signal", timeout=handler.timeout)
+                    handler.exit(exc.signum, exc.frame, report.ok)
+                finally:
+                    handler._busy = False
+            report = dying_checkpoint(ckpt, cause="exception", timeout=self._timeout)
+            if report.ok:
+                _note(exc, f"acp: dying checkpoint committed step {report.committed_step}")
+                return
+            # The exit status must say that the newest state is not safe.
+            traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+            print(
+                f"acp: dying checkpoint failed: {report.error}; exiting with {EXIT_SAVE_FAILED}",
+                file=sys.stderr,
+            )
+            raise SystemExit(EXIT_SAVE_FAILED) from exc
+        finally:
+            if self._installed is not None:
+                self._installed.uninstall()
+                self._installed = None
+
+
+def _note(exc: BaseException, text: str) -> None:
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if add_note is not None:
+        add_note(text)

@@ -1,0 +1,185 @@
+"""The dying checkpoint: SIGTERM (acp's handler installed) or an exception
+escaping ``guard()`` flushes and commits the newest completely staged
+checkpoint before the process exits, with a documented exit status; a save
+interrupted while staging is aborted (the one before it persists); the
+previous SIGTERM handler is chained; SIGKILL after staging loses nothing
+(the restarted trainer commits the resident slot)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+import acp
+from tests.conftest import MakeCkpt
+
+from ._torture import assert_state, job, run_trainer, state, wait_line
+
+
+def reopen(root: Path, shm: Path, job_id: str) -> acp.Checkpointer:
+    return acp.Checkpointer(root, job=job_id, shm_dir=shm, ring_bytes=256 << 20, mlock=False)
+
+
+def finish(p: object, timeout: float = 120) -> tuple[int, str, str]:
+    import subprocess
+
+    assert isinstance(p, subprocess.Popen)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("mode", ["sigterm-idle", "sigterm-guard"])
+def test_sigterm_commits_the_step_still_flushing(tmp_path: Path, shm_dir: Path, mode: str) -> None:
+    root, j = tmp_path / "ckpt", job()
+    p = run_trainer(mode, root, shm_dir, j)
+    wait_line(p, "READY")
+    p.send_signal(signal.SIGTERM)
+    code, _, err = finish(p)
+    assert code == acp.EXIT_TERMINATED == 143, err
+    assert "dying checkpoint (signal)" in err, err
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.stats()["engine"]["persisting_steps"] == []
+        assert_state(ckpt.load(storage_only=True), 2)
+
+
+@pytest.mark.parametrize("mode", ["sigterm-after-copy", "sigterm-during-copy"])
+def test_sigterm_during_staging_aborts_that_save(tmp_path: Path, shm_dir: Path, mode: str) -> None:
+    root, j = tmp_path / "ckpt", job()
+    p = run_trainer(mode, root, shm_dir, j)
+    code, out, err = finish(p)
+    assert code == 143, err
+    assert "SAVE_RETURNED" not in out, "save() finished although SIGTERM came during its staging"
+    if mode == "sigterm-during-copy":
+        # Say whether the signal landed inside the copy (GIL released): the
+        # outcome must be the same either way.
+        stamps = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+        if {"KILL_SENT", "COPY_START", "COPY_SECS"} <= stamps.keys():
+            delay = float(stamps["KILL_SENT"]) - float(stamps["COPY_START"])
+            inside = delay < float(stamps["COPY_SECS"])
+            print(
+                f"SIGTERM {delay * 1e3:.1f} ms into a copy of about "
+                f"{float(stamps['COPY_SECS']) * 1e3:.1f} ms: inside={inside}"
+            )
+    with reopen(root, shm_dir, j) as ckpt:
+        engine = ckpt.stats()["engine"]
+        # Step 2 was aborted (its slot freed), not left half-staged.
+        assert 2 not in engine["resident_steps"]
+        assert engine["persisting_steps"] == []
+        assert ckpt.steps() == [1]
+        loaded = ckpt.load()
+        assert loaded["step"] == 1
+
+
+def test_sigterm_chains_the_previous_handler(tmp_path: Path, shm_dir: Path) -> None:
+    root, j = tmp_path / "ckpt", job()
+    p = run_trainer("sigterm-chain", root, shm_dir, j)
+    wait_line(p, "READY")
+    p.send_signal(signal.SIGTERM)
+    code, _, err = finish(p)
+    assert code == 143, err
+    assert (tmp_path / "previous-handler-ran").read_text() == str(int(signal.SIGTERM))
+
+
+@pytest.mark.parametrize("mode", ["sigterm-dead-disk", "sigterm-hung-disk"])
+def test_a_failed_dying_checkpoint_exits_74_and_the_restart_commits_it(
+    tmp_path: Path, shm_dir: Path, mode: str
+) -> None:
+    root, j = tmp_path / "ckpt", job()
+    env = {"STALL_TIMEOUT": "1.5"}
+    p = run_trainer(mode, root, shm_dir, j, **env)
+    wait_line(p, "READY")
+    p.send_signal(signal.SIGTERM)
+    # The hung disk never returns: the watchdog bounds the dying checkpoint.
+    code, _, err = finish(p, timeout=60)
+    assert code == acp.EXIT_SAVE_FAILED == 74, err
+    assert "dying checkpoint (signal) failed" in err, err
+    assert "acp persist" in err, err
+    if mode == "sigterm-hung-disk":
+        assert "flush stuck: step 2" in err, err
+    else:
+        assert "Input/output error" in err, err
+    # The newest staged step is still resident: the restart commits it.
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.stats()["engine"]["persisting_steps"] == [2]
+        assert_state(ckpt.load(), 2)
+        assert ckpt.steps() == [1, 2]
+
+
+def test_an_exception_escaping_guard_commits_the_last_staged_step(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    root, j = tmp_path / "ckpt", job()
+    code, _, err = finish(run_trainer("exception", root, shm_dir, j))
+    assert code == 1, err
+    assert "RuntimeError: boom in training" in err, err
+    assert "acp: dying checkpoint committed step 2" in err, err
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.steps() == [1, 2]
+        assert_state(ckpt.load(storage_only=True), 2)
+
+
+def test_an_exception_inside_save_aborts_that_save(tmp_path: Path, shm_dir: Path) -> None:
+    root, j = tmp_path / "ckpt", job()
+    code, _, err = finish(run_trainer("exception-in-save", root, shm_dir, j))
+    assert code == 1, err
+    assert "ValueError: boom inside save" in err, err
+    with reopen(root, shm_dir, j) as ckpt:
+        engine = ckpt.stats()["engine"]
+        assert 2 not in engine["resident_steps"], engine
+        assert ckpt.steps() == [1]
+        assert_state(ckpt.load(), 1)
+
+
+def test_an_exception_with_a_dead_disk_exits_74(tmp_path: Path, shm_dir: Path) -> None:
+    root, j = tmp_path / "ckpt", job()
+    code, _, err = finish(run_trainer("exception-dead-disk", root, shm_dir, j))
+    assert code == 74, err
+    assert "RuntimeError: boom in training" in err, err
+    assert "dying checkpoint failed" in err, err
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.stats()["engine"]["persisting_steps"] == [2]
+        assert_state(ckpt.load(), 2)
+
+
+def test_sigkill_after_staging_loses_no_step(tmp_path: Path, shm_dir: Path) -> None:
+    """The OOM killer: SIGKILL once save() returned, before the flush."""
+    root, j = tmp_path / "ckpt", job()
+    code, _, err = finish(run_trainer("oom-kill", root, shm_dir, j))
+    assert code == -signal.SIGKILL, err
+    with reopen(root, shm_dir, j) as ckpt:
+        engine = ckpt.stats()["engine"]
+        assert engine["persisting_steps"] == [2]
+        state = ckpt.load()  # waits for step 2's commit, serves it from RAM
+        assert ckpt.last_load is not None
+        assert ckpt.last_load.source == "ram"
+        assert_state(state, 2)
+        assert ckpt.steps() == [1, 2]
+        assert_state(ckpt.load(storage_only=True), 2)
+
+
+def test_dying_checkpoint_in_process(make_ckpt: MakeCkpt) -> None:
+    faults = acp._acp.FaultInjector()
+    ckpt = make_ckpt(faults=faults)
+    assert ckpt.dying_checkpoint().ok  # nothing staged: nothing to do
+    ckpt.save(1, state(1)).wait()
+    faults.arm_stall(1, 0.5)
+    ckpt.save(2, state(2))
+    with pytest.raises(KeyError), ckpt.guard():
+        raise KeyError("x")
+    report = ckpt.last_dying
+    assert report is not None
+    assert (report.cause, report.ok, report.staged_step, report.committed_step) == (
+        "exception",
+        True,
+        2,
+        2,
+    )
+    # Normal exit from the block: nothing to do, the checkpointer goes on.
+    with ckpt.guard():
+        ckpt.save(3, state(3))
+    assert ckpt.last_dying is report
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2, 3]
