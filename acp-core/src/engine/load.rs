@@ -135,7 +135,14 @@ fn load_step(
                 Ok(_) => {
                     let backing = Backing::Heap(buf, len);
                     return finish(
-                        shared, step, backing, &slot_path, Source::Ram, true, t0, &expected,
+                        shared,
+                        step,
+                        backing,
+                        &slot_path,
+                        Source::Ram,
+                        true,
+                        t0,
+                        &expected,
                     );
                 }
                 Err(e) => tracing::warn!(
