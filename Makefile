@@ -7,8 +7,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-# What the test suite and the demo need besides the wheel itself.
-PY_DEPS := "torch==2.15.*" "numpy>=1.26" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2"
+# What the test suite and the demo need besides the wheel itself. MindSpore
+# 2.10.0 (CPU wheel, CPython 3.11 x86-64) is built against NumPy 1.26: with
+# NumPy 2 its bf16 asnumpy() and parts of the package fail, so NumPy stays
+# below 2 (torch 2.15 runs with either).
+PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2"
 
 .PHONY: help venv build-dev fmt lint test test-rust test-py demo bench torture-full fuzz-build fuzz-smoke clean
 

@@ -456,16 +456,19 @@ def test_bench_small(tmp_path: Path, shm_dir: Path) -> None:
 # --- the README's examples -----------------------------------------------------------------
 
 
-def bash_blocks(path: Path) -> Iterator[str]:
-    yield from re.findall(r"```bash\n(.*?)```", path.read_text(), re.DOTALL)
+def bash_blocks(path: Path, section: str) -> Iterator[str]:
+    """The ```bash blocks of the Markdown section headed ``section``."""
+    text = path.read_text()
+    start = text.index(section)
+    end = text.find("\n## ", start + len(section))
+    yield from re.findall(r"```bash\n(.*?)```", text[start : end if end > 0 else None], re.DOTALL)
 
 
 def test_readme_examples_run(tmp_path: Path) -> None:
     acp_bin = shutil.which("acp", path=os.path.dirname(sys.executable))
     if acp_bin is None:
         pytest.skip("the acp script is not installed beside this Python")
-    doc = REPO / "docs" / "cli-readme-section.md"
-    blocks = list(bash_blocks(doc))
+    blocks = list(bash_blocks(REPO / "README.md", "## The `acp` command line"))
     assert len(blocks) >= 3
     root = tmp_path / "run1"
     r = Root(root, Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path)

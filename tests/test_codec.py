@@ -152,10 +152,13 @@ def test_values_not_written_by_acp_are_refused() -> None:
         _codec.parse("[1, 2]", step=7)
 
 
-def test_unknown_framework_module_is_a_clear_error() -> None:
+def test_unknown_framework_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(_codec.ADAPTER_MODULES, "fakefw", "acp._no_such_adapter")
     adapters = _codec.Adapters()
-    with pytest.raises(acp.InvalidInput, match="mindspore"):
-        adapters.get("mindspore", "w")
+    with pytest.raises(
+        acp.InvalidInput, match=r"key `w`: fakefw values need acp\._no_such_adapter"
+    ):
+        adapters.get("fakefw", "w")
 
 
 def test_plain_values_round_trip_through_the_engine(ckpt: acp.Checkpointer) -> None:

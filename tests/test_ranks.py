@@ -24,6 +24,8 @@ CHILD = textwrap.dedent(
         other = 1 - ckpt.rank
         theirs = ckpt.load(1, rank=other)
         assert theirs["rank"] == other, theirs
+        assert ckpt.last_load.source == "ram"  # its slot, on this node
+        ckpt.load(1, rank=other, storage_only=True)
         assert ckpt.last_load.source == "storage"
     print("ok", ckpt.rank)
     """

@@ -97,12 +97,143 @@ fn four_ranks_commit_one_step_together() {
                 ..LoadRequest::default()
             })
             .unwrap();
-        assert_eq!(other.report().source, Source::Storage);
+        // The other rank's slot is on this node: copied from RAM.
+        assert_eq!(other.report().source, Source::Ram);
+        assert!(other.report().verified);
         assert_eq!(
             other.tensor(&format!("layer.{next}.w")).unwrap().data,
             shard(next, 20).as_slice()
         );
+        let stored = e
+            .load(&LoadRequest {
+                rank: Some(next),
+                storage_only: true,
+                ..LoadRequest::default()
+            })
+            .unwrap();
+        assert_eq!(stored.report().source, Source::Storage);
+        assert_eq!(stored.image(), other.image());
+        // Its values, without its tensors.
+        assert_eq!(e.read_values(20, next).unwrap(), json!({"rank": next}));
     }
+    assert!(engines[0].read_values(20, world).is_err());
+    assert_eq!(engines[0].index(10).unwrap().files.len(), 4);
+}
+
+/// The slot files of `rank` of job `job` in `shm`.
+fn slot_files(shm: &Path, rank: u32) -> Vec<std::path::PathBuf> {
+    let tail = format!("-r{rank:05}-s");
+    let mut v: Vec<_> = std::fs::read_dir(shm)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_str().unwrap().contains(&tail))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn another_ranks_image_comes_from_its_slot_only_when_intact() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let (e0, e1) = (engine(&root, &shm, 0, 2), engine(&root, &shm, 1, 2));
+    let (h0, h1) = (save(&e0, 0, 3), save(&e1, 1, 3));
+    h0.wait().unwrap();
+    h1.wait().unwrap();
+    let peer = |e: &Engine| {
+        e.load(&LoadRequest {
+            rank: Some(1),
+            ..LoadRequest::default()
+        })
+        .unwrap()
+    };
+    assert_eq!(peer(&e0).report().source, Source::Ram);
+
+    // A changed byte in the resident copy: rejected, storage read instead.
+    let slot = slot_files(&shm, 1)
+        .into_iter()
+        .find(|p| {
+            acp_core::staging::peek_slot(p)
+                .unwrap()
+                .is_some_and(|s| s.is_complete() && s.step == 3)
+        })
+        .unwrap();
+    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
+    let at = peek.image_offset + peek.image_len - 10;
+    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+    let got = peer(&e0);
+    assert_eq!(got.report().source, Source::Storage);
+    assert_eq!(
+        got.tensor("layer.1.w").unwrap().data,
+        shard(1, 3).as_slice()
+    );
+
+    // A replaced node: the other rank's slots are gone.
+    e1.close().unwrap();
+    drop(e1);
+    for p in slot_files(&shm, 1) {
+        std::fs::remove_file(p).unwrap();
+    }
+    assert_eq!(peer(&e0).report().source, Source::Storage);
+}
+
+#[test]
+fn resident_images_of_every_rank_are_committed_on_request() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let open = |rank, persist| {
+        Engine::open(
+            EngineConfig::new(&root)
+                .with_shm_dir(&shm)
+                .with_job("late")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(16 << 20)
+                .with_persist_on_open(persist)
+                .with_commit_timeout(Duration::from_millis(300)),
+        )
+        .unwrap()
+    };
+    // Each rank stages step 4, but too late for the other: nothing commits,
+    // and both images stay resident.
+    let e0 = open(0, false);
+    assert!(save(&e0, 0, 4).wait().is_err());
+    let e1 = open(1, false);
+    assert!(save(&e1, 1, 4).wait().is_err());
+    assert!(e0.steps().unwrap().is_empty());
+    for e in [e0, e1] {
+        e.close().unwrap();
+    }
+    // Restarted, without persist_on_open: nothing is flushed by itself.
+    let (e0, e1) = (open(0, false), open(1, false));
+    assert_eq!(e0.open_report().resident_steps, vec![4]);
+    assert!(e0.open_report().persisting_steps.is_empty());
+    assert!(matches!(
+        e0.persist_resident(5).unwrap_err(),
+        Error::NotFound { .. }
+    ));
+    // Once both ranks are known to hold it, both persist it: committed.
+    let (h0, h1) = (
+        e0.persist_resident(4).unwrap(),
+        e1.persist_resident(4).unwrap(),
+    );
+    h0.wait().unwrap();
+    h1.wait().unwrap();
+    assert_eq!(e1.steps().unwrap(), vec![4]);
+    assert!(matches!(
+        e0.persist_resident(4).unwrap_err(),
+        Error::Exists { .. }
+    ));
+    let back = e1.load(&LoadRequest::default()).unwrap();
+    assert_eq!(
+        back.tensor("layer.1.w").unwrap().data,
+        shard(1, 4).as_slice()
+    );
+    e0.close().unwrap();
+    e1.close().unwrap();
 }
 
 #[test]
@@ -145,4 +276,90 @@ fn a_rank_that_never_reports_is_named_and_nothing_is_committed() {
     let e1 = h1.wait().unwrap_err();
     assert!(e1.to_string().contains("rank 0"), "{e1}");
     assert!(r0.steps().unwrap().is_empty());
+}
+
+#[test]
+fn some_tensors_of_another_rank_read_only_their_chunks() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let open = |rank| {
+        Engine::open(
+            EngineConfig::new(&root)
+                .with_shm_dir(&shm)
+                .with_job("partial")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(16 << 20)
+                .with_chunk_bytes(64 << 10)
+                .with_commit_timeout(Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let (e0, e1) = (open(0), open(1));
+    // Rank 1 writes four tensors of 256 KiB, each over four chunks.
+    let data: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i + 1; 256 << 10]).collect();
+    let names: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
+    let tensors: Vec<HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .map(|(n, d)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: &[256 << 10],
+            data: d,
+        })
+        .collect();
+    let h1 = e1
+        .save(3, &tensors, &json!({"of": 1}), &SaveOptions::default())
+        .unwrap();
+    let h0 = save(&e0, 0, 3);
+    h0.wait().unwrap();
+    let size = h1.wait().unwrap().bytes;
+    let some = |storage_only, names: &[&str]| {
+        e0.load(&LoadRequest {
+            step: Some(3),
+            rank: Some(1),
+            storage_only,
+            tensors: Some(names.iter().map(|n| (*n).to_owned()).collect()),
+            ..LoadRequest::default()
+        })
+    };
+    for storage_only in [false, true] {
+        let got = some(storage_only, &["t2"]).unwrap();
+        let want = if storage_only {
+            Source::Storage
+        } else {
+            Source::Ram
+        };
+        assert_eq!(got.report().source, want);
+        assert_eq!(got.entries().len(), 1);
+        assert_eq!(got.tensor("t2").unwrap().data, data[2].as_slice());
+        assert_eq!(got.values(), &json!({"of": 1}));
+        // The header's chunk and t2's four (or five, unaligned) chunks.
+        assert!(
+            got.report().bytes <= 6 * (64 << 10),
+            "{}",
+            got.report().bytes
+        );
+        assert!(got.report().bytes < size / 2);
+    }
+    assert!(matches!(
+        some(true, &["t1", "nope"]).unwrap_err(),
+        Error::NotFound { .. }
+    ));
+    // A changed byte under a wanted tensor is caught; one elsewhere is not read.
+    let file = root.join("step-000000000003/rank-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 10;
+    bytes[at] ^= 0xFF;
+    std::fs::write(&file, &bytes).unwrap();
+    assert!(matches!(
+        some(true, &["t3"]).unwrap_err(),
+        Error::Corrupt { .. }
+    ));
+    assert_eq!(
+        some(true, &["t0"]).unwrap().tensor("t0").unwrap().data,
+        data[0].as_slice()
+    );
 }

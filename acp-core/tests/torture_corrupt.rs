@@ -153,7 +153,7 @@ fn load(
         step,
         storage_only,
         fallback,
-        rank: None,
+        ..LoadRequest::default()
     })
 }
 

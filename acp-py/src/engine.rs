@@ -16,7 +16,7 @@ use pyo3::types::PyDict;
 use crate::errors::{err, invalid};
 use crate::faults::FaultInjector;
 use crate::load::Loaded;
-use crate::save::Staging;
+use crate::save::{SaveHandle, Staging};
 
 /// A checkpoint engine: a shared-memory ring, flush threads and the
 /// checkpoint directory of one job and rank.
@@ -288,8 +288,9 @@ impl Engine {
 
     /// Loads a committed step (the newest when `step` is None), from RAM
     /// when a resident slot holds it, else from storage; `rank` loads the
-    /// file another rank wrote.
-    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None))]
+    /// file another rank wrote (from its slot when resident on this node),
+    /// and `tensors` only those of its tensors.
+    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None))]
     fn load(
         &self,
         py: Python<'_>,
@@ -297,12 +298,14 @@ impl Engine {
         storage_only: bool,
         fallback: bool,
         rank: Option<u32>,
+        tensors: Option<Vec<String>>,
     ) -> PyResult<Loaded> {
         let req = LoadRequest {
             step,
             storage_only,
             fallback,
             rank,
+            tensors,
         };
         let engine = self.get()?;
         py.detach(|| Loaded::new(engine.load(&req)?)).map_err(err)
@@ -318,6 +321,33 @@ impl Engine {
     fn latest(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let engine = self.get()?;
         py.detach(|| engine.latest()).map_err(err)
+    }
+
+    /// The index of committed `step` as JSON text (the
+    /// `model.safetensors.index.json` it was committed with).
+    fn index_json(&self, py: Python<'_>, step: u64) -> PyResult<String> {
+        let engine = self.get()?;
+        py.detach(|| engine.index(step))
+            .map_err(err)
+            .map(|i| String::from_utf8_lossy(&i.to_json()).into_owned())
+    }
+
+    /// The values JSON of `rank`'s file of committed `step`, from its
+    /// verified header only (its tensors are not read).
+    fn read_values(&self, py: Python<'_>, step: u64, rank: u32) -> PyResult<String> {
+        let engine = self.get()?;
+        py.detach(|| engine.read_values(step, rank))
+            .map_err(err)
+            .map(|v| v.to_string())
+    }
+
+    /// Queues the flush and commit of the unflushed resident image of
+    /// `step` a previous process of this rank left; returns its handle.
+    fn persist_resident(&self, py: Python<'_>, step: u64) -> PyResult<SaveHandle> {
+        let engine = self.get()?;
+        py.detach(|| engine.persist_resident(step))
+            .map_err(err)
+            .map(SaveHandle::new)
     }
 
     /// Deletes committed steps that are neither among the newest `keep_last`

@@ -345,6 +345,13 @@ fn report_dict<'py>(py: Python<'py>, r: &SaveReport) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
+impl SaveHandle {
+    /// Wraps a core handle.
+    pub(crate) fn new(inner: acp_core::SaveHandle) -> SaveHandle {
+        SaveHandle { inner }
+    }
+}
+
 #[pymethods]
 impl SaveHandle {
     /// A handle for a save skipped because no slot was free.

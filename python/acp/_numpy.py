@@ -40,7 +40,7 @@ def _where(key: str) -> str:
     return f"key `{key}`" if key else "the state"
 
 
-def _address(a: np.ndarray) -> int:
+def _address(a: np.ndarray[Any, Any]) -> int:
     return int(a.__array_interface__["data"][0])
 
 

@@ -8,7 +8,7 @@ import operator
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
@@ -18,7 +18,17 @@ from acp import _acp
 from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, FlatTensor, flatten
 from acp._load import load_into, load_state, run_transfers
-from acp._metrics import Metrics
+from acp._metrics import Metrics, logger
+from acp.distributed import (
+    Coordinator,
+    Sources,
+    Store,
+    agreed_load,
+    default_store,
+    flatten_replicated,
+    recover,
+    with_other_ranks,
+)
 from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
@@ -36,9 +46,10 @@ def _env_int(name: str) -> int | None:
 
 def rank_and_world_size() -> tuple[int, int]:
     """This process's rank and the world size: from torch.distributed when
-    torch is already imported and a process group is initialised, else from
-    ``RANK``/``WORLD_SIZE``, else Ascend's ``RANK_ID``/``RANK_SIZE``, else
-    0 and 1. Never imports torch."""
+    torch is already imported and a process group is initialised, or from
+    MindSpore's communication state when ``mindspore.communication.init()``
+    was called; else from ``RANK``/``WORLD_SIZE``, else Ascend's
+    ``RANK_ID``/``RANK_SIZE``, else 0 and 1. Never imports a framework."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None:
         try:
@@ -46,6 +57,9 @@ def rank_and_world_size() -> tuple[int, int]:
                 return int(dist.get_rank()), int(dist.get_world_size())
         except (RuntimeError, ValueError):
             pass
+    comm = sys.modules.get("mindspore.communication.management")
+    if comm is not None and getattr(getattr(comm, "GlobalComm", None), "INITED", False):
+        return int(comm.get_rank()), int(comm.get_group_size())
     for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("RANK_ID", "RANK_SIZE")):
         rank, size = _env_int(rank_var), _env_int(size_var)
         if rank is not None or size is not None:
@@ -93,7 +107,9 @@ class LoadStats:
 
     step: int
     source: str
-    """``"ram"`` (a resident shared-memory slot) or ``"storage"``."""
+    """``"ram"`` (a resident shared-memory slot) or ``"storage"``; ``"mixed"``
+    when other ranks' files were read too (see ``ranks``) and not all from
+    the same."""
     bytes: int
     verified: bool
     engine_secs: float
@@ -103,6 +119,9 @@ class LoadStats:
     total_secs: float
     copied_bytes: int
     bytes_per_sec: float
+    ranks: dict[int, str] | None = None
+    """When tensors came from other ranks' files too: where each file came
+    from (``"ram"`` or ``"storage"``), by the rank that wrote it."""
     rejected: str | None = None
     """Why a resident copy was found but not used: it failed verification
     (the error names the slot file and tensor); the load read storage."""
@@ -189,8 +208,17 @@ class Checkpointer:
         on_full: when no slot is free, ``"wait"`` (at most ``full_timeout``
             seconds, default 600) or ``"skip"`` the save.
         commit_timeout: with several ranks, how long a save waits for the
-            other ranks (rank 0 gathers and commits), default 600 s; the
+            other ranks (rank 0 gathers and commits), and how long the ranks
+            wait for each other when they coordinate; default 600 s; the
             error names the ranks that did not answer.
+        replica_group: the ranks holding the same replicated state as this
+            one (``save(..., replicated=...)``); default: every rank.
+        store: the key-value store the ranks coordinate through (a
+            ``torch.distributed.Store``, or anything with ``set``, ``get``,
+            ``check`` and ``add``); default: torch.distributed's when it is
+            initialised. With several ranks and a store, constructing the
+            ``Checkpointer`` is collective and ``load`` agrees on the step;
+            see ``acp.distributed``.
         The other keywords tune the engine; see ``acp._acp.Engine``.
     """
 
@@ -219,12 +247,23 @@ class Checkpointer:
         stall_timeout: float | None = None,
         commit_timeout: float | None = None,
         faults: _acp.FaultInjector | None = None,
+        replica_group: Sequence[int] | None = None,
+        store: Store | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
         self.job = job
+        self.replica_group = _replica_group(replica_group, self.rank, self.world_size)
+        if store is None and self.world_size > 1:
+            store = default_store()
+        coordinated = store is not None and self.world_size > 1
+        # Unless told otherwise, the ranks decide together which resident
+        # images to commit (the same choice on every rank: a collective).
+        recover_together = coordinated and persist_on_open is None
+        if recover_together:
+            persist_on_open = False
         self._engine = _acp.Engine(
             os.fspath(root),
             job=job,
@@ -250,6 +289,23 @@ class Checkpointer:
             faults=faults,
         )
         self.root = self._engine.root
+        self._coordinator: Coordinator | None = None
+        self._recovering: list[_acp.SaveHandle] = []
+        if coordinated:
+            assert store is not None
+            try:
+                self._coordinator = Coordinator(
+                    store,
+                    job if job is not None else os.fspath(self.root),
+                    self.rank,
+                    self.world_size,
+                    600.0 if commit_timeout is None else commit_timeout,
+                )
+                if recover_together:
+                    self._recovering = recover(self._coordinator, self._engine)
+            except BaseException:
+                self._engine.close()  # lets go of the ring: the job can be opened again
+                raise
         self._adapters = Adapters()
         self._closed = False
         self._lock = threading.Lock()
@@ -278,6 +334,7 @@ class Checkpointer:
         *,
         overwrite: bool = False,
         metadata: dict[str, str] | None = None,
+        replicated: bool | Collection[str] = False,
     ) -> SaveHandle:
         """Saves ``state`` as ``step``; returns once its tensors are copied
         into the ring (the stall), while the engine writes and commits it.
@@ -289,10 +346,18 @@ class Checkpointer:
         committed ``step`` raises ``acp.CheckpointExists`` unless
         ``overwrite``, which replaces it atomically. ``metadata`` adds
         string entries to the safetensors header.
+
+        ``replicated=True`` declares ``state`` identical on every rank of
+        the replica group (data parallel), so each tensor is written by one
+        of them, the bytes shared out evenly; a collection of top-level keys
+        declares only those replicated. ``load`` gives every rank all of
+        its tensors. See ``acp.distributed``.
         """
         self._check_open()
         with _gc_paused():
-            return self._save(step, state, overwrite=overwrite, metadata=metadata)
+            return self._save(
+                step, state, overwrite=overwrite, metadata=metadata, replicated=replicated
+            )
 
     def _save(
         self,
@@ -301,6 +366,7 @@ class Checkpointer:
         *,
         overwrite: bool,
         metadata: dict[str, str] | None,
+        replicated: bool | Collection[str],
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
@@ -308,8 +374,19 @@ class Checkpointer:
         # maps each to its file): with several ranks, each rank's are
         # prefixed with it.
         prefix = f"rank{self.rank}." if self.world_size > 1 else ""
-        flat = flatten(state, self._adapters, prefix)
-        specs = [(t.name, t.info.dtype, t.info.shape) for t in flat.tensors]
+        if replicated:
+            flat, tensors = flatten_replicated(
+                state,
+                self._adapters,
+                rank=self.rank,
+                world_size=self.world_size,
+                replicated=replicated,
+                group=self.replica_group,
+            )
+        else:
+            flat = flatten(state, self._adapters, prefix)
+            tensors = flat.tensors
+        specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
         extra = {}
         frameworks = flat.frameworks()
         if len(frameworks) == 1:
@@ -322,13 +399,13 @@ class Checkpointer:
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
         try:
-            tensor_bytes = sum(t.info.nbytes for t in flat.tensors)
+            tensor_bytes = sum(t.info.nbytes for t in tensors)
             if staging is None:
                 handle = _acp.SaveHandle.skipped(step)
                 copy_secs = 0.0
             else:
                 t2 = perf_counter()
-                _fill(staging, flat.tensors)
+                _fill(staging, tensors)
                 copy_secs = perf_counter() - t2
                 handle = staging.finish()
         except BaseException:
@@ -343,7 +420,7 @@ class Checkpointer:
             stall_secs=stall,
             flatten_secs=t1 - t0,
             copy_secs=copy_secs,
-            tensors=len(flat.tensors),
+            tensors=len(tensors),
             tensor_bytes=tensor_bytes,
         )
         result = SaveHandle(handle, stats)
@@ -369,6 +446,7 @@ class Checkpointer:
         fallback: bool = False,
         storage_only: bool = False,
         rank: int | None = None,
+        agree: bool | None = None,
     ) -> Any:
         """Loads a committed step (the newest when ``step`` is None) from RAM
         when it is resident, else from storage.
@@ -386,18 +464,70 @@ class Checkpointer:
         to the newest intact step when the latest is corrupt;
         ``storage_only`` ignores the resident copy; ``rank`` loads the file
         another rank wrote (each rank's file holds that rank's state).
+        Tensors another rank wrote (``save(..., replicated=...)``) come from
+        its file: from its slot when it is resident on this node, else from
+        storage.
+
+        ``agree`` (default: with several coordinated ranks and neither
+        ``step`` nor ``rank`` given) makes the load collective: every rank
+        loads the newest step that all of them see committed, and if any
+        rank fails, every rank raises (or, with ``fallback``, all move to
+        the next older step). See ``acp.distributed``.
 
         Raises ``acp.CheckpointNotFound`` when there is no such step,
         ``acp.CheckpointCorrupt`` naming the file and tensor.
         """
         self._check_open()
-        t0 = perf_counter()
         if step is not None:
             step = _step(step)
+        self._reap_recovery()
+        if agree is None:
+            agree = self._coordinator is not None and step is None and rank is None
+        if not agree:
+            return self._load(
+                step,
+                into=into,
+                map_location=map_location,
+                fallback=fallback,
+                storage_only=storage_only,
+                rank=rank,
+            )
+        if self._coordinator is None:
+            raise InvalidInput("load(agree=True): the ranks have no store to coordinate through")
+        return agreed_load(
+            self._coordinator,
+            self._engine,
+            lambda s: self._load(
+                s,
+                into=into,
+                map_location=map_location,
+                fallback=False,
+                storage_only=storage_only,
+                rank=rank,
+            ),
+            step=step,
+            fallback=fallback,
+        )
+
+    def _load(
+        self,
+        step: int | None,
+        *,
+        into: object,
+        map_location: Any,
+        fallback: bool,
+        storage_only: bool,
+        rank: int | None,
+    ) -> Any:
+        t0 = perf_counter()
         # A load from storage may regrow (remap) a ring slot: forget what
         # was registered about slot memory before it happens.
         self._adapters.forget_memory()
         loaded = self._engine.load(step, storage_only, fallback, rank)
+        # Replicated tensors other ranks wrote are in their files.
+        loaded = with_other_ranks(
+            self._engine, loaded, self.rank if rank is None else rank, storage_only
+        )
         t1 = perf_counter()
         if into is None:
             result = load_state(loaded, self._adapters, map_location)
@@ -406,6 +536,7 @@ class Checkpointer:
             copied = load_into(loaded, self._adapters, into, map_location)
         t2 = perf_counter()
         report = loaded.report()
+        ranks = loaded.sources() if isinstance(loaded, Sources) else None
         del loaded
         stats = LoadStats(
             step=report["step"],
@@ -417,11 +548,22 @@ class Checkpointer:
             total_secs=t2 - t0,
             copied_bytes=copied,
             bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
+            ranks=ranks,
             rejected=report.get("rejected"),
         )
         self.last_load = stats
         self._metrics.loaded(stats)
         return result if into is None else stats
+
+    def _reap_recovery(self) -> None:
+        """Waits for the resident steps the ranks chose to commit at open,
+        logging a failure (their step stays uncommitted, as if never saved)."""
+        handles, self._recovering = self._recovering, []
+        for h in handles:
+            try:
+                h.wait()
+            except AcpError as e:
+                logger.warning("acp: resident step %d was not committed: %s", h.step, e)
 
     # --- the rest ---------------------------------------------------------
 
@@ -567,6 +709,19 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _replica_group(group: Sequence[int] | None, rank: int, world_size: int) -> list[int]:
+    """The sorted replica group (every rank by default); it must hold ``rank``."""
+    if group is None:
+        return list(range(world_size))
+    ranks = sorted({operator.index(r) for r in group})
+    if rank not in ranks or not all(0 <= r < world_size for r in ranks):
+        raise ConfigError(
+            f"config `replica_group`: {ranks} must hold this rank ({rank}) and only ranks "
+            f"below the world size ({world_size})"
+        )
+    return ranks
 
 
 def _step(step: object) -> int:

@@ -731,46 +731,22 @@ def write_torch(states: dict[int, SafetensorsFile], out: str | os.PathLike[str],
 def write_mindspore(
     states: dict[int, SafetensorsFile], out: str | os.PathLike[str], tmp: Path
 ) -> None:
-    """A MindSpore checkpoint of every tensor (by its acp name) and the
-    scalar plain values (ints, floats, bools, strings) as ``append_dict``."""
-    import mindspore as ms
-    import numpy as np
+    """A MindSpore checkpoint of every tensor (by its acp name, dtype kept)
+    and the scalar plain values (ints, floats, bools, strings) as
+    ``append_dict``."""
+    from acp.mindspore import write_ckpt
 
-    params = []
     appended: dict[str, Any] = {}
+    tensors = []
     for s in states.values():
         for i, (name, dt, shape, _) in enumerate(s.tensors):
-            params.append({"name": name, "data": ms.Tensor(_numpy_of(s, i, dt, shape, np))})
+            tensors.append((name, dt, shape, s.buffer(i)))
         values = json.loads(s.values_json)
         for key, v in _flat_scalars(_plain(values)):
             appended.setdefault(key, v)
     scratch = tmp / "out.ckpt"
-    ms.save_checkpoint(params, os.fspath(scratch), append_dict=appended or None)
+    write_ckpt(tensors, scratch, format="ckpt", append=appended or None)
     shutil.move(scratch, out)
-
-
-def _numpy_of(s: SafetensorsFile, i: int, dt: str, shape: tuple[int, ...], np: Any) -> Any:
-    raw = bytes(s.buffer(i))
-    if dt == "BF16":  # NumPy has no bfloat16: widen exactly to float32
-        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(shape)
-    names = {
-        "F64": "<f8",
-        "F32": "<f4",
-        "F16": "<f2",
-        "I64": "<i8",
-        "I32": "<i4",
-        "I16": "<i2",
-        "I8": "i1",
-        "U64": "<u8",
-        "U32": "<u4",
-        "U16": "<u2",
-        "U8": "u1",
-        "BOOL": "?",
-    }
-    if dt not in names:
-        raise InvalidInput(f"tensor `{s.tensors[i][0]}`: dtype {dt} has no MindSpore export")
-    return np.frombuffer(raw, dtype=names[dt]).reshape(shape).copy()
 
 
 def _plain(values: Any) -> Any:

@@ -43,10 +43,25 @@ DCP's, not acp's. Pass ``StorageReader(..., load_bytes=False)`` to refuse
 such entries instead of unpickling them (for checkpoints you do not trust),
 or use ``acp.Checkpointer.save`` directly, which stores plain values as JSON.
 
-Single process (``no_dist=True``, or no process group) with DCP's thread
-executor is what this module supports today: a world size above one is
-refused with an error, and ``AsyncCheckpointerType.PROCESS`` cannot carry the
-writer (its engine) to another process.
+**Several ranks, and resharding.** With a process group, give each rank a
+writer on its own ``acp.Checkpointer`` (whose rank and world size come from
+torch.distributed), and name the step with ``checkpoint_id``. Each rank's
+``write_data`` copies its items (its shards; DCP's planner has already
+given each replicated item to one rank) into its own acp file, whose values
+hold the DCP metadata of those items; the engine commits the step once
+every rank's file is durable (rank 0 assembles the index; coordination goes
+through the checkpoint directory, never the process group). The reader
+merges every rank's metadata (read from the verified headers only) and reads
+each item from whichever rank's file holds it: its own from its ring slot,
+another rank's from that rank's slot when it is resident on this node, else
+from storage. So a checkpoint saved with one world size or sharding (FSDP,
+DTensor, ...) loads into another, as DCP's planners arrange. Each item is
+named ``rank{N}/`` + its key in the files. ``async_save`` stages each rank's
+whole local state before DCP's planning runs, so replicated items are
+written by every rank there (the reader takes one).
+
+``AsyncCheckpointerType.PROCESS`` cannot carry the writer (its engine) to
+another process; DCP's thread executor works.
 """
 
 from __future__ import annotations
@@ -93,7 +108,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
 from acp import _acp
-from acp.checkpointer import Checkpointer
+from acp.checkpointer import Checkpointer, rank_and_world_size
 
 __all__ = [
     "METADATA_KEY",
@@ -355,18 +370,25 @@ def _valid_checkpoint_id(checkpoint_id: Any) -> bool:
 
 
 class _EngineRef:
-    """The acp engine a writer or reader uses, and whether it owns it."""
+    """The acp engine a writer or reader uses, whether it owns it, and the
+    engine's rank and world size."""
 
     def __init__(self, target: Any, engine_kwargs: dict[str, Any]) -> None:
         self.owned = False
         self.engine: Any
+        self.rank, self.world_size = 0, 1
         if isinstance(target, _acp.Engine):
             self.engine = target
         elif isinstance(target, Checkpointer):
             # The Checkpointer's engine: this writes DCP's layout, not the
             # Checkpointer's state codec, through the same ring and root.
             self.engine = target._engine
+            self.rank, self.world_size = target.rank, target.world_size
         elif isinstance(target, (str, os.PathLike)):
+            rank, world = rank_and_world_size()
+            engine_kwargs.setdefault("rank", rank)
+            engine_kwargs.setdefault("world_size", world)
+            self.rank, self.world_size = engine_kwargs["rank"], engine_kwargs["world_size"]
             self.engine = _acp.Engine(os.fspath(target), **engine_kwargs)
             self.owned = True
         else:
@@ -377,6 +399,17 @@ class _EngineRef:
         if engine_kwargs and not self.owned:
             raise TypeError("engine options apply only when a root path is given")
         self.root = os.fspath(self.engine.root)
+
+    def check_rank(self, kwargs: dict[str, Any]) -> None:
+        """Refuses a DCP rank other than the engine's: every rank needs a
+        writer or reader on its own engine."""
+        rank = kwargs.get("rank")
+        if rank is not None and rank != self.rank:
+            raise ValueError(
+                f"acp.dcp: DCP runs this as rank {rank}, but the acp engine is rank "
+                f"{self.rank} of {self.world_size}; give each rank its own acp.Checkpointer "
+                "(it takes its rank from torch.distributed)"
+            )
 
     def step_of(self, checkpoint_id: Any) -> int:
         """:func:`_parse_step`, also checking a path lies under this root."""
@@ -401,14 +434,6 @@ class _EngineRef:
 
 def _storage_dtype(dtype: torch.dtype) -> str:
     return _ST_DTYPES.get(dtype, "U8")
-
-
-def _check_world(kwargs: dict[str, Any]) -> None:
-    rank = kwargs.get("rank")
-    if rank not in (None, 0):
-        raise NotImplementedError(
-            f"acp.dcp: rank {rank}: only single-process DCP (no_dist=True) is supported yet"
-        )
 
 
 @contextlib.contextmanager
@@ -543,15 +568,16 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             self._save.requested = self._ref.step_of(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        _check_world(kwargs)
+        self._ref.check_rank(kwargs)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if len(plans) != 1:
-            raise NotImplementedError(
-                f"acp.dcp: {len(plans)} ranks: only single-process DCP is supported yet"
+        if len(plans) != self._ref.world_size:
+            raise ValueError(
+                f"acp.dcp: {len(plans)} ranks save, but the acp engine was opened for a world "
+                f"size of {self._ref.world_size}"
             )
         return plans
 
@@ -560,7 +586,7 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         if staged is not None:
             self._save.staged = staged
             return _done_future(list(staged.results))
-        items = _resolve(plan, planner)
+        items = _resolve(plan, planner, self._name_prefix())
         results = [
             _storage.WriteResult(
                 index=it.write.index,
@@ -569,6 +595,16 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
             )
             for it in items
         ]
+        if self._ref.world_size > 1:
+            # Only the coordinator's finish() sees the global metadata: every
+            # rank stages now, with the metadata of its own items.
+            step = self._take_step(self._save.requested)
+            self._save.requested = step
+            metadata = _local_metadata(plan, self.storage_meta())
+            with _gc_paused():
+                handle = self._commit(step, items, metadata, [results])
+            self._save.staged = _Staged(step, handle, metadata, results, {})
+            return _done_future(results)
         self._save.items, self._save.results = items, results
         return _done_future(results)
 
@@ -576,7 +612,11 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         state = self._save
         staged, state.staged = state.staged, None
         requested, state.requested = state.requested, None
-        if staged is not None:
+        if staged is not None and not staged.placeholders:  # staged by write_data
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            handle = staged.handle
+            step = staged.step
+        elif staged is not None:
             if requested is not None and requested != staged.step:
                 if staged.handle is not None:
                     staged.handle.wait()  # the data is committed as the staged step
@@ -636,10 +676,11 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         meta = StorageMeta(checkpoint_id=str(step), save_id=self._save_id)
         planner.set_up_planner(state_dict=state_dict, storage_meta=meta, is_coordinator=True)
         local = self.prepare_local_plan(planner.create_local_plan())
+        # Each rank plans alone here (no collective in the stall): its
+        # metadata is its own items', as write_data's with several ranks.
         plans, metadata = planner.create_global_plan([local])
-        plans = self.prepare_global_plan(plans)
         final = planner.finish_plan(plans[0])
-        items = _resolve(final, planner)
+        items = _resolve(final, planner, self._name_prefix())
         results = [
             _storage.WriteResult(
                 index=it.write.index,
@@ -673,6 +714,11 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
         self._ref.close()
 
     # ---- internals
+
+    def _name_prefix(self) -> str:
+        """Items' names are unique over all ranks' files (the step's index
+        maps each to its file); with several ranks they carry the rank."""
+        return f"rank{self._ref.rank}/" if self._ref.world_size > 1 else ""
 
     def _take_step(self, requested: int | None) -> int:
         with self._lock:
@@ -746,6 +792,28 @@ class StorageWriter(_storage.StorageWriter, AsyncStager):
     def _record(self, step: int, report: dict[str, Any]) -> None:
         last = self.last_save if self.last_save and self.last_save.get("step") == step else {}
         self.last_save = {**report, **last, "committed": True}
+
+
+def _local_metadata(plan: SavePlan, storage_meta: StorageMeta | None) -> Metadata:
+    """The DCP metadata of one rank's items (its chunks of each tensor, its
+    bytes entries, its planner data); a reader merges every rank's."""
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for wi in plan.items:
+        fqn = wi.index.fqn
+        td = wi.tensor_data
+        if wi.type == WriteItemType.BYTE_IO or td is None:
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        md = sdm.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            md = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
+            sdm[fqn] = md
+        md.chunks.append(td.chunk)
+    return Metadata(
+        state_dict_metadata=sdm,
+        planner_data=plan.planner_data,
+        storage_meta=storage_meta,
+    )
 
 
 class _BytesPlaceholder:
@@ -834,8 +902,9 @@ def _resolve_tensor(planner: LoadPlanner, req: ReadItem) -> torch.Tensor:
     return planner.resolve_tensor(req)
 
 
-def _resolve(plan: SavePlan, planner: SavePlanner) -> list[_Item]:
-    """Resolves every write item to the tensor (or DCP bytes) it stores."""
+def _resolve(plan: SavePlan, planner: SavePlanner, prefix: str = "") -> list[_Item]:
+    """Resolves every write item to the tensor (or DCP bytes) it stores,
+    named ``prefix`` + its key (and chunk offsets)."""
     items: list[_Item] = []
     used: set[str] = set()
     for wi in plan.items:
@@ -860,6 +929,7 @@ def _resolve(plan: SavePlan, planner: SavePlanner) -> list[_Item]:
                 any(o != 0 for o in td.chunk.offsets) or tuple(td.chunk.sizes) != tuple(td.size)
             ):
                 name += "@" + ",".join(str(o) for o in td.chunk.offsets)
+        name = prefix + name
         base, n = name, 1
         while name in used:
             n += 1
@@ -944,7 +1014,8 @@ class StorageReader(_storage.StorageReader):
             DCP's planner, which unpickles them. ``False`` refuses them.
 
     After a load, :attr:`last_load` holds its figures (``source`` is
-    ``"ram"`` or ``"storage"``).
+    ``"ram"`` or ``"storage"``, ``"mixed"`` when several ranks' files were
+    read from different places; ``ranks`` then says where each came from).
     """
 
     def __init__(
@@ -966,20 +1037,34 @@ class StorageReader(_storage.StorageReader):
         self._storage_data: dict[MetadataIndex, str] = {}
         self._sdm: dict[str, Any] = {}
         self._load_id = str(uuid.uuid4())
+        # Several ranks' files: the step, and which rank's file holds each item.
+        self._ranks_step: int | None = None
+        self._holder: dict[MetadataIndex, int] = {}
         self.last_load: dict[str, Any] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._loaded = None
         self._names = {}
         self._storage_data = {}
+        self._ranks_step = None
+        self._holder = {}
         self._load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
             self._step = self._ref.step_of(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        _check_world(kwargs)
+        self._ref.check_rank(kwargs)
         started = time.perf_counter()
-        loaded = self._ref.engine.load(step=self._step, storage_only=self._storage_only)
+        engine = self._ref.engine
+        step = self._step if self._step is not None else engine.latest()
+        if step is None:
+            raise _acp.CheckpointNotFound(f"committed checkpoint in {self._ref.root}: not found")
+        index = json.loads(engine.index_json(step))
+        files = index.get("metadata", {}).get("acp", {}).get("files", {})
+        ranks = sorted({int(f["rank"]) for f in files.values()})
+        if ranks != [self._ref.rank]:
+            return self._read_rank_metadata(step, ranks, started)
+        loaded = engine.load(step=step, storage_only=self._storage_only)
         values = json.loads(loaded.values_json)
         if not isinstance(values, dict) or METADATA_KEY not in values:
             raise ValueError(
@@ -995,10 +1080,64 @@ class StorageReader(_storage.StorageReader):
         self.last_load = {**loaded.report(), "metadata_secs": time.perf_counter() - started}
         return metadata
 
+    def _read_rank_metadata(self, step: int, ranks: list[int], started: float) -> Metadata:
+        """Merges the DCP metadata of every rank's file of ``step`` (read from
+        their verified headers) and notes which file holds each item: this
+        rank's own when it holds it, else the lowest rank's."""
+        sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        storage: dict[MetadataIndex, str] = {}
+        planner_data: dict[str, Any] = {}
+        first: Metadata | None = None
+        for r in ranks:
+            values = json.loads(self._ref.engine.read_values(step, r))
+            if not isinstance(values, dict) or METADATA_KEY not in values:
+                raise ValueError(
+                    f"acp.dcp: step {step} in {self._ref.root}: rank {r}'s file was not saved "
+                    "through torch.distributed.checkpoint (no DCP metadata); load it with "
+                    "acp.Checkpointer"
+                )
+            md = metadata_from_json(values[METADATA_KEY])
+            first = first or md
+            for idx, name in (md.storage_data or {}).items():
+                if idx not in self._holder or r == self._ref.rank:
+                    self._holder[idx] = r
+                    storage[idx] = name
+            for fqn, m in md.state_dict_metadata.items():
+                have = sdm.get(fqn)
+                if have is None:
+                    sdm[fqn] = (
+                        dataclasses.replace(m, chunks=list(m.chunks))
+                        if isinstance(m, TensorStorageMetadata)
+                        else m
+                    )
+                elif isinstance(have, TensorStorageMetadata) and isinstance(
+                    m, TensorStorageMetadata
+                ):
+                    known = {tuple(c.offsets) for c in have.chunks}
+                    have.chunks.extend(c for c in m.chunks if tuple(c.offsets) not in known)
+            if isinstance(md.planner_data, dict):
+                planner_data.update(md.planner_data)
+        assert first is not None
+        meta = first.storage_meta or StorageMeta()
+        meta.load_id = self._load_id
+        self._ranks_step = step
+        self.last_load = {
+            "step": step,
+            "files": len(ranks),
+            "metadata_secs": time.perf_counter() - started,
+        }
+        return Metadata(
+            state_dict_metadata=sdm,
+            planner_data=planner_data or first.planner_data,
+            storage_data=storage,
+            storage_meta=meta,
+            version=first.version,
+        )
+
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        _check_world(kwargs)
+        self._ref.check_rank(kwargs)
         self._storage_data = dict(metadata.storage_data or {})
         self._sdm = metadata.state_dict_metadata
 
@@ -1009,12 +1148,54 @@ class StorageReader(_storage.StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
+        if self._ranks_step is not None:
+            with _gc_paused():
+                self._read_ranks(self._ranks_step, plan, planner)
+            return _done_future(None)
         loaded, self._loaded = self._loaded, None  # the slot is unpinned when this returns
         if loaded is None:
             raise RuntimeError("acp.dcp: read_data() before read_metadata()")
         with _gc_paused():
             self._read_all(loaded, plan, planner)
         return _done_future(None)
+
+    def _read_ranks(self, step: int, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Reads each item from the file that holds it, one file at a time
+        (this rank's first): from its slot when resident on this node."""
+        started = time.perf_counter()
+        groups: dict[int, list[ReadItem]] = {}
+        for req in plan.items:
+            holder = self._holder.get(req.storage_index)
+            if holder is None:
+                self._entry(req)  # raises, naming the item
+                continue
+            groups.setdefault(holder, []).append(req)
+        sources: dict[int, str] = {}
+        nbytes = 0
+        for r in sorted(groups, key=lambda r: (r != self._ref.rank, r)):
+            # This rank's own file is loaded whole (from its ring slot when
+            # resident); of another's, only the chunks under the wanted items.
+            names = None
+            if r != self._ref.rank:
+                names = sorted({self._storage_data[req.storage_index] for req in groups[r]})
+            loaded = self._ref.engine.load(
+                step=step, storage_only=self._storage_only, rank=r, tensors=names
+            )
+            try:
+                self._names = {e[0]: i for i, e in enumerate(loaded.entries())}
+                self._read_all(loaded, dataclasses.replace(plan, items=groups[r]), planner)
+                sources[r] = loaded.source
+                nbytes += loaded.report()["bytes"]
+            finally:
+                del loaded
+        kinds = set(sources.values())
+        self.last_load = {
+            **(self.last_load or {}),
+            "source": kinds.pop() if len(kinds) == 1 else "mixed",
+            "ranks": sources,
+            "bytes": nbytes,
+            "copy_secs": time.perf_counter() - started,
+        }
 
     def _read_all(self, loaded: Any, plan: LoadPlan, planner: LoadPlanner) -> None:
         started = time.perf_counter()

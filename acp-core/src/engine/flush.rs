@@ -39,8 +39,9 @@ pub(super) struct Job {
     pub(super) started: Instant,
     pub(super) stall_secs: f64,
     pub(super) slot_wait_secs: f64,
-    /// A slot left by a previous process (persist on open).
-    pub(super) recovery: bool,
+    /// A slot left by a previous process that nobody holds the handle of
+    /// (persist on open): its failure is raised by `close`.
+    pub(super) unwatched: bool,
 }
 
 /// The flush thread's loop: one job at a time, in order, until the queue
@@ -49,7 +50,7 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
     for job in rx {
         let slot = job.pin.slot();
         let step = job.step;
-        let recovery = job.recovery;
+        let unwatched = job.unwatched;
         let done = Arc::clone(&job.done);
         // The watchdog times the flush from here: a storage call that hangs
         // before the first chunk (creating the directory) is caught too.
@@ -71,7 +72,7 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
                 }
                 Err(e) => {
                     st.failed_slots.push(slot);
-                    if recovery && st.unreported.is_none() {
+                    if unwatched && st.unreported.is_none() {
                         st.unreported = Some(e.duplicate());
                     }
                 }
@@ -184,17 +185,15 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 entry,
                 tensors,
             };
-            // Rank 0 takes a manifest it can see as this rank's report that
-            // its file is durable, so the manifest appears (by a rename)
-            // only once the file, the manifest and the directory are.
-            // Written in place, rank 0 could commit the step while this
-            // rank's directory fsync was still to fail: a committed step
-            // whose save reported an error.
+            // Rank 0 takes a manifest as soon as its name appears, and may
+            // move this directory's data file and remove the directory at
+            // once: the name appears by a rename, after the content and
+            // the directory are durable.
             let name = manifest_file_name(rank);
-            let unpublished = pending.join(format!(".{name}.tmp"));
-            root.write_durable(&unpublished, &manifest.to_json()?)?;
+            let tmp = pending.join(format!("{name}.tmp"));
+            root.write_durable(&tmp, &manifest.to_json()?)?;
             root.sync_dir(&pending)?;
-            root.rename(&unpublished, &pending.join(&name))?;
+            root.rename(&tmp, &pending.join(name))?;
             if rank == 0 {
                 commit_ranks(shared, step, job.overwrite)?;
             } else {

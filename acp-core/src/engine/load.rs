@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::time::Instant;
 
-use super::{copy, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView};
+use super::{
+    copy, ranks, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView,
+};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry, ParsedHeader};
@@ -57,7 +59,13 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     };
     let mut first_err: Option<Error> = None;
     for step in candidates {
-        match load_step(shared, step, req.rank, req.storage_only, t0) {
+        let result = match (&req.tensors, req.rank) {
+            (Some(names), Some(rank)) if rank != shared.cfg.rank => {
+                ranks::load_tensors(shared, step, rank, names, req.storage_only, t0)
+            }
+            _ => load_step(shared, step, req.rank, req.storage_only, t0),
+        };
+        match result {
             Ok(c) => {
                 if let Some(e) = &first_err {
                     tracing::warn!("acp: fell back to step {step}: {e}");
@@ -95,8 +103,6 @@ fn load_step(
 ) -> Result<Checkpoint> {
     let own = shared.cfg.rank;
     let rank = rank.unwrap_or(own);
-    // Only this rank's own file can be resident in this rank's ring.
-    let storage_only = storage_only || rank != own;
     let index = shared.root.read_index(step)?;
     let file_name = data_file_name(rank);
     let dir = shared.root.step_dir(step);
@@ -120,7 +126,32 @@ fn load_step(
         world_size: index.world_size,
     };
     let mut rejected = None;
-    if !storage_only {
+    if !storage_only && rank != own {
+        // Another rank's image may be resident in its slot on this node.
+        let mut buf = heap(entry.size, &dir)?;
+        if let Some(slot_path) = ranks::copy_from_peer_slot(shared, step, rank, entry, &mut buf) {
+            let len = to_usize(entry.size);
+            match verify(&slot_path, &buf[..len], entry, threads) {
+                Ok(_) => {
+                    let backing = Backing::Heap(buf, len);
+                    return finish(
+                        shared,
+                        step,
+                        backing,
+                        &slot_path,
+                        Source::Ram,
+                        true,
+                        t0,
+                        &expected,
+                    );
+                }
+                Err(e) => tracing::warn!(
+                    "acp: rank {rank}'s resident copy of step {step} rejected, reading storage: {e}"
+                ),
+            }
+        }
+    }
+    if !storage_only && rank == own {
         for info in shared.ring.complete() {
             if info.step != step || info.len != entry.size {
                 continue;
@@ -181,9 +212,7 @@ fn load_step(
         Backing::Slot(pin)
     } else {
         let len = to_usize(entry.size);
-        let padded = len.div_ceil(4096).max(1) * 4096;
-        let mut buf =
-            memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", &path, e))?;
+        let mut buf = heap(entry.size, &path)?;
         read_into(shared, &path, &mut buf, entry)?;
         verify(&path, &buf[..len], entry, threads)?;
         Backing::Heap(buf, len)
@@ -273,6 +302,13 @@ fn tensor_at(path: &Path, size: u64, offset: u64) -> Option<String> {
         .into_iter()
         .find(|e| e.offset <= offset && offset < e.offset + e.len.max(1))
         .map(|e| e.name)
+}
+
+/// Private page-aligned memory for an image of `len` bytes (padded to a
+/// page, as the I/O layer reads whole pages).
+pub(super) fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
+    let padded = to_usize(len).div_ceil(4096).max(1) * 4096;
+    memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))
 }
 
 fn read_into(shared: &Shared, path: &Path, dst: &mut [u8], entry: &FileEntry) -> Result<()> {

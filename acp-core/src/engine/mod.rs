@@ -17,6 +17,7 @@ mod copy;
 mod flush;
 mod handle;
 mod load;
+mod ranks;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share
 /// the ring, the flush thread and the state.
@@ -140,10 +141,15 @@ pub struct LoadRequest {
     /// When the wanted (latest) step is corrupt, fall back to the newest
     /// older committed step that is intact. Only with `step: None`.
     pub fallback: bool,
-    /// Load the file written by this rank instead of this engine's own
-    /// (read from storage unless it is this engine's rank). With several
+    /// Load the file written by this rank instead of this engine's own:
+    /// from that rank's slot when it is resident on this node (verified
+    /// against the committed digests), else from storage. With several
     /// ranks, each file holds that rank's share of the tensors.
     pub rank: Option<u32>,
+    /// Only these tensors of another rank's file (with its values): only
+    /// the digest chunks under its header and under them are read. Ignored
+    /// for this engine's own file, which is loaded whole.
+    pub tensors: Option<Vec<String>>,
 }
 
 /// Where a loaded checkpoint came from.
@@ -300,15 +306,16 @@ fn slot_matches_index(
         })
 }
 
-/// The shared-memory name of a job: 16 hex digits of blake3 over the job id.
-fn job_names(cfg: &EngineConfig, root: &Root) -> (String, crate::format::Digest) {
+/// The slot file prefix of `rank` of this engine's job, and the job tag:
+/// 16 hex digits of blake3 over the job id.
+fn job_names(cfg: &EngineConfig, root: &Root, rank: u32) -> (String, crate::format::Digest) {
     let job = cfg
         .job
         .clone()
         .unwrap_or_else(|| root.path().to_string_lossy().into_owned());
     let tag = *blake3::hash(job.as_bytes()).as_bytes();
     let hex = crate::format::hex(&tag);
-    (format!("acp-{}-r{:05}", &hex[..16], cfg.rank), tag)
+    (format!("acp-{}-r{rank:05}", &hex[..16]), tag)
 }
 
 impl Engine {
@@ -324,7 +331,7 @@ impl Engine {
         config.validate()?;
         let root = Root::open(&config.root, config.faults.clone())?;
         let io = crate::io::open_engine(config.io)?;
-        let (prefix, job_tag) = job_names(&config, &root);
+        let (prefix, job_tag) = job_names(&config, &root, config.rank);
         let root = root.owned_by(config.rank, &crate::format::hex(&job_tag)[..8]);
         let (ring, ring_report) = Ring::open(RingOptions {
             dir: config.shm_dir.clone(),
@@ -422,24 +429,8 @@ impl Engine {
                 worker: Mutex::new(Some(worker)),
             }),
         };
-        for info in to_persist {
-            let pin = engine.inner.shared.ring.pin(info.slot)?;
-            tracing::info!(
-                step = info.step,
-                "acp: persisting a resident checkpoint left by a previous process"
-            );
-            engine.inner.shared.lock().recovering.push(info.step);
-            let done = handle::Completion::new(info.step);
-            engine.enqueue(flush::Job {
-                pin,
-                step: info.step,
-                overwrite: false,
-                done,
-                started: Instant::now(),
-                stall_secs: 0.0,
-                slot_wait_secs: 0.0,
-                recovery: true,
-            })?;
+        for info in &to_persist {
+            engine.persist_slot(info, true)?;
         }
         Ok(engine)
     }
@@ -703,6 +694,88 @@ impl Engine {
             .iter()
             .map(|s| s.step)
             .collect()
+    }
+
+    /// The index of committed `step`: its files (size, digests, rank) and
+    /// which file holds each tensor.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when `step` is not committed; [`Error::Corrupt`].
+    pub fn index(&self, step: u64) -> Result<crate::format::Index> {
+        self.shared().root.read_index(step)
+    }
+
+    /// The values saved in `rank`'s file of committed `step`, read from
+    /// the chunks that hold its header (each checked against the index),
+    /// without reading its tensors.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] for a step that is not committed or a rank with
+    /// no file in it; [`Error::Corrupt`]; [`Error::Io`].
+    pub fn read_values(&self, step: u64, rank: u32) -> Result<serde_json::Value> {
+        Ok(ranks::read_header(self.shared(), step, rank)?.values)
+    }
+
+    /// Queues the flush and commit of the resident image of `step` that a
+    /// previous process of this rank left in the ring (as `persist_on_open`
+    /// does, for one step the caller chose, e.g. once every rank is known
+    /// to hold its part of it). Loads wait for it, as for open's.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when no slot holds `step` unflushed (resident
+    /// or flushing); [`Error::Exists`] when `step` is committed;
+    /// [`Error::Closed`].
+    pub fn persist_resident(&self, step: u64) -> Result<SaveHandle> {
+        let shared = self.shared();
+        if shared.lock().committed.contains(&step) || shared.root.is_committed(step) {
+            return Err(Error::Exists {
+                step,
+                root: shared.root.path().to_path_buf(),
+            });
+        }
+        let info = shared
+            .ring
+            .complete()
+            .into_iter()
+            .find(|s| {
+                s.step == step && matches!(s.state, SlotState::Resident | SlotState::Flushing)
+            })
+            .ok_or_else(|| Error::NotFound {
+                what: format!(
+                    "unflushed resident image of step {step} in rank {}'s ring",
+                    shared.cfg.rank
+                ),
+            })?;
+        let done = self.persist_slot(&info, false)?;
+        Ok(SaveHandle::from_completion(done))
+    }
+
+    /// Queues a recovered slot for flush and commit; `unwatched` when no
+    /// caller gets the handle (its failure is then raised by `close`).
+    fn persist_slot(
+        &self,
+        info: &crate::staging::SlotInfo,
+        unwatched: bool,
+    ) -> Result<Arc<handle::Completion>> {
+        let shared = self.shared();
+        let pin = shared.ring.pin(info.slot)?;
+        tracing::info!(
+            step = info.step,
+            "acp: persisting a resident checkpoint left by a previous process"
+        );
+        shared.lock().recovering.push(info.step);
+        let done = handle::Completion::new(info.step);
+        self.enqueue(flush::Job {
+            pin,
+            step: info.step,
+            overwrite: false,
+            done: Arc::clone(&done),
+            started: Instant::now(),
+            stall_secs: 0.0,
+            slot_wait_secs: 0.0,
+            unwatched,
+        })?;
+        Ok(done)
     }
 
     /// Deletes committed steps that are neither among the newest `keep_last`
@@ -996,7 +1069,7 @@ impl Staging {
             started: self.started,
             stall_secs: self.started.elapsed().as_secs_f64(),
             slot_wait_secs: self.slot_wait.as_secs_f64(),
-            recovery: false,
+            unwatched: false,
         };
         // An enqueue failure (engine closed) completes `done` with the error.
         let _ = self.engine.enqueue(job);

@@ -142,6 +142,7 @@
 mod control;
 mod open;
 mod peek;
+mod peer;
 mod slot;
 mod table;
 
@@ -157,6 +158,7 @@ use slot::Image;
 use table::Inner;
 
 pub use peek::{peek_slot, SlotPeek};
+pub use peer::{copy_peer_image, PeerImage, PeerSlot};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]

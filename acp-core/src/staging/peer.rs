@@ -1,0 +1,152 @@
+//! Copying an image out of another rank's slot on this node: the "restore
+//! from RAM" of a file this process did not write. No mapping, no lock, no
+//! write: the slot belongs to a live or dead process of the same job, which
+//! may reuse it at any moment, so the bytes are read between two reads of
+//! the control block ([`PeerSlot::open`] and [`PeerSlot::unchanged`]) and
+//! kept only when both describe the same sealed image (state class, step,
+//! length and generation). The caller verifies the bytes against the
+//! committed digests before using them.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::format::Digest;
+
+use super::control::{off, Header};
+use super::SlotState;
+
+/// The image a caller wants from another rank's slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerImage {
+    /// blake3 of the job id (the slot's `job_tag`).
+    pub job_tag: Digest,
+    /// The rank that owns the slot.
+    pub rank: u32,
+    /// The step the image must hold.
+    pub step: u64,
+    /// The image length (the data file's size).
+    pub len: u64,
+}
+
+/// Another rank's slot file that held the wanted image when opened.
+#[derive(Debug)]
+pub struct PeerSlot {
+    file: File,
+    path: PathBuf,
+    want: PeerImage,
+    file_len: u64,
+    before: Header,
+}
+
+impl PeerSlot {
+    /// Opens the slot file at `path` when it holds the image `want`
+    /// describes, complete; `Ok(None)` when it does not (another step or
+    /// length, staging, not this job's or rank's, not this user's, absent).
+    ///
+    /// # Errors
+    /// [`Error::Io`] opening or reading it.
+    pub fn open(path: &Path, want: PeerImage) -> Result<Option<PeerSlot>> {
+        let file = match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io("open", path, e)),
+        };
+        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+        if !meta.is_file() || meta.uid() != super::slot::euid() {
+            return Ok(None);
+        }
+        let Some(before) = control_block(&file, path)? else {
+            return Ok(None);
+        };
+        if !holds(&before, &want, meta.len()) {
+            return Ok(None);
+        }
+        Ok(Some(PeerSlot {
+            file,
+            path: path.to_path_buf(),
+            want,
+            file_len: meta.len(),
+            before,
+        }))
+    }
+
+    /// The slot file.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Copies image bytes `start..start + dst.len()` into `dst`. They are
+    /// only the image's if [`PeerSlot::unchanged`] holds afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a range past the image; [`Error::Io`].
+    pub fn read_at(&self, start: u64, dst: &mut [u8]) -> Result<()> {
+        let end = start.saturating_add(dst.len() as u64);
+        if end > self.want.len {
+            return Err(Error::invalid(
+                self.path.display(),
+                format!("bytes {start}..{end} of an image of {}", self.want.len),
+            ));
+        }
+        self.file
+            .read_exact_at(dst, self.before.image_offset + start)
+            .map_err(|e| Error::io("read", &self.path, e))
+    }
+
+    /// Whether the slot still holds the same image, not reacquired since
+    /// [`PeerSlot::open`]: the bytes read in between are that image's.
+    ///
+    /// # Errors
+    /// [`Error::Io`] reading the control block.
+    pub fn unchanged(&self) -> Result<bool> {
+        Ok(control_block(&self.file, &self.path)?.is_some_and(|after| {
+            holds(&after, &self.want, self.file_len) && after.generation == self.before.generation
+        }))
+    }
+}
+
+/// Copies the whole image `want` describes out of the slot file at `path`
+/// into `dst[..want.len]`. `Ok(false)` when the slot does not hold it (see
+/// [`PeerSlot::open`]) or was reacquired during the copy.
+///
+/// # Errors
+/// [`Error::Invalid`] when `dst` is shorter than the image; [`Error::Io`].
+pub fn copy_peer_image(path: &Path, want: &PeerImage, dst: &mut [u8]) -> Result<bool> {
+    let len = usize::try_from(want.len).unwrap_or(usize::MAX);
+    if dst.len() < len {
+        return Err(Error::invalid(
+            path.display(),
+            format!("buffer of {} bytes for an image of {}", dst.len(), want.len),
+        ));
+    }
+    let Some(slot) = PeerSlot::open(path, *want)? else {
+        return Ok(false);
+    };
+    slot.read_at(0, &mut dst[..len])?;
+    slot.unchanged()
+}
+
+fn control_block(file: &File, path: &Path) -> Result<Option<Header>> {
+    let mut block = [0u8; off::END];
+    match file.read_exact_at(&mut block, 0) {
+        Ok(()) => Ok(Header::decode(&block)),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(Error::io("read", path, e)),
+    }
+}
+
+fn holds(h: &Header, want: &PeerImage, file_len: u64) -> bool {
+    SlotState::from_code(h.state).is_some_and(SlotState::is_complete)
+        && h.job_tag == want.job_tag
+        && h.rank == want.rank
+        && h.step == want.step
+        && h.image_len == want.len
+        && h.check_complete(file_len).is_ok()
+}
