@@ -451,3 +451,27 @@ fn a_rank_failing_after_its_manifest_is_written_is_never_committed() {
     }
     assert_eq!(engines[0].steps().unwrap(), vec![1, 2, 4]);
 }
+
+/// A step left resident by a failed flush, persisted later on request
+/// (`persist_resident`, as ranks that recover together do) stays resident:
+/// open had set its slot aside as reclaimable, and the flush's success
+/// used to free it with the other reclaimable slots.
+#[test]
+fn a_slot_persisted_on_request_stays_resident() {
+    let (_t, root, shm) = torture_util::dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(config(&root, &shm, IoChoice::Psync, &faults)).unwrap();
+    faults.arm(0, libc::EIO, true);
+    assert!(save(&engine, 1).unwrap().wait().is_err());
+    faults.heal();
+    engine.close().unwrap();
+    drop(engine);
+    let engine =
+        Engine::open(config(&root, &shm, IoChoice::Psync, &faults).with_persist_on_open(false))
+            .unwrap();
+    assert_eq!(engine.open_report().resident_steps, vec![1]);
+    engine.persist_resident(1).unwrap().wait().unwrap();
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    check(&ck).unwrap();
+    assert_eq!(ck.report().source, Source::Ram);
+}

@@ -65,9 +65,13 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
             st.recovering.retain(|s| *s != step);
             match &result {
                 Ok(_) => {
-                    // Older images whose flush failed are superseded now.
+                    // Older images whose flush failed are superseded now
+                    // (not the one just committed, which a recovered slot
+                    // persisted by `persist_resident` may have been).
                     for s in std::mem::take(&mut st.failed_slots) {
-                        shared.ring.release(s);
+                        if s != slot {
+                            shared.ring.release(s);
+                        }
                     }
                 }
                 Err(e) => {

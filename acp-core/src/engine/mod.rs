@@ -763,7 +763,11 @@ impl Engine {
             step = info.step,
             "acp: persisting a resident checkpoint left by a previous process"
         );
-        shared.lock().recovering.push(info.step);
+        let mut st = shared.lock();
+        st.recovering.push(info.step);
+        // Open set it aside as reclaimable; being persisted, it is not.
+        st.failed_slots.retain(|&s| s != info.slot);
+        drop(st);
         let done = handle::Completion::new(info.step);
         self.enqueue(flush::Job {
             pin,
