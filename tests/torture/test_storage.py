@@ -256,13 +256,13 @@ def test_a_load_lets_go_of_its_slot_without_the_garbage_collector(make_ckpt: Mak
     gc.disable()
     try:
         gc.collect()
-        before = {id(o) for o in gc.get_objects() if isinstance(o, _acp.Loaded)}
+        before = {id(o) for o in gc.get_objects() if type(o) is _acp.Loaded}
         assert_state(ckpt.load(), 1, N)  # from RAM: pins slot 1 while it runs
         assert_state(ckpt.load(storage_only=True), 1, N)  # read into slot 2
         target = {"w": state(0, N)["w"], "b": state(0, N)["b"], "step": 0}
         ckpt.load(1, into=target)
         assert_state(target, 1, N)
-        alive = [o for o in gc.get_objects() if isinstance(o, _acp.Loaded) and id(o) not in before]
+        alive = [o for o in gc.get_objects() if type(o) is _acp.Loaded and id(o) not in before]
         assert alive == []
         ckpt.save(2, state(2, N)).wait()  # needs a slot no load still pins
     finally:
