@@ -12,6 +12,11 @@ stays resident in RAM, so a restarted process restores at memory speed::
         h.wait()  # durable and committed
         ckpt.load(into={"model": model.state_dict()})
 
+When training dies, ``ckpt.guard()`` (an exception escaping it) and
+``ckpt.install_sigterm_handler()`` (SIGTERM) commit every completely staged
+checkpoint before the process exits (``acp.guard`` documents the exit
+statuses); after a SIGKILL, the restarted trainer commits what was staged.
+
 ``import acp`` imports no framework: torch support lives in ``acp.torch``,
 loaded when a state holds a torch tensor.
 """
