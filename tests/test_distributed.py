@@ -109,7 +109,10 @@ def test_ddp_rank_killed_after_its_copy_commits_the_step_on_restart(
         r = result(out, f"resume-rank{rank}")
         assert r["step"] == 4
         assert r["digest"] == trained["4"]
-        assert r["source"] == "ram"
+        # Its own file from RAM; a peer's part may have been read from
+        # storage when that peer's slot was already being reused ("mixed").
+        assert r["ranks"][str(rank)] == "ram", r
+        assert r["source"] in ("ram", "mixed"), r
         assert r["steps"] == [1, 2, 3, 4]
     assert result(out, "final-rank0")["steps"] == [1, 2, 3, 4, 5]
 
