@@ -57,6 +57,7 @@ def main() -> None:
                 "digest": state_digest(state(start)),
                 "source": ckpt.last_load.source,
                 "ranks": ckpt.last_load.ranks,
+                "rejected": ckpt.last_load.rejected,
                 "steps": ckpt.steps(),
             },
         )
