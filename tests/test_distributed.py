@@ -88,11 +88,6 @@ def test_ddp_rank_killed_in_its_copy_resumes_on_a_replaced_node(
     assert result(out, "final-rank1")["steps"] == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, open in issue 6: since the faults and distributed work were merged, "
-    "the ranks restored after this kill often read their parts from storage, not RAM",
-)
 def test_ddp_rank_killed_after_its_copy_commits_the_step_on_restart(
     tmp_path: Path, shm_dir: Path
 ) -> None:
