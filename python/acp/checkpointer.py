@@ -737,10 +737,11 @@ def _step(step: object) -> int:
 def _fill(staging: _acp.Staging, tensors: list[FlatTensor]) -> None:
     """Copies every tensor into the slot; ``staging.entries()`` are in the
     order of ``tensors``."""
-    groups: dict[str, list[tuple[int, object, Any]]] = {}
-    adapters = {}
+    groups: dict[Any, list[tuple[int, object, Any]]] = {}
     for index, t in enumerate(tensors):
-        groups.setdefault(t.adapter.framework, []).append((index, t.obj, t.info))
-        adapters[t.adapter.framework] = t.adapter
-    transfers = [adapters[fw].stage(staging, items) for fw, items in groups.items()]
+        items = groups.get(t.adapter)
+        if items is None:
+            items = groups[t.adapter] = []
+        items.append((index, t.obj, t.info))
+    transfers = [adapter.stage(staging, items) for adapter, items in groups.items()]
     run_transfers(staging.copy_from, transfers)
