@@ -699,10 +699,82 @@ def run_acp_dcp(ctx: Ctx) -> None:
 
 
 def run_mindspore(ctx: Ctx) -> None:
-    """The hook for MindSpore's save_checkpoint/load_checkpoint columns (a later issue)."""
-    raise NotImplementedError(
-        "MindSpore columns are not measured yet; add them here or by --plugin"
-    )
+    """MindSpore's ``save_checkpoint``/``load_checkpoint`` on the same bytes.
+
+    The state's tensors become ``mindspore.Parameter`` objects (copies of the
+    same bytes, named by their key paths) held by a Cell; loads go through
+    ``load_param_into_net`` and end with a store into every page, so every
+    byte is in the parameters' memory (MindSpore's safetensors loader maps
+    the file and copies pages on first write). acp's own MindSpore path is
+    measured by ``mindspore_compare.py``."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+    from mindspore_compare import _holder, _rm, _touch
+
+    flat, _ = flatten(ctx.state)
+    originals = {name: t.detach().reshape(-1).view(torch.uint8).numpy() for name, t in flat.items()}
+    params = {
+        name: Parameter(Tensor.from_numpy(t.detach().numpy().copy()), name=name)
+        for name, t in flat.items()
+    }
+    holder = _holder(params)
+
+    def zero() -> None:
+        for p in params.values():
+            p.asnumpy().reshape(-1).view(np.uint8)[:] = 0
+
+    def check(what: str) -> None:
+        for name, p in holder.parameters_and_names():
+            got = p.asnumpy().reshape(-1).view(np.uint8)
+            if not np.array_equal(got, originals[p.name]):
+                raise AssertionError(f"{what}: parameter {name} differs after the load")
+
+    for fmt in ("ckpt", "safetensors"):
+        path = os.path.join(ctx.dir, f"state.{fmt}")
+
+        def save(path: str = path, fmt: str = fmt) -> None:
+            ms.save_checkpoint(params, path, format=fmt)
+            fsync_path(path)
+
+        def async_save(path: str = path, fmt: str = fmt) -> dict[str, float]:
+            import mindspore.train.serialization as ser
+
+            t0 = time.perf_counter()
+            ms.save_checkpoint(params, path, async_save=True, format=fmt)
+            t1 = time.perf_counter()
+            ser._wait_async_thread_save_ckpt()
+            fsync_path(path)
+            return {"blocking": t1 - t0, "total": time.perf_counter() - t0}
+
+        def load(path: str = path, fmt: str = fmt) -> None:
+            loaded = ms.load_checkpoint(path, format=fmt)
+            not_loaded = ms.load_param_into_net(holder, loaded)
+            if not_loaded != ([], []):
+                raise AssertionError(f"load_param_into_net left out {not_loaded}")
+            _touch(holder, write=True)
+
+        def remove(path: str = path) -> None:
+            from pathlib import Path
+
+            _rm(Path(path))
+
+        ctx.measure("mindspore", f"save_checkpoint({fmt}) + fsync", "save", save, before=remove)
+        ctx.measure(
+            "mindspore", f"save_checkpoint({fmt}, async_save=True)", "save", async_save,
+            before=remove,
+        )  # fmt: skip
+        for cache in ("cold", "warm"):
+            ctx.measure(
+                "mindspore",
+                f"load_checkpoint({fmt}) + load_param_into_net + write every page, {cache}",
+                "load",
+                load,
+                before=zero,
+                cache=cache,
+                paths=lambda path=path: [path],
+                after=lambda fmt=fmt: check(f"mindspore {fmt}"),
+            )
+        remove()
 
 
 GROUPS = {
@@ -713,7 +785,7 @@ GROUPS = {
     "acp-dcp": Group("acp+dcp", run_acp_dcp),
     "mindspore": Group("mindspore", run_mindspore),
 }
-DEFAULT_OPS = "baseline,acp,torch,safetensors,dcp,acp-dcp"
+DEFAULT_OPS = "baseline,acp,torch,safetensors,dcp,acp-dcp,mindspore"
 
 
 # ----------------------------------------------------------------------------- report
@@ -779,6 +851,18 @@ def _peer_table(ctx: Ctx) -> str:
         "dcp.async_save": {
             "save stall": "dcp.async_save [blocking]",
             "save, to committed": "dcp.async_save [total]",
+        },
+        "MindSpore .ckpt": {
+            "save stall": "save_checkpoint(ckpt) + fsync",
+            "save, to committed": "save_checkpoint(ckpt) + fsync",
+            "load from RAM": "load_checkpoint(ckpt) + load_param_into_net + write every page, warm",
+            "load from storage, cold": (
+                "load_checkpoint(ckpt) + load_param_into_net + write every page, cold"
+            ),
+        },
+        "MindSpore async .ckpt": {
+            "save stall": "save_checkpoint(ckpt, async_save=True) [blocking]",
+            "save, to committed": "save_checkpoint(ckpt, async_save=True) [total]",
         },
     }
     head = "| acp | acp s | " + " | ".join(peers) + " |"
