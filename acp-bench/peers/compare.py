@@ -22,7 +22,10 @@ Measured (median of ``--repeats``, with min and max; seconds):
 - safetensors ``save_file`` + fsync; ``load_file`` + copy into the state's tensors;
 - torch.distributed.checkpoint: ``dcp.save``; ``dcp.async_save`` blocking part (until it
   returns) and total (until its future completes); ``dcp.load`` (in place);
-- acp through DCP (``acp.dcp.StorageWriter``/``StorageReader``): the same three DCP calls.
+- acp through DCP (``acp.dcp.StorageWriter``/``StorageReader``): the same three DCP calls;
+- MindSpore ``save_checkpoint`` (``.ckpt`` and safetensors; + fsync, and ``async_save=True``
+  blocking and total) and ``load_checkpoint`` + ``load_param_into_net`` on Parameters holding
+  the same bytes.
 
 Every load ends with every byte in the state's own tensors (the state is zeroed before each
 load, outside the timing, and checked after). Caches: before each measured run the page cache
@@ -32,8 +35,9 @@ once just before). acp's RAM ring is shared memory: dropping caches does not tou
 
 Output: a Markdown table per size with GB/s and the ratio to the fastest memcpy, a table of
 acp against each peer (peer time / acp time: above 1, acp is faster), and ``--json`` with
-every run. More peers (MindSpore is next) plug in with ``--plugin file.py``, whose
-``register(compare)`` returns a list of ``compare.Group``; see ``Group``.
+every run; ``--out DIR`` writes both (``compare.md``, ``compare.json``). More peers plug in
+with ``--plugin file.py``, whose ``register(compare)`` returns a list of ``compare.Group``;
+see ``Group``.
 """
 
 from __future__ import annotations
@@ -974,6 +978,9 @@ def main() -> int:
         "--ops", default=DEFAULT_OPS, help=f"comma list of: baseline,{','.join(GROUPS)}"
     )
     ap.add_argument("--json", default=None, help="write every run here")
+    ap.add_argument(
+        "--out", default=None, help="directory for compare.md and compare.json (made if missing)"
+    )
     ap.add_argument("--plugin", default=None, help="python file with register(compare) -> [Group]")
     a = ap.parse_args()
     groups = dict(GROUPS)
@@ -996,9 +1003,18 @@ def main() -> int:
             gc.collect()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print("\n".join(md))
-    if a.json:
-        with open(a.json, "w") as f:
+    report = "\n".join(md)
+    print(report)
+    outputs = [a.json] if a.json else []
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        outputs.append(os.path.join(a.out, "compare.json"))
+        with open(os.path.join(a.out, "compare.md"), "w") as f:
+            f.write(f"# compare.py {' '.join(sys.argv[1:])}\n\n")
+            f.write("Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n")
+            f.write(report + "\n")
+    for path in outputs:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
     sys.stdout.flush()
     os._exit(0)  # DCP's executor threads would otherwise hold the exit
