@@ -11,9 +11,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # 2.10.0 (CPU wheel, CPython 3.11 x86-64) is built against NumPy 1.26: with
 # NumPy 2 its bf16 asnumpy() and parts of the package fail, so NumPy stays
 # below 2 (torch 2.15 runs with either).
-PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2"
+PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2" "matplotlib>=3.8"
 
-.PHONY: help venv build-dev fmt lint test test-rust test-py demo bench torture-full fuzz-build fuzz-smoke clean
+.PHONY: help venv build-dev fmt lint test test-rust test-py demo bench bench-compare bench-scaling bench-goodput benchmarks torture-full fuzz-build fuzz-smoke clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,26 @@ demo: build-dev ## Train a small model, SIGKILL it, resume from RAM, print the f
 
 bench: ## Criterion benchmarks (ACP_BENCH_GIB=1 for 1 GiB sizes).
 	cargo bench -p acp-bench
+
+# The published figures (BENCHMARKS.md). Each writes Markdown, JSON (and
+# PNG plots) under acp-bench/results/. Raw O_DIRECT baselines use fio when it
+# is installed (apt-get install fio), else a Python O_DIRECT loop (said so).
+RESULTS := acp-bench/results
+COMPARE_ARGS ?= --size-gib 0.25 1 --repeats 5
+SCALING_ARGS ?=
+GOODPUT_ARGS ?=
+
+bench-compare: build-dev ## acp next to torch.save, safetensors, DCP, MindSpore and the raw baselines.
+	$(PY) acp-bench/peers/compare.py $(COMPARE_ARGS) --out $(RESULTS)/compare
+
+bench-scaling: build-dev ## Stall and flush against state size and tensor count, with PNG plots.
+	$(PY) acp-bench/peers/scaling.py $(SCALING_ARGS) --out $(RESULTS)/scaling
+
+bench-goodput: build-dev ## Useful steps per hour of a training job killed at random moments.
+	$(PY) acp-bench/peers/goodput.py $(GOODPUT_ARGS) --out $(RESULTS)/goodput
+
+benchmarks: bench bench-compare bench-scaling bench-goodput ## Everything BENCHMARKS.md quotes.
+	mkdir -p $(RESULTS) && cargo run --release -p acp-bench --bin report > $(RESULTS)/criterion.md
 
 torture-full: build-dev ## The torture suite at full trial counts; prints the figures of RELIABILITY.md.
 	$(PY) tests/torture/run_full.py
