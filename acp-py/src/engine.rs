@@ -275,12 +275,9 @@ impl Engine {
             overwrite,
             extra_metadata: extra_metadata.unwrap_or_default(),
         };
-        let values_json = values_json.to_owned();
         let engine = self.get()?;
         py.detach(|| {
-            let values: serde_json::Value = serde_json::from_str(&values_json)
-                .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))?;
-            let staging = engine.begin_save(step, &specs, &values, &opts)?;
+            let staging = engine.begin_save_json(step, &specs, values_json, &opts)?;
             staging.map(Staging::new).transpose()
         })
         .map_err(err)

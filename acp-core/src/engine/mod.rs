@@ -178,6 +178,14 @@ pub struct LoadReport {
     pub rejected: Option<String>,
 }
 
+/// The values of a save as JSON text: written by serde (`Checked`) or
+/// given by a caller, to be checked (`Unchecked`).
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    Checked(&'a str),
+    Unchecked(&'a str),
+}
+
 /// A loaded checkpoint; its tensors are zero-copy views into a pinned slot
 /// (or a private buffer) that lives as long as this value.
 #[derive(Debug)]
@@ -497,6 +505,36 @@ impl Engine {
         values: &serde_json::Value,
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
+        let values = serde_json::to_string(values)
+            .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
+        self.begin(step, tensors, Values::Checked(&values), opts)
+    }
+
+    /// [`Engine::begin_save`] with the values given as JSON text, stored as
+    /// given once checked to be one JSON value (bindings that already hold
+    /// the text skip building a [`serde_json::Value`] of it, which costs
+    /// microseconds per tensor reference in the stall).
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save`], and [`Error::Invalid`] naming `values`
+    /// when the text is not JSON.
+    pub fn begin_save_json(
+        &self,
+        step: u64,
+        tensors: &[TensorSpec],
+        values_json: &str,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        self.begin(step, tensors, Values::Unchecked(values_json), opts)
+    }
+
+    fn begin(
+        &self,
+        step: u64,
+        tensors: &[TensorSpec],
+        values: Values<'_>,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
         let started = Instant::now();
         let shared = self.shared();
         let (closed, known) = {
@@ -519,10 +557,13 @@ impl Engine {
             step,
             rank: shared.cfg.rank,
             world_size: shared.cfg.world_size,
-            values: values.clone(),
+            values: serde_json::Value::Null, // given as text below
             extra: opts.extra_metadata.clone(),
         };
-        let layout = Layout::plan(tensors, &meta)?;
+        let layout = match values {
+            Values::Checked(json) => Layout::plan_with_values(tensors, &meta, json)?,
+            Values::Unchecked(json) => Layout::plan_json(tensors, &meta, json)?,
+        };
         let max = shared.ring.max_image_bytes();
         if layout.total_len > max {
             return Err(Error::invalid(

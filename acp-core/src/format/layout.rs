@@ -122,6 +122,31 @@ impl Layout {
     /// # Errors
     /// [`Error::Invalid`](crate::Error::Invalid) naming the tensor or key at fault.
     pub fn plan(specs: &[TensorSpec], meta: &ImageMeta) -> Result<Layout> {
+        let values = serde_json::to_string(&meta.values)
+            .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
+        Self::plan_with_values(specs, meta, &values)
+    }
+
+    /// [`Layout::plan`] with the values given as JSON text (stored as given;
+    /// `meta.values` is ignored). The text is checked to be one JSON value
+    /// without building it: with many tensors, parsing the values into a
+    /// [`serde_json::Value`] and writing them back would cost more than the
+    /// rest of the plan.
+    ///
+    /// # Errors
+    /// As [`Layout::plan`], and [`Error::Invalid`](crate::Error::Invalid)
+    /// naming `values` when the text is not JSON.
+    pub fn plan_json(specs: &[TensorSpec], meta: &ImageMeta, values_json: &str) -> Result<Layout> {
+        serde_json::from_str::<serde::de::IgnoredAny>(values_json)
+            .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))?;
+        Self::plan_with_values(specs, meta, values_json)
+    }
+
+    pub(crate) fn plan_with_values(
+        specs: &[TensorSpec],
+        meta: &ImageMeta,
+        values: &str,
+    ) -> Result<Layout> {
         let mut seen = HashSet::with_capacity(specs.len());
         let mut placed = Vec::with_capacity(specs.len());
         for (index, spec) in specs.iter().enumerate() {
@@ -156,7 +181,7 @@ impl Layout {
             })?;
         }
 
-        let metadata = metadata(meta)?;
+        let metadata = metadata(meta, values)?;
         let json = serde_json::to_vec(&HeaderJson {
             metadata: &metadata,
             tensors: &placed,
@@ -259,15 +284,13 @@ fn tensor_label(name: &str) -> String {
 }
 
 /// The `__metadata__` map of an image.
-fn metadata(meta: &ImageMeta) -> Result<BTreeMap<String, String>> {
-    let values = serde_json::to_string(&meta.values)
-        .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
+fn metadata(meta: &ImageMeta, values: &str) -> Result<BTreeMap<String, String>> {
     let mut map = BTreeMap::from([
         (KEY_VERSION.to_owned(), FORMAT_VERSION.to_string()),
         (KEY_STEP.to_owned(), meta.step.to_string()),
         (KEY_RANK.to_owned(), meta.rank.to_string()),
         (KEY_WORLD_SIZE.to_owned(), meta.world_size.to_string()),
-        (KEY_VALUES.to_owned(), values),
+        (KEY_VALUES.to_owned(), values.to_owned()),
     ]);
     for (key, value) in &meta.extra {
         if key.starts_with(ACP_PREFIX) {
@@ -516,5 +539,29 @@ mod tests {
         assert_eq!(spec("z", Dtype::F64, &[3, 0]).byte_len().unwrap(), 0);
         assert_eq!(spec("m", Dtype::BF16, &[3, 5]).byte_len().unwrap(), 30);
         assert_eq!(spec("b", Dtype::Bool, &[7]).byte_len().unwrap(), 7);
+    }
+
+    #[test]
+    fn values_as_text_give_the_same_image_and_bad_text_is_refused() {
+        let specs = [spec("w", Dtype::F32, &[2, 3]), spec("b", Dtype::F16, &[3])];
+        let m = meta();
+        let text = serde_json::to_string(&m.values).unwrap();
+        let from_value = Layout::plan(&specs, &m).unwrap();
+        let from_text = Layout::plan_json(
+            &specs,
+            &ImageMeta {
+                values: serde_json::Value::Null,
+                ..m.clone()
+            },
+            &text,
+        )
+        .unwrap();
+        assert_eq!(from_value.header_bytes(), from_text.header_bytes());
+        assert_eq!(from_value.entries, from_text.entries);
+
+        for bad in ["", "{", "{} {}", "[1,]", "nan", "\"\\x\""] {
+            let e = Layout::plan_json(&specs, &m, bad).unwrap_err();
+            assert_eq!(invalid_what(&e), "values", "{bad:?}: {e}");
+        }
     }
 }
