@@ -184,6 +184,18 @@ def test_tied_weights_are_saved_once_and_restored_shared(ckpt: acp.Checkpointer)
     assert out["other"].data_ptr() != out["model"]["emb.weight"].data_ptr()
 
 
+def test_a_transpose_over_the_same_bytes_is_not_a_tied_weight(ckpt: acp.Checkpointer) -> None:
+    # Same first byte, same shape, same dtype, other strides: other values.
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    assert w.t().data_ptr() == w.data_ptr()
+    assert w.t().shape == w.shape
+    stats = ckpt.save(1, {"w": w, "wt": w.t()}).wait()
+    assert stats.tensors == 2
+    out = ckpt.load()
+    assert torch.equal(out["w"], w)
+    assert torch.equal(out["wt"], w.t())
+
+
 def test_parameters_and_requires_grad_survive(ckpt: acp.Checkpointer) -> None:
     p = nn.Parameter(torch.randn(3))
     frozen = nn.Parameter(torch.randn(2), requires_grad=False)

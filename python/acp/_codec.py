@@ -77,7 +77,7 @@ class TensorInfo:
     A plain class with slots, not a dataclass: one is made per tensor in
     every save's stall, and this costs half as much to create."""
 
-    __slots__ = ("alias", "dtype", "meta", "nbytes", "shape")
+    __slots__ = ("alias", "dtype", "host", "meta", "nbytes", "shape")
 
     def __init__(
         self,
@@ -86,6 +86,8 @@ class TensorInfo:
         nbytes: int,
         alias: Hashable | None,
         meta: dict[str, Any] | None = None,
+        *,
+        host: tuple[int, object] | None = None,
     ) -> None:
         self.dtype = dtype
         """The safetensors dtype name, e.g. ``"BF16"``."""
@@ -96,17 +98,24 @@ class TensorInfo:
         are saved once and restored as one object. None when never shared."""
         self.meta: dict[str, Any] = {} if meta is None else meta
         """JSON fields stored in the tensor's reference (device, parameter...)."""
+        self.host = host
+        """``(address, owner)`` when the tensor's ``nbytes`` are contiguous host
+        memory the engine may copy directly, ``owner`` keeping that memory
+        alive (the tensor's storage: another thread may rebind the tensor
+        while the copy runs without the GIL); None: the adapter's ``stage``
+        plans the copy."""
 
     def __repr__(self) -> str:
         return (
             f"TensorInfo(dtype={self.dtype!r}, shape={self.shape!r}, nbytes={self.nbytes}, "
-            f"alias={self.alias!r}, meta={self.meta!r})"
+            f"alias={self.alias!r}, meta={self.meta!r}, host={self.host is not None})"
         )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorInfo):
             return NotImplemented
-        return all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+        fields = ("alias", "dtype", "meta", "nbytes", "shape")
+        return all(getattr(self, k) == getattr(other, k) for k in fields)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -287,7 +296,10 @@ class _Flattener:
         self.prefix = prefix
         self.tensors: list[FlatTensor] = []
         self.names: set[str] = set()
-        self.aliases: dict[tuple[str, Hashable], FlatTensor] = {}
+        # Per type: (framework, adapter, its tensors by alias), once a
+        # framework's adapter took a value of that type.
+        self.by_type: dict[type, tuple[str, Adapter, dict[Hashable, FlatTensor]]] = {}
+        self.aliases: dict[str, dict[Hashable, FlatTensor]] = {}
         self.open_containers: set[int] = set()
 
     def unique_name(self, key: str) -> str:
@@ -328,6 +340,9 @@ class _Flattener:
 
     def node(self, obj: object, key: str) -> Any:
         t = type(obj)
+        fast = self.by_type.get(t)
+        if fast is not None:  # a type an adapter took before: most of a state's values
+            return self.framework_value(fast, obj, key)
         if obj is None or t is bool:
             return obj
         if t is str:
@@ -347,7 +362,9 @@ class _Flattener:
             return self.container(obj, key)
         framework = self.adapters.framework_of(obj)
         if framework is not None:
-            return self.framework_value(framework, obj, key)
+            aliases = self.aliases.setdefault(framework, {})
+            fast = self.by_type[t] = (framework, self.adapters.get(framework, key), aliases)
+            return self.framework_value(fast, obj, key)
         raise InvalidInput(
             f"{_where(key)}: a value of type `{_type_name(obj)}` cannot be saved "
             "(acp stores tensors and plain values: dict, list, tuple, str, int, float, "
@@ -382,21 +399,23 @@ class _Flattener:
         finally:
             self.open_containers.discard(id(obj))
 
-    def framework_value(self, framework: str, obj: object, key: str) -> Any:
-        adapter = self.adapters.get(framework, key)
+    def framework_value(
+        self, fast: tuple[str, Adapter, dict[Hashable, FlatTensor]], obj: object, key: str
+    ) -> Any:
+        """A framework's value: ``fast`` is the framework, its adapter and
+        the tensors seen by alias (per framework: a torch tensor and a NumPy
+        array over the same bytes stay two values of two types)."""
+        framework, adapter, aliases = fast
         info = adapter.describe(obj, key)
         if info is None:
             return {"t": "value", "fw": framework, **adapter.encode_value(obj, key)}
-        if info.alias is None:
-            shared = None
-        else:
-            alias = (framework, info.alias)
-            shared = self.aliases.get(alias)
+        alias = info.alias
+        shared = None if alias is None else aliases.get(alias)
         if shared is None:
             shared = FlatTensor(self.unique_name(key), key, obj, info, adapter)
             self.tensors.append(shared)
-            if info.alias is not None:
-                self.aliases[alias] = shared
+            if alias is not None:
+                aliases[alias] = shared
         ref = {"t": "tensor", "fw": framework, "name": shared.name}
         if info.meta:
             ref.update(info.meta)

@@ -16,7 +16,7 @@ from typing import Any, Literal, overload
 
 from acp import _acp
 from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
-from acp._codec import Adapters, FlatTensor, flatten
+from acp._codec import Adapters, FlatTensor, Transfer, flatten
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp.distributed import (
@@ -737,11 +737,17 @@ def _step(step: object) -> int:
 def _fill(staging: _acp.Staging, tensors: list[FlatTensor]) -> None:
     """Copies every tensor into the slot; ``staging.entries()`` are in the
     order of ``tensors``."""
+    direct = Transfer()  # contiguous host bytes: no adapter needed
+    host = direct.host
     groups: dict[Any, list[tuple[int, object, Any]]] = {}
     for index, t in enumerate(tensors):
+        info = t.info
+        if info.host is not None:
+            host.append((index, info.host[0], info.nbytes))
+            continue
         items = groups.get(t.adapter)
         if items is None:
             items = groups[t.adapter] = []
-        items.append((index, t.obj, t.info))
-    transfers = [adapter.stage(staging, items) for adapter, items in groups.items()]
+        items.append((index, t.obj, info))
+    transfers = [direct] + [adapter.stage(staging, items) for adapter, items in groups.items()]
     run_transfers(staging.copy_from, transfers)

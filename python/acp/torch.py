@@ -327,13 +327,20 @@ class Adapter:
             meta["param"] = True
         if requires_grad:
             meta["rg"] = True
-        alias: tuple[object, ...] | None = None
-        if nbytes:
-            # The same first byte read with the same shape, strides and
-            # dtype is the same bytes: saved once (tied weights).
-            place = t.data_ptr() if cpu else (meta["dev"], t.data_ptr())
-            alias = (place, shape, t.stride(), torch_dtype, kind, requires_grad)
-        return TensorInfo(dtype, shape, nbytes, alias, meta)
+        if not nbytes:
+            return TensorInfo(dtype, shape, nbytes, None, meta)
+        # The same first byte read with the same shape, strides and dtype is
+        # the same bytes: saved once (tied weights).
+        address = t.data_ptr()
+        if not cpu:
+            alias = ((meta["dev"], address), shape, t.stride(), torch_dtype, kind, requires_grad)
+            return TensorInfo(dtype, shape, nbytes, alias, meta)
+        stride = t.stride()
+        alias = (address, shape, stride, torch_dtype, kind, requires_grad)
+        # Contiguous host bytes go straight to the engine's copy; the
+        # storage keeps them alive while it runs (without the GIL).
+        host = (address, t.untyped_storage()) if t.is_contiguous() else None
+        return TensorInfo(dtype, shape, nbytes, alias, meta, host=host)
 
     def encode_value(self, obj: object, key: str) -> Any:
         if isinstance(obj, torch.Size):
