@@ -85,6 +85,20 @@ def test_scaling_quick(tmp_path: Path) -> None:
     # The scratch directory is removed at the end.
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
+    # The report is written again from the JSON alone.
+    again = tmp_path / "again"
+    cmd = [sys.executable, str(PEERS / "scaling.py"), "--from-json", str(out / "scaling.json")]
+    proc = subprocess.run(
+        [*cmd, "--out", str(again)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (again / "scaling.md").read_text() == md
+    assert sorted(p.name for p in again.iterdir()) == [
+        "scaling.md",
+        "scaling_size.png",
+        "scaling_tensors.png",
+    ]
+
 
 def test_split_ranges_shares_bytes_evenly(baselines) -> None:
     ranges = [(1 << 20, 0, 10_000), (2 << 20, 100_000, 50), (3 << 20, 200_000, 3_000)]

@@ -501,14 +501,17 @@ def markdown(out: dict[str, Any]) -> str:
         "# acp: save cost vs state size and tensor count",
         "",
         f"Machine: {machine_line(m)}; {m['fio']}; torch {m['torch']}, acp {m['acp']}. "
-        f"Load average at the start {m['load_average'][0]:.2f}.",
+        f"Load average (1 min) at the start {m['load_average'][0]:.2f}"
+        + (f", at the end {m['load_average_end'][0]:.2f}" if m.get("load_average_end") else "")
+        + f" (other processes share the {m['cpus']} CPUs).",
         "",
         f"Command: `{out['command']}`; whole run {out['wall_secs']:.0f} s. Cells are medians "
         f"of {out['args']['repeats']} runs (min-max); GB = 1e9 bytes. Stall: "
         "`Checkpointer.save` until it returns, in steady state (the first save into each ring "
-        "slot creates the slot and has its own column). Flush: writing the file (acp's "
-        "`flush_secs`). To committed: from the call until `handle.wait()` returns. fio: a "
-        "fresh fallocated file of the same size, written with O_DIRECT, fsync included.",
+        "slot creates the slot, acp's `slot_wait_secs`, and has its own column). Flush: "
+        "writing the file (acp's `flush_secs`). To committed: from the call until "
+        "`handle.wait()` returns. fio: a fresh fallocated file of the same size, written with "
+        "O_DIRECT, fsync included.",
     ]
     sizes = out.get("size")
     if sizes is not None:
@@ -535,12 +538,14 @@ def size_table(sizes: dict[str, Any]) -> list[str]:
         "",
         f"| state | GB | memcpy 1 thread | memcpy {threads} threads | fio O_DIRECT write | "
         "acp stall | stall / memcpy | acp flush | flush GB/s | fio GB/s | flush / fio | "
-        "acp to committed | first save into a slot | ring slots |",
+        "acp to committed | first save into a slot (of which creating it) | ring slots |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ac, fio, ra = r["acp"], r["fio_write"], r["ratios"]
-        first = ", ".join(dur(f["stall"]) for f in ac["first_saves"])
+        first = ", ".join(
+            f"{dur(f['stall'])} (slot {dur(f['slot_wait'])})" for f in ac["first_saves"]
+        )
         lines.append(
             f"| {r['size_gib']:g} GiB | {r['bytes'] / 1e9:.3f} | {cell(r['memcpy']['one'])} | "
             f"{cell(r['memcpy']['all'])} | {cell(fio['secs'])} | {cell(ac['stall'])} | "
@@ -792,6 +797,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bs", default=baselines.FIO_BS, help="fio block size")
     ap.add_argument("--iodepth", type=int, default=baselines.FIO_IODEPTH, help="fio depth")
     ap.add_argument("--quick", action="store_true", help="a smoke run: two small sizes, 1 run")
+    ap.add_argument(
+        "--from-json",
+        default=None,
+        metavar="PATH",
+        help="measure nothing: write scaling.md and the PNGs again from this scaling.json",
+    )
     a = ap.parse_args(argv)
     if a.sizes is None:
         a.sizes = QUICK_SIZES if a.quick else DEFAULT_SIZES
@@ -808,11 +819,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def write_report(out: dict[str, Any], outdir: Path) -> list[str]:
+    """scaling.md and the PNGs; returns the names written."""
+    (outdir / "scaling.md").write_text(markdown(out))
+    return ["scaling.md", *plots(out, outdir)]
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     started = time.perf_counter()
     outdir = Path(a.out)
     outdir.mkdir(parents=True, exist_ok=True)
+    if a.from_json:
+        names = write_report(json.loads(Path(a.from_json).read_text()), outdir)
+        print(f"wrote {outdir}: {', '.join(names)}")
+        return 0
     workdir = tempfile.mkdtemp(prefix="acp-scaling-", dir=a.dir)
     env = baselines.machine(workdir)
     env |= {
@@ -836,9 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     out["machine"]["load_average_end"] = list(os.getloadavg())
     out["wall_secs"] = time.perf_counter() - started
     (outdir / "scaling.json").write_text(json.dumps(out, indent=1) + "\n")
-    (outdir / "scaling.md").write_text(markdown(out))
-    made = plots(out, outdir)
-    names = ", ".join(["scaling.json", "scaling.md", *made])
+    names = ", ".join(["scaling.json", *write_report(out, outdir)])
     print(f"\nwrote {outdir}: {names}; {out['wall_secs']:.0f} s")
     return 0
 
