@@ -1,0 +1,152 @@
+"""The benchmark scripts in acp-bench/peers run end to end and write what they promise.
+No timing is asserted: only that every figure is there and positive."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parents[1] / "acp-bench" / "peers"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def baselines():
+    sys.path.insert(0, str(PEERS))
+    try:
+        import baselines
+
+        yield baselines
+    finally:
+        sys.path.remove(str(PEERS))
+
+
+def test_scaling_quick(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # the plots; not a dependency of acp[test]
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(PEERS / "scaling.py"), "--quick", "--out", str(out)]
+    cmd += ["--dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONWARNINGS": ""}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    got = json.loads((out / "scaling.json").read_text())
+    args = got["args"]
+    assert got["machine"]["cpus"] >= 1
+    assert got["machine"]["torch"]
+    assert got["machine"]["acp"]
+
+    sizes = got["size"]
+    assert sizes["skipped"] == []
+    assert [r["size_gib"] for r in sizes["rows"]] == args["sizes"]
+    for row in sizes["rows"]:
+        assert row["tensors"] == sizes["rows"][0]["tensors"]  # only the bytes change
+        for key in ("one", "all"):
+            assert row["memcpy"][key]["median"] > 0
+        assert row["fio_write"]["secs"]["median"] > 0
+        assert row["fio_write"]["bytes"] >= row["bytes"]
+        acp = row["acp"]
+        for key in ("stall", "flush", "total", "copy", "flatten", "commit", "flush_gb_per_sec"):
+            assert acp[key]["median"] > 0, key
+            assert len(acp[key]["runs"]) == args["repeats"]
+        assert len(acp["first_saves"]) == acp["ring_slots"]
+        assert row["ratios"]["stall_over_memcpy"] > 0
+        assert row["ratios"]["flush_over_fio"] > 0
+
+    counts = got["tensors"]
+    assert counts["skipped"] == []
+    assert [r["tensors"] for r in counts["rows"]] == sorted(args["counts"])
+    for row in counts["rows"]:
+        assert row["bytes"] == counts["rows"][0]["bytes"]  # a fixed total
+        assert row["acp"]["stall"]["median"] > 0
+        assert row["acp"]["flush"]["median"] > 0
+    per_tensor = counts["per_tensor"]
+    assert per_tensor["base_tensors"] == min(args["counts"])
+    assert set(per_tensor["by_count"]) == {str(n) for n in args["counts"]} - {
+        str(min(args["counts"]))
+    }
+    for figures in per_tensor["by_count"].values():
+        assert math.isfinite(figures["stall_us"])
+        assert math.isfinite(figures["flush_us"])
+
+    md = (out / "scaling.md").read_text()
+    assert "## Cost vs state size" in md
+    assert "Per-tensor stall overhead" in md
+    for name in ("scaling_size.png", "scaling_tensors.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, name
+        assert len(data) > 10_000, name
+    # The scratch directory is removed at the end.
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+    # The report is written again from the JSON alone.
+    again = tmp_path / "again"
+    cmd = [sys.executable, str(PEERS / "scaling.py"), "--from-json", str(out / "scaling.json")]
+    proc = subprocess.run(
+        [*cmd, "--out", str(again)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (again / "scaling.md").read_text() == md
+    assert sorted(p.name for p in again.iterdir()) == [
+        "scaling.md",
+        "scaling_size.png",
+        "scaling_tensors.png",
+    ]
+
+
+def test_split_ranges_shares_bytes_evenly(baselines) -> None:
+    ranges = [(1 << 20, 0, 10_000), (2 << 20, 100_000, 50), (3 << 20, 200_000, 3_000)]
+    parts = baselines.split_ranges(ranges, 3)
+    assert len(parts) == 3
+    assert sum(n for p in parts for _, _, n in p) == 13_050
+    sizes = [sum(n for _, _, n in p) for p in parts]
+    assert max(sizes) - min(sizes) <= 128
+    # Every byte is copied once, to the same offset in dst as in src.
+    for p in parts:
+        for d, s, _ in p:
+            assert any(d - rd == s - rs for rd, rs, _ in ranges)
+
+
+def test_memcpy_copies(baselines) -> None:
+    with baselines.Buffer(3 << 20, random=True) as src, baselines.Buffer(3 << 20) as dst:
+        secs = baselines.copy_ranges([(dst.addr, src.addr, 3 << 20)], threads=2)
+        assert secs > 0
+        assert bytes(src._mm) == bytes(dst._mm)
+    assert all(s > 0 for s in baselines.memcpy(1 << 20, threads=2, repeats=2))
+
+
+@pytest.mark.parametrize("fio", ["fio", "no-such-fio"])
+def test_direct_write_and_read(baselines, tmp_path: Path, fio: str) -> None:
+    if fio == "fio" and baselines.fio_version() is None:
+        pytest.skip("fio is not installed")
+    path = str(tmp_path / "direct.bin")
+    n = 5 * (1 << 20) + 12_288  # not a multiple of fio's block: a tail job
+    w = baselines.direct_write(path, n, fio=fio)
+    assert os.path.getsize(path) == n
+    assert (w.op, w.bytes) == ("write", n)
+    assert w.secs > 0
+    assert w.gb_per_sec > 0
+    r = baselines.direct_read(path, fio=fio)
+    assert (r.op, r.bytes) == ("read", n)
+    assert r.cache.startswith(("cold", "warm"))
+    if fio == "fio":
+        assert r.tool.startswith("fio-")
+    else:
+        assert "fio not found" in w.tool
+        assert "fio not found" in r.tool
+
+
+def test_drop_caches_says_how(baselines, tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 8192)
+    assert baselines.drop_caches([str(tmp_path)]) in (
+        "cold",
+        "cold (fadvise)",
+        "warm (could not drop caches)",
+    )
