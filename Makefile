@@ -13,7 +13,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # below 2 (torch 2.15 runs with either).
 PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2" "matplotlib>=3.8"
 
-.PHONY: help venv build-dev fmt lint test test-rust test-py demo bench bench-compare bench-scaling bench-goodput benchmarks torture-full fuzz-build fuzz-smoke clean
+.PHONY: help venv sysdeps build-dev fmt lint test test-rust test-py demo bench bench-compare bench-scaling bench-goodput benchmarks torture-full fuzz-build fuzz-smoke clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -23,7 +23,16 @@ $(VENV)/.deps: Makefile
 	$(PIP) install -q --disable-pip-version-check $(PY_DEPS)
 	touch $@
 
-venv: $(VENV)/.deps ## Create .venv with torch, pytest, ruff, mypy, maturin.
+venv: $(VENV)/.deps sysdeps ## Create .venv with torch, pytest, ruff, mypy, maturin.
+
+# fio measures the raw O_DIRECT baselines of the benchmarks (and their test).
+# Installed from Debian's packages when missing and we may; else a note.
+sysdeps:
+	@command -v fio >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing fio (apt-get)"; \
+	    apt-get install -y -q fio >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1; } || echo "note: could not install fio; raw disk baselines use a Python O_DIRECT loop"; \
+	  else echo "note: fio is not installed (apt-get install fio); raw disk baselines use a Python O_DIRECT loop"; fi; }
 
 build-dev: venv ## Build the wheel (release) and install it into .venv.
 	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q

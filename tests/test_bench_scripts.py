@@ -28,7 +28,6 @@ def baselines():
 
 
 def test_scaling_quick(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")  # the plots; not a dependency of acp[test]
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "scaling.py"), "--quick", "--out", str(out)]
     cmd += ["--dir", str(tmp_path)]
