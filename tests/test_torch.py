@@ -374,3 +374,31 @@ def test_save_and_load_figures(ckpt: acp.Checkpointer) -> None:
     assert stats["last_load"]["source"] == "ram"
     assert stats["last_load"]["copied_bytes"] == 4 << 16
     assert stats["engine"]["io"] == s.io
+
+
+def test_reserve_creates_the_free_slots_memory_and_keeps_checkpoints(
+    make_ckpt: Any, shm_dir: Path
+) -> None:
+    ckpt = make_ckpt(ring_slots=3, ring_bytes=24 << 20)
+    state = {"w": torch.randn(1 << 20), "step": 3}  # 4 MiB
+
+    def slot_sizes() -> list[int]:
+        return sorted(p.stat().st_size for p in shm_dir.iterdir() if p.is_file())
+
+    assert all(n < 4 << 20 for n in slot_sizes())
+    assert ckpt.reserve(state) == 3
+    assert all(n >= 4 << 20 for n in slot_sizes())
+    assert ckpt.steps() == []  # nothing saved
+    assert ckpt.reserve(state) == 3  # idempotent
+
+    ckpt.save(1, state).wait()
+    ckpt.save(2, state).wait()
+    free = ckpt.reserve(state)
+    assert free < 3  # the slots holding steps 1 and 2 are left alone
+    out = ckpt.load(2)
+    assert torch.equal(out["w"], state["w"])
+
+    with pytest.raises(acp.InvalidInput, match="ring_bytes"):
+        ckpt.reserve({"big": torch.zeros(4 << 20)})  # 16 MiB > an 8 MiB slot
+    with pytest.raises(acp.InvalidInput, match="nope"):
+        ckpt.reserve({"nope": object()})

@@ -451,3 +451,47 @@ impl Drop for UnlinkOnDrop {
         self.0.unlink_all();
     }
 }
+
+#[test]
+fn reserve_grows_free_slots_only_and_keeps_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ring, _) = Ring::open(opts(dir.path(), 3, 24 * MIB)).unwrap();
+    let len = 3 * MIB as usize;
+    let size = |slot: usize| std::fs::metadata(ring.slot_path(slot)).unwrap().len();
+    assert!(
+        (0..3).all(|s| size(s) < len as u64),
+        "fresh slots are a header page"
+    );
+
+    // A persisted image in slot 0 is a restorable copy: reserve leaves it.
+    let pinned = save(&ring, 7, 1000);
+    let kept = pinned.slot();
+    ring.set_state(kept, SlotState::Flushing);
+    ring.set_state(kept, SlotState::Persisted);
+    drop(pinned);
+    let before = size(kept);
+
+    assert_eq!(ring.reserve(len as u64).unwrap(), 2);
+    for slot in (0..3).filter(|&s| s != kept) {
+        assert!(
+            size(slot) >= len as u64,
+            "slot {slot} grown to {}",
+            size(slot)
+        );
+    }
+    assert_eq!(size(kept), before);
+    let complete = ring.complete();
+    assert_eq!(complete.len(), 1);
+    assert_eq!((complete[0].step, complete[0].slot), (7, kept));
+    assert_eq!(ring.pin(kept).unwrap().image(), pattern(7, 1000).as_slice());
+
+    // Idempotent, and the grown slots are the ones the next saves take.
+    assert_eq!(ring.reserve(len as u64).unwrap(), 2);
+    let s = ring.acquire(len as u64, None).unwrap().unwrap();
+    assert_ne!(s.slot(), kept);
+    drop(s);
+
+    // Too big for a slot: refused, naming the capacity.
+    let e = ring.reserve(25 * MIB).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+}

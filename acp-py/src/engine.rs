@@ -259,18 +259,7 @@ impl Engine {
         overwrite: bool,
         extra_metadata: Option<BTreeMap<String, String>>,
     ) -> PyResult<Option<Staging>> {
-        let specs = specs
-            .into_iter()
-            .map(
-                |(name, dtype, shape)| match acp_core::Dtype::from_name(&dtype) {
-                    Some(dtype) => Ok(TensorSpec { name, dtype, shape }),
-                    None => Err(invalid(
-                        format!("tensor `{name}`"),
-                        format!("unknown dtype {dtype:?}"),
-                    )),
-                },
-            )
-            .collect::<PyResult<Vec<_>>>()?;
+        let specs = tensor_specs(specs)?;
         let opts = SaveOptions {
             overwrite,
             extra_metadata: extra_metadata.unwrap_or_default(),
@@ -281,6 +270,21 @@ impl Engine {
             staging.map(Staging::new).transpose()
         })
         .map_err(err)
+    }
+
+    /// Readies every free ring slot for a checkpoint of these tensors and
+    /// values now (creates its shared memory), so the first saves stall no
+    /// longer than later ones; returns how many slots are ready.
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        specs: Vec<(String, String, Vec<u64>)>,
+        values_json: &str,
+    ) -> PyResult<usize> {
+        let specs = tensor_specs(specs)?;
+        let engine = self.get()?;
+        py.detach(|| engine.reserve_json(&specs, values_json))
+            .map_err(err)
     }
 
     /// Loads a committed step (the newest when `step` is None), from RAM
@@ -411,4 +415,20 @@ impl Engine {
     fn __repr__(&self) -> String {
         format!("Engine(root={:?}, closed={})", self.root, self.closed())
     }
+}
+
+/// Tensor specs from `(name, dtype name, shape)` tuples.
+fn tensor_specs(specs: Vec<(String, String, Vec<u64>)>) -> PyResult<Vec<TensorSpec>> {
+    specs
+        .into_iter()
+        .map(
+            |(name, dtype, shape)| match acp_core::Dtype::from_name(&dtype) {
+                Some(dtype) => Ok(TensorSpec { name, dtype, shape }),
+                None => Err(invalid(
+                    format!("tensor `{name}`"),
+                    format!("unknown dtype {dtype:?}"),
+                )),
+            },
+        )
+        .collect()
 }

@@ -110,6 +110,7 @@ class Engine:
         overwrite: bool = False,
         extra_metadata: dict[str, str] | None = None,
     ) -> Staging | None: ...
+    def reserve(self, specs: list[tuple[str, str, tuple[int, ...]]], values_json: str) -> int: ...
     def load(
         self,
         step: int | None = None,

@@ -16,7 +16,7 @@ from typing import Any, Literal, overload
 
 from acp import _acp
 from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
-from acp._codec import Adapters, FlatTensor, Transfer, flatten
+from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp.distributed import (
@@ -359,6 +359,42 @@ class Checkpointer:
                 step, state, overwrite=overwrite, metadata=metadata, replicated=replicated
             )
 
+    def reserve(self, state: object, *, replicated: bool | Collection[str] = False) -> int:
+        """Creates the shared memory of the ring's free slots for checkpoints
+        of ``state``'s size now, so that the first saves (one per slot)
+        stall no longer than later ones: without it, the first save into
+        each slot also creates its memory, at first-touch speed (about a
+        second per GiB on a small VM). Call it before training, with the
+        state you will save (``replicated`` as you will pass it to
+        ``save``); returns how many slots are ready. Slots that hold
+        checkpoints (a resident copy after a restart) are left alone.
+        Nothing is saved.
+        """
+        self._check_open()
+        with _gc_paused():
+            flat, tensors = self._flatten(state, replicated)
+            specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
+            return self._engine.reserve(specs, flat.json())
+
+    def _flatten(
+        self, state: object, replicated: bool | Collection[str]
+    ) -> tuple[Flat, list[FlatTensor]]:
+        # Tensor names are unique over all ranks' files (the step's index
+        # maps each to its file): with several ranks, each rank's are
+        # prefixed with it.
+        prefix = f"rank{self.rank}." if self.world_size > 1 else ""
+        if replicated:
+            return flatten_replicated(
+                state,
+                self._adapters,
+                rank=self.rank,
+                world_size=self.world_size,
+                replicated=replicated,
+                group=self.replica_group,
+            )
+        flat = flatten(state, self._adapters, prefix)
+        return flat, flat.tensors
+
     def _save(
         self,
         step: int,
@@ -370,22 +406,7 @@ class Checkpointer:
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
-        # Tensor names are unique over all ranks' files (the step's index
-        # maps each to its file): with several ranks, each rank's are
-        # prefixed with it.
-        prefix = f"rank{self.rank}." if self.world_size > 1 else ""
-        if replicated:
-            flat, tensors = flatten_replicated(
-                state,
-                self._adapters,
-                rank=self.rank,
-                world_size=self.world_size,
-                replicated=replicated,
-                group=self.replica_group,
-            )
-        else:
-            flat = flatten(state, self._adapters, prefix)
-            tensors = flat.tensors
+        flat, tensors = self._flatten(state, replicated)
         specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
         extra = {}
         frameworks = flat.frameworks()

@@ -528,6 +528,40 @@ impl Engine {
         self.begin(step, tensors, Values::Unchecked(values_json), opts)
     }
 
+    /// Readies every free ring slot for a checkpoint of `tensors` and
+    /// `values_json` now (the slot's shared memory is created, populated
+    /// and locked, as the first save into it would do: about a second per
+    /// GiB on first touch), so that the first saves stall no longer than
+    /// later ones. Slots holding checkpoints are left alone. Returns how
+    /// many slots are ready. Call it before training: a save meanwhile
+    /// waits for a slot (or, with [`WhenFull::Skip`], is skipped).
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`] for the input; [`Error::Io`] or
+    /// [`Error::NoSpace`] creating the memory.
+    pub fn reserve_json(&self, tensors: &[TensorSpec], values_json: &str) -> Result<usize> {
+        let shared = self.shared();
+        let meta = ImageMeta {
+            step: u64::MAX, // the longest header any step can have
+            rank: shared.cfg.rank,
+            world_size: shared.cfg.world_size,
+            values: serde_json::Value::Null,
+            extra: std::collections::BTreeMap::new(),
+        };
+        let layout = Layout::plan_json(tensors, &meta, values_json)?;
+        let max = shared.ring.max_image_bytes();
+        if layout.total_len > max {
+            return Err(Error::invalid(
+                "reserve",
+                format!(
+                    "a checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
+                    layout.total_len, shared.cfg.ring_bytes, shared.cfg.ring_slots
+                ),
+            ));
+        }
+        shared.ring.reserve(layout.total_len)
+    }
+
     fn begin(
         &self,
         step: u64,

@@ -300,6 +300,26 @@ impl Ring {
     /// [`Error::Timeout`]; [`Error::Io`] when growing fails, or
     /// [`Error::NoSpace`] when the directory (tmpfs) has no room for it.
     pub fn acquire(&self, len: u64, wait: Option<Duration>) -> Result<Option<StagingSlot>> {
+        self.take(len, wait, true)
+    }
+
+    /// Readies every `Free` slot for images of `len` bytes now (grows,
+    /// populates and locks its memory, as the first [`Ring::acquire`] of
+    /// it would), so the first saves into them pay no more than later
+    /// ones. Slots holding images (`Persisted` included) are left alone.
+    /// Returns how many slots are ready.
+    ///
+    /// # Errors
+    /// As [`Ring::acquire`].
+    pub fn reserve(&self, len: u64) -> Result<usize> {
+        let mut held = Vec::new();
+        while let Some(slot) = self.take(len, None, false)? {
+            held.push(slot); // dropped unsealed below: `Free` again, memory kept
+        }
+        Ok(held.len())
+    }
+
+    fn take(&self, len: u64, wait: Option<Duration>, evict: bool) -> Result<Option<StagingSlot>> {
         let inner = &self.inner;
         let max = inner.layout.max_image;
         if len > max {
@@ -317,7 +337,7 @@ impl Ring {
         let deadline = wait.and_then(|d| start.checked_add(d));
         let mut t = inner.lock();
         let slot = loop {
-            if let Some(i) = inner.pick(&t, len) {
+            if let Some(i) = inner.pick(&t, len, evict) {
                 break i;
             }
             let Some(d) = wait else { return Ok(None) };

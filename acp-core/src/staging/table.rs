@@ -96,7 +96,7 @@ impl Inner {
     /// Picks the slot `acquire` takes for `len` bytes: a `Free` one (one
     /// already big enough first), else the unpinned `Persisted` one with
     /// the oldest step.
-    pub(super) fn pick(&self, t: &Table, len: u64) -> Option<usize> {
+    pub(super) fn pick(&self, t: &Table, len: u64, evict: bool) -> Option<usize> {
         let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
         let fits = |e: &Entry| {
             e.mem
@@ -109,6 +109,9 @@ impl Inner {
             .find(|(_, e)| free(e) && fits(e))
             .or_else(|| slots.clone().find(|(_, e)| free(e)))
             .or_else(|| {
+                if !evict {
+                    return None;
+                }
                 slots
                     .filter(|(_, e)| e.state == SlotState::Persisted && e.pins == 0)
                     .min_by_key(|(i, e)| (e.step, *i))
