@@ -312,7 +312,9 @@ pub(super) fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
 }
 
 fn read_into(shared: &Shared, path: &Path, dst: &mut [u8], entry: &FileEntry) -> Result<()> {
-    let got = shared.io.read_file(path, dst, &shared.io_opts)?;
+    let got = shared
+        .io
+        .read_file(path, dst, &shared.io_opts, &mut |_, _| Ok(()))?;
     if got != entry.size {
         return Err(Error::corrupt(
             path,
