@@ -142,7 +142,7 @@ pub(super) fn read_verified(
             if hashers == 0 {
                 job.check(chunk, entry, &found);
             } else if let Err(e) = tx.send(job) {
-                // The hashers hold the receiver until the scope ends.
+                // Unreachable: `rx` lives until the scope ends.
                 e.into_inner().check(chunk, entry, &found);
             }
             Ok(())
