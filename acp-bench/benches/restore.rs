@@ -17,11 +17,12 @@
 //! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
 //!   engine; the resident slot is trusted, no hashing).
 //!
-//! Each `acp_load_storage` iteration also times a cold `raw_read` right
-//! before it, and each `acp_load_ram` a `memcpy_nt` (untimed for
-//! criterion): the notes give the medians of those back-to-back ratios,
-//! and of `LoadReport::secs` (the load up to the views being ready,
-//! without the `copy_into`).
+//! Each `acp_load_storage` iteration also times a cold `raw_read` and a
+//! cold `raw_read_direct` right before it, and each `acp_load_ram` a
+//! `memcpy_nt` (untimed for criterion): the notes give the medians of
+//! those back-to-back ratios, and of `LoadReport::secs` (the load up to the
+//! views being ready: read and verification, without the `copy_into`),
+//! also paired with `raw_read_direct`.
 //!
 //! Dropping the page cache needs root; when refused, the storage rows are
 //! warm reads, and the report's notes say so.
@@ -145,6 +146,8 @@ fn restore(c: &mut Criterion) {
         });
     });
     let mut paired_storage = Paired::default();
+    let mut paired_direct = Paired::default();
+    let mut paired_direct_load = Paired::default();
     let mut storage_secs = Vec::new();
     g.bench_function("acp_load_storage", |b| {
         b.iter_custom(|iters| {
@@ -157,10 +160,17 @@ fn restore(c: &mut Criterion) {
                 let base = t.elapsed();
                 let _ = drop_caches();
                 let t = Instant::now();
+                raw::read_uring(&path, read_buf.padded_mut(), BLOCK, 8)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                let base_direct = t.elapsed();
+                let _ = drop_caches();
+                let t = Instant::now();
                 let ck = load_into(&engine, &storage, &set, &mut dst);
                 let took = t.elapsed();
                 timed += took;
                 paired_storage.push(base, took);
+                paired_direct.push(base_direct, took);
+                paired_direct_load.push(base_direct, Duration::from_secs_f64(ck.report().secs));
                 storage_secs.push(ck.report().secs);
                 drop(ck);
             }
@@ -254,6 +264,14 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "paired storage",
         paired_storage.summary("raw_read", "acp_load_storage"),
+    );
+    notes.set(
+        "paired storage direct",
+        paired_direct.summary("raw_read_direct", "acp_load_storage"),
+    );
+    notes.set(
+        "paired storage direct, before copy_into",
+        paired_direct_load.summary("raw_read_direct", "acp_load_storage LoadReport.secs"),
     );
     notes.set(
         "paired ram",

@@ -1,7 +1,8 @@
 //! One conformance suite for both I/O engines (`io_uring` and psync), with
 //! `O_DIRECT` on and off: byte-identical files, exact lengths, mode 0600,
-//! `on_chunk` order, `O_EXCL`, `O_NOFOLLOW`, size checks, and clean failure
-//! (no partial file) at every injected fault.
+//! `on_chunk` order on writes, each chunk handed over once, as it lands, on
+//! reads, `O_EXCL`, `O_NOFOLLOW`, size checks, and clean failure (no
+//! partial file) at every injected fault.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -83,6 +84,27 @@ fn write(
     (r, calls)
 }
 
+/// Reads `path` into `dst`, recording the `on_chunk` calls (sorted by
+/// chunk index) and checking that each runs on the calling thread.
+fn read(
+    engine: &dyn IoEngine,
+    path: &Path,
+    dst: &mut [u8],
+    opts: &IoOpts,
+) -> (Result<u64, Error>, Calls) {
+    let caller = std::thread::current().id();
+    let mut calls = Vec::new();
+    let r = engine.read_file(path, dst, opts, &mut |i, b| {
+        assert_eq!(std::thread::current().id(), caller, "on the calling thread");
+        calls.push((i, b.to_vec()));
+        Ok(())
+    });
+    calls.sort_by_key(|c| c.0);
+    (r, calls)
+}
+
+/// Checks one call per chunk, chunk `k` the `k`-th (after sorting, for
+/// reads), each with its unpadded bytes of `src`.
 fn check_calls(calls: &Calls, src: &[u8], len: usize) {
     assert_eq!(calls.len(), len.div_ceil(CHUNK), "one call per chunk");
     for (k, (i, bytes)) in calls.iter().enumerate() {
@@ -129,11 +151,12 @@ mod io {
                         for read_direct in [DirectIo::On, DirectIo::Off] {
                             let mut dst = aligned(round_up(len), 99);
                             let dst = &mut dst[..round_up(len)];
-                            let n = engine
-                                .read_file(&path, dst, &opts(read_direct, qd))
-                                .unwrap_or_else(|e| panic!("{case}: read {read_direct:?}: {e}"));
+                            let (r, calls) = read(&*engine, &path, dst, &opts(read_direct, qd));
+                            let n =
+                                r.unwrap_or_else(|e| panic!("{case}: read {read_direct:?}: {e}"));
                             assert_eq!(n, len as u64, "{case}");
                             assert!(dst[..len] == src[..len], "{case}: read {read_direct:?}");
+                            check_calls(&calls, src, len);
                         }
                     }
                 }
@@ -158,8 +181,10 @@ mod io {
                 check_calls(&calls, &src, len);
                 assert!(fs::read(&path).unwrap() == src[..len]);
                 let mut dst = aligned(round_up(len), 8);
-                assert_eq!(engine.read_file(&path, &mut dst, &o).unwrap(), len as u64);
+                let (r, calls) = read(&*engine, &path, &mut dst, &o);
+                assert_eq!(r.unwrap(), len as u64);
                 assert!(dst[..len] == src[..len]);
+                check_calls(&calls, &src, len);
             }
         }
     }
@@ -195,9 +220,11 @@ mod io {
                 let mut o = opts(DirectIo::Auto, 4);
                 o.faults = Some(faults.clone());
                 let mut dst = aligned(room, 4);
-                let e = engine.read_file(&path, &mut dst[..room], &o).unwrap_err();
+                let (r, calls) = read(&*engine, &path, &mut dst[..room], &o);
+                let e = r.unwrap_err();
                 assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
                 assert_eq!(faults.ops(), 0, "nothing read");
+                assert!(calls.is_empty());
             }
         }
     }
@@ -217,17 +244,17 @@ mod io {
         for engine in engines() {
             let o = opts(DirectIo::Auto, 4);
             let mut dst = aligned(CHUNK, 5);
-            let e = engine.read_file(&link, &mut dst, &o).unwrap_err();
+            let e = read(&*engine, &link, &mut dst, &o).0.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Io, "{e}");
-            let e = engine.read_file(dir.path(), &mut dst, &o).unwrap_err();
+            let e = read(&*engine, dir.path(), &mut dst, &o).0.unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
             if have_fifo {
                 // Refused at once, not a hang waiting for a writer.
-                let e = engine.read_file(&fifo, &mut dst, &o).unwrap_err();
+                let e = read(&*engine, &fifo, &mut dst, &o).0.unwrap_err();
                 assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
             }
-            let e = engine
-                .read_file(&dir.path().join("missing"), &mut dst, &o)
+            let e = read(&*engine, &dir.path().join("missing"), &mut dst, &o)
+                .0
                 .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Io, "{e}");
         }
@@ -368,20 +395,139 @@ mod io {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         let len = 3 * CHUNK + 123;
-        fs::write(&path, &aligned(len, 12)[..len]).unwrap();
+        let src = aligned(len, 12);
+        fs::write(&path, &src[..len]).unwrap();
         for engine in engines() {
             for direct in [DirectIo::On, DirectIo::Off] {
                 let mut dst = aligned(round_up(len), 13);
                 let faults = Arc::new(FaultInjector::counting());
                 let mut o = opts(direct, 4);
                 o.faults = Some(faults.clone());
-                engine.read_file(&path, &mut dst, &o).unwrap();
+                read(&*engine, &path, &mut dst, &o).0.unwrap();
                 assert_eq!(faults.ops(), len.div_ceil(CHUNK) as u64);
                 for n in 0..faults.ops() {
                     o.faults = Some(Arc::new(FaultInjector::fail_at(n, libc::EIO, false)));
-                    let e = engine.read_file(&path, &mut dst, &o).unwrap_err();
+                    let (r, calls) = read(&*engine, &path, &mut dst, &o);
+                    let e = r.unwrap_err();
                     assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+                    // The failed chunk is not handed over; what was, before
+                    // the fault, is the file's.
+                    assert!(calls.len() < len.div_ceil(CHUNK), "{e}");
+                    for (i, bytes) in &calls {
+                        let end = ((i + 1) * CHUNK).min(len);
+                        assert!(bytes[..] == src[i * CHUNK..end], "chunk {i}");
+                    }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn read_chunks_handed_over_stay_valid_while_dst_is_borrowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let len = 5 * CHUNK + 7;
+        let src = aligned(len, 16);
+        fs::write(&path, &src[..len]).unwrap();
+        for engine in engines() {
+            for (qd, direct) in [(1, DirectIo::On), (4, DirectIo::Off), (4, DirectIo::On)] {
+                let case = format!("{:?} qd{qd} {direct:?}", engine.kind());
+                let mut dst = aligned(round_up(len), 17);
+                let base = dst.as_ptr() as usize;
+                // The slices outlive their `on_chunk` call, as a hashing
+                // thread would keep them.
+                let mut kept: Vec<(usize, &[u8])> = Vec::new();
+                let n = engine
+                    .read_file(&path, &mut dst, &opts(direct, qd), &mut |i, b| {
+                        kept.push((i, b));
+                        Ok(())
+                    })
+                    .unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert_eq!(n, len as u64, "{case}");
+                kept.sort_by_key(|k| k.0);
+                assert_eq!(kept.len(), len.div_ceil(CHUNK), "{case}: once each");
+                for (k, (i, b)) in kept.iter().enumerate() {
+                    assert_eq!(*i, k, "{case}");
+                    assert_eq!(b.as_ptr() as usize, base + k * CHUNK, "{case}: in dst");
+                    let end = ((k + 1) * CHUNK).min(len);
+                    assert!(b[..] == src[k * CHUNK..end], "{case}: chunk {k}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn read_hands_over_chunks_before_the_last_read_starts() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Duration;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let n = 8;
+        let len = n * CHUNK;
+        fs::write(&path, &aligned(len, 18)[..len]).unwrap();
+        for engine in engines() {
+            let handed = Arc::new(AtomicBool::new(false));
+            let waited_out = Arc::new(AtomicBool::new(false));
+            let faults = Arc::new(FaultInjector::counting());
+            let (h, w) = (Arc::clone(&handed), Arc::clone(&waited_out));
+            // The last read does not start before a chunk was handed over
+            // (or 10 s passed: an engine that hands over only at the end).
+            faults.set_hook(move |op, _, _| {
+                if op + 1 == n as u64 {
+                    let t = Instant::now();
+                    while !h.load(Ordering::SeqCst) {
+                        if t.elapsed() > Duration::from_secs(10) {
+                            w.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            });
+            let mut o = opts(DirectIo::On, 2);
+            o.faults = Some(faults);
+            let mut dst = aligned(len, 19);
+            engine
+                .read_file(&path, &mut dst, &o, &mut |_, _| {
+                    handed.store(true, Ordering::SeqCst);
+                    Ok(())
+                })
+                .unwrap();
+            assert!(
+                !waited_out.load(Ordering::SeqCst),
+                "{:?}: no chunk handed over before the last read",
+                engine.kind()
+            );
+        }
+    }
+
+    #[test]
+    fn on_chunk_error_stops_the_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let len = 8 * CHUNK;
+        fs::write(&path, &aligned(len, 21)[..len]).unwrap();
+        for engine in engines() {
+            for qd in [1, 4] {
+                let mut dst = aligned(len, 22);
+                let mut calls = 0;
+                let e = engine
+                    .read_file(&path, &mut dst, &opts(DirectIo::On, qd), &mut |_, _| {
+                        calls += 1;
+                        if calls == 2 {
+                            return Err(Error::invalid("chunk", "digest refused"));
+                        }
+                        Ok(())
+                    })
+                    .unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+                assert!(e.to_string().contains("digest refused"), "{e}");
+                assert_eq!(
+                    calls,
+                    2,
+                    "{:?} qd{qd}: no call after the error",
+                    engine.kind()
+                );
             }
         }
     }
@@ -446,8 +592,8 @@ mod io {
                             .0
                             .unwrap();
                         let mut dst = aligned(round_up(len), 30 + t);
-                        engine
-                            .read_file(&path, &mut dst, &opts(DirectIo::On, 4))
+                        read(&**engine, &path, &mut dst, &opts(DirectIo::On, 4))
+                            .0
                             .unwrap();
                         assert!(dst[..len] == src[..len]);
                     });

@@ -5,11 +5,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::{
-    copy, ranks, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView,
+    copy, ranks, verify, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView,
 };
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, unhex, Digest, Entry, FileEntry, ParsedHeader};
+use crate::format::{data_file_name, parse_header, Entry, ParsedHeader};
 use crate::staging::{PinnedSlot, SlotState};
 
 /// The memory a loaded checkpoint's views point into.
@@ -131,7 +131,7 @@ fn load_step(
         let mut buf = heap(entry.size, &dir)?;
         if let Some(slot_path) = ranks::copy_from_peer_slot(shared, step, rank, entry, &mut buf) {
             let len = to_usize(entry.size);
-            match verify(&slot_path, &buf[..len], entry, threads) {
+            match verify::verify(&slot_path, &buf[..len], entry, threads) {
                 Ok(_) => {
                     let backing = Backing::Heap(buf, len);
                     return finish(
@@ -162,7 +162,7 @@ fn load_step(
             let slot_path = shared.ring.slot_path(info.slot);
             let verified = shared.cfg.verify == Verify::Always;
             if verified {
-                if let Err(e) = verify(&slot_path, pin.image(), entry, threads) {
+                if let Err(e) = verify::verify(&slot_path, pin.image(), entry, threads) {
                     // The resident copy is only a cache of the committed
                     // one: drop it and read storage.
                     tracing::warn!(
@@ -198,24 +198,21 @@ fn load_step(
     } else {
         None
     };
+    // Each chunk is verified as it lands; nothing is sealed or handed out
+    // before every digest matched.
+    let read = |dst: &mut [u8]| {
+        verify::read_verified(&*shared.io, &shared.io_opts, &path, dst, entry, threads)
+    };
     let backing = if let Some(mut slot) = slot {
-        read_into(shared, &path, slot.image_mut(), entry)?;
-        let digests = verify(
-            &path,
-            &slot.image_mut()[..to_usize(entry.size)],
-            entry,
-            threads,
-        )?;
+        let digests = read(slot.image_mut())?;
         let pin = slot.seal(step, entry.size);
         shared.ring.set_digests(pin.slot(), &digests);
         shared.ring.set_state(pin.slot(), SlotState::Persisted);
         Backing::Slot(pin)
     } else {
-        let len = to_usize(entry.size);
         let mut buf = heap(entry.size, &path)?;
-        read_into(shared, &path, &mut buf, entry)?;
-        verify(&path, &buf[..len], entry, threads)?;
-        Backing::Heap(buf, len)
+        read(&mut buf)?;
+        Backing::Heap(buf, to_usize(entry.size))
     };
     finish(
         shared,
@@ -281,23 +278,7 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
 /// index says it has `size` bytes), read from its header; `None` when the
 /// header cannot be read or parsed. Reads at most 1 MiB of header.
 fn tensor_at(path: &Path, size: u64, offset: u64) -> Option<String> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .ok()?;
-    let mut prefix = [0u8; 8];
-    f.read_exact(&mut prefix).ok()?;
-    let n = u64::from_le_bytes(prefix);
-    if n > 1 << 20 {
-        return None;
-    }
-    let mut bytes = prefix.to_vec();
-    f.take(n).read_to_end(&mut bytes).ok()?;
-    let header = parse_header(path, &bytes, size).ok()?;
-    header
+    verify::file_header(path, size)?
         .entries
         .into_iter()
         .find(|e| e.offset <= offset && offset < e.offset + e.len.max(1))
@@ -309,67 +290,6 @@ fn tensor_at(path: &Path, size: u64, offset: u64) -> Option<String> {
 pub(super) fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
     let padded = to_usize(len).div_ceil(4096).max(1) * 4096;
     memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))
-}
-
-fn read_into(shared: &Shared, path: &Path, dst: &mut [u8], entry: &FileEntry) -> Result<()> {
-    let got = shared.io.read_file(path, dst, &shared.io_opts)?;
-    if got != entry.size {
-        return Err(Error::corrupt(
-            path,
-            None,
-            format!("file is {got} bytes, the index says {}", entry.size),
-        ));
-    }
-    Ok(())
-}
-
-/// Checks `image` against the digests the index recorded; names the first
-/// tensor of the first chunk that differs.
-fn verify(path: &Path, image: &[u8], entry: &FileEntry, threads: usize) -> Result<Vec<Digest>> {
-    let chunk = to_usize(entry.chunk_bytes);
-    let got = copy::parallel_digests(image, chunk, threads);
-    if got.len() != entry.chunks.len() {
-        return Err(Error::corrupt(
-            path,
-            None,
-            format!(
-                "{} chunks, the index records {}",
-                got.len(),
-                entry.chunks.len()
-            ),
-        ));
-    }
-    for (i, (g, want)) in got.iter().zip(&entry.chunks).enumerate() {
-        if unhex(want).as_ref() == Some(g) {
-            continue;
-        }
-        let start = (i * chunk) as u64;
-        let end = start + chunk as u64;
-        // A digest covers a chunk: every tensor with bytes in it is suspect.
-        let suspects: Vec<String> = parse_header(path, image, image.len() as u64)
-            .map(|h| {
-                h.entries
-                    .into_iter()
-                    .filter(|e| e.len > 0 && e.offset < end && e.offset + e.len > start)
-                    .map(|e| e.name)
-                    .collect()
-            })
-            .unwrap_or_default();
-        let what = match suspects.len() {
-            0 => format!("digest mismatch in bytes {start}..{end} (header)"),
-            1 => format!("digest mismatch in bytes {start}..{end}"),
-            n => format!(
-                "digest mismatch in bytes {start}..{end}, which hold parts of {n} tensors: `{}`",
-                suspects.join("`, `")
-            ),
-        };
-        return Err(Error::corrupt(
-            path,
-            suspects.first().map(String::as_str),
-            what,
-        ));
-    }
-    Ok(got)
 }
 
 #[expect(

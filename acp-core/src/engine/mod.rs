@@ -18,6 +18,7 @@ mod flush;
 mod handle;
 mod load;
 mod ranks;
+mod verify;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share
 /// the ring, the flush thread and the state.

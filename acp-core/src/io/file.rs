@@ -27,6 +27,8 @@ pub(super) fn round_up(n: usize) -> Option<usize> {
 /// One chunk of a file: where it starts and how many bytes move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Span {
+    /// The chunk's index in the file.
+    pub(super) index: usize,
     /// Offset in the file and in the buffer.
     pub(super) start: usize,
     /// Bytes of file data in the chunk.
@@ -74,7 +76,12 @@ impl Geometry {
         } else {
             data
         };
-        Span { start, data, io }
+        Span {
+            index: i,
+            start,
+            data,
+            io,
+        }
     }
 }
 
@@ -216,10 +223,16 @@ where
 /// hang it), `fstat`, refusal of anything but a regular file or a file
 /// that does not fit, `O_DIRECT` policy, then `chunks(file, dst, geometry)`
 /// reads the chunks (each padded to [`ALIGN`]; the last one comes back
-/// short at end of file). Returns the file length.
-pub(super) fn read_file<F>(path: &Path, dst: &mut [u8], opts: &IoOpts, chunks: F) -> Result<u64>
+/// short at end of file) and hands each one over as it lands. Returns the
+/// file length.
+pub(super) fn read_file<'a, F>(
+    path: &Path,
+    dst: &'a mut [u8],
+    opts: &IoOpts,
+    chunks: F,
+) -> Result<u64>
 where
-    F: FnOnce(&File, &mut [u8], Geometry) -> Result<()>,
+    F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
 {
     check_opts(opts)?;
     let file = OpenOptions::new()
@@ -252,11 +265,8 @@ where
     let direct = apply_flags(&file, opts.direct, want, true, path)?;
     tracing::trace!(path = %path.display(), len, direct, "read");
     if n > 0 {
-        chunks(
-            &file,
-            &mut dst[..padded],
-            Geometry::new(n, opts.chunk_bytes, true),
-        )?;
+        let (dst, _) = dst.split_at_mut(padded);
+        chunks(&file, dst, Geometry::new(n, opts.chunk_bytes, true))?;
     }
     Ok(len)
 }
@@ -272,6 +282,7 @@ mod tests {
         assert_eq!(
             g.span(0),
             Span {
+                index: 0,
                 start: 0,
                 data: 8192,
                 io: 8192
@@ -280,6 +291,7 @@ mod tests {
         assert_eq!(
             g.span(3),
             Span {
+                index: 3,
                 start: 24576,
                 data: 5,
                 io: 4096

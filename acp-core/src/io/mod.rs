@@ -87,16 +87,35 @@ pub trait IoEngine: Send + Sync + Debug {
     ) -> Result<IoStats>;
 
     /// Reads the whole of `path` (opened with `O_NOFOLLOW`) into the start of
-    /// `dst` and returns its length. `dst` is 4096-aligned; the file must fit
-    /// with its last chunk padded: `round_up(file_len, 4096) <= dst.len()`,
+    /// `dst` in chunks of `opts.chunk_bytes` with up to `opts.queue_depth` in
+    /// flight, and returns its length. `dst` is 4096-aligned; the file must
+    /// fit with its last chunk padded: `round_up(file_len, 4096) <= dst.len()`,
     /// else [`Error::Invalid`] without reading. Bytes of `dst` between the
     /// file length and that bound may be overwritten.
     ///
+    /// `on_chunk(i, bytes)` is called once for each chunk `i` as soon as it
+    /// has landed, with its file bytes (unpadded; chunk `i` starts at byte
+    /// `i * opts.chunk_bytes`), on the calling thread, while later chunks
+    /// are still being read. Chunks are reported in the order they complete,
+    /// which need not be `i`'s. The bytes are final: nothing writes them
+    /// again, so `on_chunk` may keep them (to hash them elsewhere) for as
+    /// long as `dst` is borrowed. An error from `on_chunk` stops the read
+    /// (reads in flight are waited for) and is returned. On any error, some
+    /// chunks may have been reported and others not: a caller must not
+    /// trust any of `dst` unless the call returned `Ok`. An empty file has
+    /// no chunks.
+    ///
     /// # Errors
-    /// [`Error::Io`] naming `path` (a symlink fails with ELOOP);
-    /// [`Error::Invalid`] when the file does not fit or is not a regular
-    /// file, or for the bad options `write_file` refuses.
-    fn read_file(&self, path: &Path, dst: &mut [u8], opts: &IoOpts) -> Result<u64>;
+    /// [`Error::Io`] naming `path` (a symlink fails with ELOOP); the error of
+    /// `on_chunk`; [`Error::Invalid`] when the file does not fit or is not a
+    /// regular file, or for the bad options `write_file` refuses.
+    fn read_file<'a>(
+        &self,
+        path: &Path,
+        dst: &'a mut [u8],
+        opts: &IoOpts,
+        on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+    ) -> Result<u64>;
 }
 
 /// Opens the engine `choice` asks for. `Auto` probes `io_uring` once (a ring
@@ -188,14 +207,18 @@ mod tests {
             assert_eq!(std::fs::read(&path).unwrap(), src[..len]);
 
             let mut dst = MmapMut::map_anon(4 * 8192).unwrap();
-            let n = refusing_direct(|| engine.read_file(&path, &mut dst, &opts(DirectIo::Auto)))
-                .unwrap();
+            let n = refusing_direct(|| {
+                engine.read_file(&path, &mut dst, &opts(DirectIo::Auto), &mut |_, _| Ok(()))
+            })
+            .unwrap();
             assert_eq!(n, len as u64);
             assert_eq!(dst[..len], src[..len]);
 
             // `On` refuses instead, and leaves no file behind.
-            let e = refusing_direct(|| engine.read_file(&path, &mut dst, &opts(DirectIo::On)))
-                .unwrap_err();
+            let e = refusing_direct(|| {
+                engine.read_file(&path, &mut dst, &opts(DirectIo::On), &mut |_, _| Ok(()))
+            })
+            .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Io, "{e}");
             std::fs::remove_file(&path).unwrap();
             let e = refusing_direct(|| {

@@ -3,7 +3,9 @@
 //!
 //! Writes are pipelined: the calling thread runs `on_chunk` (the hash) on
 //! chunk `i` and hands the index to the workers through a bounded channel,
-//! so hashing overlaps the writes of earlier chunks.
+//! so hashing overlaps the writes of earlier chunks. Reads are pipelined
+//! the other way: each worker hands the chunk it has read back to the
+//! calling thread, which runs `on_chunk` on it while the workers read on.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -50,9 +52,15 @@ impl IoEngine for PsyncEngine {
         )
     }
 
-    fn read_file(&self, path: &Path, dst: &mut [u8], opts: &IoOpts) -> Result<u64> {
+    fn read_file<'a>(
+        &self,
+        path: &Path,
+        dst: &'a mut [u8],
+        opts: &IoOpts,
+        on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+    ) -> Result<u64> {
         file::read_file(path, dst, opts, |f, dst, geo| {
-            read_chunks(f, path, dst, geo, opts)
+            read_chunks(f, path, dst, geo, opts, on_chunk)
         })
     }
 }
@@ -199,7 +207,14 @@ fn write_chunks(
     first.into_result()
 }
 
-fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOpts) -> Result<()> {
+fn read_chunks<'a>(
+    f: &File,
+    path: &Path,
+    dst: &'a mut [u8],
+    geo: Geometry,
+    opts: &IoOpts,
+    on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+) -> Result<()> {
     let n = geo.count();
     let check = || {
         faults::check(opts.faults.as_deref(), "read", path).map_err(|e| Error::io("read", path, e))
@@ -218,6 +233,8 @@ fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOp
         for (span, buf) in bufs {
             check()?;
             read_span(f, path, buf, span)?;
+            let landed: &'a [u8] = buf;
+            on_chunk(span.index, &landed[..span.data])?;
         }
         return Ok(());
     }
@@ -230,9 +247,12 @@ fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOp
         let _ = tx.send(job);
     }
     drop(tx);
+    // Chunks read, on their way back to the calling thread.
+    let (landed_tx, landed_rx) = crossbeam_channel::unbounded::<(usize, &'a [u8])>();
     thread::scope(|s| {
         for w in 0..workers {
-            let rx: Receiver<(Span, &mut [u8])> = rx.clone();
+            let rx: Receiver<(Span, &'a mut [u8])> = rx.clone();
+            let landed_tx = landed_tx.clone();
             let first = &first;
             let spawned = thread::Builder::new()
                 .name(format!("acp-pread-{w}"))
@@ -241,14 +261,32 @@ fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOp
                         if first.failed() {
                             break;
                         }
-                        if let Err(e) = check().and_then(|()| read_span(f, path, buf, span)) {
-                            first.set(e);
+                        match check().and_then(|()| read_span(f, path, buf, span)) {
+                            Ok(()) => {
+                                // The chunk is read: from here on it is only
+                                // ever read, by `on_chunk`.
+                                let landed: &'a [u8] = buf;
+                                // The calling thread receives until every
+                                // worker is gone, so the send cannot fail.
+                                let _ = landed_tx.send((span.index, &landed[..span.data]));
+                            }
+                            Err(e) => first.set(e),
                         }
                     }
                 });
             if let Err(e) = spawned {
                 first.set(Error::io("spawn pread thread", path, e));
                 break;
+            }
+        }
+        drop(landed_tx);
+        // Ends when every worker has ended (each holds a sender).
+        for (i, bytes) in &landed_rx {
+            if first.failed() {
+                continue;
+            }
+            if let Err(e) = on_chunk(i, bytes) {
+                first.set(e);
             }
         }
     });

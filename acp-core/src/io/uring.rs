@@ -7,12 +7,17 @@
 //! (its `Drop` included) while the kernel still holds one of its
 //! operations. Registered (fixed) buffers are not used: they count against
 //! `RLIMIT_MEMLOCK`, which is often a few MiB.
+//!
+//! A read hands each chunk to the caller's `on_chunk` as soon as it has
+//! landed, after the freed ring slots have been refilled: the caller's work
+//! on a chunk (hashing it) runs while the next reads are in flight.
 
 #![allow(
     unsafe_code,
     reason = "io_uring SQEs carry raw pointers into the caller's buffer; Flight waits for every completion before the borrow ends"
 )]
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::marker::PhantomData;
@@ -66,9 +71,15 @@ impl IoEngine for UringEngine {
         )
     }
 
-    fn read_file(&self, path: &Path, dst: &mut [u8], opts: &IoOpts) -> Result<u64> {
+    fn read_file<'a>(
+        &self,
+        path: &Path,
+        dst: &'a mut [u8],
+        opts: &IoOpts,
+        on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+    ) -> Result<u64> {
         file::read_file(path, dst, opts, |f, dst, geo| {
-            read_chunks(f, path, dst, geo, opts)
+            read_chunks(f, path, dst, geo, opts, on_chunk)
         })
     }
 }
@@ -173,7 +184,14 @@ fn write_chunks(
     result
 }
 
-fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOpts) -> Result<()> {
+fn read_chunks<'a>(
+    f: &File,
+    path: &Path,
+    dst: &'a mut [u8],
+    geo: Geometry,
+    opts: &IoOpts,
+    on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+) -> Result<()> {
     let n = geo.count();
     if n == 0 {
         return Ok(());
@@ -183,7 +201,7 @@ fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOp
         .map_err(|e| Error::io("io_uring_setup", path, e))?;
     let mut next = 0;
     let result = (|| -> Result<()> {
-        while next < n || !flight.idle() {
+        loop {
             while next < n && flight.has_room() {
                 let span = geo.span(next);
                 faults::check(opts.faults.as_deref(), "read", path).map_err(io_err)?;
@@ -191,9 +209,16 @@ fn read_chunks(f: &File, path: &Path, dst: &mut [u8], geo: Geometry, opts: &IoOp
                 flight.start(span, span.data).map_err(io_err)?;
                 next += 1;
             }
+            // The ring is full again: hand over what has landed while the
+            // next chunks are read.
+            while let Some((i, bytes)) = flight.take_landed() {
+                on_chunk(i, bytes)?;
+            }
+            if next == n && flight.idle() {
+                return Ok(());
+            }
             flight.wait().map_err(io_err)?;
         }
-        Ok(())
     })();
     flight.drain();
     result
@@ -213,6 +238,8 @@ enum Dir {
 /// `need` have (a read may end short at end of file).
 #[derive(Debug)]
 struct Op {
+    /// The chunk's index in the file.
+    index: usize,
     start: usize,
     len: usize,
     need: usize,
@@ -230,17 +257,22 @@ enum Step {
 /// A ring with operations in flight over one file and one buffer.
 ///
 /// Invariant: every operation the kernel has consumed from the submission
-/// queue names a range inside the buffer and the file's fd, both borrowed
-/// for `'a`; [`Flight::drain`], which `Drop` calls, returns only when the
-/// kernel holds none. So the buffer and fd outlive every operation, on
-/// error paths and on unwinding alike.
-struct Flight<'a> {
+/// queue names a range inside the buffer (borrowed for `'b`) and the file's
+/// fd (borrowed for `'f`); [`Flight::drain`], which `Drop` calls, returns
+/// only when the kernel holds none. So the buffer and fd outlive every
+/// operation, on error paths and on unwinding alike.
+///
+/// A reading flight moves forward only: each read starts at or past the
+/// end of the one before ([`Flight::start`] refuses others), so the range
+/// of a completed read is never written again, and
+/// [`Flight::take_landed`] lends it out for all of `'b`.
+struct Flight<'f, 'b> {
     ring: IoUring,
-    file: &'a File,
+    file: &'f File,
     dir: Dir,
     buf_len: usize,
     /// The borrow of the buffer: shared for writes, exclusive for reads.
-    _buf: PhantomData<&'a [u8]>,
+    _buf: PhantomData<&'b [u8]>,
     /// Operation per slot; the slot index is the SQE's `user_data`.
     slots: Vec<Option<Op>>,
     free: Vec<usize>,
@@ -249,21 +281,28 @@ struct Flight<'a> {
     completed: u64,
     /// Scratch for reaping.
     cqes: Vec<(u64, i32)>,
+    /// Reads: no read may start below this offset (the end of the last
+    /// range started).
+    floor: usize,
+    /// Reads: `(index, start, len)` of completed reads not yet taken.
+    landed: VecDeque<(usize, usize, usize)>,
 }
 
-impl<'a> Flight<'a> {
+impl<'f, 'b> Flight<'f, 'b> {
     /// A flight that writes `file` from `src`.
-    fn writing(file: &'a File, src: &'a [u8], depth: usize) -> io::Result<Self> {
+    fn writing(file: &'f File, src: &'b [u8], depth: usize) -> io::Result<Self> {
         Self::new(file, Dir::Write(src.as_ptr()), src.len(), depth)
     }
 
     /// A flight that reads `file` into `dst`, which it borrows exclusively:
-    /// nothing else reads or writes `dst` while the kernel may write it.
-    fn reading(file: &'a File, dst: &'a mut [u8], depth: usize) -> io::Result<Self> {
+    /// nothing else reads or writes `dst` while the kernel may write it,
+    /// except the ranges of completed reads that
+    /// [`take_landed`](Self::take_landed) lends out.
+    fn reading(file: &'f File, dst: &'b mut [u8], depth: usize) -> io::Result<Self> {
         Self::new(file, Dir::Read(dst.as_mut_ptr()), dst.len(), depth)
     }
 
-    fn new(file: &'a File, dir: Dir, buf_len: usize, depth: usize) -> io::Result<Self> {
+    fn new(file: &'f File, dir: Dir, buf_len: usize, depth: usize) -> io::Result<Self> {
         let depth = depth.clamp(1, MAX_DEPTH);
         let ring = IoUring::builder()
             .setup_clamp()
@@ -280,6 +319,8 @@ impl<'a> Flight<'a> {
             pushed: 0,
             completed: 0,
             cqes: Vec::with_capacity(depth),
+            floor: 0,
+            landed: VecDeque::with_capacity(depth),
         })
     }
 
@@ -306,11 +347,22 @@ impl<'a> Flight<'a> {
                 "chunk outside the buffer",
             ));
         }
+        if let Dir::Read(_) = self.dir {
+            // A landed range may be lent out: never read into it again.
+            if span.start < self.floor {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "reads of a flight must move forward",
+                ));
+            }
+            self.floor = span.start + span.io;
+        }
         let slot = self
             .free
             .pop()
             .ok_or_else(|| io::Error::other("no free io_uring slot"))?;
         self.slots[slot] = Some(Op {
+            index: span.index,
             start: span.start,
             len: span.io,
             need,
@@ -349,11 +401,13 @@ impl<'a> Flight<'a> {
         .user_data(slot as u64);
         // SAFETY: the entry names `rest` bytes at `base + at`, and
         // `at + rest <= buf_len` (above), so it stays inside the buffer this
-        // flight borrows for `'a`; for writes that borrow is shared (the
-        // bytes cannot change), for reads it is exclusive (no Rust reference
-        // to `dst` exists until the flight ends, so the kernel's stores race
-        // with nothing; two reads into one range could only mix their bytes).
-        // The fd belongs to `self.file`, also borrowed for `'a`, so it is
+        // flight borrows for `'b`; for writes that borrow is shared (the
+        // bytes cannot change), for reads it is exclusive (the only Rust
+        // references into `dst` before the flight ends are the ranges of
+        // completed reads lent by `take_landed`, and this operation's range
+        // is not one of them: it is not complete, and reads move forward
+        // past `floor`; so the kernel's stores race with nothing).
+        // The fd belongs to `self.file`, borrowed for `'f`, so it is
         // neither closed nor reused. The flight outlives the operation:
         // `drain` (called by `Drop`) returns only when the kernel holds no
         // operation, and no flight is ever leaked.
@@ -424,7 +478,11 @@ impl<'a> Flight<'a> {
             let step = self.step(slot, res);
             let outcome = match step {
                 Step::Again if resubmit => self.push(slot),
-                Step::Again | Step::Done => {
+                Step::Done => {
+                    self.land(slot);
+                    Ok(())
+                }
+                Step::Again => {
                     self.release(slot);
                     Ok(())
                 }
@@ -472,6 +530,37 @@ impl<'a> Flight<'a> {
         }
     }
 
+    /// Frees the slot of a completed operation; a read's range is queued
+    /// for [`take_landed`](Self::take_landed).
+    fn land(&mut self, slot: usize) {
+        if let (Dir::Read(_), Some(Some(op))) = (self.dir, self.slots.get(slot)) {
+            self.landed.push_back((op.index, op.start, op.need));
+        }
+        self.release(slot);
+    }
+
+    /// The next completed read, as its chunk index and its `need` bytes,
+    /// lent for all of `'b`; `None` when none is waiting (or for writes).
+    fn take_landed(&mut self) -> Option<(usize, &'b [u8])> {
+        let Dir::Read(base) = self.dir else {
+            return None;
+        };
+        let (index, start, len) = self.landed.pop_front()?;
+        // SAFETY: `land` queued `(start, len)` when the read of
+        // `start..start + io` completed with at least `len` (its `need`)
+        // bytes, so the kernel holds no operation over those bytes; `start`
+        // checked `start + io <= buf_len` and `len <= io`, so they lie in the
+        // buffer this flight borrows exclusively for `'b`, which came from a
+        // `&'b mut [u8]` (initialised, no other reference to it). Every later
+        // read starts at or past `floor >= start + io` (`start` refuses
+        // others) and this flight never writes the buffer from Rust, so these
+        // bytes are not written again during `'b`: a shared borrow of them is
+        // sound, as one from `split_at_mut` would be.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(base.wrapping_add(start).cast_const(), len) };
+        Some((index, bytes))
+    }
+
     fn release(&mut self, slot: usize) {
         if let Some(s) = self.slots.get_mut(slot) {
             if s.take().is_some() {
@@ -499,7 +588,7 @@ impl<'a> Flight<'a> {
     }
 }
 
-impl Drop for Flight<'_> {
+impl Drop for Flight<'_, '_> {
     fn drop(&mut self) {
         self.drain();
     }
@@ -524,6 +613,7 @@ mod tests {
         sys::set_flags(&f, true, false).unwrap();
         let buf = MmapMut::map_anon(3 * 4096).unwrap();
         let span = Span {
+            index: 0,
             start: 0,
             data: 4096,
             io: 4096,
@@ -543,12 +633,53 @@ mod tests {
     }
 
     #[test]
+    fn a_reading_flight_moves_forward_and_lends_what_landed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data: Vec<u8> = (0..3 * 4096u32)
+            .map(|i| u8::try_from(i % 251).expect("below 251"))
+            .collect();
+        std::fs::write(&path, &data).unwrap();
+        let f = File::open(&path).unwrap();
+        let mut buf = MmapMut::map_anon(3 * 4096).unwrap();
+        let span = |index: usize| Span {
+            index,
+            start: index * 4096,
+            data: 4096,
+            io: 4096,
+        };
+        let mut flight = Flight::reading(&f, &mut buf, 2).unwrap();
+        flight.start(span(1), 4096).unwrap();
+        // At or behind the last read: refused, it could land on bytes
+        // already lent out.
+        assert!(flight.start(span(1), 4096).is_err());
+        assert!(flight.start(span(0), 4096).is_err());
+        while !flight.idle() {
+            flight.wait().unwrap();
+        }
+        let (i, first) = flight.take_landed().unwrap();
+        assert_eq!(i, 1);
+        assert!(flight.take_landed().is_none());
+        flight.start(span(2), 4096).unwrap();
+        while !flight.idle() {
+            flight.wait().unwrap();
+        }
+        let (i, second) = flight.take_landed().unwrap();
+        assert_eq!(i, 2);
+        drop(flight);
+        // Both stay lent for the buffer's borrow, past the flight.
+        assert_eq!(first, &data[4096..8192]);
+        assert_eq!(second, &data[8192..]);
+    }
+
+    #[test]
     fn operations_outside_the_buffer_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let f = File::create(dir.path().join("f")).unwrap();
         let buf = [0u8; 100];
         let mut flight = Flight::writing(&f, &buf, 2).unwrap();
         let span = Span {
+            index: 0,
             start: 50,
             data: 51,
             io: 51,
