@@ -186,11 +186,22 @@ fn image_header(path: &Path, image_offset: u64, image_len: u64) -> Option<(Optio
 
 /// The (device, inode) of every file with an `flock` held, from
 /// `/proc/locks` (empty where it cannot be read).
+///
+/// The kernel produces `/proc/locks` a page per `read` call, resuming by
+/// line number: a lock released meanwhile on an earlier line shifts the
+/// rest, so one pass can skip a lock that was held throughout. Three passes
+/// are merged; a held lock is missed only if every pass skips it.
 fn locked_files() -> HashSet<(u64, u64)> {
-    let Ok(text) = std::fs::read_to_string("/proc/locks") else {
-        return HashSet::new();
-    };
     let mut out = HashSet::new();
+    for _ in 0..3 {
+        if let Ok(text) = std::fs::read_to_string("/proc/locks") {
+            parse_locks(&text, &mut out);
+        }
+    }
+    out
+}
+
+fn parse_locks(text: &str, out: &mut HashSet<(u64, u64)>) {
     for line in text.lines() {
         // "1: FLOCK  ADVISORY  WRITE 1234 00:19:5678 0 EOF"; blocked
         // waiters carry "->" and hold nothing.
@@ -212,7 +223,6 @@ fn locked_files() -> HashSet<(u64, u64)> {
         };
         out.insert((libc::makedev(maj, min), ino));
     }
-    out
 }
 
 /// The ranks that have slot files of `job` in `shm_dir`.
