@@ -10,7 +10,7 @@ at moments drawn from a seeded exponential distribution (mean ``--mtbf`` seconds
 at once, and stops it after the budget. Every mode gets the same kill moments, as offsets from
 the start of its run. Modes:
 
-- ``acp``: ``acp.Checkpointer.save`` every ``--acp-every`` steps (default 1); a restart
+- ``acp``: ``acp.Checkpointer.save`` every step (``acp-N``: every N steps); a restart
   restores the newest step acp has with ``ckpt.load``, from the shared-memory ring when the
   killed worker's slot survived;
 - ``torch-N``: ``torch.save`` of model and optimizer every N steps, atomically (temp file,
@@ -19,11 +19,12 @@ the start of its run. Modes:
   temp directory, renamed to ``step-N`` once its future completed (one save in flight: the next
   one waits for it); a restart loads the newest complete directory with ``dcp.load``.
 
-N comes from ``--every`` (several values give several modes). The machine is shared and its
-load drifts, so the measurement runs in ``--rounds`` rounds (the budget split evenly): each
-round runs the bare loop (no checkpoints, no faults: the pure step rate) and then every mode,
-in an order rotated from round to round, under that round's kill schedule. Each mode's figures
-are relative to the bare loop of its own round.
+N comes from ``--every`` and acp's interval from ``--acp-every`` (several values give several
+modes). The machine is shared and its load drifts, so the measurement runs in ``--rounds``
+rounds (the budget split evenly): each round runs the bare loop (no checkpoints, no faults:
+the pure step rate), then every mode, in an order rotated from round to round, under that
+round's kill schedule, then the bare loop again. Each mode's figures are relative to the mean
+of the two bare-loop rates of its round.
 
 Useful steps: after the budget the last worker is killed like the others, and a probe process
 restores what a restart would get; its step is the run's useful steps, so recomputed steps
@@ -491,7 +492,7 @@ def _fmt(x: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
 def markdown(doc: dict[str, Any]) -> str:
     c, m = doc["config"], doc["machine"]
     md = c["model"]
-    rates = [r["bare_rate"] for r in doc["rounds"]]
+    rates = "; ".join(" and ".join(_fmt(x, ".2f") for x in r["bare_rates"]) for r in doc["rounds"])
     kills = sum(len(r["kills"]) for r in doc["rounds"])
     budget = sum(r["budget"] for r in doc["rounds"])
     budgets = " and ".join(f"{r['budget']:g}" for r in doc["rounds"])
@@ -505,8 +506,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['state_bytes'] / 1e6:.0f} MB of state, trained for {budget:g} s per mode "
         f"({len(doc['rounds'])} round(s) of {budgets} s) and SIGKILLed {kills} times, at the "
         f"same moments in every mode ({c['schedule']}). The bare loop (no checkpoints, no "
-        "faults) ran "
-        f"{' and '.join(_fmt(r, '.2f') for r in rates)} steps/s in its round(s). "
+        f"faults) ran {rates} steps/s (at the start and the end of each round). "
         f"{m['cpus']} CPUs ({m['cpu']}), {m['mem_bytes'] / 2**30:.0f} GiB, shared with other "
         f"work (load average {m['loadavg_start'][0]:.1f} at the start, "
         f"{m['loadavg_end'][0]:.1f} at the end); torch {m['torch']}, acp {m['acp']}; "
@@ -734,13 +734,14 @@ def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool
         doc["state_bytes"] = fresh.get("state_bytes", 0)
         startup = next((e["t"] for e in bare.events if e["ev"] == "step"), 0.0)
         kills, per_round = schedule(a, r, startup)
-        doc["rounds"].append({
+        rnd: dict[str, Any] = {
             "budget": per_round,
             "kills": kills,
-            "bare_rate": _rate(bare),
+            "bare_rates": [_rate(bare)],
             "bare_first_step_secs": startup,
-            "bare": asdict(bare),
-        })  # fmt: skip
+            "bare": [asdict(bare)],
+        }
+        doc["rounds"].append(rnd)
         _say(f"  {_fmt(_rate(bare), '.2f')} steps/s after {startup:.1f} s of start-up; each "
              f"mode: {per_round:g} s, kills at {kills}")  # fmt: skip
         k = r % len(ms)
@@ -752,6 +753,14 @@ def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool
             restored = [e.get("source") for e in run.events if e["ev"] == "restored"]
             _say(f"  {mode.label}: {run.probe['step'] if run.probe else 0} useful steps; "
                  f"restores from {restored}")  # fmt: skip
+        if not a.quick:  # the load drifts: the bare loop again, at the end of the round
+            bare = sup.run(Mode("bare", "bare", 1, "bare loop"), r, a.bare, [])
+            bad_bare += check(bare, ref_ck)
+            rnd["bare_rates"].append(_rate(bare))
+            rnd["bare"].append(asdict(bare))
+            _say(f"  the bare loop again: {_fmt(_rate(bare), '.2f')} steps/s")
+        rates = [x for x in rnd["bare_rates"] if x]
+        rnd["bare_rate"] = statistics.fmean(rates) if rates else None
     bare_rates = [rnd["bare_rate"] for rnd in doc["rounds"]]
     ok = not bad_bare
     if bad_bare:
