@@ -8,7 +8,7 @@ For each mode a supervisor runs a worker process (``goodput_worker.py``: an MLP 
 AdamW on a deterministic data stream, 114 MB of state by default), SIGKILLs its process group
 at moments drawn from a seeded exponential distribution (mean ``--mtbf`` seconds), restarts it
 at once, and stops it after the budget. Every mode gets the same kill moments, as offsets from
-the start of its run. Modes:
+the start of its run (with rounds: one draw over the whole budget, cut into the rounds). Modes:
 
 - ``acp``: ``acp.Checkpointer.save`` every step (``acp-N``: every N steps); a restart
   restores the newest step acp has with ``ckpt.load``, from the shared-memory ring when the
@@ -659,7 +659,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, help="seconds per mode under faults (default 120)")
     ap.add_argument("--rounds", type=int, help="rounds the budget is split into (default 2)")
     ap.add_argument("--mtbf", type=float, help="mean seconds between kills (default 15)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (round r: +r)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--min-gap", type=float, help="least seconds between kills (default 0)")
     ap.add_argument("--kills", type=float, nargs="*", help="explicit kill offsets, every round")
     ap.add_argument("--bare", type=float, help="seconds of the bare loop per round (default 20)")
@@ -704,7 +704,11 @@ def schedule(a: argparse.Namespace, rnd: int, startup: float) -> tuple[list[floa
     per_round = a.budget / a.rounds
     if a.kills is not None:
         return sorted(k for k in a.kills if 0 < k < per_round), per_round
-    return kill_schedule(per_round, a.mtbf, a.seed + rnd, a.min_gap), per_round
+    # One process over the whole budget, cut into the rounds: a short round alone would
+    # often draw no kill at all.
+    start = rnd * per_round
+    kills = kill_schedule(a.budget, a.mtbf, a.seed, a.min_gap)
+    return [round(k - start, 3) for k in kills if start < k < start + per_round], per_round
 
 
 def describe(a: argparse.Namespace) -> str:
@@ -714,7 +718,10 @@ def describe(a: argparse.Namespace) -> str:
     if a.quick:
         return "--quick: one kill at 1.5 times the bare loop's start-up time, plus 1.5 s"
     gap = f", at least {a.min_gap:g} s" if a.min_gap > 0 else ""
-    return f"exponential gaps of mean {a.mtbf:g} s{gap}, seed {a.seed} + round"
+    return (
+        f"exponential gaps of mean {a.mtbf:g} s{gap}, seed {a.seed}, drawn over the whole "
+        "budget and cut into the rounds"
+    )
 
 
 def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool:
