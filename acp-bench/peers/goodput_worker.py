@@ -1,0 +1,378 @@
+"""The worker of ``goodput.py``: trains an MLP with AdamW until it is killed, checkpointing
+as its mode says, and reports every step and checkpoint to the supervisor as JSON lines on a
+pipe (``--fd``). Run by the supervisor, not by hand:
+
+    python goodput_worker.py --kind acp --fd 5 --root DIR --job NAME --shm-dir DIR --every 1
+
+On start it restores the newest checkpoint of its mode, if any; with ``--probe`` it restores,
+reports and exits. Events: ``start``, ``imported`` (torch is imported), ``opened`` (model built,
+checkpointer open), ``restored`` (step, checksum, seconds, source) or ``fresh``, then per step
+``step`` (step, checksum) and the mode's checkpoint events: acp ``saved`` (the save returned:
+the step is in the shared-memory ring), ``skipped`` and ``committed``; torch ``durable`` (renamed
+and the directory fsynced); dcp ``staged`` (``async_save`` returned) and ``durable`` (its future
+completed and the directory was renamed ``step-N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STRIDE = 97
+"""The checksum reads every STRIDE-th element of every tensor."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """The worker's model, data and threads (the same in every mode)."""
+
+    d_in: int = 512
+    hidden: int = 2048
+    layers: int = 3
+    classes: int = 16
+    batch: int = 16
+    threads: int = 1
+    data_seed: int = 1234
+
+    def flags(self) -> list[str]:
+        return [f"--{k.replace('_', '-')}={v}" for k, v in asdict(self).items()]
+
+
+QUICK_MODEL = Model(d_in=64, hidden=256, layers=2, batch=16)
+"""The model of ``goodput.py --quick``."""
+
+
+def _emit(fd: int, kind: str, **data: Any) -> None:
+    """One event to the supervisor: a JSON line, written in one call (atomic under PIPE_BUF)."""
+    os.write(fd, (json.dumps({"ev": kind, **data}) + "\n").encode())
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Trainer:
+    """The model, AdamW and a data stream that is a function of the step alone, so a resumed
+    run needs nothing but the step, the model and the optimizer."""
+
+    def __init__(self, m: Model) -> None:
+        import torch
+        from torch import nn
+
+        # A fixed thread count makes these CPU kernels deterministic; the supervisor's
+        # checksums verify it. (torch.use_deterministic_algorithms would import
+        # torch._inductor: seconds added to every restart.)
+        torch.set_num_threads(m.threads)
+        torch.manual_seed(m.data_seed)
+        self.m = m
+        g = torch.Generator().manual_seed(m.data_seed)
+        self.teacher = torch.randn(m.d_in, m.classes, generator=g)
+        blocks: list[nn.Module] = []
+        width = m.d_in
+        for _ in range(m.layers):
+            blocks += [nn.Linear(width, m.hidden), nn.GELU()]
+            width = m.hidden
+        blocks.append(nn.Linear(width, m.classes))
+        self.model = nn.Sequential(*blocks)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
+        self.step = 0
+
+    def train_step(self) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.step += 1
+        g = torch.Generator().manual_seed(self.m.data_seed * 1_000_003 + self.step)
+        x = torch.randn(self.m.batch, self.m.d_in, generator=g)
+        y = (
+            x @ self.teacher + 0.5 * torch.randn(self.m.batch, self.m.classes, generator=g)
+        ).argmax(1)
+        loss = F.cross_entropy(self.model(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+
+    def init_opt_state(self) -> None:
+        """AdamW's state as its first step creates it (zeros), so a checkpoint loads in place."""
+        import torch
+
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                self.opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step}
+
+    def checksum(self) -> str:
+        """A digest of every STRIDE-th element of every parameter and optimizer tensor."""
+        h = hashlib.blake2b(digest_size=8)
+        for p in self.model.parameters():
+            h.update(p.detach().reshape(-1)[::STRIDE].numpy().tobytes())
+            state = self.opt.state.get(p, {})
+            for key in sorted(state):
+                h.update(state[key].reshape(-1)[::STRIDE].numpy().tobytes())
+        return h.hexdigest()
+
+    def state_bytes(self) -> int:
+        n = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return 3 * n  # parameters, exp_avg, exp_avg_sq
+
+
+class AcpStore:
+    """``ckpt.save`` every ``every`` steps; restore: ``ckpt.load``, RAM first."""
+
+    def __init__(self, a: argparse.Namespace, tr: Trainer, fd: int) -> None:
+        import acp
+
+        self.acp, self.tr, self.fd, self.every = acp, tr, fd, a.every
+        slot = tr.state_bytes() + (4 << 20)
+        self.ckpt = acp.Checkpointer(
+            a.root,
+            job=a.job,
+            shm_dir=a.shm_dir,
+            ring_slots=2,
+            ring_bytes=2 * slot,
+            keep_last=2,
+            on_full=a.acp_on_full,
+        )
+        self.pending: list[Any] = []
+
+    def restore(self) -> dict[str, Any] | None:
+        opened = self.ckpt.stats()["engine"]
+        self.tr.init_opt_state()
+        template = self.tr.state()
+        try:
+            stats = self.ckpt.load(into=template)
+        except self.acp.CheckpointNotFound:
+            self.tr.opt.state.clear()  # a fresh run starts with AdamW's lazy state
+            return None
+        self.tr.opt.load_state_dict(template["optim"])
+        self.tr.step = template["step"]
+        return {
+            "source": stats.source,
+            "verified": stats.verified,
+            "resident_at_open": opened["resident_steps"],
+            "persisted_on_open": opened["persisting_steps"],
+        }
+
+    def after_step(self) -> None:
+        step = self.tr.step
+        if step % self.every == 0:
+            t0 = time.perf_counter()
+            h = self.ckpt.save(step, self.tr.state())
+            stall = time.perf_counter() - t0
+            if h.skipped:
+                _emit(self.fd, "skipped", step=step, stall=stall)
+            else:
+                _emit(self.fd, "saved", step=step, stall=stall)
+                self.pending.append(h)
+        still = []
+        for h in self.pending:
+            if not h.done():
+                still.append(h)
+                continue
+            try:
+                h.wait()
+                _emit(self.fd, "committed", step=h.step)
+            except self.acp.AcpError as e:
+                _emit(self.fd, "error", step=h.step, error=str(e))
+        self.pending = still
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class TorchStore:
+    """``torch.save`` every ``every`` steps: temp file, fsync, rename, fsync of the directory."""
+
+    def __init__(self, a: argparse.Namespace, tr: Trainer, fd: int) -> None:
+        self.tr, self.fd, self.every = tr, fd, a.every
+        self.root = a.root
+        os.makedirs(self.root, exist_ok=True)
+        self.path = os.path.join(self.root, "state.pt")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path + ".tmp")  # a save the kill interrupted
+
+    def restore(self) -> dict[str, Any] | None:
+        import torch
+
+        if not os.path.exists(self.path):
+            return None
+        sd = torch.load(self.path, weights_only=True)
+        self.tr.model.load_state_dict(sd["model"])
+        self.tr.opt.load_state_dict(sd["optim"])
+        self.tr.step = int(sd["step"])
+        return {"source": "file"}
+
+    def after_step(self) -> None:
+        import torch
+
+        if self.tr.step % self.every:
+            return
+        t0 = time.perf_counter()
+        tmp = self.path + ".tmp"
+        torch.save(self.tr.state(), tmp)
+        _fsync(tmp)
+        os.replace(tmp, self.path)
+        _fsync(self.root)
+        _emit(self.fd, "durable", step=self.tr.step, stall=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        pass
+
+
+class DcpStore:
+    """``dcp.async_save`` every ``every`` steps into ``tmp-N``, renamed ``step-N`` once complete;
+    at most one save in flight (the next one waits). The newest two complete ones are kept."""
+
+    def __init__(self, a: argparse.Namespace, tr: Trainer, fd: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp, self.tr, self.fd, self.every = dcp, tr, fd, a.every
+        self.root = a.root
+        os.makedirs(self.root, exist_ok=True)
+        for name in os.listdir(self.root):
+            if name.startswith("tmp-"):  # a save the kill interrupted
+                shutil.rmtree(os.path.join(self.root, name))
+        self.inflight: tuple[int, Any] | None = None
+
+    def complete(self) -> list[int]:
+        names = os.listdir(self.root)
+        return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit())
+
+    def restore(self) -> dict[str, Any] | None:
+        done = self.complete()
+        if not done:
+            return None
+        self.tr.init_opt_state()
+        state = self.tr.state()
+        self.dcp.load(state, checkpoint_id=self._dir("step", done[-1]), no_dist=True)
+        self.tr.opt.load_state_dict(state["optim"])
+        self.tr.step = int(state["step"])
+        return {"source": "dir", "dir_step": done[-1]}
+
+    def _dir(self, kind: str, step: int) -> str:
+        return os.path.join(self.root, f"{kind}-{step}")
+
+    def _finish(self) -> None:
+        """Publishes the save in flight, which has completed."""
+        assert self.inflight is not None
+        step, fut = self.inflight
+        self.inflight = None
+        fut.result()
+        os.replace(self._dir("tmp", step), self._dir("step", step))
+        _fsync(self.root)
+        _emit(self.fd, "durable", step=step)
+        for old in self.complete()[:-2]:
+            shutil.rmtree(self._dir("step", old))
+
+    def after_step(self) -> None:
+        if self.inflight is not None and self.inflight[1].done():
+            self._finish()
+        if self.tr.step % self.every:
+            return
+        t0 = time.perf_counter()
+        if self.inflight is not None:
+            self.inflight[1].result()
+            self._finish()
+        fut = self.dcp.async_save(
+            self.tr.state(), checkpoint_id=self._dir("tmp", self.tr.step), no_dist=True
+        )
+        self.inflight = (self.tr.step, fut)
+        _emit(self.fd, "staged", step=self.tr.step, stall=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.inflight is not None:
+            self._finish()
+
+
+class NoStore:
+    """The bare loop."""
+
+    def __init__(self, a: argparse.Namespace, tr: Trainer, fd: int) -> None:
+        pass
+
+    def restore(self) -> dict[str, Any] | None:
+        return None
+
+    def after_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+STORES = {"acp": AcpStore, "torch": TorchStore, "dcp": DcpStore, "bare": NoStore}
+
+
+def worker(a: argparse.Namespace) -> int:
+    """Trains until killed (or, with ``--probe``, restores, reports and exits)."""
+    fd = a.fd
+    _emit(fd, "start", pid=os.getpid())
+    warnings.filterwarnings("ignore")  # DCP warns on every no_dist call
+    import torch
+
+    _emit(fd, "imported", torch=torch.__version__)
+    t0 = time.perf_counter()
+    tr = Trainer(Model(**{k: getattr(a, k) for k in asdict(Model())}))
+    t1 = time.perf_counter()
+    store = STORES[a.kind](a, tr, fd)
+    _emit(fd, "opened", build_secs=t1 - t0, open_secs=time.perf_counter() - t1)
+    t0 = time.perf_counter()
+    info = store.restore()
+    secs = time.perf_counter() - t0
+    if info is None:
+        _emit(fd, "fresh", state_bytes=tr.state_bytes())
+    else:
+        _emit(fd, "restored", step=tr.step, ck=tr.checksum(), secs=secs, **info)
+    if a.probe:
+        store.close()
+        return 0
+    while True:
+        tr.train_step()
+        _emit(fd, "step", step=tr.step, ck=tr.checksum())
+        store.after_step()
+
+
+KINDS = ["acp", "bare", "dcp", "torch"]
+"""The modes a worker runs (``bare``: no checkpoints)."""
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--kind", choices=KINDS, required=True)
+    ap.add_argument("--fd", type=int, required=True, help="the event pipe's write end")
+    ap.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
+    ap.add_argument("--root", required=True, help="checkpoint directory")
+    ap.add_argument("--job", help="acp's job name (names its shared-memory slots)")
+    ap.add_argument("--shm-dir", help="acp's shared-memory directory")
+    ap.add_argument("--acp-on-full", choices=["wait", "skip"], default="wait")
+    ap.add_argument("--probe", action="store_true", help="restore, report and exit")
+    for name, value in asdict(Model()).items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker(parse(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
