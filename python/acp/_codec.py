@@ -284,7 +284,14 @@ class Flat:
     tensors: list[FlatTensor]
 
     def json(self) -> str:
-        return json.dumps(self.tree, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        # The flattener builds a new tree and refuses cyclic states: no cycle check.
+        return json.dumps(
+            self.tree,
+            allow_nan=False,
+            ensure_ascii=False,
+            separators=(",", ":"),
+            check_circular=False,
+        )
 
     def frameworks(self) -> set[str]:
         return {t.adapter.framework for t in self.tensors}
