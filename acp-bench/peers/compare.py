@@ -57,6 +57,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 warnings.filterwarnings("ignore")  # DCP warns on every no_dist call
@@ -66,6 +67,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 from baselines import drop_caches, files_under, fsync_path  # noqa: E402
+from states import fill, transformer_layer  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -73,17 +75,6 @@ PAGE = 4096
 
 
 # ----------------------------------------------------------------------------- the state
-
-
-def _fill(tensors: list[torch.Tensor], seed: int = 0) -> None:
-    """Fills every tensor with pseudo-random bytes (a 64 MiB pattern, repeated)."""
-    g = torch.Generator().manual_seed(seed)
-    pattern = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, generator=g)
-    for t in tensors:
-        u = t.reshape(-1).view(torch.uint8)
-        for off in range(0, u.numel(), pattern.numel()):
-            n = min(pattern.numel(), u.numel() - off)
-            u[off : off + n].copy_(pattern[:n])
 
 
 def make_state(size_gib: float, extra_small: int) -> dict[str, Any]:
@@ -99,20 +90,7 @@ def make_state(size_gib: float, extra_small: int) -> dict[str, Any]:
     params: dict[str, torch.Tensor] = {"embed.weight": torch.empty(vocab, h)}
     for i in range(layers):
         p = f"layers.{i}."
-        for name, shape in (
-            ("ln1.weight", (h,)),
-            ("ln1.bias", (h,)),
-            ("attn.qkv.weight", (3 * h, h)),
-            ("attn.qkv.bias", (3 * h,)),
-            ("attn.proj.weight", (h, h)),
-            ("attn.proj.bias", (h,)),
-            ("ln2.weight", (h,)),
-            ("ln2.bias", (h,)),
-            ("mlp.up.weight", (4 * h, h)),
-            ("mlp.up.bias", (4 * h,)),
-            ("mlp.down.weight", (h, 4 * h)),
-            ("mlp.down.bias", (h,)),
-        ):
+        for name, shape in transformer_layer(h):
             params[p + name] = torch.empty(shape)
     for j, s in enumerate(small):
         params[f"adapters.{j}.scale"] = torch.empty(s)
@@ -144,7 +122,7 @@ def make_state(size_gib: float, extra_small: int) -> dict[str, Any]:
         ],
     }
     state = {"model": params, "optim": optim}
-    _fill(tensors_of(state))
+    fill(tensors_of(state))
     return state
 
 
@@ -319,6 +297,34 @@ class Ctx:
                 flush=True,
             )
         return rows
+
+    def measure_loads(
+        self,
+        group: str,
+        op: str,
+        fn: Callable[[], Any],
+        path: str,
+        what: str,
+        *,
+        zero: Callable[[], Any] | None = None,
+        check: Callable[[], Any] | None = None,
+    ) -> list[dict[str, Row]]:
+        """A load of ``path``, cold then warm: into a zeroed state (``zero``,
+        by default the state's tensors), its bytes checked after
+        (``check``, by default against the state's fingerprint)."""
+        return [
+            self.measure(
+                group,
+                f"{op}, {cache}",
+                "load",
+                fn,
+                before=zero or self.zero,
+                cache=cache,
+                paths=lambda: [path],
+                after=check or (lambda: self.check(what)),
+            )
+            for cache in ("cold", "warm")
+        ]
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -511,17 +517,9 @@ def run_acp(ctx: Ctx) -> None:
                 f"; find+verify {_ms(last['loads'], 'engine_secs')}, "
                 f"copy {_ms(last['loads'], 'copy_secs')}"
             )
-        for cache in ("cold", "warm"):
-            rows = ctx.measure(
-                "acp",
-                f"ckpt.load(into=state) from storage, {cache}",
-                "load",
-                lambda: load(True),
-                before=ctx.zero,
-                cache=cache,
-                paths=lambda: [root],
-                after=lambda: ctx.check("acp storage"),
-            )
+        for rows in ctx.measure_loads(
+            "acp", "ckpt.load(into=state) from storage", lambda: load(True), root, "acp storage"
+        ):
             _note_source(rows, last, "storage")
     finally:
         ckpt.close()
@@ -559,17 +557,9 @@ def run_torch(ctx: Ctx) -> None:
         copy_tree(ctx.state, sd)
 
     ctx.measure("torch", "torch.save + fsync", "save", save, before=lambda: rm(path))
-    for cache in ("cold", "warm"):
-        ctx.measure(
-            "torch",
-            f"torch.load(weights_only) + copy into state, {cache}",
-            "load",
-            load,
-            before=ctx.zero,
-            cache=cache,
-            paths=lambda: [path],
-            after=lambda: ctx.check("torch.load"),
-        )
+    ctx.measure_loads(
+        "torch", "torch.load(weights_only) + copy into state", load, path, "torch.load"
+    )
     rm(path)
 
 
@@ -592,17 +582,9 @@ def run_safetensors(ctx: Ctx) -> None:
     ctx.measure(
         "safetensors", "safetensors save_file + fsync", "save", save, before=lambda: rm(path)
     )
-    for cache in ("cold", "warm"):
-        ctx.measure(
-            "safetensors",
-            f"safetensors load_file + copy into state, {cache}",
-            "load",
-            load,
-            before=ctx.zero,
-            cache=cache,
-            paths=lambda: [path],
-            after=lambda: ctx.check("safetensors"),
-        )
+    ctx.measure_loads(
+        "safetensors", "safetensors load_file + copy into state", load, path, "safetensors"
+    )
     rm(path)
 
 
@@ -639,17 +621,13 @@ def run_dcp(ctx: Ctx) -> None:
     )
     if not os.path.exists(path):
         dcp.save(ctx.state, checkpoint_id=path, no_dist=True)
-    for cache in ("cold", "warm"):
-        ctx.measure(
-            "dcp",
-            f"dcp.load (in place), {cache}",
-            "load",
-            lambda: dcp.load(ctx.state, checkpoint_id=path, no_dist=True),
-            before=ctx.zero,
-            cache=cache,
-            paths=lambda: [path],
-            after=lambda: ctx.check("dcp.load"),
-        )
+    ctx.measure_loads(
+        "dcp",
+        "dcp.load (in place)",
+        lambda: dcp.load(ctx.state, checkpoint_id=path, no_dist=True),
+        path,
+        "dcp.load",
+    )
     rm(path)
 
 
@@ -755,26 +733,22 @@ def run_mindspore(ctx: Ctx) -> None:
             _touch(holder, write=True)
 
         def remove(path: str = path) -> None:
-            from pathlib import Path
-
-            _rm(Path(path))
+            _rm(Path(path))  # MindSpore leaves its files read-only
 
         ctx.measure("mindspore", f"save_checkpoint({fmt}) + fsync", "save", save, before=remove)
         ctx.measure(
             "mindspore", f"save_checkpoint({fmt}, async_save=True)", "save", async_save,
             before=remove,
         )  # fmt: skip
-        for cache in ("cold", "warm"):
-            ctx.measure(
-                "mindspore",
-                f"load_checkpoint({fmt}) + load_param_into_net + write every page, {cache}",
-                "load",
-                load,
-                before=zero,
-                cache=cache,
-                paths=lambda path=path: [path],
-                after=lambda fmt=fmt: check(f"mindspore {fmt}"),
-            )
+        ctx.measure_loads(
+            "mindspore",
+            f"load_checkpoint({fmt}) + load_param_into_net + write every page",
+            load,
+            path,
+            f"mindspore {fmt}",
+            zero=zero,
+            check=lambda fmt=fmt: check(f"mindspore {fmt}"),
+        )
         remove()
 
 
@@ -799,22 +773,29 @@ def _find(ctx: Ctx, op_start: str, kind: str | None = None) -> Row | None:
     return None
 
 
-def _baseline_of(ctx: Ctx, r: Row) -> Row | None:
-    """The physical floor of a row: the fastest memcpy for copies, stalls
-    and loads from memory (RAM, page cache); the raw O_DIRECT write for
-    saves to storage; the raw O_DIRECT read for cold loads."""
+def _floors(ctx: Ctx) -> dict[str, Row]:
+    """The physical floors measured in this run, by row kind: the fastest
+    memcpy (``copy``), the raw O_DIRECT write (``write``) and read (``read``)."""
     ok = [x for x in ctx.rows if not x.error and x.runs]
+    floors = {x.kind: x for x in ok if x.kind in ("write", "read")}
     copies = [x for x in ok if x.kind == "copy"]
-    fastest = min(copies, key=lambda x: x.median) if copies else None
+    if copies:
+        floors["copy"] = min(copies, key=lambda x: x.median)
+    return floors
+
+
+def _floor_of(floors: dict[str, Row], r: Row) -> Row | None:
+    """A row's floor: memcpy for copies, stalls and loads from memory (RAM,
+    page cache); the raw O_DIRECT write for saves to storage; the raw
+    O_DIRECT read for cold loads."""
     if r.kind in ("copy", "stall") or (r.kind == "load" and not r.cache.startswith("cold")):
-        return fastest
-    kind = {"save": "write", "load": "read", "write": "write", "read": "read"}.get(r.kind)
-    return next((x for x in ok if x.kind == kind), None)
+        return floors.get("copy")
+    return floors.get({"save": "write", "load": "read"}.get(r.kind, r.kind))
 
 
 def md_tables(case: str, ctx: Ctx) -> str:
-    copies = [r for r in ctx.rows if r.kind == "copy" and not r.error]
-    ref = min(copies, key=lambda r: r.median) if copies else None
+    floors = _floors(ctx)
+    ref = floors.get("copy")
     lines = [
         f"\n### {case}: {len(ctx.tensors):,} tensors, {ctx.bytes / 1e9:.3f} GB\n",
         "Medians of the runs, with min and max (seconds). `x floor`: median / the median of "
@@ -829,7 +810,7 @@ def md_tables(case: str, ctx: Ctx) -> str:
         if r.error:
             lines.append(f"| {r.group} | {r.op} | FAILED | | | | | | {r.error[:100]} |")
             continue
-        base = _baseline_of(ctx, r)
+        base = _floor_of(floors, r)
         ratio = f"{r.median / base.median:.2f}" if base and base is not r else "-"
         floor = {"copy": "memcpy", "write": "O_DIRECT write", "read": "O_DIRECT read"}
         floor_name = floor.get(base.kind, "") if base and base is not r else ""

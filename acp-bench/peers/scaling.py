@@ -53,6 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines
 from baselines import GiB, MiB, summary
+from states import fill, transformer_layer
 
 import acp
 
@@ -81,17 +82,6 @@ KINDS = [
 # ----------------------------------------------------------------------------- states
 
 
-def _fill(tensors: list[torch.Tensor], seed: int = 0) -> None:
-    """Fills every tensor with pseudo-random bytes (a 64 MiB pattern, repeated)."""
-    g = torch.Generator().manual_seed(seed)
-    pattern = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, generator=g)
-    for t in tensors:
-        u = t.reshape(-1).view(torch.uint8)
-        for off in range(0, u.numel(), pattern.numel()):
-            n = min(pattern.numel(), u.numel() - off)
-            u[off : off + n].copy_(pattern[:n])
-
-
 def model_state(nbytes: int) -> dict[str, torch.Tensor]:
     """A transformer-like fp32 ``state_dict`` of ``nbytes`` (less under 4 * hidden bytes):
     ``LAYERS`` layers (12 tensors each), a token embedding and a final norm. The hidden size
@@ -105,24 +95,11 @@ def model_state(nbytes: int) -> dict[str, torch.Tensor]:
     state = {"embed_tokens.weight": torch.empty(vocab, h)}
     for i in range(LAYERS):
         p = f"layers.{i}."
-        for name, shape in (
-            ("ln1.weight", (h,)),
-            ("ln1.bias", (h,)),
-            ("attn.qkv.weight", (3 * h, h)),
-            ("attn.qkv.bias", (3 * h,)),
-            ("attn.proj.weight", (h, h)),
-            ("attn.proj.bias", (h,)),
-            ("ln2.weight", (h,)),
-            ("ln2.bias", (h,)),
-            ("mlp.up.weight", (4 * h, h)),
-            ("mlp.up.bias", (4 * h,)),
-            ("mlp.down.weight", (h, 4 * h)),
-            ("mlp.down.bias", (h,)),
-        ):
+        for name, shape in transformer_layer(h):
             state[p + name] = torch.empty(shape)
     state["norm.weight"] = torch.empty(h)
     state["norm.bias"] = torch.empty(h)
-    _fill(list(state.values()))
+    fill(list(state.values()))
     return state
 
 

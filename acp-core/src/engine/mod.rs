@@ -1,5 +1,6 @@
 //! The engine façade: save, load, list, retain, close.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -8,7 +9,7 @@ use crossbeam_channel::Sender;
 
 use crate::config::{EngineConfig, WhenFull};
 use crate::error::{Error, Result};
-use crate::format::{Dtype, Entry, ImageMeta, Layout, TensorSpec};
+use crate::format::{check_values_json, Dtype, Entry, ImageMeta, Layout, TensorSpec};
 use crate::io::{IoEngine, IoKind, IoOpts};
 use crate::staging::{Ring, RingOptions, SlotState, StagingSlot};
 use crate::storage::local::Root;
@@ -61,7 +62,7 @@ pub struct SaveOptions {
     /// stays loadable until the new one is committed).
     pub overwrite: bool,
     /// Extra string metadata for the safetensors header (e.g. `format: pt`).
-    pub extra_metadata: std::collections::BTreeMap<String, String>,
+    pub extra_metadata: BTreeMap<String, String>,
 }
 
 /// A host tensor handed to [`Engine::save`].
@@ -177,14 +178,6 @@ pub struct LoadReport {
     /// Why a resident copy of the step was found but not used (it failed
     /// verification: the error, naming the slot file and tensor).
     pub rejected: Option<String>,
-}
-
-/// The values of a save as JSON text: written by serde (`Checked`) or
-/// given by a caller, to be checked (`Unchecked`).
-#[derive(Clone, Copy)]
-enum Values<'a> {
-    Checked(&'a str),
-    Unchecked(&'a str),
 }
 
 /// A loaded checkpoint; its tensors are zero-copy views into a pinned slot
@@ -508,7 +501,7 @@ impl Engine {
     ) -> Result<Option<Staging>> {
         let values = serde_json::to_string(values)
             .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
-        self.begin(step, tensors, Values::Checked(&values), opts)
+        self.begin(step, tensors, &values, opts)
     }
 
     /// [`Engine::begin_save`] with the values given as JSON text, stored as
@@ -526,7 +519,8 @@ impl Engine {
         values_json: &str,
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
-        self.begin(step, tensors, Values::Unchecked(values_json), opts)
+        check_values_json(values_json)?;
+        self.begin(step, tensors, values_json, opts)
     }
 
     /// Readies every free ring slot for a checkpoint of `tensors` and
@@ -541,33 +535,49 @@ impl Engine {
     /// As [`Engine::begin_save_json`] for the input; [`Error::Io`] or
     /// [`Error::NoSpace`] creating the memory.
     pub fn reserve_json(&self, tensors: &[TensorSpec], values_json: &str) -> Result<usize> {
+        check_values_json(values_json)?;
+        // The longest header any step can have.
+        let layout = self.plan("reserve", u64::MAX, tensors, values_json, BTreeMap::new())?;
+        self.shared().ring.reserve(layout.total_len)
+    }
+
+    /// The image of a save (values as checked JSON text), refused when it
+    /// does not fit a ring slot.
+    fn plan(
+        &self,
+        what: &str,
+        step: u64,
+        tensors: &[TensorSpec],
+        values_json: &str,
+        extra: BTreeMap<String, String>,
+    ) -> Result<Layout> {
         let shared = self.shared();
         let meta = ImageMeta {
-            step: u64::MAX, // the longest header any step can have
+            step,
             rank: shared.cfg.rank,
             world_size: shared.cfg.world_size,
-            values: serde_json::Value::Null,
-            extra: std::collections::BTreeMap::new(),
+            values: serde_json::Value::Null, // given as text
+            extra,
         };
-        let layout = Layout::plan_json(tensors, &meta, values_json)?;
+        let layout = Layout::plan_with_values(tensors, &meta, values_json)?;
         let max = shared.ring.max_image_bytes();
         if layout.total_len > max {
             return Err(Error::invalid(
-                "reserve",
+                what,
                 format!(
-                    "a checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
+                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
                     layout.total_len, shared.cfg.ring_bytes, shared.cfg.ring_slots
                 ),
             ));
         }
-        shared.ring.reserve(layout.total_len)
+        Ok(layout)
     }
 
     fn begin(
         &self,
         step: u64,
         tensors: &[TensorSpec],
-        values: Values<'_>,
+        values_json: &str,
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
         let started = Instant::now();
@@ -588,27 +598,13 @@ impl Engine {
                 root: shared.root.path().to_path_buf(),
             });
         }
-        let meta = ImageMeta {
+        let layout = self.plan(
+            &format!("step {step}"),
             step,
-            rank: shared.cfg.rank,
-            world_size: shared.cfg.world_size,
-            values: serde_json::Value::Null, // given as text below
-            extra: opts.extra_metadata.clone(),
-        };
-        let layout = match values {
-            Values::Checked(json) => Layout::plan_with_values(tensors, &meta, json)?,
-            Values::Unchecked(json) => Layout::plan_json(tensors, &meta, json)?,
-        };
-        let max = shared.ring.max_image_bytes();
-        if layout.total_len > max {
-            return Err(Error::invalid(
-                format!("step {step}"),
-                format!(
-                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
-                    layout.total_len, shared.cfg.ring_bytes, shared.cfg.ring_slots
-                ),
-            ));
-        }
+            tensors,
+            values_json,
+            opts.extra_metadata.clone(),
+        )?;
         let Some(mut slot) = self.acquire_slot(step, layout.total_len)? else {
             tracing::warn!(
                 step,

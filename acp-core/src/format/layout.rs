@@ -137,8 +137,7 @@ impl Layout {
     /// As [`Layout::plan`], and [`Error::Invalid`](crate::Error::Invalid)
     /// naming `values` when the text is not JSON.
     pub fn plan_json(specs: &[TensorSpec], meta: &ImageMeta, values_json: &str) -> Result<Layout> {
-        serde_json::from_str::<serde::de::IgnoredAny>(values_json)
-            .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))?;
+        check_values_json(values_json)?;
         Self::plan_with_values(specs, meta, values_json)
     }
 
@@ -281,6 +280,16 @@ fn check_name(kind: &str, name: &str) -> Result<()> {
 
 fn tensor_label(name: &str) -> String {
     format!("tensor {}", shown(name))
+}
+
+/// Checks that `values_json` is one JSON value, without building it.
+///
+/// # Errors
+/// [`Error::Invalid`](crate::Error::Invalid) naming `values`.
+pub fn check_values_json(values_json: &str) -> Result<()> {
+    serde_json::from_str::<serde::de::IgnoredAny>(values_json)
+        .map(|_| ())
+        .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))
 }
 
 /// The `__metadata__` map of an image.

@@ -152,7 +152,10 @@ pub use digest::{chunk_digests, hex, root_digest, unhex, Digest};
 pub use dtype::Dtype;
 pub use header::{parse_header, ParsedHeader, MAX_HEADER_BYTES};
 pub use index::{data_file_name, validate_file_name, FileEntry, Index, INDEX_FILE_NAME};
-pub use layout::{validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN, MAX_NAME_BYTES};
+pub use layout::{
+    check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,
+    MAX_NAME_BYTES,
+};
 pub use manifest::{manifest_file_name, Manifest};
 
 /// The format version this build writes and the newest it reads.
