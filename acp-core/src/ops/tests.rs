@@ -193,6 +193,26 @@ fn verify_reports_a_truncated_or_missing_file() {
 }
 
 #[test]
+fn verify_names_a_mapped_tensor_the_header_lacks() {
+    let f = fixture();
+    with_steps(&f, &[1]);
+    let index = f
+        .root
+        .join(crate::storage::local::step_dir_name(1))
+        .join(crate::format::INDEX_FILE_NAME);
+    let mut doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&index).unwrap()).unwrap();
+    doc["weight_map"]["ghost"] = json!(crate::format::data_file_name(0));
+    std::fs::write(&index, serde_json::to_vec(&doc).unwrap()).unwrap();
+    let r = verify(&f.root, Some(1), false, &Quiet).unwrap();
+    assert!(!r.ok, "{r:?}");
+    let p = &r.steps[0].problems;
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p[0].tensors, ["ghost"]);
+    assert!(p[0].reason.contains("header lacks it"), "{p:?}");
+}
+
+#[test]
 fn export_copies_and_refuses_a_corrupt_step() {
     let f = fixture();
     with_steps(&f, &[1, 2]);

@@ -1,5 +1,6 @@
 //! `acp verify`: re-hash every file of a step against its index.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -128,6 +129,11 @@ fn verify_step(
         Err(e) => return Err(e),
     };
     let total = index.files.values().map(|f| f.size).sum();
+    // The index's tensors by file, so that each header is checked in one pass.
+    let mut mapped: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (t, file) in &index.weight_map {
+        mapped.entry(file.as_str()).or_default().push(t.as_str());
+    }
     progress.begin(&format!("verify step {step}"), total);
     for (name, entry) in &index.files {
         report.files += 1;
@@ -168,11 +174,12 @@ fn verify_step(
                         reason: format!("header says step {hstep:?}, the index {step}"),
                     });
                 }
-                for (t, file) in &index.weight_map {
-                    if file == name && !entries.iter().any(|e| &e.name == t) {
+                let held: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+                for &t in mapped.get(name.as_str()).map_or(&[][..], Vec::as_slice) {
+                    if !held.contains(t) {
                         report.problems.push(Problem {
                             file: shown(&f.path),
-                            tensors: vec![t.clone()],
+                            tensors: vec![t.to_owned()],
                             reason: "the index maps the tensor to this file, whose header lacks it"
                                 .to_owned(),
                         });
