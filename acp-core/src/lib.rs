@@ -51,6 +51,8 @@
 
 #![deny(unsafe_code)]
 
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod config;
 pub mod error;
 pub mod format;

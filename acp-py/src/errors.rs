@@ -203,6 +203,40 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
     build().unwrap_or_else(|failure| failure)
 }
 
+/// The kind of a Python exception raised by acp code: the kind whose class
+/// it is an instance of (the most specific first), `NotFound` for a
+/// `FileNotFoundError`, `Io` for another `OSError`; `None` for anything
+/// else.
+pub(crate) fn kind_of(py: Python<'_>, e: &PyErr) -> Option<ErrorKind> {
+    let c = classes(py).ok()?;
+    let kinds = [
+        (ErrorKind::Corrupt, &c.corrupt),
+        (ErrorKind::NotFound, &c.not_found),
+        (ErrorKind::Exists, &c.exists),
+        (ErrorKind::Invalid, &c.invalid),
+        (ErrorKind::Config, &c.config),
+        (ErrorKind::Busy, &c.busy),
+        (ErrorKind::Timeout, &c.timeout),
+        (ErrorKind::Closed, &c.closed),
+        (ErrorKind::Unsupported, &c.unsupported),
+        (ErrorKind::NoSpace, &c.no_space),
+        (ErrorKind::Io, &c.storage),
+    ];
+    if let Some((kind, _)) = kinds
+        .iter()
+        .find(|(_, class)| e.is_instance(py, class.bind(py)))
+    {
+        return Some(*kind);
+    }
+    if e.is_instance_of::<pyo3::exceptions::PyFileNotFoundError>(py) {
+        return Some(ErrorKind::NotFound);
+    }
+    if e.is_instance_of::<pyo3::exceptions::PyOSError>(py) {
+        return Some(ErrorKind::Io);
+    }
+    None
+}
+
 /// [`to_py`] for use in `map_err`.
 pub(crate) fn err(e: Error) -> PyErr {
     Python::attach(|py| to_py(py, &e))

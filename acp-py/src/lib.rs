@@ -4,6 +4,7 @@
 //! call into the engine and maps errors to the exception classes of
 //! [`errors`]. The Python package `acp` builds the user-facing API on it.
 
+mod cli;
 mod engine;
 mod errors;
 mod faults;
@@ -25,6 +26,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<load::Loaded>()?;
     m.add_class::<faults::FaultInjector>()?;
     ops::register(m)?;
+    cli::register(m)?;
     for (name, class) in errors::classes(m.py())?.named() {
         m.add(name, class.clone_ref(m.py()))?;
     }

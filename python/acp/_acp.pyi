@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointExists",
     "CheckpointNotFound",
+    "CliProgress",
     "ConfigError",
     "Engine",
     "EngineClosed",
@@ -31,15 +32,9 @@ __all__ = [
     "StorageError",
     "Unsupported",
     "__version__",
-    "ops_bench",
-    "ops_diff",
+    "cli_main",
     "ops_export",
-    "ops_gc",
-    "ops_import",
     "ops_inspect",
-    "ops_list",
-    "ops_persist",
-    "ops_verify",
 ]
 
 __version__: str
@@ -177,11 +172,7 @@ class Report:
     @property
     def text(self) -> str: ...
 
-def ops_list(root: _Path, job: str | None = None, shm_dir: _Path | None = None) -> Report: ...
 def ops_inspect(root: _Path, step: int | None = None) -> Report: ...
-def ops_verify(
-    root: _Path, step: int | None = None, all: bool = False, progress: _Progress | None = None
-) -> Report: ...
 def ops_export(
     root: _Path,
     out: _Path,
@@ -190,31 +181,12 @@ def ops_export(
     overwrite: bool = False,
     progress: _Progress | None = None,
 ) -> Report: ...
-def ops_import(
-    files: Sequence[_Path],
-    root: _Path,
-    step: int,
-    overwrite: bool = False,
-    values_json: str | None = None,
-    shm_dir: _Path | None = None,
-    progress: _Progress | None = None,
-) -> Report: ...
-def ops_diff(root: _Path, a: int, b: int, progress: _Progress | None = None) -> Report: ...
-def ops_gc(
-    root: _Path,
-    keep_last: int | None = None,
-    keep_every: int | None = None,
-    unfinished_older_than: float | None = None,
-    dry_run: bool = False,
-) -> Report: ...
-def ops_persist(
-    root: _Path,
-    job: str | None = None,
-    ranks: Sequence[int] | None = None,
-    shm_dir: _Path | None = None,
-    world_size: int | None = None,
-    commit_timeout: float = 600.0,
-) -> Report: ...
-def ops_bench(
-    dir: _Path, size: int, shm_dir: _Path | None = None, progress: _Progress | None = None
-) -> Report: ...
+
+@final
+class CliProgress:
+    """The command line's progress bar, as ``progress(phase, done, total)``."""
+
+    def __call__(self, phase: str, done: int, total: int) -> None: ...
+
+def cli_main(argv: Sequence[str]) -> int:
+    """Runs the ``acp`` command line on ``argv`` (the program name first)."""

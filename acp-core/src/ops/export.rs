@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::read::DataFile;
-use super::{open_root, pick_step, scratch_beside, shown, Progress};
+use super::{open_root, pick_step, scratch_beside, shown, Progress, CODEC_KEY};
 use crate::error::{Error, Result};
 use crate::format::{
     parse_header, Entry, ImageMeta, Layout, TensorSpec, INDEX_FILE_NAME, MAX_HEADER_BYTES,
@@ -217,8 +217,13 @@ pub struct ImportOptions {
     /// Replace the step when it is committed already.
     pub overwrite: bool,
     /// The plain values to save with the tensors; `None` keeps the values
-    /// of a single file that carries acp's (`acp.values`), else none.
+    /// of a single file that carries acp's (`acp.values`), and otherwise
+    /// saves a flat `{name: tensor}` dict in acp's Python state codec (so
+    /// that `Checkpointer.load` returns the tensors by name).
     pub values: Option<Value>,
+    /// The framework whose tensors the flat dict refers to (`"torch"` or
+    /// `"numpy"`).
+    pub framework: String,
     /// Where the temporary shared-memory slot is made (default `/dev/shm`);
     /// it needs room for the whole checkpoint and is removed afterwards.
     pub shm_dir: PathBuf,
@@ -332,8 +337,8 @@ pub fn import_safetensors(
     }
     let values = match &opts.values {
         Some(v) => v.clone(),
-        None if sources.len() == 1 => sources[0].values.clone(),
-        None => Value::Null,
+        None if sources.len() == 1 && !sources[0].values.is_null() => sources[0].values.clone(),
+        None => flat_tensor_dict(&specs, &opts.framework),
     };
     let extra: BTreeMap<String, String> = sources[0]
         .metadata
@@ -418,4 +423,14 @@ pub fn import_safetensors(
 /// An in-memory offset as an index.
 fn to_usize(v: u64) -> usize {
     usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+/// The codec tree of a flat `{name: tensor}` dict over `specs`.
+fn flat_tensor_dict(specs: &[TensorSpec], framework: &str) -> Value {
+    let names: Vec<Value> = specs.iter().map(|s| Value::from(s.name.clone())).collect();
+    let refs: Vec<Value> = specs
+        .iter()
+        .map(|s| serde_json::json!({"t": "tensor", "fw": framework, "name": s.name}))
+        .collect();
+    serde_json::json!({CODEC_KEY: 1, "state": {"t": "dict", "k": names, "v": refs}})
 }

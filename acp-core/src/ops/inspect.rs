@@ -129,7 +129,7 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
 #[must_use]
 pub fn plain_values(values: &Value) -> Value {
     match values {
-        Value::Object(o) if o.contains_key("acp.codec") => {
+        Value::Object(o) if o.contains_key(super::CODEC_KEY) => {
             o.get("state").map_or(Value::Null, plain_node)
         }
         other => other.clone(),

@@ -56,6 +56,10 @@ pub use verify::{verify, Problem, StepVerify, VerifyReport};
 
 use crate::error::{Error, ErrorKind, Result};
 
+/// The key that marks a values tree of acp's Python state codec
+/// (`{"acp.codec": 1, "state": ...}`).
+pub(crate) const CODEC_KEY: &str = "acp.codec";
+
 /// Where an operation reports how far it got. Calls come from the thread
 /// that runs the operation; implementations throttle their own drawing.
 pub trait Progress: Sync {

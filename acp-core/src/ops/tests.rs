@@ -254,6 +254,7 @@ fn import_round_trips_an_export() {
             step: 7,
             overwrite: false,
             values: None,
+            framework: "torch".to_owned(),
             shm_dir: f.shm.clone(),
         },
         &Quiet,
