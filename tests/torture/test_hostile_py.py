@@ -127,3 +127,136 @@ def test_dcp_plain_values_round_trip_by_default(make_ckpt: MakeCkpt) -> None:
     for pid, st in opt.state_dict()["state"].items():
         for k, v in st.items():
             assert torch.equal(target["optim"]["state"][pid][k], v), (pid, k)
+
+
+# --------------------------------------------------------------------------
+# crafted values JSON: every malformed node is CheckpointCorrupt naming its key
+
+T = {"t": "tensor", "fw": "torch", "name": "w"}  # a well-formed reference to the saved tensor
+
+
+def deep(levels: int) -> Any:
+    node: Any = 0
+    for _ in range(levels):
+        node = [node]
+    return node
+
+
+def deep_dicts(levels: int) -> Any:
+    node: Any = 0
+    for _ in range(levels):
+        node = {"t": "dict", "k": ["a"], "v": [node]}
+    return node
+
+
+# (id, the node under key `x`, the key path the error must name; or the
+# tensor, for a reference field only the framework's adapter reads)
+HOSTILE_VALUES: list[tuple[str, Any, str]] = [
+    ("dict-no-k", {"t": "dict", "v": [1]}, "x"),
+    ("dict-no-v", {"t": "dict", "k": ["a"]}, "x"),
+    ("dict-k-not-list", {"t": "dict", "k": "a", "v": [1]}, "x"),
+    ("dict-v-not-list", {"t": "dict", "k": ["a"], "v": 1}, "x"),
+    ("dict-lengths-differ", {"t": "dict", "k": ["a", "b"], "v": [1]}, "x"),
+    ("dict-key-list", {"t": "dict", "k": [[1]], "v": [1]}, "x"),
+    ("dict-key-tuple", {"t": "dict", "k": [{"t": "tuple", "v": []}], "v": [1]}, "x"),
+    ("dict-key-dict", {"t": "dict", "k": [{"t": "dict", "k": [], "v": []}], "v": [1]}, "x"),
+    ("dict-key-bad-int", {"t": "dict", "k": [{"t": "int", "v": "1e5"}], "v": [1]}, "x"),
+    ("dict-meta", {"t": "dict", "k": [], "v": [], "meta": {}}, "x"),
+    (
+        "odict-bad-meta",
+        {"t": "odict", "k": [], "v": [], "meta": {"t": "bytes", "v": 3}},
+        "x._metadata",
+    ),
+    ("nested-bad-child", {"t": "dict", "k": ["a"], "v": [{"t": "tuple"}]}, "x.a"),
+    ("list-bad-child", [1, {"t": "int", "v": 5}], "x.1"),
+    ("tuple-no-v", {"t": "tuple"}, "x"),
+    ("tuple-v-not-list", {"t": "tuple", "v": {"a": 1}}, "x"),
+    ("int-no-v", {"t": "int"}, "x"),
+    ("int-not-decimal", {"t": "int", "v": "0x10"}, "x"),
+    ("int-number", {"t": "int", "v": 5}, "x"),
+    ("int-too-long", {"t": "int", "v": "9" * 5000}, "x"),
+    ("float-no-bits", {"t": "float"}, "x"),
+    ("float-short-bits", {"t": "float", "bits": "7ff8"}, "x"),
+    ("float-bits-not-hex", {"t": "float", "bits": "zz" * 8}, "x"),
+    ("float-bits-number", {"t": "float", "bits": 1.5}, "x"),
+    ("bytes-no-v", {"t": "bytes"}, "x"),
+    ("bytes-bad-base64", {"t": "bytes", "v": "not base64!"}, "x"),
+    ("bytes-bad-padding", {"t": "bytes", "v": "abc"}, "x"),
+    ("bytes-v-list", {"t": "bytes", "v": [1, 2]}, "x"),
+    ("no-tag", {"a": 1}, "x"),
+    ("unknown-tag", {"t": "pickle", "v": "gASV"}, "x"),
+    ("tag-not-string", {"t": ["dict"], "k": [], "v": []}, "x"),
+    ("tensor-no-name", {"t": "tensor", "fw": "torch"}, "x"),
+    ("tensor-name-number", {"t": "tensor", "fw": "torch", "name": 3}, "x"),
+    ("tensor-unknown-name", {"t": "tensor", "fw": "torch", "name": "nope"}, ""),
+    ("tensor-no-fw", {"t": "tensor", "name": "w"}, "x"),
+    ("tensor-unknown-fw", {"t": "tensor", "fw": "jax", "name": "w"}, "x"),
+    ("tensor-bad-device", {**T, "dev": "bogus:0"}, "tensor `w`"),
+    ("tensor-device-number", {**T, "dev": 7}, "tensor `w`"),
+    ("tensor-device-list", {**T, "dev": ["cpu"]}, "x"),
+    ("tensor-param-dict", {**T, "param": {"a": 1}}, "x"),
+    ("value-no-fw", {"t": "value", "kind": "dtype", "v": "float32"}, "x"),
+    ("value-unknown-fw", {"t": "value", "fw": "os", "kind": "system", "v": "true"}, "x"),
+    ("value-no-kind", {"t": "value", "fw": "torch", "v": "float32"}, "x"),
+    ("value-unknown-kind", {"t": "value", "fw": "torch", "kind": "module", "v": "x"}, "x"),
+    ("value-bad-dtype", {"t": "value", "fw": "torch", "kind": "dtype", "v": "os"}, "x"),
+    ("value-dtype-list", {"t": "value", "fw": "torch", "kind": "dtype", "v": [1]}, "x"),
+    ("value-bad-device", {"t": "value", "fw": "torch", "kind": "device", "v": "bogus"}, "x"),
+    ("value-device-dict", {"t": "value", "fw": "torch", "kind": "device", "v": {}}, "x"),
+    ("value-size-strings", {"t": "value", "fw": "torch", "kind": "size", "v": ["a"]}, "x"),
+    ("value-size-number", {"t": "value", "fw": "torch", "kind": "size", "v": 3}, "x"),
+    ("value-numpy-dtype", {"t": "value", "fw": "numpy", "kind": "dtype", "v": "nope"}, "x"),
+    ("value-numpy-dtype-list", {"t": "value", "fw": "numpy", "kind": "dtype", "v": [1]}, "x"),
+    ("deep-lists", deep(200), "x"),
+    ("deep-dicts", deep_dicts(100), "x"),
+]
+
+
+def save_raw_values(ckpt: acp.Checkpointer, step: int, state_node: Any) -> None:
+    """Commits ``step`` with one tensor ``w`` (4 float32) and the raw values
+    JSON ``{"acp.codec": 1, "state": state_node}``, bypassing the encoder."""
+    import json
+
+    values = json.dumps({"acp.codec": 1, "state": state_node})
+    staging = ckpt._engine.begin_save(step, [("w", "F32", (4,))], values)
+    assert staging is not None
+    src = torch.arange(4, dtype=torch.float32)
+    staging.copy_from([(0, src.data_ptr(), 16)])
+    staging.finish().wait()
+
+
+@pytest.mark.parametrize(("node", "key"), [pytest.param(n, k, id=i) for i, n, k in HOSTILE_VALUES])
+def test_hostile_values_raise_checkpoint_corrupt(make_ckpt: MakeCkpt, node: Any, key: str) -> None:
+    ckpt = make_ckpt()
+    # `x` is the only reference to the tensor: its fields are the ones used.
+    state = {"t": "dict", "k": ["x"], "v": [node]}
+    try:
+        save_raw_values(ckpt, 1, state)
+    except acp.CheckpointCorrupt:
+        # The engine's own parser refuses it (a values document deeper than
+        # serde_json reads): no step to load, nothing decoded.
+        assert ckpt.steps() == []
+        return
+    where = key if key.startswith("tensor") else f"key `{key}`" if key else "step 1"
+    for load in (
+        lambda: ckpt.load(1),
+        lambda: ckpt.load(1, storage_only=True),
+        lambda: ckpt.load(1, into={"x": None}),
+    ):
+        with pytest.raises(acp.CheckpointCorrupt) as e:
+            load()
+        assert where in str(e.value)
+        assert "step 1" in str(e.value)
+
+
+@pytest.mark.parametrize("levels", [200, 100_000])
+def test_values_nested_past_any_reader_are_corrupt_not_a_recursion_error(levels: int) -> None:
+    """The engine refuses such values itself today (serde_json's limit);
+    the codec must not depend on it: its check is iterative and bounded."""
+    from acp import _codec
+
+    text = '{"acp.codec":1,"state":' + "[" * levels + "]" * levels + "}"
+    with pytest.raises(acp.CheckpointCorrupt, match="step 3"):
+        _codec.parse(text, step=3)
+    with pytest.raises(acp.CheckpointCorrupt, match=r"step 3: key `0\.0\.0.*nested deeper"):
+        _codec.check_tree(deep(levels if levels < 1000 else 900), step=3)
