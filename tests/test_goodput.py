@@ -14,8 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "acp-bench" / "peers" / "goodput.
 
 def test_goodput_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    work = tmp_path / "work"
-    work.mkdir()
+    work = tmp_path / "work" / "missing"  # --workdir is created when it does not exist
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--workdir", str(work)]
     env = {**os.environ, "PYTHONWARNINGS": ""}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)

@@ -120,6 +120,8 @@ class Supervisor:
 
     def __init__(self, a: argparse.Namespace, model: Model) -> None:
         self.a, self.model = a, model
+        if a.workdir is not None:
+            os.makedirs(a.workdir, exist_ok=True)
         self.base = tempfile.mkdtemp(prefix="acp-goodput-", dir=a.workdir)
         self.proc: subprocess.Popen[bytes] | None = None
         self.dirs: list[str] = [self.base]
@@ -676,7 +678,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name, value in asdict(Model()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"model: default {value}")
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory")
-    ap.add_argument("--workdir", help="where checkpoint directories go (default: system temp)")
+    ap.add_argument(
+        "--workdir",
+        help="where checkpoint directories go, created if missing (default: system temp)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny model, short budget: a smoke run")
     a = ap.parse_args(argv)
     quick = {"budget": 0.0, "rounds": 1, "mtbf": 0.0, "min_gap": 0.0, "bare": 2.0,

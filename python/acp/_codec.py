@@ -30,21 +30,29 @@ The JSON tree (values JSON of a checkpoint) is
 - ``{"t": "tensor", "fw": FRAMEWORK, "name": NAME, ...}`` (adapter fields);
 - ``{"t": "value", "fw": FRAMEWORK, "kind": KIND, "v": ...}`` for framework
   values such as ``torch.dtype``.
+
+A tree read from a checkpoint is checked against this grammar, iteratively
+and at most ``MAX_DEPTH`` deep, before anything is decoded: a malformed node
+(a missing or mistyped field, bad base64, an unknown tag or framework)
+raises ``acp.CheckpointCorrupt`` naming the step and its key path, never a
+raw Python error.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import importlib
 import json
 import math
+import re
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from acp._acp import InvalidInput, Unsupported
+from acp._acp import CheckpointCorrupt, InvalidInput, Unsupported
 
 CODEC_VERSION = 1
 """The version of the JSON tree this build writes and the newest it reads."""
@@ -459,14 +467,28 @@ def _type_name(obj: object) -> str:
 # load
 
 
+MAX_DEPTH = 128
+"""The deepest nesting of JSON arrays and objects a values tree may have:
+the engine parses each file's values with serde_json, which refuses deeper
+documents, and the recursive decoder relies on the bound."""
+
+_DECIMAL = re.compile(r"-?[0-9]{1,4300}")  # 4300: Python's int() digit limit
+_HEX64 = re.compile(r"[0-9a-fA-F]{16}")
+
+
 def parse(values_json: str, step: int) -> Any:
-    """The state node of a checkpoint's values JSON.
+    """The state node of a checkpoint's values JSON, checked by
+    :func:`check_tree`: the decoder never meets a malformed node.
 
     Raises:
         Unsupported: written by a newer codec.
         InvalidInput: not written by this codec.
+        CheckpointCorrupt: not JSON, or a malformed node (naming its key).
     """
-    tree = json.loads(values_json)
+    try:
+        tree = json.loads(values_json)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorrupt(f"step {step}: checkpoint values are not valid JSON: {e}") from e
     if not isinstance(tree, dict) or CODEC_KEY not in tree or STATE_KEY not in tree:
         raise InvalidInput(f"step {step}: values were not written by acp's state codec")
     version = tree[CODEC_KEY]
@@ -475,7 +497,111 @@ def parse(values_json: str, step: int) -> Any:
             f"step {step}: unsupported: state codec version {version!r} is newer than "
             f"this acp's {CODEC_VERSION}; upgrade acp"
         )
+    check_tree(tree[STATE_KEY], step)
     return tree[STATE_KEY]
+
+
+def _corrupt(step: int | None, key: str, what: str) -> CheckpointCorrupt:
+    at = "" if step is None else f"step {step}: "
+    return CheckpointCorrupt(f"{at}{_where(key)}: malformed checkpoint values: {what}")
+
+
+def _scalar(n: object) -> bool:
+    return n is None or isinstance(n, (bool, int, float, str))
+
+
+def check_tree(node: Any, step: int | None) -> None:
+    """Checks that ``node`` is a tree :class:`Decoder` decodes without error
+    (tags, fields and payloads as the module docs specify, at most
+    :data:`MAX_DEPTH` deep), iteratively, so a hostile tree cannot exhaust
+    the stack. Framework values and tensor fields beyond ``name`` and ``fw``
+    are the adapters' to check.
+
+    Raises:
+        CheckpointCorrupt: naming the key path of the first malformed node.
+    """
+    # (node, key path, JSON nesting depth of the node; the document is 1)
+    stack: list[tuple[Any, str, int]] = [(node, "", 2)]
+    while stack:
+        n, key, depth = stack.pop()
+        if _scalar(n):
+            continue
+        if depth > MAX_DEPTH:
+            raise _corrupt(step, key, f"nested deeper than {MAX_DEPTH} levels")
+        if isinstance(n, list):
+            stack.extend((v, _join(key, i), depth + 1) for i, v in enumerate(n))
+            continue
+        if not isinstance(n, dict):
+            raise _corrupt(step, key, f"unexpected {type(n).__name__}")
+        tag = n.get("t")
+        if tag in ("dict", "odict"):
+            keys, values = n.get("k"), n.get("v")
+            if not isinstance(keys, list) or not isinstance(values, list):
+                raise _corrupt(step, key, "a dict node needs the lists `k` and `v`")
+            if len(keys) != len(values):
+                raise _corrupt(step, key, "keys and values differ in number")
+            if "meta" in n:
+                if tag != "odict":
+                    raise _corrupt(step, key, "only an OrderedDict node carries `meta`")
+                stack.append((n["meta"], _join(key, "_metadata"), depth + 1))
+            for k, v in zip(keys, values):
+                stack.append((v, _join(key, _key_text(k, key, step)), depth + 2))
+        elif tag == "tuple":
+            values = n.get("v")
+            if not isinstance(values, list):
+                raise _corrupt(step, key, "a tuple node needs the list `v`")
+            stack.extend((v, _join(key, i), depth + 2) for i, v in enumerate(values))
+        else:
+            _check_leaf(n, tag, key, step)
+
+
+def _check_leaf(n: dict[str, Any], tag: object, key: str, step: int | None) -> None:
+    """Checks a tagged node that holds no other node."""
+    if tag in ("int", "float"):
+        _check_number(n, key, step)
+    elif tag == "bytes":
+        v = n.get("v")
+        if not isinstance(v, str):
+            raise _corrupt(step, key, "a bytes node needs the base64 string `v`")
+        try:
+            base64.b64decode(v, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise _corrupt(step, key, f"bytes are not base64 ({e})") from e
+    elif tag in ("tensor", "value"):
+        fw = n.get("fw")
+        if not isinstance(fw, str) or fw not in ADAPTER_MODULES:
+            raise _corrupt(step, key, f"unknown framework {fw!r}")
+        field = "name" if tag == "tensor" else "kind"
+        if not isinstance(n.get(field), str):
+            raise _corrupt(step, key, f"a {tag} node needs the string `{field}`")
+        if tag == "tensor":
+            for f, v in n.items():
+                if not _scalar(v):
+                    raise _corrupt(step, key, f"tensor field `{f}` is not a plain value")
+    else:
+        raise _corrupt(step, key, f"unknown tag {tag!r}")
+
+
+def _check_number(n: dict[str, Any], key: str, step: int | None) -> None:
+    if n.get("t") == "int":
+        v = n.get("v")
+        if not isinstance(v, str) or _DECIMAL.fullmatch(v) is None:
+            raise _corrupt(step, key, f"a big int node needs a decimal string, not {v!r}")
+    else:
+        bits = n.get("bits")
+        if not isinstance(bits, str) or _HEX64.fullmatch(bits) is None:
+            raise _corrupt(step, key, f"a float node needs 16 hex digits, not {bits!r}")
+
+
+def _key_text(k: Any, key: str, step: int | None) -> object:
+    """A dict key node as it reads in a key path, once checked: a scalar,
+    or a tagged big int or non-finite float."""
+    if _scalar(k):
+        return k
+    if isinstance(k, dict) and k.get("t") in ("int", "float"):
+        _check_number(k, key, step)
+        return k.get("v", k.get("bits"))
+    raise _corrupt(step, key, f"a dict key must be a scalar or a tagged number, not {k!r}")
 
 
 def tensor_refs(node: Any) -> Iterator[dict[str, Any]]:
@@ -497,20 +623,21 @@ def tensor_refs(node: Any) -> Iterator[dict[str, Any]]:
                 stack.extend(reversed(n["v"]))
 
 
-def _bad(key: str, what: str) -> InvalidInput:
-    return InvalidInput(f"{_where(key)}: malformed checkpoint values: {what}")
-
-
 class Decoder:
-    """Builds Python values from a tree; tensors come from ``tensor(ref, key)``."""
+    """Builds Python values from a tree that :func:`parse` checked; tensors
+    come from ``tensor(ref, key)``. A malformed node (a tree not checked)
+    raises ``CheckpointCorrupt`` naming its key, as does a framework value
+    its adapter cannot rebuild."""
 
     def __init__(
         self,
         adapters: Adapters,
         tensor: Callable[[dict[str, Any], str], object],
+        step: int | None = None,
     ) -> None:
         self.adapters = adapters
         self.tensor = tensor
+        self.step = step
 
     def key(self, node: Any, key: str) -> Any:
         if isinstance(node, (str, int, float, bool)) or node is None:
@@ -523,12 +650,12 @@ class Decoder:
         if isinstance(node, list):
             return [self.value(v, _join(key, i)) for i, v in enumerate(node)]
         if not isinstance(node, dict):
-            raise _bad(key, f"unexpected {type(node).__name__}")
+            raise _corrupt(self.step, key, f"unexpected {type(node).__name__}")
         tag = node.get("t")
         if tag in ("dict", "odict"):
             keys = [self.key(k, key) for k in node["k"]]
             if len(keys) != len(node["v"]):
-                raise _bad(key, "keys and values differ in number")
+                raise _corrupt(self.step, key, "keys and values differ in number")
             out: dict[Any, Any] = OrderedDict() if tag == "odict" else {}
             for k, v in zip(keys, node["v"]):
                 out[k] = self.value(v, _join(key, k))
@@ -546,16 +673,28 @@ class Decoder:
         if tag == "tensor":
             return self.tensor(node, key)
         if tag == "value":
-            adapter = self.adapters.get(node["fw"], key)
-            return adapter.decode_value(node["kind"], node.get("v"), key)
-        raise _bad(key, f"unknown tag {tag!r}")
+            return self.framework_value(node, key)
+        raise _corrupt(self.step, key, f"unknown tag {tag!r}")
+
+    def framework_value(self, node: dict[str, Any], key: str) -> object:
+        """A ``value`` node through its adapter. Whatever the adapter raises
+        while rebuilding one (an unknown kind, a payload of the wrong type)
+        comes from the checkpoint's bytes: ``CheckpointCorrupt``."""
+        adapter = self.adapters.get(node["fw"], key)
+        kind, v = node["kind"], node.get("v")
+        try:
+            return adapter.decode_value(kind, v, key)
+        except Exception as e:
+            raise _corrupt(
+                self.step, key, f"{node['fw']} value {kind}={v!r:.80}: {type(e).__name__}: {e}"
+            ) from e
 
 
 def decoded_items(node: dict[str, Any], decoder: Decoder, key: str) -> list[tuple[Any, Any]]:
     """``(key, child node)`` pairs of a dict node, keys decoded."""
     keys = [decoder.key(k, key) for k in node["k"]]
     if len(keys) != len(node["v"]):
-        raise _bad(key, "keys and values differ in number")
+        raise _corrupt(decoder.step, key, "keys and values differ in number")
     return list(zip(keys, node["v"]))
 
 

@@ -60,7 +60,7 @@ class _Fresh:
         self.entries = entries
         self.refs: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, tuple[Adapter, object]] = {}
-        self.decoder = Decoder(adapters, self.value)
+        self.decoder = Decoder(adapters, self.value, loaded.step)
 
     def value(self, ref: dict[str, Any], key: str) -> object:
         adapter, obj = self.tensors[ref["name"]]

@@ -33,15 +33,24 @@ the storage map), and the reader rebuilds the dataclasses from it. A value
 JSON cannot hold (a custom planner's ``planner_data``, say) is refused at
 save time with its key named.
 
-**Non-tensor values are DCP's pickles.** DCP's planner turns every
-non-tensor value of the state dict (``epoch``, an optimizer's
-``param_groups`` entries, ...) into ``torch.save`` bytes before the storage
-layer sees it. acp stores those bytes as opaque ``uint8`` tensors, and on
-load hands them back to DCP's planner, whose ``load_bytes`` unpickles them
-with ``torch.load(weights_only=False)``: that pickling and unpickling is
-DCP's, not acp's. Pass ``StorageReader(..., load_bytes=False)`` to refuse
-such entries instead of unpickling them (for checkpoints you do not trust),
-or use ``acp.Checkpointer.save`` directly, which stores plain values as JSON.
+**Non-tensor values are DCP's pickles, read with ``weights_only=True``.**
+DCP's planner turns every non-tensor value of the state dict (``epoch``, an
+optimizer's ``param_groups`` entries, ...) into ``torch.save`` bytes before
+the storage layer sees it; acp stores those bytes as opaque ``uint8``
+tensors. DCP's own planner would load them back with
+``torch.load(weights_only=False)``, which runs whatever code a crafted
+pickle names. So by default the reader first decodes each such entry itself
+with ``torch.load(weights_only=True, map_location="cpu")`` (plain values,
+containers and tensors only; anything else is refused with an error naming
+the key) and hands the planner a fresh ``torch.save`` of that decoded value,
+never the stored bytes: what the planner unpickles can hold only what
+``weights_only`` allowed. Tensors inside such values come back on the CPU.
+``StorageReader(..., load_bytes=False)`` refuses every such entry;
+``StorageReader(..., allow_pickle=True)`` hands the stored bytes to the
+planner unchanged, as DCP's ``FileSystemReader`` does: a checkpoint that
+someone else could have written can then run arbitrary code in this process,
+so pass it only for checkpoints you trust. ``acp.Checkpointer.save`` stores
+plain values as JSON and needs neither.
 
 **Several ranks, and resharding.** With a process group, give each rank a
 writer on its own ``acp.Checkpointer`` (whose rank and world size come from
@@ -462,6 +471,35 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
         if off != 0 or n != t.shape[dim]:
             t = t.narrow(dim, off, n)
     return t
+
+
+def _reencoded(raw: bytes, fqn: str) -> io.BytesIO:
+    """A fresh ``torch.save`` of what ``raw`` (a DCP byte entry) holds,
+    decoded with ``weights_only=True``: the planner's
+    ``torch.load(weights_only=False)`` of it can only rebuild objects that
+    the restricted unpickler already accepted, never a global the stored
+    bytes name.
+
+    Raises:
+        ValueError: naming ``fqn`` when ``weights_only`` refuses the bytes
+            (a global it does not allow, or bytes that are no torch.save).
+    """
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as e:
+        # torch's message is a multi-line advice to retry with
+        # weights_only=False; keep only the line that says what was refused.
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported" in ln), lines[-1] if lines else "")
+        raise ValueError(
+            f"acp.dcp: `{fqn}` is a DCP value that torch.load(weights_only=True) refuses "
+            f"({type(e).__name__}: {why}); pass StorageReader(..., allow_pickle=True) only "
+            "if you trust this checkpoint: unpickling it can run arbitrary code"
+        ) from e
+    out = io.BytesIO()
+    torch.save(value, out)
+    out.seek(0)
+    return out
 
 
 def _readonly_view(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -1010,8 +1048,16 @@ class StorageReader(_storage.StorageReader):
         step: the step to load; otherwise ``checkpoint_id``, else the newest
             committed step.
         storage_only: read from storage even when the step is resident.
-        load_bytes: hand non-tensor entries (DCP's ``torch.save`` bytes) to
-            DCP's planner, which unpickles them. ``False`` refuses them.
+        load_bytes: load non-tensor entries (DCP's ``torch.save`` bytes).
+            ``False`` refuses every such entry, naming its key.
+        allow_pickle: hand the stored bytes of non-tensor entries to DCP's
+            planner unchanged; its ``load_bytes`` unpickles them with
+            ``torch.load(weights_only=False)``, so **a crafted checkpoint
+            runs arbitrary code in this process**: only for checkpoints you
+            trust. By default (``False``) each entry is decoded with
+            ``torch.load(weights_only=True, map_location="cpu")``, refused
+            with an error naming its key when that refuses it, and the
+            planner gets a fresh ``torch.save`` of the decoded value.
 
     After a load, :attr:`last_load` holds its figures (``source`` is
     ``"ram"`` or ``"storage"``, ``"mixed"`` when several ranks' files were
@@ -1025,6 +1071,7 @@ class StorageReader(_storage.StorageReader):
         step: int | None = None,
         storage_only: bool = False,
         load_bytes: bool = True,
+        allow_pickle: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -1032,6 +1079,7 @@ class StorageReader(_storage.StorageReader):
         self._step: int | None = None if step is None else _parse_step(step)
         self._storage_only = storage_only
         self._load_bytes = load_bytes
+        self._allow_pickle = allow_pickle
         self._loaded: Any = None
         self._names: dict[str, int] = {}
         self._storage_data: dict[MetadataIndex, str] = {}
@@ -1254,7 +1302,11 @@ class StorageReader(_storage.StorageReader):
         src = None
         try:
             if target is None:
-                planner.load_bytes(req, io.BytesIO(bytes(buf)))
+                raw = bytes(buf)
+                if self._allow_pickle:
+                    planner.load_bytes(req, io.BytesIO(raw))
+                else:
+                    planner.load_bytes(req, _reencoded(raw, req.storage_index.fqn))
                 return
             md = self._sdm[req.storage_index.fqn]
             assert isinstance(md, TensorStorageMetadata)

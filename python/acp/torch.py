@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from acp._acp import InvalidInput
+from acp._acp import CheckpointCorrupt, InvalidInput
 from acp._codec import Entry, TensorInfo, Transfer
 
 __all__ = [
@@ -260,8 +260,19 @@ class _HostCopies:
         self.pairs = []
 
 
-def _device(saved: str | None, map_location: Any, key: str) -> torch.device:
+def _device(saved: object, map_location: Any, key: str, step: int) -> torch.device:
+    """The device to restore tensor ``key`` of ``step`` on; ``saved`` is the
+    device its reference records (from the checkpoint: checked)."""
     saved = saved or "cpu"
+    try:
+        if not isinstance(saved, str):
+            raise TypeError(f"a {type(saved).__name__}")
+        torch.device(saved)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointCorrupt(
+            f"step {step}: tensor `{key}`: malformed checkpoint values: saved device "
+            f"{saved!r} is not a torch device name ({e})"
+        ) from e
     if map_location is None:
         target = torch.device(saved)
     elif isinstance(map_location, (str, torch.device)):
@@ -404,7 +415,7 @@ class Adapter:
         device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, ref in items:
             dtype = dtype_from_safetensors(entry.dtype)
-            device = _device(ref.get("dev"), map_location, entry.name)
+            device = _device(ref.get("dev"), map_location, entry.name, loaded.step)
             t = torch.empty(entry.shape, dtype=dtype, device=device)
             if device.type == "cpu":
                 transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))

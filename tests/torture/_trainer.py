@@ -6,6 +6,7 @@ and prints ``READY`` when the parent may act. Uses NumPy (fast to import)."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
@@ -70,9 +71,8 @@ def main() -> None:
         # SIGTERM while step 2 is being staged: it must be aborted, step 1
         # is what persists.
         ckpt.install_sigterm_handler()
-        big = {"w": np.ones(100 << 20, dtype=np.uint8), "step": 1}
-        stats = ckpt.save(1, big).wait()
-        print(f"COPY_SECS {stats.copy_secs}", flush=True)
+        big = {"a": np.ones(8 << 20, dtype=np.uint8), "b": np.ones(8 << 20, np.uint8), "step": 1}
+        ckpt.save(1, big).wait()
         real = acp.checkpointer.run_transfers
 
         def run_transfers(copy: Any, transfers: Any) -> None:
@@ -83,20 +83,26 @@ def main() -> None:
                     # after the copy in Rust returned, before finish().
                     signal.raise_signal(signal.SIGTERM)
                     return
-                # From another thread while the copy runs in Rust with the
-                # GIL released: the handler runs when the copy returns.
-                go = threading.Event()
-
-                def kill() -> None:
-                    go.wait()
-                    time.sleep(0.005)
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    print(f"KILL_SENT {time.perf_counter()}", flush=True)
-
-                threading.Thread(target=kill, daemon=True).start()
-                print(f"COPY_START {time.perf_counter()}", flush=True)
-                go.set()
-                copy(items)
+                # Half the tensors are copied, then another thread sends
+                # SIGTERM while this one is blocked in native code with the
+                # GIL released, as in the engine's copy, until the signal
+                # has been delivered: Python's C-level handler writes to
+                # the wakeup fd on delivery, whichever thread takes it. The
+                # Python handler runs there (EINTR) or as soon as select()
+                # returns: mid-copy, before the rest is copied or finish().
+                assert len(items) == 2, items
+                copy(items[:1])
+                print("HALF_COPIED", flush=True)
+                r, w = os.pipe()
+                os.set_blocking(w, False)
+                signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+                sender = threading.Thread(
+                    target=os.kill, args=(os.getpid(), signal.SIGTERM), daemon=True
+                )
+                sender.start()
+                select.select([r], [], [])
+                print("COPY_RESUMED", flush=True)  # never: the handler raised
+                copy(items[1:])
 
             real(copy_then_term, transfers)
 

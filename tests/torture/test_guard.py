@@ -53,16 +53,10 @@ def test_sigterm_during_staging_aborts_that_save(tmp_path: Path, shm_dir: Path, 
     assert code == 143, err
     assert "SAVE_RETURNED" not in out, "save() finished although SIGTERM came during its staging"
     if mode == "sigterm-during-copy":
-        # Say whether the signal landed inside the copy (GIL released): the
-        # outcome must be the same either way.
-        stamps = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
-        if {"KILL_SENT", "COPY_START", "COPY_SECS"} <= stamps.keys():
-            delay = float(stamps["KILL_SENT"]) - float(stamps["COPY_START"])
-            inside = delay < float(stamps["COPY_SECS"])
-            print(
-                f"SIGTERM {delay * 1e3:.1f} ms into a copy of about "
-                f"{float(stamps['COPY_SECS']) * 1e3:.1f} ms: inside={inside}"
-            )
+        # The trainer holds the copy open, half done, until the signal has
+        # been delivered; the handler runs before the copy goes on.
+        assert "HALF_COPIED" in out, out
+        assert "COPY_RESUMED" not in out, out
     with reopen(root, shm_dir, j) as ckpt:
         engine = ckpt.stats()["engine"]
         # Step 2 was aborted (its slot freed), not left half-staged.

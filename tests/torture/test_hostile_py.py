@@ -1,0 +1,262 @@
+"""Hostile checkpoints seen from Python: nothing a default load reads may run
+code, and a crafted value raises ``acp.CheckpointCorrupt`` naming its key,
+never a raw Python error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import acp
+import acp.dcp
+from tests.conftest import MakeCkpt
+
+# DCP warns on every single-process call that it assumes a single process.
+dcp_warning = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def plant(path: str) -> str:
+    """What the hostile pickle calls when it is unpickled: leaves a marker."""
+    Path(path).write_text("code ran on load")
+    return "planted"
+
+
+class Hostile:
+    """An object whose pickle calls :func:`plant` when it is unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (plant, (self.marker,))
+
+
+def hostile_dcp_checkpoint(make_ckpt: MakeCkpt, marker: Path) -> acp.Checkpointer:
+    """A step saved by ``dcp.save`` through acp whose ``trap`` value is a
+    pickle that runs :func:`plant`; saving it runs nothing."""
+    ckpt = make_ckpt()
+    state = {"w": torch.ones(3), "trap": Hostile(marker), "epoch": 3}
+    dcp.save(state, checkpoint_id=1, storage_writer=acp.dcp.StorageWriter(ckpt), no_dist=True)
+    assert not marker.exists()
+    return ckpt
+
+
+@dcp_warning
+@pytest.mark.parametrize("storage_only", [False, True], ids=["from-ram", "from-storage"])
+def test_dcp_default_load_never_unpickles_code(
+    make_ckpt: MakeCkpt, tmp_path: Path, storage_only: bool
+) -> None:
+    marker = tmp_path / "marker"
+    ckpt = hostile_dcp_checkpoint(make_ckpt, marker)
+    target = {"w": torch.zeros(3), "trap": None, "epoch": 0}
+    reader = acp.dcp.StorageReader(ckpt, storage_only=storage_only)
+    with pytest.raises(CheckpointException, match=r"`trap` is a DCP value that torch\.load"):
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    assert not marker.exists(), "a default load ran code from the checkpoint"
+    # load_bytes=False still refuses every byte entry, the harmless one too.
+    with pytest.raises(CheckpointException, match="`epoch` is a pickled DCP value"):
+        dcp.load(
+            {"w": torch.zeros(3), "epoch": 0},
+            storage_reader=acp.dcp.StorageReader(ckpt, load_bytes=False),
+            no_dist=True,
+        )
+    assert not marker.exists()
+
+
+@dcp_warning
+def test_dcp_allow_pickle_is_the_explicit_old_path(make_ckpt: MakeCkpt, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    ckpt = hostile_dcp_checkpoint(make_ckpt, marker)
+    target: dict[str, Any] = {"w": torch.zeros(3), "trap": None, "epoch": 0}
+    reader = acp.dcp.StorageReader(ckpt, allow_pickle=True)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert marker.read_text() == "code ran on load"
+    assert target["trap"] == "planted"
+    assert target["epoch"] == 3
+
+
+def blank(value: Any) -> Any:
+    """``value``'s dict structure with every leaf None: what DCP loads into
+    (it flattens nested dicts into keys)."""
+    if isinstance(value, dict):
+        return {k: blank(v) for k, v in value.items()}
+    return None
+
+
+@dcp_warning
+def test_dcp_plain_values_round_trip_by_default(make_ckpt: MakeCkpt) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    plain = {
+        "epoch": 7,
+        "loss": 0.125,
+        "name": "run1",
+        "flags": [True, None, 2, 3.5, "x"],
+        "nested": {"a": {"b": [1, 2, (3, 4)]}},
+        "on": False,
+    }
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), **plain}
+    ckpt = make_ckpt()
+    dcp.save(state, checkpoint_id=1, storage_writer=acp.dcp.StorageWriter(ckpt), no_dist=True)
+
+    model2 = torch.nn.Linear(4, 2)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    model2(torch.randn(3, 4)).sum().backward()
+    opt2.step()  # creates the state tensors the load fills in
+    target: dict[str, Any] = {
+        "model": model2.state_dict(),
+        "optim": opt2.state_dict(),
+        **{k: blank(v) for k, v in plain.items()},
+    }
+    dcp.load(target, storage_reader=acp.dcp.StorageReader(ckpt), no_dist=True)
+    for k, v in plain.items():
+        assert target[k] == v, k
+    want_groups = opt.state_dict()["param_groups"]
+    assert target["optim"]["param_groups"] == want_groups
+    assert target["optim"]["param_groups"][0]["betas"] == (0.9, 0.95)
+    for k, t in model.state_dict().items():
+        assert torch.equal(target["model"][k], t), k
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(target["optim"]["state"][pid][k], v), (pid, k)
+
+
+# --------------------------------------------------------------------------
+# crafted values JSON: every malformed node is CheckpointCorrupt naming its key
+
+T = {"t": "tensor", "fw": "torch", "name": "w"}  # a well-formed reference to the saved tensor
+
+
+def deep(levels: int) -> Any:
+    node: Any = 0
+    for _ in range(levels):
+        node = [node]
+    return node
+
+
+def deep_dicts(levels: int) -> Any:
+    node: Any = 0
+    for _ in range(levels):
+        node = {"t": "dict", "k": ["a"], "v": [node]}
+    return node
+
+
+# (id, the node under key `x`, the key path the error must name; or the
+# tensor, for a reference field only the framework's adapter reads)
+HOSTILE_VALUES: list[tuple[str, Any, str]] = [
+    ("dict-no-k", {"t": "dict", "v": [1]}, "x"),
+    ("dict-no-v", {"t": "dict", "k": ["a"]}, "x"),
+    ("dict-k-not-list", {"t": "dict", "k": "a", "v": [1]}, "x"),
+    ("dict-v-not-list", {"t": "dict", "k": ["a"], "v": 1}, "x"),
+    ("dict-lengths-differ", {"t": "dict", "k": ["a", "b"], "v": [1]}, "x"),
+    ("dict-key-list", {"t": "dict", "k": [[1]], "v": [1]}, "x"),
+    ("dict-key-tuple", {"t": "dict", "k": [{"t": "tuple", "v": []}], "v": [1]}, "x"),
+    ("dict-key-dict", {"t": "dict", "k": [{"t": "dict", "k": [], "v": []}], "v": [1]}, "x"),
+    ("dict-key-bad-int", {"t": "dict", "k": [{"t": "int", "v": "1e5"}], "v": [1]}, "x"),
+    ("dict-meta", {"t": "dict", "k": [], "v": [], "meta": {}}, "x"),
+    (
+        "odict-bad-meta",
+        {"t": "odict", "k": [], "v": [], "meta": {"t": "bytes", "v": 3}},
+        "x._metadata",
+    ),
+    ("nested-bad-child", {"t": "dict", "k": ["a"], "v": [{"t": "tuple"}]}, "x.a"),
+    ("list-bad-child", [1, {"t": "int", "v": 5}], "x.1"),
+    ("tuple-no-v", {"t": "tuple"}, "x"),
+    ("tuple-v-not-list", {"t": "tuple", "v": {"a": 1}}, "x"),
+    ("int-no-v", {"t": "int"}, "x"),
+    ("int-not-decimal", {"t": "int", "v": "0x10"}, "x"),
+    ("int-number", {"t": "int", "v": 5}, "x"),
+    ("int-too-long", {"t": "int", "v": "9" * 5000}, "x"),
+    ("float-no-bits", {"t": "float"}, "x"),
+    ("float-short-bits", {"t": "float", "bits": "7ff8"}, "x"),
+    ("float-bits-not-hex", {"t": "float", "bits": "zz" * 8}, "x"),
+    ("float-bits-number", {"t": "float", "bits": 1.5}, "x"),
+    ("bytes-no-v", {"t": "bytes"}, "x"),
+    ("bytes-bad-base64", {"t": "bytes", "v": "not base64!"}, "x"),
+    ("bytes-bad-padding", {"t": "bytes", "v": "abc"}, "x"),
+    ("bytes-v-list", {"t": "bytes", "v": [1, 2]}, "x"),
+    ("no-tag", {"a": 1}, "x"),
+    ("unknown-tag", {"t": "pickle", "v": "gASV"}, "x"),
+    ("tag-not-string", {"t": ["dict"], "k": [], "v": []}, "x"),
+    ("tensor-no-name", {"t": "tensor", "fw": "torch"}, "x"),
+    ("tensor-name-number", {"t": "tensor", "fw": "torch", "name": 3}, "x"),
+    ("tensor-unknown-name", {"t": "tensor", "fw": "torch", "name": "nope"}, ""),
+    ("tensor-no-fw", {"t": "tensor", "name": "w"}, "x"),
+    ("tensor-unknown-fw", {"t": "tensor", "fw": "jax", "name": "w"}, "x"),
+    ("tensor-bad-device", {**T, "dev": "bogus:0"}, "tensor `w`"),
+    ("tensor-device-number", {**T, "dev": 7}, "tensor `w`"),
+    ("tensor-device-list", {**T, "dev": ["cpu"]}, "x"),
+    ("tensor-param-dict", {**T, "param": {"a": 1}}, "x"),
+    ("value-no-fw", {"t": "value", "kind": "dtype", "v": "float32"}, "x"),
+    ("value-unknown-fw", {"t": "value", "fw": "os", "kind": "system", "v": "true"}, "x"),
+    ("value-no-kind", {"t": "value", "fw": "torch", "v": "float32"}, "x"),
+    ("value-unknown-kind", {"t": "value", "fw": "torch", "kind": "module", "v": "x"}, "x"),
+    ("value-bad-dtype", {"t": "value", "fw": "torch", "kind": "dtype", "v": "os"}, "x"),
+    ("value-dtype-list", {"t": "value", "fw": "torch", "kind": "dtype", "v": [1]}, "x"),
+    ("value-bad-device", {"t": "value", "fw": "torch", "kind": "device", "v": "bogus"}, "x"),
+    ("value-device-dict", {"t": "value", "fw": "torch", "kind": "device", "v": {}}, "x"),
+    ("value-size-strings", {"t": "value", "fw": "torch", "kind": "size", "v": ["a"]}, "x"),
+    ("value-size-number", {"t": "value", "fw": "torch", "kind": "size", "v": 3}, "x"),
+    ("value-numpy-dtype", {"t": "value", "fw": "numpy", "kind": "dtype", "v": "nope"}, "x"),
+    ("value-numpy-dtype-list", {"t": "value", "fw": "numpy", "kind": "dtype", "v": [1]}, "x"),
+    ("deep-lists", deep(200), "x"),
+    ("deep-dicts", deep_dicts(100), "x"),
+]
+
+
+def save_raw_values(ckpt: acp.Checkpointer, step: int, state_node: Any) -> None:
+    """Commits ``step`` with one tensor ``w`` (4 float32) and the raw values
+    JSON ``{"acp.codec": 1, "state": state_node}``, bypassing the encoder."""
+    import json
+
+    values = json.dumps({"acp.codec": 1, "state": state_node})
+    staging = ckpt._engine.begin_save(step, [("w", "F32", (4,))], values)
+    assert staging is not None
+    src = torch.arange(4, dtype=torch.float32)
+    staging.copy_from([(0, src.data_ptr(), 16)])
+    staging.finish().wait()
+
+
+@pytest.mark.parametrize(("node", "key"), [pytest.param(n, k, id=i) for i, n, k in HOSTILE_VALUES])
+def test_hostile_values_raise_checkpoint_corrupt(make_ckpt: MakeCkpt, node: Any, key: str) -> None:
+    ckpt = make_ckpt()
+    # `x` is the only reference to the tensor: its fields are the ones used.
+    state = {"t": "dict", "k": ["x"], "v": [node]}
+    try:
+        save_raw_values(ckpt, 1, state)
+    except acp.CheckpointCorrupt:
+        # The engine's own parser refuses it (a values document deeper than
+        # serde_json reads): no step to load, nothing decoded.
+        assert ckpt.steps() == []
+        return
+    where = key if key.startswith("tensor") else f"key `{key}`" if key else "step 1"
+    for load in (
+        lambda: ckpt.load(1),
+        lambda: ckpt.load(1, storage_only=True),
+        lambda: ckpt.load(1, into={"x": None}),
+    ):
+        with pytest.raises(acp.CheckpointCorrupt) as e:
+            load()
+        assert where in str(e.value)
+        assert "step 1" in str(e.value)
+
+
+@pytest.mark.parametrize("levels", [200, 100_000])
+def test_values_nested_past_any_reader_are_corrupt_not_a_recursion_error(levels: int) -> None:
+    """The engine refuses such values itself today (serde_json's limit);
+    the codec must not depend on it: its check is iterative and bounded."""
+    from acp import _codec
+
+    text = '{"acp.codec":1,"state":' + "[" * levels + "]" * levels + "}"
+    with pytest.raises(acp.CheckpointCorrupt, match="step 3"):
+        _codec.parse(text, step=3)
+    with pytest.raises(acp.CheckpointCorrupt, match=r"step 3: key `0\.0\.0.*nested deeper"):
+        _codec.check_tree(deep(levels if levels < 1000 else 900), step=3)
