@@ -41,12 +41,13 @@ fmt: ## Format Rust and Python code.
 	cargo fmt --all
 	$(VENV)/bin/ruff format
 
-lint: venv ## fmt check, clippy -D warnings, ruff.
+lint: venv ## fmt check, clippy -D warnings, ruff, mypy --strict.
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --workspace --all-targets --features acp-core/cli -- -D warnings
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
+	MYPYPATH=python $(VENV)/bin/mypy --strict
 
 test-rust: ## Rust unit, integration and doc tests (and the acp binary's).
 	cargo test --workspace

@@ -343,11 +343,11 @@ class Adapter:
         # The same first byte read with the same shape, strides and dtype is
         # the same bytes: saved once (tied weights).
         address = t.data_ptr()
+        alias: tuple[Any, ...]
         if not cpu:
             alias = ((meta["dev"], address), shape, t.stride(), torch_dtype, kind, requires_grad)
             return TensorInfo(dtype, shape, nbytes, alias, meta)
-        stride = t.stride()
-        alias = (address, shape, stride, torch_dtype, kind, requires_grad)
+        alias = (address, shape, t.stride(), torch_dtype, kind, requires_grad)
         # Contiguous host bytes go straight to the engine's copy; the
         # storage keeps them alive while it runs (without the GIL).
         host = (address, t.untyped_storage()) if t.is_contiguous() else None
