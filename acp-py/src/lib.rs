@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", acp_core::format::FORMAT_VERSION)?;
+    m.add("MAX_VALUES_DEPTH", acp_core::format::MAX_VALUES_DEPTH)?;
     m.add_class::<engine::Engine>()?;
     m.add_class::<save::Staging>()?;
     m.add_class::<save::SaveHandle>()?;

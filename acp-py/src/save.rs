@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use acp_core::{Error, SaveReport};
 use pyo3::exceptions::PyBufferError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -108,7 +109,10 @@ pub(crate) struct Staging {
     image_bytes: u64,
     entries: Vec<EntryInfo>,
     state: Mutex<State>,
-    /// `(tensor index, weakref to a memoryview handed out by buffer())`.
+    /// `(tensor index, weakref to the exporter of a view handed out by
+    /// buffer())`: the `ctypes` array over the slot bytes, which every view,
+    /// array or tensor derived from that view keeps alive (see
+    /// [`staging_view`]).
     views: Mutex<Vec<(usize, Py<PyAny>)>>,
 }
 
@@ -173,10 +177,14 @@ impl Staging {
         )
     }
 
-    /// Fails while a memoryview handed out by `buffer()` is alive, so none
-    /// can write into the slot after it is sealed or freed. (Checking
-    /// exports is not enough: `torch.frombuffer` keeps a reference to the
-    /// view, not an export of it.)
+    /// Fails while anything that can reach the slot bytes of a view handed
+    /// out by `buffer()` is alive, so nothing writes into the slot after it
+    /// is sealed or freed. What is watched is the view's exporter, not the
+    /// view: a slice, a cast or `numpy.frombuffer` shares the exporter
+    /// through the view's managed buffer without keeping the view itself,
+    /// and `torch.frombuffer` keeps the view (hence the exporter) but no
+    /// export. The exporter dies only when the last of them does, or when
+    /// every view over it is `release()`d.
     ///
     /// # Errors
     /// `BufferError` naming the tensor whose view is alive.
@@ -196,7 +204,7 @@ impl Staging {
             None => Ok(()),
             Some(index) => Err(PyBufferError::new_err(format!(
                 "staging of step {}: the buffer of tensor `{}` is still in use (a view, \
-                 array or tensor over it is alive); drop it first",
+                 slice, array or tensor over it is alive); drop it first",
                 self.step, self.entries[index].name
             ))),
         }
@@ -261,17 +269,19 @@ impl Staging {
     }
 
     /// A writable memoryview over the slot bytes of tensor `i`, for copies
-    /// that land directly in the slot (device to host). It (and anything
-    /// made from it) keeps this staging alive. `finish()` refuses while it
-    /// is alive, and `abort()` then frees the slot only once it is gone.
-    /// Do not keep slices of it past `finish()`: the slot is sealed.
+    /// that land directly in the slot (device to host). It and anything
+    /// made from it (slices, casts, arrays, tensors) keep this staging
+    /// alive. `finish()` refuses, naming the tensor, while any of them is
+    /// alive, and `abort()` then frees the slot only once they are all gone.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
         let view = staging_view(slf, i)?;
-        let weak = slf
-            .py()
-            .import("weakref")?
-            .getattr("ref")?
-            .call1((&view,))?
+        // The view's exporter (`memoryview.obj`): see `check_views_gone`.
+        let exporter = view.getattr(intern!(py, "obj"))?;
+        let weak = py
+            .import(intern!(py, "weakref"))?
+            .getattr(intern!(py, "ref"))?
+            .call1((exporter,))?
             .unbind();
         lock(&slf.get().views).push((i, weak));
         Ok(view)

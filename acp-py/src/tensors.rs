@@ -255,9 +255,13 @@ pub(crate) fn staging_view<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let (ptr, len) = staging.get().slot_bytes(i)?;
     // SAFETY: the bytes are in the mapping of the slot that the core staging
-    // held by `staging` owns; the view keeps `staging` alive, `finish()`
-    // refuses while the view lives and `abort()` keeps the core staging
-    // until `staging` dies, so the mapping outlives the view.
+    // held by `staging` owns. Every object that can reach them (the view and
+    // whatever is derived from it) keeps the view's exporter, a ctypes array,
+    // alive, and the array keeps `staging` alive. `Staging::buffer` watches
+    // the array through a weak reference: `finish()` refuses while it lives,
+    // and `abort()` keeps the core staging (so the mapping) until `staging`
+    // dies, which the array prevents until it is gone. So the mapping
+    // outlives every view of it, and no view can write into a sealed slot.
     unsafe { memoryview_owned_by(staging.as_any(), ptr, len, true) }
 }
 

@@ -12,6 +12,7 @@ from typing import Any, final
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_VALUES_DEPTH",
     "AcpError",
     "AcpTimeout",
     "BusyError",
@@ -39,6 +40,8 @@ __all__ = [
 
 __version__: str
 FORMAT_VERSION: int
+MAX_VALUES_DEPTH: int
+"""The deepest nesting of JSON arrays and objects in a checkpoint's values."""
 
 class AcpError(Exception): ...
 class CheckpointNotFound(AcpError, FileNotFoundError): ...

@@ -52,7 +52,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from acp._acp import CheckpointCorrupt, InvalidInput, Unsupported
+from acp._acp import MAX_VALUES_DEPTH, CheckpointCorrupt, InvalidInput, Unsupported
 
 CODEC_VERSION = 1
 """The version of the JSON tree this build writes and the newest it reads."""
@@ -66,6 +66,15 @@ _MAX_NAME_BYTES = 1024
 # A name of at most this many characters is short enough in any encoding
 # (UTF-8 takes at most 4 bytes per character).
 _FAST_NAME_CHARS = (_MAX_NAME_BYTES - 16) // 4
+
+MAX_STATE_DEPTH = (MAX_VALUES_DEPTH - 3) // 2
+"""The deepest nesting of containers (dict, list, tuple; an OrderedDict's
+``_metadata`` counts as one level inside its dict) a state may have, so that
+its JSON tree fits the format's :data:`~acp._acp.MAX_VALUES_DEPTH` (127): the
+tree is one object, a dict or tuple at level n is an object at JSON depth 2n
+and its arrays at 2n + 1, and a leaf in them adds at most two (a framework
+value such as ``{"t": "value", "v": [2, 3]}``). A list costs one level only,
+so it fits with room to spare. 62."""
 
 # The adapter module of each framework, by the top-level module of a type.
 ADAPTER_MODULES = {
@@ -316,6 +325,10 @@ class _Flattener:
         self.by_type: dict[type, tuple[str, Adapter, dict[Hashable, FlatTensor]]] = {}
         self.aliases: dict[str, dict[Hashable, FlatTensor]] = {}
         self.open_containers: set[int] = set()
+        # The containers open around the value being flattened: checked
+        # before recursing, so a state deeper than the limit is refused with
+        # its key path instead of reaching Python's recursion limit.
+        self.depth = 0
 
     def unique_name(self, key: str) -> str:
         name = self.prefix + (key or "tensor")
@@ -389,7 +402,13 @@ class _Flattener:
     def container(self, obj: Any, key: str) -> Any:
         if id(obj) in self.open_containers:
             raise InvalidInput(f"{_where(key)}: the state contains itself")
+        if self.depth >= MAX_STATE_DEPTH:
+            raise InvalidInput(
+                f"{_where(key)}: the state nests dicts, lists and tuples deeper than "
+                f"{MAX_STATE_DEPTH} levels, the most a checkpoint holds"
+            )
         self.open_containers.add(id(obj))
+        self.depth += 1
         try:
             t = type(obj)
             if t is list:
@@ -412,6 +431,7 @@ class _Flattener:
                 out["meta"] = self.node(meta, _join(key, "_metadata"))
             return out
         finally:
+            self.depth -= 1
             self.open_containers.discard(id(obj))
 
     def framework_value(
@@ -467,10 +487,10 @@ def _type_name(obj: object) -> str:
 # load
 
 
-MAX_DEPTH = 128
+MAX_DEPTH = MAX_VALUES_DEPTH
 """The deepest nesting of JSON arrays and objects a values tree may have:
-the engine parses each file's values with serde_json, which refuses deeper
-documents, and the recursive decoder relies on the bound."""
+the format's limit, which the engine enforces on every file it reads; the
+recursive decoder relies on the bound."""
 
 _DECIMAL = re.compile(r"-?[0-9]{1,4300}")  # 4300: Python's int() digit limit
 _HEX64 = re.compile(r"[0-9a-fA-F]{16}")

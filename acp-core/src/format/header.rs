@@ -5,12 +5,12 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::json::{escaped, shown, unique_map};
+use super::json::{escaped, shown, too_deep, unique_map};
 use super::layout::{
     byte_len, name_problem, KEY_RANK, KEY_STEP, KEY_VALUES, KEY_VERSION, KEY_WORLD_SIZE,
     METADATA_KEY,
 };
-use super::{Dtype, Entry, DATA_ALIGN, FORMAT_VERSION};
+use super::{Dtype, Entry, DATA_ALIGN, FORMAT_VERSION, MAX_VALUES_DEPTH};
 use crate::error::{Error, Result};
 
 /// The largest header accepted, in bytes. This is safetensors' own limit
@@ -253,7 +253,20 @@ impl AcpFields {
         let step = number::<u64>(path, metadata, KEY_STEP)?;
         number::<u32>(path, metadata, KEY_RANK)?;
         number::<u32>(path, metadata, KEY_WORLD_SIZE)?;
-        let values = match metadata.get(KEY_VALUES) {
+        let text = metadata.get(KEY_VALUES);
+        // Checked before parsing, so that the parser never meets its own
+        // recursion limit and the error names where the values go too deep.
+        if let Some(at) = text.and_then(|t| too_deep(t, MAX_VALUES_DEPTH)) {
+            return Err(Error::corrupt(
+                path,
+                None,
+                format!(
+                    "`__metadata__.{KEY_VALUES}` nests deeper than {MAX_VALUES_DEPTH} \
+                     levels of arrays and objects (at `{at}`)"
+                ),
+            ));
+        }
+        let values = match text {
             None => Value::Null,
             Some(text) => serde_json::from_str(text).map_err(|e| {
                 Error::corrupt(

@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::format::{ImageMeta, Layout, TensorSpec};
+use crate::format::{check_values_json, ImageMeta, Layout, TensorSpec};
 use crate::ErrorKind;
 
 const PATH: &str = "/c/step-000000001200/rank-00003.safetensors";
@@ -528,4 +528,96 @@ proptest! {
     ) {
         let _ = parse(&raw(&text, data));
     }
+}
+
+/// Values JSON `{"k":[{"k":[...]}]}` nested `depth` arrays and objects deep.
+fn nested_values(depth: usize) -> String {
+    let mut open = String::new();
+    let mut close = String::new();
+    for level in 0..depth {
+        if level % 2 == 0 {
+            open.push_str(r#"{"k":"#);
+            close.insert(0, '}');
+        } else {
+            open.push('[');
+            close.insert(0, ']');
+        }
+    }
+    format!("{open}1{close}")
+}
+
+fn values_meta() -> ImageMeta {
+    ImageMeta {
+        step: 7,
+        rank: 0,
+        world_size: 1,
+        values: Value::Null,
+        extra: BTreeMap::new(),
+    }
+}
+
+#[test]
+fn values_at_the_depth_limit_round_trip_and_deeper_ones_are_refused_by_the_writer() {
+    let at = nested_values(MAX_VALUES_DEPTH);
+    check_values_json(&at).unwrap();
+    let l = Layout::plan_json(&[], &values_meta(), &at).unwrap();
+    let h = parse(l.header_bytes()).unwrap();
+    assert_eq!(h.values, serde_json::from_str::<Value>(&at).unwrap());
+    // The same through a built value.
+    let meta = ImageMeta {
+        values: h.values.clone(),
+        ..values_meta()
+    };
+    let h2 = parse(Layout::plan(&[], &meta).unwrap().header_bytes()).unwrap();
+    assert_eq!(h2.values, h.values);
+
+    let deeper = nested_values(MAX_VALUES_DEPTH + 1);
+    // 127 levels: 64 objects, 63 arrays; the 128th is an array.
+    let path = format!("{}k", "k[0].".repeat(MAX_VALUES_DEPTH / 2));
+    for e in [
+        check_values_json(&deeper).unwrap_err(),
+        Layout::plan_json(&[], &values_meta(), &deeper).unwrap_err(),
+        Layout::plan(
+            &[],
+            &ImageMeta {
+                // One level more than the parser takes, built by hand.
+                values: serde_json::json!({ "k": [h.values.clone()] }),
+                ..values_meta()
+            },
+        )
+        .unwrap_err(),
+    ] {
+        assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+        let text = e.to_string();
+        assert!(text.contains(&format!("values at `{path}`")), "{text}");
+        assert!(
+            text.contains(&format!("deeper than {MAX_VALUES_DEPTH} ")),
+            "{text}"
+        );
+    }
+    let e = check_values_json(&"[".repeat(100_000)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+}
+
+#[test]
+fn a_file_with_values_deeper_than_the_limit_is_corrupt() {
+    let l = Layout::plan_json(&[], &values_meta(), "null").unwrap();
+    let header = std::str::from_utf8(&l.header_bytes()[8..]).unwrap();
+    let deeper = nested_values(MAX_VALUES_DEPTH + 1);
+    let forged = header.trim_end().replace(
+        r#""acp.values":"null""#,
+        &format!(r#""acp.values":{}"#, Value::String(deeper)),
+    );
+    assert_ne!(forged, header.trim_end());
+    refused(
+        &raw(&forged, 0),
+        None,
+        &format!("nests deeper than {MAX_VALUES_DEPTH} levels"),
+    );
+    // Far deeper than any parser's recursion limit: refused, no overflow.
+    let forged = header.trim_end().replace(
+        r#""acp.values":"null""#,
+        &format!(r#""acp.values":"{}""#, "[".repeat(1_000_000)),
+    );
+    refused(&raw(&forged, 0), None, "nests deeper than");
 }

@@ -45,6 +45,124 @@ impl<'de, V: Deserialize<'de>> Visitor<'de> for UniqueMap<V> {
     }
 }
 
+/// Where `text` nests arrays and objects deeper than `limit`: the path of
+/// the first array or object that does, from the top value, e.g.
+/// `state.v[0].v[2]` (object keys after `.`, array indices in brackets), or
+/// None when no value is nested deeper. A top-level array or object is at
+/// depth 1.
+///
+/// Reads the bytes once, without recursion and without building anything,
+/// so it is cheap on the save path and safe on any input: text that is not
+/// JSON gives some answer and no panic (the parser then refuses it).
+pub(super) fn too_deep(text: &str, limit: usize) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in bytes {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > limit {
+                    return Some(path_to_depth(bytes, limit + 1));
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// One open array or object while walking JSON text.
+enum Open {
+    /// An object and the raw text of its current key, once read.
+    Object(Option<(usize, usize)>),
+    /// An array and the index of its current element.
+    Array(usize),
+}
+
+/// The path of the first array or object opened at `depth`, for
+/// [`too_deep`]. Only runs when the limit was crossed, so it may be slower.
+fn path_to_depth(bytes: &[u8], depth: usize) -> String {
+    let mut open: Vec<Open> = Vec::new();
+    let mut expect_key = false;
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        match b {
+            b'"' => {
+                let start = i + 1;
+                i = start;
+                while let Some(&c) = bytes.get(i) {
+                    match c {
+                        b'\\' => i += 1,
+                        b'"' => break,
+                        _ => {}
+                    }
+                    i += 1;
+                }
+                if expect_key {
+                    if let Some(Open::Object(key)) = open.last_mut() {
+                        *key = Some((start, i.min(bytes.len())));
+                    }
+                    expect_key = false;
+                }
+            }
+            b'{' | b'[' => {
+                if open.len() + 1 == depth {
+                    return path_text(bytes, &open);
+                }
+                open.push(if b == b'{' {
+                    Open::Object(None)
+                } else {
+                    Open::Array(0)
+                });
+                expect_key = b == b'{';
+            }
+            b'}' | b']' => {
+                open.pop();
+                expect_key = false;
+            }
+            b',' => match open.last_mut() {
+                Some(Open::Array(index)) => *index += 1,
+                Some(Open::Object(_)) => expect_key = true,
+                None => {}
+            },
+            _ => {}
+        }
+        i += 1;
+    }
+    path_text(bytes, &open)
+}
+
+fn path_text(bytes: &[u8], open: &[Open]) -> String {
+    let mut path = String::new();
+    for o in open {
+        match o {
+            Open::Object(Some((start, end))) => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                let key = bytes.get(*start..*end).unwrap_or_default();
+                path.push_str(&escaped(&String::from_utf8_lossy(key)));
+            }
+            Open::Object(None) => path.push_str(".?"),
+            Open::Array(index) => path.push_str(&format!("[{index}]")),
+        }
+    }
+    path
+}
+
 /// A name as it appears in an error message: in backquotes, control
 /// characters escaped, cut after 80 characters.
 pub(super) fn shown(name: &str) -> String {
@@ -88,6 +206,24 @@ mod tests {
         assert!(e.to_string().contains("key `a` appears twice"), "{e}");
         assert!(parse("[1]").is_err());
         assert!(parse("{} x").is_err());
+    }
+
+    #[test]
+    fn too_deep_names_the_path() {
+        assert_eq!(too_deep("[[1]]", 2), None);
+        assert_eq!(too_deep("[[[1]]]", 2).as_deref(), Some("[0][0]"));
+        assert_eq!(too_deep("1", 0), None);
+        assert_eq!(too_deep("{}", 0).as_deref(), Some(""));
+        let text = r#"{"a": [1, {"b": 2}, {"c\\\"]": {"d": []}}], "e": 3}"#;
+        assert_eq!(too_deep(text, 5), None);
+        assert_eq!(too_deep(text, 3).as_deref(), Some(r#"a[2].c\\\"]"#));
+        // Brackets inside strings do not count; the second key is named.
+        let text = r#"{"x": "[[[[", "y,{": {"z": [[]]}}"#;
+        assert_eq!(too_deep(text, 3).as_deref(), Some("y,{.z[0]"));
+        // Not JSON: some answer, no panic.
+        for junk in ["]]]][[[", "\"", "{\"a", "[[\"\\", "{,,,{", "}{"] {
+            let _ = too_deep(junk, 1);
+        }
     }
 
     #[test]

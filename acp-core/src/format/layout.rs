@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
-use super::json::shown;
+use super::json::{shown, too_deep};
 use super::{Dtype, FORMAT_VERSION, MAX_HEADER_BYTES};
 use crate::error::{Error, Result};
 
@@ -14,6 +14,15 @@ use crate::error::{Error, Result};
 pub const DATA_ALIGN: u64 = 4096;
 /// The longest tensor name or value key, in bytes.
 pub const MAX_NAME_BYTES: usize = 1024;
+
+/// The deepest nesting of JSON arrays and objects in `acp.values` that acp
+/// writes or reads (a top-level array or object is at depth 1). A save
+/// deeper than this is refused ([`check_values_json`]), a file deeper than
+/// this is corrupt ([`parse_header`](super::parse_header)). It is the most
+/// `serde_json`'s parser takes (its recursion limit is 128), so every
+/// checkpoint an earlier build committed stays readable and nothing one
+/// writes fails to parse.
+pub const MAX_VALUES_DEPTH: usize = 127;
 
 /// The key of the header's free-form string map.
 pub(super) const METADATA_KEY: &str = "__metadata__";
@@ -120,10 +129,12 @@ impl Layout {
     /// multiple of [`DATA_ALIGN`].
     ///
     /// # Errors
-    /// [`Error::Invalid`](crate::Error::Invalid) naming the tensor or key at fault.
+    /// [`Error::Invalid`](crate::Error::Invalid) naming the tensor or key at
+    /// fault, or the path of a value nested deeper than [`MAX_VALUES_DEPTH`].
     pub fn plan(specs: &[TensorSpec], meta: &ImageMeta) -> Result<Layout> {
         let values = serde_json::to_string(&meta.values)
             .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
+        check_values_depth(&values)?;
         Self::plan_with_values(specs, meta, &values)
     }
 
@@ -282,14 +293,35 @@ fn tensor_label(name: &str) -> String {
     format!("tensor {}", shown(name))
 }
 
-/// Checks that `values_json` is one JSON value, without building it.
+/// Checks that `values_json` is one JSON value that a reader accepts: at
+/// most [`MAX_VALUES_DEPTH`] arrays and objects deep. Nothing is built.
 ///
 /// # Errors
-/// [`Error::Invalid`](crate::Error::Invalid) naming `values`.
+/// [`Error::Invalid`](crate::Error::Invalid) naming `values`, or the path of
+/// the first value nested too deep.
 pub fn check_values_json(values_json: &str) -> Result<()> {
     serde_json::from_str::<serde::de::IgnoredAny>(values_json)
-        .map(|_| ())
-        .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))
+        .map_err(|e| Error::invalid("values", format!("not valid JSON: {e}")))?;
+    check_values_depth(values_json)
+}
+
+/// Refuses values nested deeper than [`MAX_VALUES_DEPTH`], naming the path
+/// of the first array or object past it.
+fn check_values_depth(values_json: &str) -> Result<()> {
+    match too_deep(values_json, MAX_VALUES_DEPTH) {
+        None => Ok(()),
+        Some(path) => Err(Error::invalid(
+            if path.is_empty() {
+                "values".to_owned()
+            } else {
+                format!("values at `{path}`")
+            },
+            format!(
+                "nested deeper than {MAX_VALUES_DEPTH} levels of JSON arrays and objects, \
+                 the most a checkpoint holds"
+            ),
+        )),
+    }
 }
 
 /// The `__metadata__` map of an image.

@@ -66,6 +66,9 @@
 //!   | `acp.world_size` | the number of ranks, decimal                   |
 //!   | `acp.values`     | the non-tensor state as compact JSON (`null` when none) |
 //!
+//!   `acp.values` nests at most [`MAX_VALUES_DEPTH`] arrays and objects;
+//!   a writer refuses deeper values and a reader deeper files.
+//!
 //!   plus the caller's own keys ([`ImageMeta::extra`], e.g. `format: pt`),
 //!   which may not start with `acp.`.
 //!
@@ -154,7 +157,7 @@ pub use header::{parse_header, ParsedHeader, MAX_HEADER_BYTES};
 pub use index::{data_file_name, validate_file_name, FileEntry, Index, INDEX_FILE_NAME};
 pub use layout::{
     check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,
-    MAX_NAME_BYTES,
+    MAX_NAME_BYTES, MAX_VALUES_DEPTH,
 };
 pub use manifest::{manifest_file_name, Manifest};
 
