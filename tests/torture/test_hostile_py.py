@@ -142,13 +142,6 @@ def deep(levels: int) -> Any:
     return node
 
 
-def deep_dicts(levels: int) -> Any:
-    node: Any = 0
-    for _ in range(levels):
-        node = {"t": "dict", "k": ["a"], "v": [node]}
-    return node
-
-
 # (id, the node under key `x`, the key path the error must name; or the
 # tensor, for a reference field only the framework's adapter reads)
 HOSTILE_VALUES: list[tuple[str, Any, str]] = [
