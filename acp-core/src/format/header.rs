@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::json::{escaped, shown, too_deep, unique_map};
@@ -55,7 +56,9 @@ pub struct ParsedHeader {
 pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHeader> {
     let (data_start, text) = header_text(path, bytes, file_len)?;
     let mut de = serde_json::Deserializer::from_str(text);
-    let mut fields: BTreeMap<String, Value> = unique_map(&mut de)
+    // Each entry stays text until it is checked, one at a time: a header
+    // of 100,000 tensors never exists as a tree of JSON values.
+    let mut fields: BTreeMap<String, &RawValue> = unique_map(&mut de)
         .and_then(|m| de.end().map(|()| m))
         .map_err(|e| {
             Error::corrupt(
@@ -65,15 +68,22 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
             )
         })?;
 
-    let metadata = match fields.remove(METADATA_KEY) {
-        None | Some(Value::Null) => BTreeMap::new(),
-        Some(v) => string_map(path, v)?,
+    let metadata = match fields
+        .remove(METADATA_KEY)
+        .map(|raw| value(path, None, raw))
+    {
+        None => BTreeMap::new(),
+        Some(v) => match v? {
+            Value::Null => BTreeMap::new(),
+            v => string_map(path, v)?,
+        },
     };
     let acp = AcpFields::read(path, &metadata)?;
 
     let mut stated = Vec::with_capacity(fields.len());
-    for (name, value) in fields {
-        stated.push(tensor(path, name, value)?);
+    for (name, raw) in fields {
+        let v = value(path, Some(&name), raw)?;
+        stated.push(tensor(path, name, v)?);
     }
     let entries = place(path, stated, data_start, file_len, acp.version.is_some())?;
     if acp.version.is_some() && data_start % DATA_ALIGN != 0 {
@@ -91,6 +101,12 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
         step: acp.step,
         values: acp.values,
     })
+}
+
+/// One header entry's JSON text (already checked to be valid JSON) as a value.
+fn value(path: &Path, tensor: Option<&str>, raw: &RawValue) -> Result<Value> {
+    serde_json::from_str(raw.get())
+        .map_err(|e| Error::corrupt(path, tensor, format!("header entry is not valid JSON: {e}")))
 }
 
 /// Reads the header length and returns the data start and the header text.
