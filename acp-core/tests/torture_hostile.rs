@@ -727,3 +727,253 @@ fn hostile_checkpoints_are_refused_without_panic_or_reads_outside() {
     root_cases(&mut suite);
     report("hostile", suite.trials, &suite.failures);
 }
+
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(
+        rc,
+        0,
+        "mkfifo {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Runs `f` on its own thread and waits for it at most 10 s: a reader that
+/// blocks on the FIFO `fifo` fails the test instead of hanging the suite.
+/// On a timeout the FIFO is opened for writing and closed, so the stuck
+/// open returns and the thread ends.
+fn prompt<T: Send + 'static>(
+    what: &str,
+    fifo: &Path,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("hostile-{what}"))
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .unwrap();
+    match rx.recv_timeout(std::time::Duration::from_secs(10)) {
+        Ok(v) => Ok(v),
+        Err(_) => {
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(fifo);
+            Err(format!(
+                "{what}: still blocked on {} after 10 s",
+                fifo.display()
+            ))
+        }
+    }
+}
+
+/// Checks that `err` (an error's text) names `file` and says it is a FIFO.
+fn names_fifo(what: &str, file: &str, err: &str, failures: &mut Vec<String>) {
+    if err.contains(file) && err.contains("FIFO") {
+        eprintln!("refused {what}: {err}");
+    } else {
+        failures.push(format!(
+            "{what}: the error does not name the FIFO {file}: {err}"
+        ));
+    }
+}
+
+/// A valid step `STEP` in a fresh root.
+fn valid_step() -> Case {
+    let c = case();
+    let file = st(good_header().to_string(), &DATA);
+    std::fs::write(c.step_dir.join(DATA_NAME), &file).unwrap();
+    write_json(
+        &c.step_dir.join(INDEX_NAME),
+        &index_for(&file, DATA_NAME, &["a", "b"]),
+    );
+    c
+}
+
+type Outcome = Result<String, String>;
+
+/// An operation's error as text; `Err` when it succeeded.
+fn failed<T: std::fmt::Debug>(r: Result<T, Error>) -> Outcome {
+    match r {
+        Ok(v) => Err(format!("succeeded: {v:?}")),
+        Err(e) => Ok(e.to_string()),
+    }
+}
+
+/// A FIFO where a data file, the index or the `latest` hint should be:
+/// every reader (the engine's loads and each tool) returns an error naming
+/// it at once instead of waiting for a writer for ever.
+#[test]
+fn fifos_are_refused_at_once_by_every_reader() {
+    use acp_core::ops;
+    let mut failures = Vec::new();
+
+    // A FIFO in place of the data file.
+    let c = valid_step();
+    let fifo = c.step_dir.join(DATA_NAME);
+    std::fs::remove_file(&fifo).unwrap();
+    mkfifo(&fifo);
+    let (root, shm) = (c.root.clone(), c.shm.clone());
+    type Op = Box<dyn FnOnce() -> Outcome + Send>;
+    let ops: Vec<(&str, Op)> = vec![
+        ("inspect", {
+            let root = root.clone();
+            Box::new(move || failed(ops::inspect(&root, Some(STEP))))
+        }),
+        ("verify", {
+            let root = root.clone();
+            Box::new(
+                move || match ops::verify(&root, Some(STEP), false, &ops::Quiet) {
+                    Ok(r) if !r.ok => Ok(format!("{:?}", r.steps)),
+                    other => Err(format!("{other:?}")),
+                },
+            )
+        }),
+        ("verify --all", {
+            let root = root.clone();
+            Box::new(move || match ops::verify(&root, None, true, &ops::Quiet) {
+                Ok(r) if !r.ok => Ok(format!("{:?}", r.steps)),
+                other => Err(format!("{other:?}")),
+            })
+        }),
+        ("export", {
+            let root = root.clone();
+            let out = c.outside.join("out.safetensors");
+            Box::new(move || {
+                failed(ops::export_safetensors(
+                    &root,
+                    Some(STEP),
+                    None,
+                    &out,
+                    false,
+                    &ops::Quiet,
+                ))
+            })
+        }),
+        ("diff", {
+            let root = root.clone();
+            Box::new(move || failed(ops::diff(&root, STEP, STEP, &ops::Quiet)))
+        }),
+        ("load", {
+            let (root, shm) = (root.clone(), shm.clone());
+            Box::new(move || {
+                let engine = Engine::open(config(&root, &shm)).map_err(|e| e.to_string())?;
+                let r = engine.load(&LoadRequest {
+                    step: Some(STEP),
+                    storage_only: true,
+                    ..LoadRequest::default()
+                });
+                engine.close().map_err(|e| e.to_string())?;
+                failed(r)
+            })
+        }),
+        ("load another rank's tensors", {
+            let (root, shm) = (root.clone(), shm.clone());
+            Box::new(move || {
+                let cfg = config(&root, &shm).with_rank(1).with_world_size(2);
+                let engine = Engine::open(cfg).map_err(|e| e.to_string())?;
+                let r = engine.load(&LoadRequest {
+                    step: Some(STEP),
+                    rank: Some(0),
+                    tensors: Some(vec!["a".to_owned()]),
+                    storage_only: true,
+                    ..LoadRequest::default()
+                });
+                engine.close().map_err(|e| e.to_string())?;
+                failed(r)
+            })
+        }),
+    ];
+    for (what, op) in ops {
+        match prompt(what, &fifo, op) {
+            Ok(Ok(err)) => names_fifo(what, DATA_NAME, &err, &mut failures),
+            Ok(Err(e)) => failures.push(format!("data file a FIFO, {what}: {e}")),
+            Err(e) => failures.push(e),
+        }
+    }
+
+    // A FIFO in place of the index: the step is not listed, and a load
+    // that names the step refuses it.
+    let c = valid_step();
+    let fifo = c.step_dir.join(INDEX_NAME);
+    std::fs::remove_file(&fifo).unwrap();
+    mkfifo(&fifo);
+    let (root, shm) = (c.root.clone(), c.shm.clone());
+    match prompt("load, index a FIFO", &fifo, move || {
+        let engine = Engine::open(config(&root, &shm)).map_err(|e| e.to_string())?;
+        let r = engine.load(&LoadRequest {
+            step: Some(STEP),
+            ..LoadRequest::default()
+        });
+        engine.close().map_err(|e| e.to_string())?;
+        failed(r)
+    }) {
+        Ok(Ok(err)) => names_fifo("load, index a FIFO", INDEX_NAME, &err, &mut failures),
+        Ok(Err(e)) => failures.push(format!("index a FIFO, load: {e}")),
+        Err(e) => failures.push(e),
+    }
+    for what in ["inspect", "verify --all"] {
+        let root = c.root.clone();
+        let all = what == "verify --all";
+        let r = prompt(what, &fifo, move || {
+            if all {
+                ops::verify(&root, None, true, &ops::Quiet).map(|r| format!("{r:?}"))
+            } else {
+                ops::inspect(&root, Some(STEP)).map(|r| format!("{r:?}"))
+            }
+        });
+        match r {
+            Ok(Err(_)) => {}
+            Ok(Ok(v)) => failures.push(format!("index a FIFO, {what}: succeeded: {v}")),
+            Err(e) => failures.push(e),
+        }
+    }
+
+    // A FIFO in place of the `latest` hint: nothing reads it, so opening,
+    // loading, listing and committing a new step go on as usual.
+    let c = valid_step();
+    let fifo = c.root.join("latest");
+    mkfifo(&fifo);
+    let (root, shm) = (c.root.clone(), c.shm.clone());
+    let r = prompt("latest a FIFO", &fifo, move || -> Result<(), String> {
+        let s = |e: Error| e.to_string();
+        let engine = Engine::open(config(&root, &shm)).map_err(s)?;
+        let ck = engine.load(&LoadRequest::default()).map_err(s)?;
+        if ck.step() != STEP {
+            return Err(format!("loaded step {}", ck.step()));
+        }
+        drop(ck);
+        ops::list(&root, Some("torture-hostile"), &shm).map_err(s)?;
+        let data = vec![5u8; 64];
+        let t = acp_core::HostTensor {
+            name: "w",
+            dtype: acp_core::Dtype::U8,
+            shape: &[64],
+            data: &data,
+        };
+        engine
+            .save(
+                STEP + 1,
+                &[t],
+                &json!({}),
+                &acp_core::SaveOptions::default(),
+            )
+            .map_err(s)?
+            .wait()
+            .map_err(s)?;
+        engine.close().map_err(s)
+    });
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => failures.push(format!("latest a FIFO: {e}")),
+        Err(e) => failures.push(e),
+    }
+    report("fifo", 11, &failures);
+}

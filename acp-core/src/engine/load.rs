@@ -235,15 +235,17 @@ struct Expected<'a> {
     world_size: u32,
 }
 
-/// Checks that `path` is a regular file of `size` bytes (the index's), so
-/// no buffer is sized by an index that disagrees with the file. Names the
+/// Checks that `path` is a regular file (opened by
+/// [`crate::io::open_regular`], so a FIFO is refused, not waited on) of
+/// `size` bytes (the index's), so no buffer is sized by an index that
+/// disagrees with the file. Names the
 /// tensor cut by a truncation when the header is still readable, else the
 /// first tensor the file should hold.
 fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
     let first = tensors.first().copied();
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+    let file = match crate::io::open_regular(path) {
+        Ok(f) => f,
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::corrupt(
                 path,
                 first,
@@ -253,11 +255,9 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
                 ),
             ));
         }
-        Err(e) => return Err(Error::io("stat", path, e)),
+        Err(e) => return Err(e),
     };
-    if !meta.is_file() {
-        return Err(Error::corrupt(path, first, "not a regular file"));
-    }
+    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let got = meta.len();
     if got == size {
         return Ok(());

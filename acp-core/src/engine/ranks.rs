@@ -13,7 +13,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -101,18 +101,7 @@ enum Chunks {
 
 impl Chunks {
     fn storage(path: &Path) -> Result<Chunks> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => Error::corrupt(
-                    path,
-                    None,
-                    "missing: the index lists it, the step directory does not hold it",
-                ),
-                _ => Error::io("open", path, e),
-            })?;
+        let file = crate::io::open_listed(path)?;
         Ok(Chunks::Storage(file, path.to_path_buf()))
     }
 

@@ -456,21 +456,17 @@ impl Root {
     }
 }
 
-/// Reads a small file whole (at most `limit` bytes), refusing symlinks.
+/// Reads a small file whole (at most `limit` bytes), opened by
+/// [`crate::io::open_regular`]: a symlink, a FIFO or any other non-regular
+/// file is refused without blocking.
 ///
 /// # Errors
-/// [`Error::Io`]; [`Error::Corrupt`] when it is larger than `limit`.
+/// [`Error::Io`]; [`Error::Corrupt`] when it is not a regular file or is
+/// larger than `limit`.
 pub fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>> {
     use std::io::Read;
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| Error::io("open", path, e))?;
+    let f = crate::io::open_regular(path)?;
     let meta = f.metadata().map_err(|e| Error::io("stat", path, e))?;
-    if !meta.is_file() {
-        return Err(Error::corrupt(path, None, "not a regular file"));
-    }
     if meta.len() > limit {
         return Err(Error::corrupt(
             path,
