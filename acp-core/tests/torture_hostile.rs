@@ -977,3 +977,37 @@ fn fifos_are_refused_at_once_by_every_reader() {
     }
     report("fifo", 11, &failures);
 }
+
+/// Directories whose names spell a step number other than canonically
+/// (13 digits, a sign) are not steps: they neither hide the real newest
+/// step from `load()` nor make `acp verify --all` or `acp ls` fail.
+#[test]
+fn step_names_that_alias_a_step_are_ignored() {
+    let c = valid_step();
+    let file = st(good_header().to_string(), &DATA);
+    let index = index_for(&file, DATA_NAME, &["a", "b"]);
+    for stray in [
+        format!("step-0{:012}", STEP + 2),
+        format!("step-0{STEP:012}"),
+        format!("step-+{:011}", STEP + 3),
+    ] {
+        let d = c.root.join(stray);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join(DATA_NAME), &file).unwrap();
+        write_json(&d.join(INDEX_NAME), &index);
+    }
+    let engine = Engine::open(config(&c.root, &c.shm)).unwrap();
+    assert_eq!(engine.steps().unwrap(), vec![STEP]);
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), STEP);
+    drop(ck);
+    engine.close().unwrap();
+    let report = acp_core::ops::verify(&c.root, None, true, &acp_core::ops::Quiet).unwrap();
+    assert!(report.ok, "{report:?}");
+    assert_eq!(
+        report.steps.iter().map(|s| s.step).collect::<Vec<_>>(),
+        vec![STEP]
+    );
+    let list = acp_core::ops::list(&c.root, Some("torture-hostile"), &c.shm).unwrap();
+    assert_eq!(list.latest, Some(STEP));
+}

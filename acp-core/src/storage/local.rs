@@ -19,14 +19,14 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:012}")
 }
 
-/// Parses a committed step directory name (`step-` and 12 or more digits).
+/// Parses a committed step directory name: only the canonical name of a
+/// step ([`step_dir_name`]) is one. Any other spelling of the same number
+/// (`step-0000000000005`, `step-+00000000005`) is not, so it can neither
+/// alias a step nor be listed as one whose directory does not exist.
 #[must_use]
 pub fn parse_step_dir_name(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("step-")?;
-    if digits.len() < 12 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
+    let step: u64 = name.strip_prefix("step-")?.parse().ok()?;
+    (step_dir_name(step) == name).then_some(step)
 }
 
 /// The file holding the newest committed step, as a hint for tools.
@@ -536,6 +536,18 @@ mod tests {
         assert_eq!(parse_step_dir_name("step-42"), None);
         assert_eq!(parse_step_dir_name("step-00000000004x"), None);
         assert_eq!(parse_step_dir_name(".pending-000000000042"), None);
+        // Only the canonical spelling: longer names must not alias a step.
+        assert_eq!(parse_step_dir_name("step-0000000000042"), None);
+        assert_eq!(parse_step_dir_name("step-+00000000042"), None);
+        assert_eq!(parse_step_dir_name("step-00000000042"), None);
+        assert_eq!(
+            parse_step_dir_name("step-1234567890123"),
+            Some(1_234_567_890_123)
+        );
+        assert_eq!(
+            parse_step_dir_name(&step_dir_name(u64::MAX)),
+            Some(u64::MAX)
+        );
     }
 
     #[test]
