@@ -1011,3 +1011,61 @@ fn step_names_that_alias_a_step_are_ignored() {
     let list = acp_core::ops::list(&c.root, Some("torture-hostile"), &c.shm).unwrap();
     assert_eq!(list.latest, Some(STEP));
 }
+
+/// Two roots under one job id share its ring: root A's resident image of
+/// a step must not be served for root B's same step of the same size,
+/// even when resident copies are trusted without hashing.
+#[test]
+fn resident_image_of_another_root_is_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let save = |root: &Path, job: &str, byte: u8| {
+        let cfg = config(root, &shm).with_job(job);
+        let engine = Engine::open(cfg).unwrap();
+        let data = vec![byte; 4096];
+        let t = acp_core::HostTensor {
+            name: "w",
+            dtype: acp_core::Dtype::U8,
+            shape: &[4096],
+            data: &data,
+        };
+        engine
+            .save(1, &[t], &json!({}), &acp_core::SaveOptions::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+        engine.close().unwrap();
+    };
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    // Root B's step 1 is committed by another job, so only root A's image
+    // is resident in the shared job's ring.
+    save(&b, "other-job", 0xbb);
+    save(&a, "shared-job", 0xaa);
+    let cfg = config(&b, &shm)
+        .with_job("shared-job")
+        .with_verify(acp_core::Verify::StorageOnly);
+    let engine = Engine::open(cfg).unwrap();
+    let ck = engine
+        .load(&LoadRequest {
+            step: Some(1),
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    let w = ck.tensor("w").unwrap().data;
+    assert!(w.iter().all(|&x| x == 0xbb), "root B loaded root A's bytes");
+    assert_eq!(ck.report().source, acp_core::Source::Storage);
+    drop(ck);
+    // Root A's image is still resident and still served to root A.
+    engine.close().unwrap();
+    drop(engine);
+    let cfg = config(&a, &shm)
+        .with_job("shared-job")
+        .with_verify(acp_core::Verify::StorageOnly);
+    let engine = Engine::open(cfg).unwrap();
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert!(ck.tensor("w").unwrap().data.iter().all(|&x| x == 0xaa));
+    assert_eq!(ck.report().source, acp_core::Source::Ram);
+    drop(ck);
+    engine.close().unwrap();
+}

@@ -9,8 +9,8 @@ use super::{
 };
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, Entry, ParsedHeader};
-use crate::staging::{PinnedSlot, SlotState};
+use crate::format::{data_file_name, parse_header, unhex, Entry, FileEntry, ParsedHeader};
+use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState};
 
 /// The memory a loaded checkpoint's views point into.
 #[derive(Debug)]
@@ -160,6 +160,18 @@ fn load_step(
                 continue;
             };
             let slot_path = shared.ring.slot_path(info.slot);
+            // The job id names the ring, not the root: a slot of this step
+            // may hold another root's image (two roots under one job id, a
+            // root removed and made again). Only one whose recorded digests
+            // are this index's is this checkpoint; the pin keeps them fixed.
+            if !slot_matches_entry(&shared.ring, &info, entry, shared.cfg.chunk_bytes as u64) {
+                tracing::warn!(
+                    "acp: resident copy of step {step} in {} is not the one {} records (another root's image, or no digests); reading storage",
+                    slot_path.display(),
+                    dir.display()
+                );
+                continue;
+            }
             let verified = shared.cfg.verify == Verify::Always;
             if verified {
                 if let Err(e) = verify::verify(&slot_path, pin.image(), entry, threads) {
@@ -225,6 +237,31 @@ fn load_step(
         &expected,
     )
     .map(|c| c.with_rejected(rejected))
+}
+
+/// Whether ring slot `info` records, for its image, the length, the chunk
+/// size and every chunk digest that `entry` (a committed index's entry for
+/// this rank's file) records: the slot then holds that file's bytes unless
+/// they changed since they were hashed (which [`Verify::Always`] checks).
+/// A comparison of recorded digests, no hashing; a slot without recorded
+/// digests does not match.
+pub(super) fn slot_matches_entry(
+    ring: &Ring,
+    info: &SlotInfo,
+    entry: &FileEntry,
+    chunk_bytes: u64,
+) -> bool {
+    let Some(digests) = ring.digests(info.slot) else {
+        return false;
+    };
+    entry.size == info.len
+        && entry.chunk_bytes == chunk_bytes
+        && entry.chunks.len() == digests.len()
+        && entry
+            .chunks
+            .iter()
+            .zip(&digests)
+            .all(|(h, d)| unhex(h).as_ref() == Some(d))
 }
 
 /// What the index says of one data file, checked against its header.
