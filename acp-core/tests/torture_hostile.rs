@@ -1069,3 +1069,55 @@ fn resident_image_of_another_root_is_not_served() {
     drop(ck);
     engine.close().unwrap();
 }
+
+/// An index that claims a data file far larger than it is: every load
+/// path refuses it naming the file and both sizes before any memory is
+/// sized by the claim (another rank's whole file, another rank's tensors,
+/// this rank's file).
+#[test]
+fn claimed_size_is_checked_against_the_file_before_memory_is_sized() {
+    const CLAIM: u64 = 1 << 40;
+    let c = valid_step();
+    let file = st(good_header().to_string(), &DATA);
+    let mut index = index_for(&file, DATA_NAME, &["a", "b"]);
+    index["metadata"]["total_size"] = json!(CLAIM);
+    // Chunks of 1 GiB, so the digest list stays short and is consistent
+    // with the claim; the first is the real file's.
+    let digests = vec![chunk_digests(&file, 1 << 30)[0]; 1024];
+    let entry = &mut index["metadata"]["acp"]["files"][DATA_NAME];
+    entry["size"] = json!(CLAIM);
+    entry["chunk_bytes"] = json!(1u64 << 30);
+    entry["chunks"] = json!(digests.iter().map(hex).collect::<Vec<_>>());
+    entry["root"] = json!(hex(&root_digest(&digests)));
+    write_json(&c.step_dir.join(INDEX_NAME), &index);
+    let want = format!("file is {} bytes, the index says {CLAIM}", file.len());
+    let mut failures = Vec::new();
+    let requests = [
+        ("this rank's file", 0, None),
+        ("another rank's file", 1, None),
+        ("another rank's tensors", 1, Some(vec!["a".to_owned()])),
+    ];
+    for (what, own, tensors) in requests {
+        let cfg = config(&c.root, &c.shm).with_rank(own).with_world_size(2);
+        let engine = Engine::open(cfg).unwrap();
+        let r = engine.load(&LoadRequest {
+            step: Some(STEP),
+            rank: Some(0),
+            tensors,
+            ..LoadRequest::default()
+        });
+        match r {
+            Ok(_) => failures.push(format!("{what}: loaded")),
+            Err(e) => {
+                let msg = e.to_string();
+                if msg.contains(&want) && msg.contains(DATA_NAME) && !msg.contains("allocate") {
+                    eprintln!("refused {what}: {msg}");
+                } else {
+                    failures.push(format!("{what}: {msg}"));
+                }
+            }
+        }
+        engine.close().unwrap();
+    }
+    report("claimed size", 3, &failures);
+}

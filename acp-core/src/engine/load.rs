@@ -128,8 +128,7 @@ fn load_step(
     let mut rejected = None;
     if !storage_only && rank != own {
         // Another rank's image may be resident in its slot on this node.
-        let mut buf = heap(entry.size, &dir)?;
-        if let Some(slot_path) = ranks::copy_from_peer_slot(shared, step, rank, entry, &mut buf) {
+        if let Some((buf, slot_path)) = ranks::copy_from_peer_slot(shared, step, rank, entry) {
             let len = to_usize(entry.size);
             match verify::verify(&slot_path, &buf[..len], entry, threads) {
                 Ok(_) => {
