@@ -1121,3 +1121,68 @@ fn claimed_size_is_checked_against_the_file_before_memory_is_sized() {
     }
     report("claimed size", 3, &failures);
 }
+
+/// A root another user could change is not written to: the engine refuses
+/// to open one that is group- or world-writable or owned by another user,
+/// naming the path; the read-only tools still read such a root (a
+/// downloaded checkpoint), and still only inside it.
+#[test]
+fn engine_refuses_a_root_others_can_write_and_tools_still_read_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let read_only_tools = |root: &Path, shm: &Path| -> Result<(), String> {
+        let s = |e: Error| e.to_string();
+        acp_core::ops::inspect(root, Some(STEP)).map_err(s)?;
+        let v = acp_core::ops::verify(root, None, true, &acp_core::ops::Quiet).map_err(s)?;
+        if !v.ok {
+            return Err(format!("verify: {v:?}"));
+        }
+        acp_core::ops::list(root, Some("torture-hostile"), shm).map_err(s)?;
+        let out = tempfile::tempdir().unwrap();
+        acp_core::ops::export_safetensors(
+            root,
+            Some(STEP),
+            None,
+            &out.path().join("x.safetensors"),
+            false,
+            &acp_core::ops::Quiet,
+        )
+        .map_err(s)?;
+        Ok(())
+    };
+    let refused = |root: &Path, shm: &Path, says: &str| match Engine::open(config(root, shm)) {
+        Ok(_) => panic!("engine opened {}", root.display()),
+        Err(e) => {
+            assert_eq!(e.kind(), acp_core::ErrorKind::Config, "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains(&root.display().to_string()), "{msg}");
+            assert!(msg.contains(says), "{msg}");
+        }
+    };
+    for mode in [0o777, 0o770, 0o1777] {
+        let c = valid_step();
+        std::fs::set_permissions(&c.root, std::fs::Permissions::from_mode(mode)).unwrap();
+        refused(&c.root, &c.shm, &format!("mode {mode:o}"));
+        read_only_tools(&c.root, &c.shm).unwrap();
+        // Private again, it is the engine's to write.
+        std::fs::set_permissions(&c.root, std::fs::Permissions::from_mode(0o700)).unwrap();
+        Engine::open(config(&c.root, &c.shm))
+            .unwrap()
+            .close()
+            .unwrap();
+    }
+    // SAFETY: `geteuid` takes no arguments and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        // As root, give a checkpoint to another user.
+        let c = valid_step();
+        for p in [&c.root, &c.step_dir] {
+            std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+        }
+        refused(&c.root, &c.shm, "owned by uid 65534");
+        read_only_tools(&c.root, &c.shm).unwrap();
+    } else {
+        // Any other user: `/` belongs to root.
+        let shm = tempfile::tempdir().unwrap();
+        refused(Path::new("/"), shm.path(), "owned by uid 0");
+    }
+}
