@@ -274,9 +274,8 @@ struct Expected<'a> {
 /// Checks that `path` is a regular file (opened by
 /// [`crate::io::open_regular`], so a FIFO is refused, not waited on) of
 /// `size` bytes (the index's), so no buffer is sized by an index that
-/// disagrees with the file. Names the
-/// tensor cut by a truncation when the header is still readable, else the
-/// first tensor the file should hold.
+/// disagrees with the file. Names the tensor cut by a truncation when the
+/// header is still readable, else the first tensor the file should hold.
 fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
     let first = tensors.first().copied();
     let file = match crate::io::open_regular(path) {

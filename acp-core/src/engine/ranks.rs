@@ -105,22 +105,11 @@ enum Chunks {
 }
 
 impl Chunks {
-    /// Opens the data file at `path` that the index says has `size` bytes;
-    /// refuses it when its real size (`fstat`) differs, so no memory is
-    /// sized by an index that disagrees with the file.
+    /// Opens the data file at `path` that the index says has `size` bytes
+    /// ([`crate::io::open_listed`]: refused when its real size differs, so
+    /// no memory is sized by an index that disagrees with the file).
     fn storage(path: &Path, size: u64) -> Result<Chunks> {
-        let file = crate::io::open_listed(path)?;
-        let got = file
-            .metadata()
-            .map_err(|e| Error::io("stat", path, e))?
-            .len();
-        if got != size {
-            return Err(Error::corrupt(
-                path,
-                None,
-                format!("file is {got} bytes, the index says {size}"),
-            ));
-        }
+        let file = crate::io::open_listed(path, size)?;
         Ok(Chunks::Storage(file, path.to_path_buf()))
     }
 

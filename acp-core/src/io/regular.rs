@@ -63,13 +63,16 @@ pub fn open_regular(path: &Path) -> Result<File> {
     Ok(file)
 }
 
-/// As [`open_regular`], for a file the step's index lists: a missing one
-/// is [`Error::Corrupt`] (the index says it is there).
+/// As [`open_regular`], for a data file a step's index lists with `size`
+/// bytes: a missing file, or one whose real size (`fstat`) is not `size`,
+/// is [`Error::Corrupt`], so nothing is sized by an index that disagrees
+/// with the file.
 ///
 /// # Errors
-/// As [`open_regular`], with a missing file as [`Error::Corrupt`].
-pub fn open_listed(path: &Path) -> Result<File> {
-    open_regular(path).map_err(|e| match e {
+/// As [`open_regular`]; [`Error::Corrupt`] for a missing file or another
+/// size, naming the file (and both sizes).
+pub fn open_listed(path: &Path, size: u64) -> Result<File> {
+    let file = open_regular(path).map_err(|e| match e {
         Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
             Error::corrupt(
                 path,
@@ -78,7 +81,19 @@ pub fn open_listed(path: &Path) -> Result<File> {
             )
         }
         other => other,
-    })
+    })?;
+    let got = file
+        .metadata()
+        .map_err(|e| Error::io("stat", path, e))?
+        .len();
+    if got != size {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("file is {got} bytes, the index says {size}"),
+        ));
+    }
+    Ok(file)
 }
 
 fn not_regular(path: &Path, what: &str) -> Error {
@@ -142,8 +157,15 @@ mod tests {
         assert!(open_regular(&sock).is_err());
         let e = open_regular(&dir.path().join("missing")).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Io, "{e}");
-        let e = open_listed(&dir.path().join("missing")).unwrap_err();
+        let e = open_listed(&dir.path().join("missing"), 4).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
         assert!(e.to_string().contains("missing"), "{e}");
+        let e = open_listed(&target, 5).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(
+            e.to_string().contains("file is 4 bytes, the index says 5"),
+            "{e}"
+        );
+        open_listed(&target, 4).unwrap();
     }
 }

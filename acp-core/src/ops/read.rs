@@ -48,19 +48,7 @@ impl DataFile {
     ) -> Result<DataFile> {
         validate_file_name(index_path, name)?;
         let path = dir.join(name);
-        let file = crate::io::open_listed(&path)?;
-        let meta = file.metadata().map_err(|e| Error::io("stat", &path, e))?;
-        if meta.len() != entry.size {
-            return Err(Error::corrupt(
-                &path,
-                None,
-                format!(
-                    "file is {} bytes, the index says {}",
-                    meta.len(),
-                    entry.size
-                ),
-            ));
-        }
+        let file = crate::io::open_listed(&path, entry.size)?;
         Ok(DataFile {
             path,
             entry: entry.clone(),
