@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,17 @@ def test_retention(make_ckpt: MakeCkpt) -> None:
     assert ckpt.steps() == [10, 20, 25]
     assert ckpt.retain(1) == [10, 20]
     assert ckpt.steps() == [25]
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_fifo_in_place_of_the_index_is_refused_not_waited_on(ckpt: acp.Checkpointer) -> None:
+    """A FIFO where a step's index should be: load(step) raises at once,
+    naming it, instead of waiting for a writer (the thread timeout fails
+    the run if it does wait)."""
+    ckpt.save(1, {"w": torch.ones(3)}).wait()
+    (index,) = Path(ckpt.root).glob("*1/*.index.json")
+    index.unlink()
+    os.mkfifo(index)
+    with pytest.raises(acp.CheckpointCorrupt, match="FIFO") as e:
+        ckpt.load(1)
+    assert index.name in str(e.value)

@@ -245,13 +245,15 @@ mod io {
             let o = opts(DirectIo::Auto, 4);
             let mut dst = aligned(CHUNK, 5);
             let e = read(&*engine, &link, &mut dst, &o).0.unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+            assert!(e.to_string().contains("symlink"), "{e}");
             let e = read(&*engine, dir.path(), &mut dst, &o).0.unwrap_err();
-            assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
             if have_fifo {
                 // Refused at once, not a hang waiting for a writer.
                 let e = read(&*engine, &fifo, &mut dst, &o).0.unwrap_err();
-                assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+                assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+                assert!(e.to_string().contains("FIFO"), "{e}");
             }
             let e = read(&*engine, &dir.path().join("missing"), &mut dst, &o)
                 .0

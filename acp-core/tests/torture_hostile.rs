@@ -727,3 +727,462 @@ fn hostile_checkpoints_are_refused_without_panic_or_reads_outside() {
     root_cases(&mut suite);
     report("hostile", suite.trials, &suite.failures);
 }
+
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(
+        rc,
+        0,
+        "mkfifo {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Runs `f` on its own thread and waits for it at most 10 s: a reader that
+/// blocks on the FIFO `fifo` fails the test instead of hanging the suite.
+/// On a timeout the FIFO is opened for writing and closed, so the stuck
+/// open returns and the thread ends.
+fn prompt<T: Send + 'static>(
+    what: &str,
+    fifo: &Path,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("hostile-{what}"))
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .unwrap();
+    match rx.recv_timeout(std::time::Duration::from_secs(10)) {
+        Ok(v) => Ok(v),
+        Err(_) => {
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(fifo);
+            Err(format!(
+                "{what}: still blocked on {} after 10 s",
+                fifo.display()
+            ))
+        }
+    }
+}
+
+/// Checks that `err` (an error's text) names `file` and says it is a FIFO.
+fn names_fifo(what: &str, file: &str, err: &str, failures: &mut Vec<String>) {
+    if err.contains(file) && err.contains("FIFO") {
+        eprintln!("refused {what}: {err}");
+    } else {
+        failures.push(format!(
+            "{what}: the error does not name the FIFO {file}: {err}"
+        ));
+    }
+}
+
+/// A valid step `STEP` in a fresh root.
+fn valid_step() -> Case {
+    let c = case();
+    let file = st(good_header().to_string(), &DATA);
+    std::fs::write(c.step_dir.join(DATA_NAME), &file).unwrap();
+    write_json(
+        &c.step_dir.join(INDEX_NAME),
+        &index_for(&file, DATA_NAME, &["a", "b"]),
+    );
+    c
+}
+
+type Outcome = Result<String, String>;
+
+/// An operation's error as text; `Err` when it succeeded.
+fn failed<T: std::fmt::Debug>(r: Result<T, Error>) -> Outcome {
+    match r {
+        Ok(v) => Err(format!("succeeded: {v:?}")),
+        Err(e) => Ok(e.to_string()),
+    }
+}
+
+/// A FIFO where a data file, the index or the `latest` hint should be:
+/// every reader (the engine's loads and each tool) returns an error naming
+/// it at once instead of waiting for a writer for ever.
+#[test]
+fn fifos_are_refused_at_once_by_every_reader() {
+    use acp_core::ops;
+    let mut failures = Vec::new();
+
+    // A FIFO in place of the data file.
+    let c = valid_step();
+    let fifo = c.step_dir.join(DATA_NAME);
+    std::fs::remove_file(&fifo).unwrap();
+    mkfifo(&fifo);
+    let (root, shm) = (c.root.clone(), c.shm.clone());
+    type Op = Box<dyn FnOnce() -> Outcome + Send>;
+    let ops: Vec<(&str, Op)> = vec![
+        ("inspect", {
+            let root = root.clone();
+            Box::new(move || failed(ops::inspect(&root, Some(STEP))))
+        }),
+        ("verify", {
+            let root = root.clone();
+            Box::new(
+                move || match ops::verify(&root, Some(STEP), false, &ops::Quiet) {
+                    Ok(r) if !r.ok => Ok(format!("{:?}", r.steps)),
+                    other => Err(format!("{other:?}")),
+                },
+            )
+        }),
+        ("verify --all", {
+            let root = root.clone();
+            Box::new(move || match ops::verify(&root, None, true, &ops::Quiet) {
+                Ok(r) if !r.ok => Ok(format!("{:?}", r.steps)),
+                other => Err(format!("{other:?}")),
+            })
+        }),
+        ("export", {
+            let root = root.clone();
+            let out = c.outside.join("out.safetensors");
+            Box::new(move || {
+                failed(ops::export_safetensors(
+                    &root,
+                    Some(STEP),
+                    None,
+                    &out,
+                    false,
+                    &ops::Quiet,
+                ))
+            })
+        }),
+        ("diff", {
+            let root = root.clone();
+            Box::new(move || failed(ops::diff(&root, STEP, STEP, &ops::Quiet)))
+        }),
+        ("load", {
+            let (root, shm) = (root.clone(), shm.clone());
+            Box::new(move || {
+                let engine = Engine::open(config(&root, &shm)).map_err(|e| e.to_string())?;
+                let r = engine.load(&LoadRequest {
+                    step: Some(STEP),
+                    storage_only: true,
+                    ..LoadRequest::default()
+                });
+                engine.close().map_err(|e| e.to_string())?;
+                failed(r)
+            })
+        }),
+        ("load another rank's tensors", {
+            let (root, shm) = (root.clone(), shm.clone());
+            Box::new(move || {
+                let cfg = config(&root, &shm).with_rank(1).with_world_size(2);
+                let engine = Engine::open(cfg).map_err(|e| e.to_string())?;
+                let r = engine.load(&LoadRequest {
+                    step: Some(STEP),
+                    rank: Some(0),
+                    tensors: Some(vec!["a".to_owned()]),
+                    storage_only: true,
+                    ..LoadRequest::default()
+                });
+                engine.close().map_err(|e| e.to_string())?;
+                failed(r)
+            })
+        }),
+    ];
+    for (what, op) in ops {
+        match prompt(what, &fifo, op) {
+            Ok(Ok(err)) => names_fifo(what, DATA_NAME, &err, &mut failures),
+            Ok(Err(e)) => failures.push(format!("data file a FIFO, {what}: {e}")),
+            Err(e) => failures.push(e),
+        }
+    }
+
+    // A FIFO in place of the index: the step is not listed, and a load
+    // that names the step refuses it.
+    let c = valid_step();
+    let fifo = c.step_dir.join(INDEX_NAME);
+    std::fs::remove_file(&fifo).unwrap();
+    mkfifo(&fifo);
+    let (root, shm) = (c.root.clone(), c.shm.clone());
+    match prompt("load, index a FIFO", &fifo, move || {
+        let engine = Engine::open(config(&root, &shm)).map_err(|e| e.to_string())?;
+        let r = engine.load(&LoadRequest {
+            step: Some(STEP),
+            ..LoadRequest::default()
+        });
+        engine.close().map_err(|e| e.to_string())?;
+        failed(r)
+    }) {
+        Ok(Ok(err)) => names_fifo("load, index a FIFO", INDEX_NAME, &err, &mut failures),
+        Ok(Err(e)) => failures.push(format!("index a FIFO, load: {e}")),
+        Err(e) => failures.push(e),
+    }
+    for what in ["inspect", "verify --all"] {
+        let root = c.root.clone();
+        let all = what == "verify --all";
+        let r = prompt(what, &fifo, move || {
+            if all {
+                ops::verify(&root, None, true, &ops::Quiet).map(|r| format!("{r:?}"))
+            } else {
+                ops::inspect(&root, Some(STEP)).map(|r| format!("{r:?}"))
+            }
+        });
+        match r {
+            Ok(Err(_)) => {}
+            Ok(Ok(v)) => failures.push(format!("index a FIFO, {what}: succeeded: {v}")),
+            Err(e) => failures.push(e),
+        }
+    }
+
+    // A FIFO in place of the `latest` hint: nothing reads it, so opening,
+    // loading, listing and committing a new step go on as usual.
+    let c = valid_step();
+    let fifo = c.root.join("latest");
+    mkfifo(&fifo);
+    let (root, shm) = (c.root.clone(), c.shm.clone());
+    let r = prompt("latest a FIFO", &fifo, move || -> Result<(), String> {
+        let s = |e: Error| e.to_string();
+        let engine = Engine::open(config(&root, &shm)).map_err(s)?;
+        let ck = engine.load(&LoadRequest::default()).map_err(s)?;
+        if ck.step() != STEP {
+            return Err(format!("loaded step {}", ck.step()));
+        }
+        drop(ck);
+        ops::list(&root, Some("torture-hostile"), &shm).map_err(s)?;
+        let data = vec![5u8; 64];
+        let t = acp_core::HostTensor {
+            name: "w",
+            dtype: acp_core::Dtype::U8,
+            shape: &[64],
+            data: &data,
+        };
+        engine
+            .save(
+                STEP + 1,
+                &[t],
+                &json!({}),
+                &acp_core::SaveOptions::default(),
+            )
+            .map_err(s)?
+            .wait()
+            .map_err(s)?;
+        engine.close().map_err(s)
+    });
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => failures.push(format!("latest a FIFO: {e}")),
+        Err(e) => failures.push(e),
+    }
+    report("fifo", 11, &failures);
+}
+
+/// Directories whose names spell a step number other than canonically
+/// (13 digits, a sign) are not steps: they neither hide the real newest
+/// step from `load()` nor make `acp verify --all` or `acp ls` fail.
+#[test]
+fn step_names_that_alias_a_step_are_ignored() {
+    let c = valid_step();
+    let file = st(good_header().to_string(), &DATA);
+    let index = index_for(&file, DATA_NAME, &["a", "b"]);
+    for stray in [
+        format!("step-0{:012}", STEP + 2),
+        format!("step-0{STEP:012}"),
+        format!("step-+{:011}", STEP + 3),
+    ] {
+        let d = c.root.join(stray);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join(DATA_NAME), &file).unwrap();
+        write_json(&d.join(INDEX_NAME), &index);
+    }
+    let engine = Engine::open(config(&c.root, &c.shm)).unwrap();
+    assert_eq!(engine.steps().unwrap(), vec![STEP]);
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), STEP);
+    drop(ck);
+    engine.close().unwrap();
+    let report = acp_core::ops::verify(&c.root, None, true, &acp_core::ops::Quiet).unwrap();
+    assert!(report.ok, "{report:?}");
+    assert_eq!(
+        report.steps.iter().map(|s| s.step).collect::<Vec<_>>(),
+        vec![STEP]
+    );
+    let list = acp_core::ops::list(&c.root, Some("torture-hostile"), &c.shm).unwrap();
+    assert_eq!(list.latest, Some(STEP));
+}
+
+/// Two roots under one job id share its ring: root A's resident image of
+/// a step must not be served for root B's same step of the same size,
+/// even when resident copies are trusted without hashing.
+#[test]
+fn resident_image_of_another_root_is_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let save = |root: &Path, job: &str, byte: u8| {
+        let cfg = config(root, &shm).with_job(job);
+        let engine = Engine::open(cfg).unwrap();
+        let data = vec![byte; 4096];
+        let t = acp_core::HostTensor {
+            name: "w",
+            dtype: acp_core::Dtype::U8,
+            shape: &[4096],
+            data: &data,
+        };
+        engine
+            .save(1, &[t], &json!({}), &acp_core::SaveOptions::default())
+            .unwrap()
+            .wait()
+            .unwrap();
+        engine.close().unwrap();
+    };
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    // Root B's step 1 is committed by another job, so only root A's image
+    // is resident in the shared job's ring.
+    save(&b, "other-job", 0xbb);
+    save(&a, "shared-job", 0xaa);
+    let cfg = config(&b, &shm)
+        .with_job("shared-job")
+        .with_verify(acp_core::Verify::StorageOnly);
+    let engine = Engine::open(cfg).unwrap();
+    let ck = engine
+        .load(&LoadRequest {
+            step: Some(1),
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    let w = ck.tensor("w").unwrap().data;
+    assert!(w.iter().all(|&x| x == 0xbb), "root B loaded root A's bytes");
+    assert_eq!(ck.report().source, acp_core::Source::Storage);
+    drop(ck);
+    // Root A's image is still resident and still served to root A.
+    engine.close().unwrap();
+    drop(engine);
+    let cfg = config(&a, &shm)
+        .with_job("shared-job")
+        .with_verify(acp_core::Verify::StorageOnly);
+    let engine = Engine::open(cfg).unwrap();
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert!(ck.tensor("w").unwrap().data.iter().all(|&x| x == 0xaa));
+    assert_eq!(ck.report().source, acp_core::Source::Ram);
+    drop(ck);
+    engine.close().unwrap();
+}
+
+/// An index that claims a data file far larger than it is: every load
+/// path refuses it naming the file and both sizes before any memory is
+/// sized by the claim (another rank's whole file, another rank's tensors,
+/// this rank's file).
+#[test]
+fn claimed_size_is_checked_against_the_file_before_memory_is_sized() {
+    const CLAIM: u64 = 1 << 40;
+    let c = valid_step();
+    let file = st(good_header().to_string(), &DATA);
+    let mut index = index_for(&file, DATA_NAME, &["a", "b"]);
+    index["metadata"]["total_size"] = json!(CLAIM);
+    // Chunks of 1 GiB, so the digest list stays short and is consistent
+    // with the claim; the first is the real file's.
+    let digests = vec![chunk_digests(&file, 1 << 30)[0]; 1024];
+    let entry = &mut index["metadata"]["acp"]["files"][DATA_NAME];
+    entry["size"] = json!(CLAIM);
+    entry["chunk_bytes"] = json!(1u64 << 30);
+    entry["chunks"] = json!(digests.iter().map(hex).collect::<Vec<_>>());
+    entry["root"] = json!(hex(&root_digest(&digests)));
+    write_json(&c.step_dir.join(INDEX_NAME), &index);
+    let want = format!("file is {} bytes, the index says {CLAIM}", file.len());
+    let mut failures = Vec::new();
+    let requests = [
+        ("this rank's file", 0, None),
+        ("another rank's file", 1, None),
+        ("another rank's tensors", 1, Some(vec!["a".to_owned()])),
+    ];
+    for (what, own, tensors) in requests {
+        let cfg = config(&c.root, &c.shm).with_rank(own).with_world_size(2);
+        let engine = Engine::open(cfg).unwrap();
+        let r = engine.load(&LoadRequest {
+            step: Some(STEP),
+            rank: Some(0),
+            tensors,
+            ..LoadRequest::default()
+        });
+        match r {
+            Ok(_) => failures.push(format!("{what}: loaded")),
+            Err(e) => {
+                let msg = e.to_string();
+                if msg.contains(&want) && msg.contains(DATA_NAME) && !msg.contains("allocate") {
+                    eprintln!("refused {what}: {msg}");
+                } else {
+                    failures.push(format!("{what}: {msg}"));
+                }
+            }
+        }
+        engine.close().unwrap();
+    }
+    report("claimed size", 3, &failures);
+}
+
+/// A root another user could change is not written to: the engine refuses
+/// to open one that is group- or world-writable or owned by another user,
+/// naming the path; the read-only tools still read such a root (a
+/// downloaded checkpoint), and still only inside it.
+#[test]
+fn engine_refuses_a_root_others_can_write_and_tools_still_read_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let read_only_tools = |root: &Path, shm: &Path| -> Result<(), String> {
+        let s = |e: Error| e.to_string();
+        acp_core::ops::inspect(root, Some(STEP)).map_err(s)?;
+        let v = acp_core::ops::verify(root, None, true, &acp_core::ops::Quiet).map_err(s)?;
+        if !v.ok {
+            return Err(format!("verify: {v:?}"));
+        }
+        acp_core::ops::list(root, Some("torture-hostile"), shm).map_err(s)?;
+        let out = tempfile::tempdir().unwrap();
+        acp_core::ops::export_safetensors(
+            root,
+            Some(STEP),
+            None,
+            &out.path().join("x.safetensors"),
+            false,
+            &acp_core::ops::Quiet,
+        )
+        .map_err(s)?;
+        Ok(())
+    };
+    let refused = |root: &Path, shm: &Path, says: &str| match Engine::open(config(root, shm)) {
+        Ok(_) => panic!("engine opened {}", root.display()),
+        Err(e) => {
+            assert_eq!(e.kind(), acp_core::ErrorKind::Config, "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains(&root.display().to_string()), "{msg}");
+            assert!(msg.contains(says), "{msg}");
+        }
+    };
+    for mode in [0o777, 0o770, 0o1777] {
+        let c = valid_step();
+        std::fs::set_permissions(&c.root, std::fs::Permissions::from_mode(mode)).unwrap();
+        refused(&c.root, &c.shm, &format!("mode {mode:o}"));
+        read_only_tools(&c.root, &c.shm).unwrap();
+        // Private again, it is the engine's to write.
+        std::fs::set_permissions(&c.root, std::fs::Permissions::from_mode(0o700)).unwrap();
+        Engine::open(config(&c.root, &c.shm))
+            .unwrap()
+            .close()
+            .unwrap();
+    }
+    // SAFETY: `geteuid` takes no arguments and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        // As root, give a checkpoint to another user.
+        let c = valid_step();
+        for p in [&c.root, &c.step_dir] {
+            std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+        }
+        refused(&c.root, &c.shm, "owned by uid 65534");
+        read_only_tools(&c.root, &c.shm).unwrap();
+    } else {
+        // Any other user: `/` belongs to root.
+        let shm = tempfile::tempdir().unwrap();
+        refused(Path::new("/"), shm.path(), "owned by uid 0");
+    }
+}

@@ -9,8 +9,8 @@ use super::{
 };
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, Entry, ParsedHeader};
-use crate::staging::{PinnedSlot, SlotState};
+use crate::format::{data_file_name, parse_header, unhex, Entry, FileEntry, ParsedHeader};
+use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState};
 
 /// The memory a loaded checkpoint's views point into.
 #[derive(Debug)]
@@ -128,8 +128,7 @@ fn load_step(
     let mut rejected = None;
     if !storage_only && rank != own {
         // Another rank's image may be resident in its slot on this node.
-        let mut buf = heap(entry.size, &dir)?;
-        if let Some(slot_path) = ranks::copy_from_peer_slot(shared, step, rank, entry, &mut buf) {
+        if let Some((buf, slot_path)) = ranks::copy_from_peer_slot(shared, step, rank, entry) {
             let len = to_usize(entry.size);
             match verify::verify(&slot_path, &buf[..len], entry, threads) {
                 Ok(_) => {
@@ -160,6 +159,18 @@ fn load_step(
                 continue;
             };
             let slot_path = shared.ring.slot_path(info.slot);
+            // The job id names the ring, not the root: a slot of this step
+            // may hold another root's image (two roots under one job id, a
+            // root removed and made again). Only one whose recorded digests
+            // are this index's is this checkpoint; the pin keeps them fixed.
+            if !slot_matches_entry(&shared.ring, &info, entry, shared.cfg.chunk_bytes as u64) {
+                tracing::warn!(
+                    "acp: resident copy of step {step} in {} is not the one {} records (another root's image, or no digests); reading storage",
+                    slot_path.display(),
+                    dir.display()
+                );
+                continue;
+            }
             let verified = shared.cfg.verify == Verify::Always;
             if verified {
                 if let Err(e) = verify::verify(&slot_path, pin.image(), entry, threads) {
@@ -227,6 +238,31 @@ fn load_step(
     .map(|c| c.with_rejected(rejected))
 }
 
+/// Whether ring slot `info` records, for its image, the length, the chunk
+/// size and every chunk digest that `entry` (a committed index's entry for
+/// this rank's file) records: the slot then holds that file's bytes unless
+/// they changed since they were hashed (which [`Verify::Always`] checks).
+/// A comparison of recorded digests, no hashing; a slot without recorded
+/// digests does not match.
+pub(super) fn slot_matches_entry(
+    ring: &Ring,
+    info: &SlotInfo,
+    entry: &FileEntry,
+    chunk_bytes: u64,
+) -> bool {
+    let Some(digests) = ring.digests(info.slot) else {
+        return false;
+    };
+    entry.size == info.len
+        && entry.chunk_bytes == chunk_bytes
+        && entry.chunks.len() == digests.len()
+        && entry
+            .chunks
+            .iter()
+            .zip(&digests)
+            .all(|(h, d)| unhex(h).as_ref() == Some(d))
+}
+
 /// What the index says of one data file, checked against its header.
 struct Expected<'a> {
     /// The tensors the index maps to the file, sorted.
@@ -235,15 +271,16 @@ struct Expected<'a> {
     world_size: u32,
 }
 
-/// Checks that `path` is a regular file of `size` bytes (the index's), so
-/// no buffer is sized by an index that disagrees with the file. Names the
-/// tensor cut by a truncation when the header is still readable, else the
-/// first tensor the file should hold.
+/// Checks that `path` is a regular file (opened by
+/// [`crate::io::open_regular`], so a FIFO is refused, not waited on) of
+/// `size` bytes (the index's), so no buffer is sized by an index that
+/// disagrees with the file. Names the tensor cut by a truncation when the
+/// header is still readable, else the first tensor the file should hold.
 fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
     let first = tensors.first().copied();
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+    let file = match crate::io::open_regular(path) {
+        Ok(f) => f,
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::corrupt(
                 path,
                 first,
@@ -253,11 +290,9 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
                 ),
             ));
         }
-        Err(e) => return Err(Error::io("stat", path, e)),
+        Err(e) => return Err(e),
     };
-    if !meta.is_file() {
-        return Err(Error::corrupt(path, first, "not a regular file"));
-    }
+    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let got = meta.len();
     if got == size {
         return Ok(());

@@ -288,24 +288,13 @@ fn slot_matches_index(
     cfg: &EngineConfig,
     info: &crate::staging::SlotInfo,
 ) -> bool {
-    let Some(digests) = ring.digests(info.slot) else {
-        return false;
-    };
     let Ok(index) = root.read_index(info.step) else {
         return false;
     };
     index
         .files
         .get(&crate::format::data_file_name(cfg.rank))
-        .is_some_and(|f| {
-            f.size == info.len
-                && f.chunk_bytes == cfg.chunk_bytes as u64
-                && f.chunks.len() == digests.len()
-                && f.chunks
-                    .iter()
-                    .zip(&digests)
-                    .all(|(h, d)| crate::format::unhex(h).as_ref() == Some(d))
-        })
+        .is_some_and(|f| load::slot_matches_entry(ring, info, f, cfg.chunk_bytes as u64))
 }
 
 /// The slot file prefix of `rank` of this engine's job, and the job tag:

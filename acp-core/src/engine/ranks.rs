@@ -13,7 +13,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, parse_header, unhex, FileEntry, ParsedHeader, MAX_HEADER_BYTES,
 };
-use crate::staging::{copy_peer_image, PeerImage, PeerSlot};
+use crate::staging::{PeerImage, PeerSlot};
 
 /// The slot files of `rank` of this engine's job in the shm directory
 /// (`{prefix}-s{i}`), whatever the number of slots that rank configured.
@@ -58,25 +58,30 @@ fn peer_image(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> PeerI
     }
 }
 
-/// Copies `rank`'s image of `step` out of its slot on this node into
-/// `dst`, when one holds it. Returns the slot file it came from; the
-/// caller verifies the bytes against `entry` before trusting them.
+/// Copies `rank`'s image of `step` out of its slot on this node, when one
+/// holds it, into private memory. The memory is sized only once a slot
+/// file is found whose real size holds an image of the index's length.
+/// Returns the memory and the slot file it came from; the caller verifies
+/// the bytes against `entry` before trusting them.
 pub(super) fn copy_from_peer_slot(
     shared: &Shared,
     step: u64,
     rank: u32,
     entry: &FileEntry,
-    dst: &mut [u8],
-) -> Option<PathBuf> {
-    let want = peer_image(shared, step, rank, entry);
-    for path in peer_slots(shared, rank) {
-        match copy_peer_image(&path, &want, dst) {
-            Ok(true) => return Some(path),
-            Ok(false) => {}
-            Err(e) => tracing::debug!("acp: rank {rank}'s slot {}: {e}", path.display()),
+) -> Option<(memmap2::MmapMut, PathBuf)> {
+    let slot = open_peer_slot(shared, step, rank, entry)?;
+    let path = slot.path().to_path_buf();
+    let copied = super::load::heap(entry.size, &path).and_then(|mut buf| {
+        slot.read_at(0, &mut buf[..to_usize(entry.size)])?;
+        Ok(slot.unchanged()?.then_some(buf))
+    });
+    match copied {
+        Ok(buf) => buf.map(|b| (b, path)),
+        Err(e) => {
+            tracing::debug!("acp: rank {rank}'s slot {}: {e}", path.display());
+            None
         }
     }
-    None
 }
 
 /// Another rank's slot holding the image, if one on this node does.
@@ -100,19 +105,11 @@ enum Chunks {
 }
 
 impl Chunks {
-    fn storage(path: &Path) -> Result<Chunks> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => Error::corrupt(
-                    path,
-                    None,
-                    "missing: the index lists it, the step directory does not hold it",
-                ),
-                _ => Error::io("open", path, e),
-            })?;
+    /// Opens the data file at `path` that the index says has `size` bytes
+    /// ([`crate::io::open_listed`]: refused when its real size differs, so
+    /// no memory is sized by an index that disagrees with the file).
+    fn storage(path: &Path, size: u64) -> Result<Chunks> {
+        let file = crate::io::open_listed(path, size)?;
         Ok(Chunks::Storage(file, path.to_path_buf()))
     }
 
@@ -143,6 +140,9 @@ struct Partial<'a> {
 }
 
 impl<'a> Partial<'a> {
+    /// Memory for the image of `entry`, read from `src`: a storage file
+    /// whose real size is the index's ([`Chunks::storage`]), or a peer slot
+    /// whose file holds an image of that length ([`PeerSlot::open`]).
     fn new(entry: &'a FileEntry, src: Chunks) -> Result<Partial<'a>> {
         if entry.chunk_bytes == 0 || entry.chunk_bytes > 1 << 30 {
             return Err(Error::corrupt(
@@ -242,7 +242,7 @@ impl<'a> Partial<'a> {
 /// that hold it, each checked against the index's digests.
 pub(super) fn read_header(shared: &Shared, step: u64, rank: u32) -> Result<ParsedHeader> {
     let (path, entry) = file_of(shared, step, rank)?;
-    Partial::new(&entry, Chunks::storage(&path)?)?.header()
+    Partial::new(&entry, Chunks::storage(&path, entry.size)?)?.header()
 }
 
 fn file_of(shared: &Shared, step: u64, rank: u32) -> Result<(PathBuf, FileEntry)> {
@@ -293,7 +293,7 @@ pub(super) fn load_tensors(
             }
         }
     }
-    let (p, h) = read_tensors(Chunks::storage(&path)?, &entry, names, step)?;
+    let (p, h) = read_tensors(Chunks::storage(&path, entry.size)?, &entry, names, step)?;
     Ok(checkpoint(shared, step, p, h, Source::Storage, t0))
 }
 

@@ -285,12 +285,7 @@ fn mismatch(path: &Path, header: Option<ParsedHeader>, chunk: usize, i: usize) -
 /// parsed. Reads at most 1 MiB of header.
 pub(super) fn file_header(path: &Path, size: u64) -> Option<ParsedHeader> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .ok()?;
+    let mut f = crate::io::open_regular(path).ok()?;
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).ok()?;
     let n = u64::from_le_bytes(prefix);

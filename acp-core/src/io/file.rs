@@ -132,25 +132,17 @@ fn want_direct(policy: DirectIo, buf_ok: bool, op: &str, path: &Path) -> Result<
     }
 }
 
-/// Applies the flags to a fresh descriptor: `O_DIRECT` when wanted (with
-/// `Auto`, a refusal means buffered I/O) and clears `O_NONBLOCK` when asked.
+/// Sets `O_DIRECT` on a fresh descriptor when wanted (with `Auto`, a
+/// refusal means buffered I/O: `F_SETFL` leaves the descriptor as it was).
 /// Returns whether `O_DIRECT` is on.
-fn apply_flags(
-    file: &File,
-    policy: DirectIo,
-    want: bool,
-    clear_nonblock: bool,
-    path: &Path,
-) -> Result<bool> {
+fn apply_flags(file: &File, policy: DirectIo, want: bool, path: &Path) -> Result<bool> {
     if !want {
-        sys::set_flags(file, false, clear_nonblock).map_err(|e| Error::io("fcntl", path, e))?;
         return Ok(false);
     }
-    match sys::set_flags(file, true, clear_nonblock) {
+    match sys::set_flags(file, true, false) {
         Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) && policy == DirectIo::Auto => {
             tracing::debug!(path = %path.display(), "file system refuses O_DIRECT; buffered I/O");
-            sys::set_flags(file, false, clear_nonblock).map_err(|e| Error::io("fcntl", path, e))?;
             Ok(false)
         }
         Err(e) => Err(Error::io("open O_DIRECT", path, e)),
@@ -201,7 +193,7 @@ where
         .map_err(|e| Error::io("create", path, e))?;
     let mut guard = RemoveOnDrop { path: Some(path) };
 
-    let direct = apply_flags(&file, opts.direct, want, false, path)?;
+    let direct = apply_flags(&file, opts.direct, want, path)?;
     sys::fallocate(&file, len).map_err(|e| Error::io("fallocate", path, e))?;
     chunks(&file, Geometry::new(n, opts.chunk_bytes, direct), on_chunk)?;
     if direct && padded != n {
@@ -219,9 +211,8 @@ where
     })
 }
 
-/// The read skeleton: `O_NOFOLLOW` open (non-blocking, so a FIFO cannot
-/// hang it), `fstat`, refusal of anything but a regular file or a file
-/// that does not fit, `O_DIRECT` policy, then `chunks(file, dst, geometry)`
+/// The read skeleton: [`super::open_regular`] (no symlink, no FIFO, only a
+/// regular file), refusal of a file that does not fit, `O_DIRECT` policy, then `chunks(file, dst, geometry)`
 /// reads the chunks (each padded to [`ALIGN`]; the last one comes back
 /// short at end of file) and hands each one over as it lands. Returns the
 /// file length.
@@ -235,18 +226,8 @@ where
     F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
 {
     check_opts(opts)?;
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| Error::io("open", path, e))?;
+    let file = super::open_regular(path)?;
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
-    if !meta.is_file() {
-        return Err(Error::invalid(
-            format!("read {}", path.display()),
-            "not a regular file",
-        ));
-    }
     let len = meta.len();
     let too_big = || {
         Error::invalid(
@@ -262,7 +243,7 @@ where
         .filter(|&p| p <= dst.len())
         .ok_or_else(too_big)?;
     let want = want_direct(opts.direct, aligned(dst.as_ptr()), "read", path)?;
-    let direct = apply_flags(&file, opts.direct, want, true, path)?;
+    let direct = apply_flags(&file, opts.direct, want, path)?;
     tracing::trace!(path = %path.display(), len, direct, "read");
     if n > 0 {
         let (dst, _) = dst.split_at_mut(padded);

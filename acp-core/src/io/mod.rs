@@ -10,8 +10,11 @@ use crate::config::{DirectIo, IoChoice};
 use crate::error::{Error, Result};
 use crate::storage::faults::FaultInjector;
 
+pub use regular::{open_listed, open_regular};
+
 mod file;
 mod psync;
+mod regular;
 mod sys;
 mod uring;
 
@@ -86,7 +89,7 @@ pub trait IoEngine: Send + Sync + Debug {
         on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<IoStats>;
 
-    /// Reads the whole of `path` (opened with `O_NOFOLLOW`) into the start of
+    /// Reads the whole of `path` (opened by [`open_regular`]) into the start of
     /// `dst` in chunks of `opts.chunk_bytes` with up to `opts.queue_depth` in
     /// flight, and returns its length. `dst` is 4096-aligned; the file must
     /// fit with its last chunk padded: `round_up(file_len, 4096) <= dst.len()`,
@@ -106,9 +109,10 @@ pub trait IoEngine: Send + Sync + Debug {
     /// no chunks.
     ///
     /// # Errors
-    /// [`Error::Io`] naming `path` (a symlink fails with ELOOP); the error of
-    /// `on_chunk`; [`Error::Invalid`] when the file does not fit or is not a
-    /// regular file, or for the bad options `write_file` refuses.
+    /// [`Error::Corrupt`] naming `path` when it is not a regular file (a
+    /// symlink, a FIFO, a directory...); [`Error::Io`]; the error of
+    /// `on_chunk`; [`Error::Invalid`] when the file does not fit, or for the
+    /// bad options `write_file` refuses.
     fn read_file<'a>(
         &self,
         path: &Path,

@@ -1,8 +1,8 @@
 //! Verified reading of a committed data file: every byte handed out was
 //! checked against the chunk digests the step's index records.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::Progress;
@@ -37,8 +37,9 @@ impl DataFile {
     /// Opens `name` in step directory `dir` as the index describes it.
     ///
     /// # Errors
-    /// [`Error::Corrupt`] for a bad name, a missing file or one whose size
-    /// differs from the index; [`Error::Io`].
+    /// [`Error::Corrupt`] for a bad name, a missing or non-regular file
+    /// (never waited on: see [`crate::io::open_regular`]) or one whose
+    /// size differs from the index; [`Error::Io`].
     pub(crate) fn open(
         dir: &Path,
         index_path: &Path,
@@ -47,36 +48,7 @@ impl DataFile {
     ) -> Result<DataFile> {
         validate_file_name(index_path, name)?;
         let path = dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    Error::corrupt(
-                        &path,
-                        None,
-                        "missing: the index lists it, the step directory does not hold it",
-                    )
-                } else {
-                    Error::io("open", &path, e)
-                }
-            })?;
-        let meta = file.metadata().map_err(|e| Error::io("stat", &path, e))?;
-        if !meta.is_file() {
-            return Err(Error::corrupt(&path, None, "not a regular file"));
-        }
-        if meta.len() != entry.size {
-            return Err(Error::corrupt(
-                &path,
-                None,
-                format!(
-                    "file is {} bytes, the index says {}",
-                    meta.len(),
-                    entry.size
-                ),
-            ));
-        }
+        let file = crate::io::open_listed(&path, entry.size)?;
         Ok(DataFile {
             path,
             entry: entry.clone(),

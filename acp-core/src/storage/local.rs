@@ -6,7 +6,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -19,14 +19,14 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:012}")
 }
 
-/// Parses a committed step directory name (`step-` and 12 or more digits).
+/// Parses a committed step directory name: only the canonical name of a
+/// step ([`step_dir_name`]) is one. Any other spelling of the same number
+/// (`step-0000000000005`, `step-+00000000005`) is not, so it can neither
+/// alias a step nor be listed as one whose directory does not exist.
 #[must_use]
 pub fn parse_step_dir_name(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("step-")?;
-    if digits.len() < 12 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
+    let step: u64 = name.strip_prefix("step-")?.parse().ok()?;
+    (step_dir_name(step) == name).then_some(step)
 }
 
 /// The file holding the newest committed step, as a hint for tools.
@@ -43,10 +43,15 @@ pub struct Root {
 }
 
 impl Root {
-    /// Opens `path`, creating it (mode 0700) when missing.
+    /// Opens `path` to write checkpoints to, creating it (mode 0700) when
+    /// missing. An existing root must be owned by this process's effective
+    /// user and writable by nobody else: whoever else can write to it could
+    /// swap step directories and data files under the engine.
     ///
     /// # Errors
-    /// [`Error::Io`] when it cannot be created or is not a directory.
+    /// [`Error::Io`] when it cannot be created or is not a directory;
+    /// [`Error::Config`] (field `root`) naming the path when another user
+    /// owns it or its group or others may write to it.
     pub fn open(path: &Path, faults: Option<std::sync::Arc<FaultInjector>>) -> Result<Root> {
         fs::DirBuilder::new()
             .recursive(true)
@@ -54,6 +59,8 @@ impl Root {
             .create(path)
             .map_err(|e| Error::io("create directory", path, e))?;
         let path = fs::canonicalize(path).map_err(|e| Error::io("resolve", path, e))?;
+        let meta = fs::metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+        check_writable_root(&path, meta.uid(), meta.mode(), euid())?;
         Ok(Root {
             path,
             faults,
@@ -69,7 +76,9 @@ impl Root {
         self
     }
 
-    /// Opens an existing root without creating it.
+    /// Opens an existing root without creating it, to read from. Unlike
+    /// [`Root::open`], the root may belong to another user (a checkpoint
+    /// downloaded or shared read-only): reads still never leave it.
     ///
     /// # Errors
     /// [`Error::NotFound`] when it does not exist.
@@ -456,21 +465,17 @@ impl Root {
     }
 }
 
-/// Reads a small file whole (at most `limit` bytes), refusing symlinks.
+/// Reads a small file whole (at most `limit` bytes), opened by
+/// [`crate::io::open_regular`]: a symlink, a FIFO or any other non-regular
+/// file is refused without blocking.
 ///
 /// # Errors
-/// [`Error::Io`]; [`Error::Corrupt`] when it is larger than `limit`.
+/// [`Error::Io`]; [`Error::Corrupt`] when it is not a regular file or is
+/// larger than `limit`.
 pub fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>> {
     use std::io::Read;
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| Error::io("open", path, e))?;
+    let f = crate::io::open_regular(path)?;
     let meta = f.metadata().map_err(|e| Error::io("stat", path, e))?;
-    if !meta.is_file() {
-        return Err(Error::corrupt(path, None, "not a regular file"));
-    }
     if meta.len() > limit {
         return Err(Error::corrupt(
             path,
@@ -483,6 +488,39 @@ pub fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>> {
         .read_to_end(&mut buf)
         .map_err(|e| Error::io("read", path, e))?;
     Ok(buf)
+}
+
+/// Refuses a root to write to that the effective user `euid` does not own
+/// (`uid`) or whose `mode` lets group or others write to it.
+fn check_writable_root(path: &Path, uid: u32, mode: u32, euid: u32) -> Result<()> {
+    if uid != euid {
+        return Err(Error::Config {
+            field: "root",
+            reason: format!(
+                "{} is owned by uid {uid}, not by this process's user (uid {euid}); acp writes checkpoints only to a root its user owns",
+                path.display()
+            ),
+        });
+    }
+    if mode & 0o022 != 0 {
+        return Err(Error::Config {
+            field: "root",
+            reason: format!(
+                "{} has mode {:o}: its group or others may write to it; acp writes checkpoints only to a root no one else can change (chmod go-w)",
+                path.display(),
+                mode & 0o7777
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The effective user id.
+#[expect(unsafe_code, reason = "geteuid has no safe wrapper in std or libc")]
+fn euid() -> u32 {
+    // SAFETY: `geteuid` takes no arguments, touches no memory of ours and
+    // cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 /// Atomically swaps two paths (`renameat2(RENAME_EXCHANGE)`).
@@ -540,6 +578,31 @@ mod tests {
         assert_eq!(parse_step_dir_name("step-42"), None);
         assert_eq!(parse_step_dir_name("step-00000000004x"), None);
         assert_eq!(parse_step_dir_name(".pending-000000000042"), None);
+        // Only the canonical spelling: longer names must not alias a step.
+        assert_eq!(parse_step_dir_name("step-0000000000042"), None);
+        assert_eq!(parse_step_dir_name("step-+00000000042"), None);
+        assert_eq!(parse_step_dir_name("step-00000000042"), None);
+        assert_eq!(
+            parse_step_dir_name("step-1234567890123"),
+            Some(1_234_567_890_123)
+        );
+        assert_eq!(
+            parse_step_dir_name(&step_dir_name(u64::MAX)),
+            Some(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn writable_root_must_be_ours_and_private() {
+        let p = Path::new("/ckpt");
+        assert!(check_writable_root(p, 1000, 0o40700, 1000).is_ok());
+        assert!(check_writable_root(p, 1000, 0o40755, 1000).is_ok());
+        let e = check_writable_root(p, 0, 0o40700, 1000).unwrap_err();
+        assert!(e.to_string().contains("/ckpt is owned by uid 0"), "{e}");
+        for mode in [0o40770, 0o40707, 0o41777] {
+            let e = check_writable_root(p, 1000, mode, 1000).unwrap_err();
+            assert!(e.to_string().contains("/ckpt has mode"), "{e}");
+        }
     }
 
     #[test]
