@@ -308,16 +308,21 @@ fn slot_matches_index(
         })
 }
 
-/// The slot file prefix of `rank` of this engine's job, and the job tag:
-/// 16 hex digits of blake3 over the job id.
-fn job_names(cfg: &EngineConfig, root: &Root, rank: u32) -> (String, crate::format::Digest) {
-    let job = cfg
-        .job
+/// This engine's job id: the configured one, else the canonical root path.
+fn job_id(cfg: &EngineConfig, root: &Root) -> String {
+    cfg.job
         .clone()
-        .unwrap_or_else(|| root.path().to_string_lossy().into_owned());
-    let tag = *blake3::hash(job.as_bytes()).as_bytes();
-    let hex = crate::format::hex(&tag);
-    (format!("acp-{}-r{rank:05}", &hex[..16]), tag)
+        .unwrap_or_else(|| root.path().to_string_lossy().into_owned())
+}
+
+/// The slot file prefix of `rank` of this engine's job, and the job tag
+/// (see [`crate::staging::ring_prefix`]).
+fn job_names(cfg: &EngineConfig, root: &Root, rank: u32) -> (String, crate::format::Digest) {
+    let job = job_id(cfg, root);
+    (
+        crate::staging::ring_prefix(&job, rank),
+        crate::staging::job_tag(&job),
+    )
 }
 
 impl Engine {
