@@ -281,6 +281,7 @@ pub struct PinnedSlot {
     image: Image,
     step: u64,
     len: usize,
+    generation: u64,
 }
 
 impl Ring {
@@ -477,6 +478,7 @@ impl Ring {
             image,
             step: e.step,
             len: usize::try_from(e.len).unwrap_or(usize::MAX),
+            generation: e.generation,
         })
     }
 
@@ -559,30 +561,57 @@ impl Ring {
     /// From then on it is neither listed by [`Ring::complete`] nor pinnable.
     /// Ignored for a `Staging` slot (dropping its [`StagingSlot`] frees it).
     pub fn release(&self, slot: usize) {
+        self.release_if(slot, None);
+    }
+
+    /// [`Ring::release`] of slot `slot` only while it holds the image of
+    /// generation `generation` ([`PinnedSlot::generation`],
+    /// [`Ring::generation`]); a slot acquired again since is left alone.
+    /// Returns whether the image was released.
+    pub fn release_generation(&self, slot: usize, generation: u64) -> bool {
+        self.release_if(slot, Some(generation))
+    }
+
+    /// The generation of slot `slot` while it holds a complete image.
+    #[must_use]
+    pub fn generation(&self, slot: usize) -> Option<u64> {
+        let t = self.inner.lock();
+        t.slots
+            .get(slot)
+            .filter(|e| e.is_available())
+            .map(|e| e.generation)
+    }
+
+    fn release_if(&self, slot: usize, generation: Option<u64>) -> bool {
         let inner = &self.inner;
         let mut t = inner.lock();
         let Some(e) = t.slots.get_mut(slot) else {
-            return;
+            return false;
         };
+        if generation.is_some_and(|g| g != e.generation) {
+            return false;
+        }
         match e.state {
-            SlotState::Free => return,
+            SlotState::Free => return false,
             SlotState::Staging => {
                 tracing::warn!(
                     "{}: slot {slot}: release of a staging slot ignored",
                     inner.what()
                 );
-                return;
+                return false;
             }
             SlotState::Resident | SlotState::Flushing | SlotState::Persisted => {}
         }
         if e.pins > 0 {
+            let released = !e.free_on_unpin;
             e.free_on_unpin = true;
             e.has_digests = false;
-            return;
+            return released;
         }
         e.free();
         drop(t);
         inner.freed.notify_all();
+        true
     }
 
     /// The file that backs slot `slot`, for messages.
@@ -664,7 +693,9 @@ impl StagingSlot {
 
         let ring = Arc::clone(&self.ring);
         let mut t = ring.lock();
+        let mut generation = 0;
         if let Some(e) = t.slots.get_mut(self.slot) {
+            generation = e.generation;
             if let Some(m) = &mut e.mem {
                 m.ctrl.set_image(step, len as u64);
                 m.ctrl.set_state(SlotState::Resident);
@@ -682,6 +713,7 @@ impl StagingSlot {
             image: self.image.clone(),
             step,
             len,
+            generation,
         }
     }
 }
@@ -711,6 +743,13 @@ impl PinnedSlot {
     #[must_use]
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The slot's generation, which names this image: each
+    /// [`Ring::acquire`] of the slot changes it.
+    #[must_use]
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The image (exactly its length).
@@ -748,6 +787,7 @@ impl Clone for PinnedSlot {
             image: self.image.clone(),
             step: self.step,
             len: self.len,
+            generation: self.generation,
         }
     }
 }
