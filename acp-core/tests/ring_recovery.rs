@@ -331,3 +331,23 @@ fn sigkill_mid_staging_keeps_the_sealed_image() {
         "step 7 is not bit-exact"
     );
 }
+
+#[test]
+fn the_per_user_directory_goes_with_the_last_ring_unlinked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = Ring::open(opts(dir.path(), "first")).unwrap();
+    let (b, _) = Ring::open(opts(dir.path(), "second")).unwrap();
+    let user = user_dir(dir.path());
+    let meta = std::fs::symlink_metadata(&user).unwrap();
+    assert!(meta.is_dir());
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o700);
+    a.unlink_all();
+    assert!(user.is_dir(), "the second ring still uses it");
+    b.unlink_all();
+    assert!(!user.exists(), "empty and unused: removed");
+    // A ring opened afterwards makes it again.
+    let (c, _) = Ring::open(opts(dir.path(), "third")).unwrap();
+    assert!(c.slot_path(0).is_file());
+    c.unlink_all();
+    assert!(!user.exists());
+}

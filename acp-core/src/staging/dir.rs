@@ -14,12 +14,12 @@
 //! effective uid (root may still plant one: the engine refuses it, every
 //! tool ignores it).
 //!
-//! A ring holds a shared `flock` on the directory for its whole life;
-//! [`SlotDir::remove_if_unused`] removes the directory only under an
-//! exclusive one and only when empty, and a ring that finds the directory
-//! removed under it (link count 0 once it holds its lock) makes it again.
-//! So an emptied directory disappears and a ring being opened never loses
-//! its directory.
+//! A ring holds a shared `flock` on the directory until it unlinks its
+//! slot files; [`SlotDir::remove_if_unused`] then removes the directory
+//! only under an exclusive one and only when empty, and a ring that finds
+//! the directory removed under it (link count 0 once it holds its lock)
+//! makes it again. So an emptied directory disappears and a ring being
+//! opened never loses its directory.
 
 use std::ffi::CString;
 use std::fs::{DirBuilder, File, OpenOptions, Permissions};
@@ -285,22 +285,20 @@ impl SlotDir {
         }
     }
 
-    /// Removes the directory if it is empty and no ring but the caller's
-    /// holds it: under an exclusive `flock` (taken without waiting; the
-    /// caller's shared one is converted), so a ring being opened either
-    /// keeps it or makes it again. Failing is harmless and silent.
+    /// Gives up the caller's hold on the directory (its slot files are
+    /// gone) and removes the directory if it is empty and no other ring
+    /// holds it: under an exclusive `flock` taken without waiting, so a
+    /// ring being opened either keeps it or makes it again. Failing is
+    /// harmless and silent.
     pub(super) fn remove_if_unused(&self) {
-        if flock(&self.fd, libc::LOCK_EX | libc::LOCK_NB).is_err() {
-            // A failed conversion may have dropped the shared lock.
-            let _ = flock(&self.fd, libc::LOCK_SH);
-            return;
+        if flock(&self.fd, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            match std::fs::remove_dir(&self.path) {
+                Ok(()) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {}
+                Err(e) => tracing::debug!("acp: rmdir {}: {e}", self.path.display()),
+            }
         }
-        match std::fs::remove_dir(&self.path) {
-            Ok(()) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {}
-            Err(e) => tracing::debug!("acp: rmdir {}: {e}", self.path.display()),
-        }
-        let _ = flock(&self.fd, libc::LOCK_SH);
+        let _ = flock(&self.fd, libc::LOCK_UN);
     }
 
     /// The slot names of `job` in this directory (every rank, or only

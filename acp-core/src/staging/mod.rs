@@ -18,8 +18,8 @@
 //! directory, mode `0777`) is refused with an error that names the path,
 //! its owner and the fix (another `shm_dir`). Slot files are opened
 //! relative to that descriptor (`openat`). A ring holds a shared `flock`
-//! on the directory; [`Ring::unlink_all`] removes the directory once it is
-//! empty and no other ring holds it. A normal close keeps the slot files,
+//! on the directory until [`Ring::unlink_all`], which removes the
+//! directory once it is empty and no other ring holds it. A normal close keeps the slot files,
 //! and with them the directory.
 //!
 //! # Slot files
@@ -627,6 +627,8 @@ impl Ring {
 
     /// Unlinks the slot files (their memory is freed once unmapped), then
     /// the per-user directory when no other ring uses it and it is empty.
+    /// The ring keeps working on its open files but no longer holds the
+    /// directory.
     /// For tests and `acp gc --shm`; a normal close keeps them resident.
     pub fn unlink_all(&self) {
         let inner = &self.inner;
