@@ -103,9 +103,10 @@ impl SlotDir {
     /// long as the returned handle.
     ///
     /// # Errors
-    /// [`Error::Busy`] when the name is taken by another user's file or
-    /// directory; [`Error::Invalid`] when it is a symlink, not a directory,
-    /// or a directory with another mode than `0700`; [`Error::Io`].
+    /// [`Error::Busy`] when the name is taken by another user's file,
+    /// symlink or directory; [`Error::Invalid`] when it is this user's
+    /// symlink, file, or directory with another mode than `0700`;
+    /// [`Error::Io`].
     pub fn create(shm_dir: &Path) -> Result<SlotDir> {
         let path = user_dir(shm_dir);
         // A try finds the directory removed under it only when a
