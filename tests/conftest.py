@@ -20,6 +20,12 @@ SMALL_RING = 32 << 20
 LARGE = os.environ.get("ACP_TEST_LARGE") == "1"
 
 
+def slot_dir(shm_dir: Path) -> Path:
+    """The per-user directory that holds this user's ring slots under
+    ``shm_dir`` (``acp-u{euid}``, as acp-core's ``staging::user_dir`` names it)."""
+    return shm_dir / f"acp-u{os.geteuid()}"
+
+
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A private directory for ring slots, on tmpfs when there is one."""

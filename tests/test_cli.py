@@ -4,6 +4,7 @@ examples."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import torch
 
 import acp
 
-from .conftest import SMALL_RING
+from .conftest import SMALL_RING, slot_dir
 from .helpers import assert_same
 
 REPO = Path(__file__).resolve().parent.parent
@@ -514,6 +515,9 @@ def test_readme_examples_run(tmp_path: Path) -> None:
                     Path(slot["path"]).unlink(missing_ok=True)
         for slot in run_json("ls", root, "--job", r.job, "--shm-dir", r.shm_dir)["slots"]:
             Path(slot["path"]).unlink(missing_ok=True)
+        # The per-user slot directory, once empty (another ring may use it).
+        with contextlib.suppress(OSError):
+            slot_dir(Path(r.shm_dir)).rmdir()
 
 
 def test_progress_bar_only_on_a_terminal(root: Root) -> None:

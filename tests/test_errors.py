@@ -15,7 +15,7 @@ import torch
 import acp
 from acp import _acp
 
-from .conftest import MakeCkpt
+from .conftest import MakeCkpt, slot_dir
 
 
 def step_dirs(ckpt: acp.Checkpointer) -> list[Path]:
@@ -125,7 +125,7 @@ def test_corrupt_resident_copy_falls_back_to_storage(make_ckpt: MakeCkpt, shm_di
     ckpt = make_ckpt()
     ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
     image_len = data_file(ckpt, 1).stat().st_size
-    slots = sorted(shm_dir.iterdir())
+    slots = sorted(slot_dir(shm_dir).iterdir())
     hit = 0
     for slot in slots:
         data = bytearray(slot.read_bytes())

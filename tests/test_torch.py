@@ -16,6 +16,7 @@ from torch import nn
 import acp
 from acp.torch import DTYPES
 
+from .conftest import slot_dir
 from .helpers import assert_same, bits
 
 
@@ -383,7 +384,7 @@ def test_reserve_creates_the_free_slots_memory_and_keeps_checkpoints(
     state = {"w": torch.randn(1 << 20), "step": 3}  # 4 MiB
 
     def slot_sizes() -> list[int]:
-        return sorted(p.stat().st_size for p in shm_dir.iterdir() if p.is_file())
+        return sorted(p.stat().st_size for p in slot_dir(shm_dir).iterdir() if p.is_file())
 
     assert all(n < 4 << 20 for n in slot_sizes())
     assert ckpt.reserve(state) == 3

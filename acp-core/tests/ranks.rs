@@ -120,10 +120,10 @@ fn four_ranks_commit_one_step_together() {
     assert_eq!(engines[0].index(10).unwrap().files.len(), 4);
 }
 
-/// The slot files of `rank` of job `job` in `shm`.
+/// The slot files of `rank` in this user's directory under `shm`.
 fn slot_files(shm: &Path, rank: u32) -> Vec<std::path::PathBuf> {
     let tail = format!("-r{rank:05}-s");
-    let mut v: Vec<_> = std::fs::read_dir(shm)
+    let mut v: Vec<_> = std::fs::read_dir(acp_core::staging::user_dir(shm))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.file_name().unwrap().to_str().unwrap().contains(&tail))

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use acp_core::staging::{PinnedSlot, Ring, RingOptions, SlotState};
+use acp_core::staging::{slot_path, user_dir, PinnedSlot, Ring, RingOptions, SlotState};
 use acp_core::ErrorKind;
 
 const MIB: u64 = 1 << 20;
@@ -28,6 +28,15 @@ fn opts(dir: &Path, prefix: &str) -> RingOptions {
         chunk_bytes: MIB,
         mlock: false,
     }
+}
+
+/// Creates this user's private slot directory under `shm`, as a ring would.
+fn private_user_dir(shm: &Path) {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(user_dir(shm))
+        .expect("the per-user slot directory");
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -110,7 +119,7 @@ fn a_half_staged_slot_is_discarded_and_counted() {
         (save(&ring, 1, 5000).slot(), save(&ring, 2, 5000).slot())
     };
     // As a death between acquire and the seal's state store leaves it.
-    poke_u32(&dir.path().join(format!("half-s{torn}")), STATE_OFFSET, 1);
+    poke_u32(&slot_path(dir.path(), "half", torn), STATE_OFFSET, 1);
     let (ring, report) = Ring::open(o.clone()).unwrap();
     assert_eq!(report.discarded_half_staged, 1);
     assert_eq!(report.recovered.len(), 1);
@@ -136,7 +145,7 @@ fn a_control_block_with_insane_fields_is_not_trusted() {
     };
     // image_len far past the capacity.
     poke_u32(
-        &dir.path().join(format!("insane-s{slot}")),
+        &slot_path(dir.path(), "insane", slot),
         IMAGE_LEN_OFFSET + 4,
         1,
     );
@@ -174,7 +183,8 @@ fn another_job_tag_or_rank_is_not_recovered() {
 fn garbage_in_a_slot_file_is_reinitialised() {
     let dir = tempfile::tempdir().unwrap();
     let o = opts(dir.path(), "garbage");
-    std::fs::write(dir.path().join("garbage-s0"), vec![0xFF; 10_000]).unwrap();
+    private_user_dir(dir.path());
+    std::fs::write(slot_path(dir.path(), "garbage", 0), vec![0xFF; 10_000]).unwrap();
     let (ring, report) = Ring::open(o).unwrap();
     assert!(report.recovered.is_empty());
     assert_eq!(std::fs::metadata(ring.slot_path(0)).unwrap().len(), 4096);
@@ -203,7 +213,8 @@ fn a_second_open_of_live_slots_is_busy() {
 fn slot_files_are_private() {
     let dir = tempfile::tempdir().unwrap();
     let o = opts(dir.path(), "private");
-    let loose = dir.path().join("private-s1");
+    private_user_dir(dir.path());
+    let loose = slot_path(dir.path(), "private", 1);
     std::fs::write(&loose, b"").unwrap();
     std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
     let (ring, _) = Ring::open(o).unwrap();
@@ -250,9 +261,10 @@ struct UnlinkOnDrop(RingOptions);
 impl Drop for UnlinkOnDrop {
     fn drop(&mut self) {
         for slot in 0..self.0.slots {
-            let name = format!("{}-s{slot}", self.0.prefix);
-            let _ = std::fs::remove_file(self.0.dir.join(name));
+            let _ = std::fs::remove_file(slot_path(&self.0.dir, &self.0.prefix, slot));
         }
+        // Only when empty: other rings of this user may live there.
+        let _ = std::fs::remove_dir(user_dir(&self.0.dir));
     }
 }
 
@@ -318,4 +330,24 @@ fn sigkill_mid_staging_keeps_the_sealed_image() {
         p.image() == &pattern(7, CRASH_LEN)[..],
         "step 7 is not bit-exact"
     );
+}
+
+#[test]
+fn the_per_user_directory_goes_with_the_last_ring_unlinked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = Ring::open(opts(dir.path(), "first")).unwrap();
+    let (b, _) = Ring::open(opts(dir.path(), "second")).unwrap();
+    let user = user_dir(dir.path());
+    let meta = std::fs::symlink_metadata(&user).unwrap();
+    assert!(meta.is_dir());
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o700);
+    a.unlink_all();
+    assert!(user.is_dir(), "the second ring still uses it");
+    b.unlink_all();
+    assert!(!user.exists(), "empty and unused: removed");
+    // A ring opened afterwards makes it again.
+    let (c, _) = Ring::open(opts(dir.path(), "third")).unwrap();
+    assert!(c.slot_path(0).is_file());
+    c.unlink_all();
+    assert!(!user.exists());
 }

@@ -495,3 +495,23 @@ fn reserve_grows_free_slots_only_and_keeps_images() {
     let e = ring.reserve(25 * MIB).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
 }
+
+#[test]
+fn a_release_by_generation_spares_a_slot_acquired_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ring, _) = Ring::open(opts(dir.path(), 1, 8 << 20)).unwrap();
+    let first = save(&ring, 1, 4096);
+    let (slot, old) = (first.slot(), first.generation());
+    assert_eq!(ring.generation(slot), Some(old));
+    drop(first);
+    ring.release(slot);
+    assert_eq!(ring.generation(slot), None, "free: no image");
+    let second = save(&ring, 2, 4096);
+    assert_eq!(second.slot(), slot);
+    assert_ne!(second.generation(), old);
+    drop(second);
+    assert!(!ring.release_generation(slot, old), "names the old image");
+    assert_eq!(ring.complete()[0].step, 2);
+    assert!(ring.release_generation(slot, ring.generation(slot).unwrap()));
+    assert!(ring.complete().is_empty());
+}

@@ -97,6 +97,13 @@ fn slots_and_checkpoint_files_are_private_to_their_owner() {
     }
     let slots = torture_util::files_under(&shm);
     assert!(!slots.is_empty());
+    // The per-user directory that holds them: mode 0700 exactly.
+    let dir = acp_core::staging::user_dir(&shm);
+    let mode = std::fs::symlink_metadata(&dir).unwrap().mode() & 0o7777;
+    if mode != 0o700 {
+        failures.push(format!("{}: mode {mode:o}, not 700", dir.display()));
+    }
+    paths.push(dir);
     paths.extend(slots);
     // Mode bits: nothing for group or others, on every file and directory.
     for p in &paths {

@@ -20,7 +20,7 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 
 use super::handle::Completion;
-use super::{retain, SaveReport, Shared};
+use super::{retain, FailedSlot, SaveReport, Shared};
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry, Index,
@@ -49,6 +49,7 @@ pub(super) struct Job {
 pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
     for job in rx {
         let slot = job.pin.slot();
+        let generation = job.pin.generation();
         let step = job.step;
         let unwatched = job.unwatched;
         let done = Arc::clone(&job.done);
@@ -67,15 +68,16 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
                 Ok(_) => {
                     // Older images whose flush failed are superseded now
                     // (not the one just committed, which a recovered slot
-                    // persisted by `persist_resident` may have been).
-                    for s in std::mem::take(&mut st.failed_slots) {
-                        if s != slot {
-                            shared.ring.release(s);
+                    // persisted by `persist_resident` may have been), each
+                    // only while its slot still holds it.
+                    for f in std::mem::take(&mut st.failed_slots) {
+                        if (f.slot, f.generation) != (slot, generation) {
+                            shared.ring.release_generation(f.slot, f.generation);
                         }
                     }
                 }
                 Err(e) => {
-                    st.failed_slots.push(slot);
+                    st.failed_slots.push(FailedSlot { slot, generation });
                     if unwatched && st.unreported.is_none() {
                         st.unreported = Some(e.duplicate());
                     }

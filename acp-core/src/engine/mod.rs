@@ -218,6 +218,13 @@ struct Shared {
     idle: Condvar,
 }
 
+/// A slot holding an image whose flush failed, and that image's generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FailedSlot {
+    slot: usize,
+    generation: u64,
+}
+
 #[derive(Debug, Default)]
 struct EngineState {
     closed: bool,
@@ -227,8 +234,10 @@ struct EngineState {
     /// wait for them so the newest step is committed first.
     recovering: Vec<u64>,
     /// Slots whose flush failed: complete images, kept resident (restorable)
-    /// but given up when the ring needs room.
-    failed_slots: Vec<usize>,
+    /// but given up when the ring needs room. Each names the image by the
+    /// slot's generation, so an entry outliving its image (the slot
+    /// released and acquired again) never frees a newer one.
+    failed_slots: Vec<FailedSlot>,
     /// Steps known committed (at open, by this engine's flushes, minus
     /// retention), so the stall checks for `Exists` without touching storage.
     committed: std::collections::BTreeSet<u64>,
@@ -245,6 +254,13 @@ impl Shared {
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets the failures recorded for a slot just acquired again: they
+    /// named its previous image.
+    fn reused(&self, slot: StagingSlot) -> StagingSlot {
+        self.lock().failed_slots.retain(|f| f.slot != slot.slot());
+        slot
     }
 
     fn note_progress(&self, what: impl Into<String>) {
@@ -297,16 +313,21 @@ fn slot_matches_index(
         .is_some_and(|f| load::slot_matches_entry(ring, info, f, cfg.chunk_bytes as u64))
 }
 
-/// The slot file prefix of `rank` of this engine's job, and the job tag:
-/// 16 hex digits of blake3 over the job id.
-fn job_names(cfg: &EngineConfig, root: &Root, rank: u32) -> (String, crate::format::Digest) {
-    let job = cfg
-        .job
+/// This engine's job id: the configured one, else the canonical root path.
+fn job_id(cfg: &EngineConfig, root: &Root) -> String {
+    cfg.job
         .clone()
-        .unwrap_or_else(|| root.path().to_string_lossy().into_owned());
-    let tag = *blake3::hash(job.as_bytes()).as_bytes();
-    let hex = crate::format::hex(&tag);
-    (format!("acp-{}-r{rank:05}", &hex[..16]), tag)
+        .unwrap_or_else(|| root.path().to_string_lossy().into_owned())
+}
+
+/// The slot file prefix of `rank` of this engine's job, and the job tag
+/// (see [`crate::staging::ring_prefix`]).
+fn job_names(cfg: &EngineConfig, root: &Root, rank: u32) -> (String, crate::format::Digest) {
+    let job = job_id(cfg, root);
+    (
+        crate::staging::ring_prefix(&job, rank),
+        crate::staging::job_tag(&job),
+    )
 }
 
 impl Engine {
@@ -370,8 +391,11 @@ impl Engine {
             }
             if committed.contains(&info.step) && slot_matches_index(&ring, &root, &config, info) {
                 ring.set_state(info.slot, SlotState::Persisted);
-            } else {
-                stale.push(info.slot);
+            } else if let Some(generation) = ring.generation(info.slot) {
+                stale.push(FailedSlot {
+                    slot: info.slot,
+                    generation,
+                });
             }
         }
         let report = OpenReport {
@@ -629,16 +653,19 @@ impl Engine {
             // Slots whose flush failed are given up only when the ring needs
             // room: they keep the newest restorable copy until then.
             let free = shared.ring.acquire(len, None)?;
-            if free.is_some() {
-                return Ok(free);
+            if let Some(s) = free {
+                return Ok(Some(shared.reused(s)));
             }
             let failed = shared.lock().failed_slots.pop();
-            if let Some(slot) = failed {
-                tracing::warn!(
-                    slot,
-                    "acp: dropping a resident checkpoint whose flush failed, to make room"
-                );
-                shared.ring.release(slot);
+            if let Some(f) = failed {
+                // Only the image whose flush failed: an entry whose slot
+                // was acquired again since names nothing any more.
+                if shared.ring.release_generation(f.slot, f.generation) {
+                    tracing::warn!(
+                        slot = f.slot,
+                        "acp: dropping a resident checkpoint whose flush failed, to make room"
+                    );
+                }
                 continue;
             }
             let limit = match shared.cfg.when_full {
@@ -670,7 +697,7 @@ impl Engine {
                 .ring
                 .acquire(len, Some((limit - waited).min(WATCH_TICK)))
             {
-                Ok(Some(slot)) => return Ok(Some(slot)),
+                Ok(Some(slot)) => return Ok(Some(shared.reused(slot))),
                 Ok(None) | Err(Error::Timeout { .. }) => {}
                 Err(e) => return Err(e),
             }
@@ -827,7 +854,7 @@ impl Engine {
         let mut st = shared.lock();
         st.recovering.push(info.step);
         // Open set it aside as reclaimable; being persisted, it is not.
-        st.failed_slots.retain(|&s| s != info.slot);
+        st.failed_slots.retain(|f| f.slot != info.slot);
         drop(st);
         let done = handle::Completion::new(info.step);
         self.enqueue(flush::Job {

@@ -23,29 +23,17 @@ use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, parse_header, unhex, FileEntry, ParsedHeader, MAX_HEADER_BYTES,
 };
-use crate::staging::{PeerImage, PeerSlot};
+use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
 
-/// The slot files of `rank` of this engine's job in the shm directory
-/// (`{prefix}-s{i}`), whatever the number of slots that rank configured.
-fn peer_slots(shared: &Shared, rank: u32) -> Vec<PathBuf> {
-    let (prefix, _) = super::job_names(&shared.cfg, &shared.root, rank);
-    let stem = format!("{prefix}-s");
-    let Ok(rd) = std::fs::read_dir(&shared.cfg.shm_dir) else {
-        return Vec::new();
-    };
-    let mut out: Vec<(usize, PathBuf)> = rd
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            let i = name.to_str()?.strip_prefix(&stem)?;
-            if i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            Some((i.parse().ok()?, e.path()))
-        })
-        .collect();
-    out.sort();
-    out.into_iter().map(|(_, p)| p).collect()
+/// The slot files of `rank` of this engine's job in this user's directory
+/// under the shm directory, whatever the number of slots that rank
+/// configured.
+fn peer_slots(shared: &Shared, rank: u32) -> Vec<SlotFile> {
+    let job = super::job_id(&shared.cfg, &shared.root);
+    slot_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
+        tracing::debug!("acp: rank {rank}'s slots: {e}");
+        Vec::new()
+    })
 }
 
 fn peer_image(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> PeerImage {
@@ -89,10 +77,10 @@ fn open_peer_slot(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> O
     let want = peer_image(shared, step, rank, entry);
     peer_slots(shared, rank)
         .into_iter()
-        .find_map(|path| match PeerSlot::open(&path, want) {
-            Ok(slot) => slot,
+        .find_map(|slot| match PeerSlot::open(&slot, want) {
+            Ok(open) => open,
             Err(e) => {
-                tracing::debug!("acp: rank {rank}'s slot {}: {e}", path.display());
+                tracing::debug!("acp: rank {rank}'s slot {}: {e}", slot.path().display());
                 None
             }
         })

@@ -2,14 +2,14 @@
 //! files of a job, read without mapping or locking them.
 
 use std::collections::{BTreeSet, HashSet};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::format::{hex, parse_header, MAX_HEADER_BYTES};
-use crate::staging::{peek_slot, SlotState};
+use crate::error::Result;
+use crate::format::{parse_header, MAX_HEADER_BYTES};
+use crate::staging::{job_tag, peek_file, slot_files, SlotState};
 
 /// Where rings live unless configured otherwise.
 pub const DEFAULT_SHM_DIR: &str = "/dev/shm";
@@ -22,11 +22,12 @@ pub fn job_id(root: &Path, job: Option<&str>) -> String {
 }
 
 /// The file name prefix of the slots of `job` and `rank`:
-/// `acp-{16 hex of blake3(job)}-r{rank:05}`; slot `i` is `{prefix}-s{i}`.
+/// `acp-{16 hex of blake3(job)}-r{rank:05}` ([`crate::staging::ring_prefix`]);
+/// slot `i` is `{prefix}-s{i}` in the per-user directory
+/// [`crate::staging::user_dir`].
 #[must_use]
 pub fn shm_prefix(job: &str, rank: u32) -> String {
-    let tag = hex(blake3::hash(job.as_bytes()).as_bytes());
-    format!("acp-{}-r{rank:05}", &tag[..16])
+    crate::staging::ring_prefix(job, rank)
 }
 
 /// One slot file of a job.
@@ -70,46 +71,46 @@ fn state_name(s: Option<SlotState>) -> &'static str {
     }
 }
 
-/// The slot files of `job` in `shm_dir` (every rank, or only `rank`),
-/// by rank then slot. Reads each control block and the safetensors header
-/// of a complete image; takes no lock and writes nothing, so it is safe
-/// on the slots of a live trainer (whose state may change right after).
+/// The slot files of `job` in this user's directory under `shm_dir`
+/// (every rank, or only `rank`), by rank then slot. Reads each control
+/// block and the safetensors header of a complete image; takes no lock and
+/// writes nothing, so it is safe on the slots of a live trainer (whose
+/// state may change right after). A file that is not a regular file owned
+/// by the effective uid is not listed.
 ///
 /// # Errors
-/// [`Error::Io`] listing `shm_dir` (a missing directory is no slot).
+/// An untrustworthy per-user directory (see [`crate::staging::SlotDir`]);
+/// [`Error::Io`](crate::Error::Io) listing it (a missing directory is no slot).
 pub fn resident(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<ResidentSlot>> {
-    let tag = *blake3::hash(job.as_bytes()).as_bytes();
-    let stem = &shm_prefix(job, 0)[..21]; // "acp-" + 16 hex + "-"
-    let rd = match std::fs::read_dir(shm_dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(Error::io("list", shm_dir, e)),
+    let tag = job_tag(job);
+    let files = slot_files(shm_dir, job, rank)?;
+    let locks = if files.is_empty() {
+        HashSet::new()
+    } else {
+        locked_files()
     };
-    let locks = locked_files();
     let mut out = Vec::new();
-    for ent in rd.flatten() {
-        let name = ent.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some((r, slot)) = parse_slot_name(name, stem) else {
+    for sf in files {
+        let path = sf.path();
+        let file = match sf.open() {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::debug!("acp: {e}");
+                continue;
+            }
+        };
+        let Ok(meta) = file.metadata() else {
             continue;
         };
-        if rank.is_some_and(|want| want != r) {
-            continue;
-        }
-        let path = ent.path();
-        let Ok(meta) = std::fs::symlink_metadata(&path) else {
-            continue;
-        };
-        if !meta.is_file() {
-            continue;
-        }
-        let peek = match peek_slot(&path) {
+        let peek = match peek_file(&file, &path) {
             Ok(p) => p,
             Err(e) => {
                 tracing::debug!("acp: {e}");
                 continue;
             }
         };
+        let r = sf.rank;
         let ours = peek
             .as_ref()
             .is_some_and(|p| p.job_tag == tag && p.rank == r);
@@ -119,7 +120,7 @@ pub fn resident(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<Resi
                 .is_some_and(crate::staging::SlotPeek::is_complete);
         let (world_size, tensors) = if complete {
             peek.as_ref()
-                .and_then(|p| image_header(&path, p.image_offset, p.image_len))
+                .and_then(|p| image_header(&file, &path, p.image_offset, p.image_len))
                 .map_or((None, None), |(w, t)| (w, Some(t)))
         } else {
             (None, None)
@@ -127,7 +128,7 @@ pub fn resident(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<Resi
         out.push(ResidentSlot {
             path: path.display().to_string(),
             rank: r,
-            slot,
+            slot: sf.slot,
             state: if ours {
                 state_name(peek.as_ref().and_then(|p| p.state)).to_owned()
             } else {
@@ -143,31 +144,17 @@ pub fn resident(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<Resi
             file_bytes: meta.len(),
         });
     }
-    out.sort_by_key(|s| (s.rank, s.slot));
     Ok(out)
-}
-
-/// `{stem}r{rank:05}-s{slot}` → (rank, slot).
-fn parse_slot_name(name: &str, stem: &str) -> Option<(u32, usize)> {
-    let rest = name.strip_prefix(stem)?.strip_prefix('r')?;
-    let (rank, slot) = rest.split_once("-s")?;
-    if rank.len() < 5 || !rank.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    if slot.is_empty() || !slot.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((rank.parse().ok()?, slot.parse().ok()?))
 }
 
 /// The world size and tensor count in the safetensors header of a slot's
 /// image, best effort.
-fn image_header(path: &Path, image_offset: u64, image_len: u64) -> Option<(Option<u32>, usize)> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .ok()?;
+fn image_header(
+    f: &std::fs::File,
+    path: &Path,
+    image_offset: u64,
+    image_len: u64,
+) -> Option<(Option<u32>, usize)> {
     let mut n = [0u8; 8];
     f.read_exact_at(&mut n, image_offset).ok()?;
     let hlen = u64::from_le_bytes(n);
@@ -228,33 +215,4 @@ fn parse_locks(text: &str, out: &mut HashSet<(u64, u64)>) {
 /// The ranks that have slot files of `job` in `shm_dir`.
 pub(crate) fn ranks(slots: &[ResidentSlot]) -> BTreeSet<u32> {
     slots.iter().map(|s| s.rank).collect()
-}
-
-/// The path of slot `slot` of `job` and `rank`.
-#[cfg(test)]
-#[must_use]
-pub(crate) fn slot_path(shm_dir: &Path, job: &str, rank: u32, slot: usize) -> std::path::PathBuf {
-    shm_dir.join(format!("{}-s{slot}", shm_prefix(job, rank)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slot_names_parse() {
-        let stem = &shm_prefix("j", 0)[..21];
-        assert_eq!(
-            parse_slot_name(&format!("{stem}r00003-s1"), stem),
-            Some((3, 1))
-        );
-        assert_eq!(parse_slot_name(&format!("{stem}r00003-s"), stem), None);
-        assert_eq!(parse_slot_name(&format!("{stem}r3-s1"), stem), None);
-        assert_eq!(
-            parse_slot_name("acp-0000000000000000-r00000-s0", stem),
-            None
-        );
-        assert_eq!(shm_prefix("j", 7).len(), 27);
-        assert!(shm_prefix("j", 7).ends_with("-r00007"));
-    }
 }

@@ -119,7 +119,7 @@ fn list_shows_steps_and_residency() {
 fn shm_names_match_the_engine() {
     let f = fixture();
     let engine = Engine::open(config(&f)).unwrap();
-    assert!(resident::slot_path(&f.shm, "ops-test", 0, 0).exists());
+    assert!(crate::staging::slot_path(&f.shm, &resident::shm_prefix("ops-test", 0), 0).exists());
     // A live engine holds the lock.
     let slots = resident(&f.shm, "ops-test", Some(0)).unwrap();
     assert_eq!(slots.len(), 2);
@@ -266,11 +266,17 @@ fn import_round_trips_an_export() {
     assert_eq!(b.files[0].values, a.files[0].values);
     let d = diff_roots(&f.root, 3, &root2, 7);
     assert!(d, "tensors differ after import");
-    // The private ring is gone.
+    // The private ring is gone: only the fixture's own slots are left.
+    let names: Vec<_> = std::fs::read_dir(&f.shm)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, [crate::staging::user_dir_name().as_str()]);
     assert_eq!(
-        std::fs::read_dir(&f.shm).unwrap().count(),
-        2,
-        "only the fixture's own slots"
+        std::fs::read_dir(crate::staging::user_dir(&f.shm))
+            .unwrap()
+            .count(),
+        2
     );
     assert!(verify(&root2, None, false, &Quiet).unwrap().ok);
 }

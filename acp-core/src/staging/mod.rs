@@ -1,14 +1,36 @@
 //! The shared-memory ring: named slots that hold checkpoint images in RAM.
 //!
-//! Each slot is a file `{dir}/{prefix}-s{index}` mapped shared
-//! (`MAP_SHARED`), normally in `/dev/shm`, so its bytes outlive the process
-//! that wrote them: a restarted trainer or `acp persist` finds them again.
+//! Each slot is a file `{shm_dir}/acp-u{euid}/{prefix}-s{index}` mapped
+//! shared (`MAP_SHARED`), normally under `/dev/shm`, so its bytes outlive
+//! the process that wrote them: a restarted trainer or `acp persist` finds
+//! them again.
+//!
+//! # Where slot files live
+//!
+//! Slot `i` of rank `r` of job `j` is
+//! `{shm_dir}/acp-u{euid}/acp-{16 hex of blake3(j)}-r{r:05}-s{i}`
+//! ([`user_dir`], [`ring_prefix`], [`slot_file_name`], [`slot_path`]: the
+//! one place that names them). The names are predictable, so they live in
+//! a directory no other user can write: `acp-u{euid}` is created mode
+//! `0700` and opened `O_DIRECTORY | O_NOFOLLOW`, and `fstat` on that
+//! descriptor must say a directory owned by the effective uid with mode
+//! exactly `0700`; anything else (a symlink, a file, another user's
+//! directory, mode `0777`) is refused with an error that names the path,
+//! its owner and the fix (another `shm_dir`). Slot files are opened
+//! relative to that descriptor (`openat`). A ring holds a shared `flock`
+//! on the directory until [`Ring::unlink_all`], which removes the
+//! directory once it is empty and no other ring holds it. A normal close keeps the slot files,
+//! and with them the directory.
 //!
 //! # Slot files
 //!
-//! - Created with `O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW`, mode `0600`
-//!   (a file found with other permission bits is `chmod`ed to `0600`; one
-//!   owned by another user is refused with [`Error::Busy`]).
+//! - Created with `O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW` relative to
+//!   the per-user directory, mode `0600` (a file found with other
+//!   permission bits is `chmod`ed to `0600`; one that is not a regular
+//!   file owned by the effective uid is refused with [`Error::Busy`] or
+//!   [`Error::Invalid`], naming it). Tools that read slots without a ring
+//!   (`acp ls`, `acp persist`, another rank's restore from this node's
+//!   RAM) ignore such a file.
 //! - Locked with `flock(LOCK_EX | LOCK_NB)` for the life of the [`Ring`].
 //!   A lock held elsewhere (another process, or another open of the same
 //!   files in this one) makes [`Ring::open`] fail with `Busy`, naming the
@@ -140,6 +162,7 @@
 )]
 
 mod control;
+mod dir;
 mod open;
 mod peek;
 mod peer;
@@ -157,15 +180,21 @@ use control::{round_up, PAGE};
 use slot::Image;
 use table::Inner;
 
-pub use peek::{peek_slot, SlotPeek};
-pub use peer::{copy_peer_image, PeerImage, PeerSlot};
+pub use dir::{
+    job_tag, ring_prefix, slot_file_name, slot_files, slot_path, user_dir, user_dir_name, SlotDir,
+    SlotFile,
+};
+pub use peek::{peek_file, peek_slot, SlotPeek};
+pub use peer::{PeerImage, PeerSlot};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]
 pub struct RingOptions {
-    /// Directory of the slot files, e.g. `/dev/shm`.
+    /// The shared-memory directory, e.g. `/dev/shm`: the slot files live
+    /// in its per-user directory [`user_dir`]`(dir)`.
     pub dir: PathBuf,
-    /// File name prefix, unique per job and rank, e.g. `acp-0123456789abcdef-r00000`.
+    /// File name prefix, unique per job and rank, e.g.
+    /// `acp-0123456789abcdef-r00000` ([`ring_prefix`]).
     pub prefix: String,
     /// blake3 of the job id; stored in each control block and checked on open.
     pub job_tag: Digest,
@@ -252,6 +281,7 @@ pub struct PinnedSlot {
     image: Image,
     step: u64,
     len: usize,
+    generation: u64,
 }
 
 impl Ring {
@@ -266,8 +296,10 @@ impl Ring {
     ///
     /// # Errors
     /// [`Error::Busy`] when another live process holds the slots (names
-    /// the pid if known), or a slot file is owned by another user;
-    /// [`Error::Invalid`] when the options are impossible (no slots, chunk
+    /// the pid if known), or a slot file or the per-user directory is
+    /// owned by another user; [`Error::Invalid`] when the per-user
+    /// directory is a symlink, not a directory or not mode `0700`, a slot
+    /// file is not a regular file, or the options are impossible (no slots, chunk
     /// size 0, a budget with no room for an image, a prefix that is not a
     /// plain file name); [`Error::Io`], or [`Error::NoSpace`] when the
     /// directory is full.
@@ -446,6 +478,7 @@ impl Ring {
             image,
             step: e.step,
             len: usize::try_from(e.len).unwrap_or(usize::MAX),
+            generation: e.generation,
         })
     }
 
@@ -528,30 +561,57 @@ impl Ring {
     /// From then on it is neither listed by [`Ring::complete`] nor pinnable.
     /// Ignored for a `Staging` slot (dropping its [`StagingSlot`] frees it).
     pub fn release(&self, slot: usize) {
+        self.release_if(slot, None);
+    }
+
+    /// [`Ring::release`] of slot `slot` only while it holds the image of
+    /// generation `generation` ([`PinnedSlot::generation`],
+    /// [`Ring::generation`]); a slot acquired again since is left alone.
+    /// Returns whether the image was released.
+    pub fn release_generation(&self, slot: usize, generation: u64) -> bool {
+        self.release_if(slot, Some(generation))
+    }
+
+    /// The generation of slot `slot` while it holds a complete image.
+    #[must_use]
+    pub fn generation(&self, slot: usize) -> Option<u64> {
+        let t = self.inner.lock();
+        t.slots
+            .get(slot)
+            .filter(|e| e.is_available())
+            .map(|e| e.generation)
+    }
+
+    fn release_if(&self, slot: usize, generation: Option<u64>) -> bool {
         let inner = &self.inner;
         let mut t = inner.lock();
         let Some(e) = t.slots.get_mut(slot) else {
-            return;
+            return false;
         };
+        if generation.is_some_and(|g| g != e.generation) {
+            return false;
+        }
         match e.state {
-            SlotState::Free => return,
+            SlotState::Free => return false,
             SlotState::Staging => {
                 tracing::warn!(
                     "{}: slot {slot}: release of a staging slot ignored",
                     inner.what()
                 );
-                return;
+                return false;
             }
             SlotState::Resident | SlotState::Flushing | SlotState::Persisted => {}
         }
         if e.pins > 0 {
+            let released = !e.free_on_unpin;
             e.free_on_unpin = true;
             e.has_digests = false;
-            return;
+            return released;
         }
         e.free();
         drop(t);
         inner.freed.notify_all();
+        true
     }
 
     /// The file that backs slot `slot`, for messages.
@@ -565,17 +625,19 @@ impl Ring {
         self.inner.freed.notify_all();
     }
 
-    /// Unlinks the slot files (their memory is freed once unmapped). For
-    /// tests and `acp gc --shm`; a normal close keeps them resident.
+    /// Unlinks the slot files (their memory is freed once unmapped), then
+    /// the per-user directory when no other ring uses it and it is empty.
+    /// The ring keeps working on its open files but no longer holds the
+    /// directory.
+    /// For tests and `acp gc --shm`; a normal close keeps them resident.
     pub fn unlink_all(&self) {
-        for slot in 0..self.inner.opts.slots {
-            let path = self.inner.path(slot);
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!("unlink {}: {e}", path.display()),
+        let inner = &self.inner;
+        for slot in 0..inner.opts.slots {
+            if let Err(e) = inner.dir.unlink(&inner.name(slot)) {
+                tracing::warn!("unlink {}: {e}", inner.path(slot).display());
             }
         }
+        inner.dir.remove_if_unused();
     }
 
     /// Whether every slot mapped so far is locked in RAM (`mlock` asked for
@@ -633,7 +695,9 @@ impl StagingSlot {
 
         let ring = Arc::clone(&self.ring);
         let mut t = ring.lock();
+        let mut generation = 0;
         if let Some(e) = t.slots.get_mut(self.slot) {
+            generation = e.generation;
             if let Some(m) = &mut e.mem {
                 m.ctrl.set_image(step, len as u64);
                 m.ctrl.set_state(SlotState::Resident);
@@ -651,6 +715,7 @@ impl StagingSlot {
             image: self.image.clone(),
             step,
             len,
+            generation,
         }
     }
 }
@@ -680,6 +745,13 @@ impl PinnedSlot {
     #[must_use]
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The slot's generation, which names this image: each
+    /// [`Ring::acquire`] of the slot changes it.
+    #[must_use]
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The image (exactly its length).
@@ -717,6 +789,7 @@ impl Clone for PinnedSlot {
             image: self.image.clone(),
             step: self.step,
             len: self.len,
+            generation: self.generation,
         }
     }
 }

@@ -1,23 +1,19 @@
 //! Opening a ring: slot files, locks, and recovery of what a previous
 //! process left in them.
 
-use std::fs::{File, OpenOptions, Permissions};
+use std::fs::{File, Permissions};
 use std::io::ErrorKind;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::path::Path;
 use std::sync::{Condvar, Mutex};
 
 use crate::error::{Error, Result};
 
 use super::control::{off, Header, Layout, HEADER_BYTES, HEADER_PAGE, PAGE};
+use super::dir::{slot_file_name, SlotDir};
 use super::slot::{self, SlotMem};
 use super::table::{Entry, Inner, Table};
 use super::{RingOptions, RingReport, SlotState};
-
-/// The file of slot `slot`.
-pub(super) fn slot_path(opts: &RingOptions, slot: usize) -> PathBuf {
-    opts.dir.join(format!("{}-s{slot}", opts.prefix))
-}
 
 /// Opens the ring described by `opts`.
 pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
@@ -31,13 +27,14 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
     let layout = Layout::new(opts.budget, opts.slots, opts.chunk_bytes)?;
     let mut report = RingReport::default();
     let mut mlock_error = None;
+    let dir = SlotDir::create(&opts.dir)?;
     // Every lock first, so that a busy ring is left exactly as it is.
     let files = (0..opts.slots)
-        .map(|i| open_locked(&slot_path(&opts, i)))
+        .map(|i| open_locked(&dir, &slot_file_name(p, i)))
         .collect::<Result<Vec<File>>>()?;
     let mut slots = Vec::with_capacity(opts.slots);
     for (i, file) in files.iter().enumerate() {
-        let path = slot_path(&opts, i);
+        let path = dir.path().join(slot_file_name(p, i));
         let entry = Recovery {
             opts: &opts,
             layout: &layout,
@@ -71,6 +68,7 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
     Ok((
         Inner {
             opts,
+            dir,
             layout,
             files,
             table: Mutex::new(table),
@@ -80,31 +78,12 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
     ))
 }
 
-/// Opens (creating) a slot file with mode 0600 and takes its `flock`.
-fn open_locked(path: &Path) -> Result<File> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| Error::io("open", path, e))?;
+/// Opens (creating) slot file `name` of `dir` with mode 0600 (a regular
+/// file of this user, else refused) and takes its `flock`.
+fn open_locked(dir: &SlotDir, name: &str) -> Result<File> {
+    let path = &dir.path().join(name);
+    let file = dir.open_rw(name)?;
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
-    if !meta.file_type().is_file() {
-        return Err(Error::invalid(
-            path.display(),
-            "ring slot is not a regular file",
-        ));
-    }
-    let me = slot::euid();
-    if meta.uid() != me {
-        return Err(Error::Busy {
-            what: path.display().to_string(),
-            reason: format!("owned by uid {}, not by this user (uid {me})", meta.uid()),
-        });
-    }
     if meta.mode() & 0o7777 != 0o600 {
         file.set_permissions(Permissions::from_mode(0o600))
             .map_err(|e| Error::io("chmod", path, e))?;

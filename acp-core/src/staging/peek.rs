@@ -2,8 +2,8 @@
 //! no lock, no write. For tools (`acp ls`, `acp persist`) that look at the
 //! slots of a job that may be live in another process.
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -52,15 +52,17 @@ impl SlotPeek {
 }
 
 /// Reads the control block of the slot file at `path` without mapping or
-/// locking it. `Ok(None)` when the file holds no valid control block
-/// (too short, another magic or version).
+/// locking it (nor following a symlink, nor blocking on a FIFO).
+/// `Ok(None)` when the file holds no valid control block (too short,
+/// another magic or version) or is not a regular file owned by the
+/// effective uid.
 ///
 /// # Errors
 /// [`Error::NotFound`] when there is no such file; [`Error::Io`].
 pub fn peek_slot(path: &Path) -> Result<Option<SlotPeek>> {
     let file = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -71,6 +73,21 @@ pub fn peek_slot(path: &Path) -> Result<Option<SlotPeek>> {
                 Error::io("open", path, e)
             }
         })?;
+    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+    if !meta.is_file() || meta.uid() != super::slot::euid() {
+        return Ok(None);
+    }
+    peek_file(&file, path)
+}
+
+/// Reads the control block of the open slot file `file` (at `path`, for
+/// messages; see [`SlotFile::open`](super::SlotFile::open)) without
+/// mapping or locking it. `Ok(None)` when the file holds no valid control
+/// block (too short, another magic or version).
+///
+/// # Errors
+/// [`Error::Io`].
+pub fn peek_file(file: &File, path: &Path) -> Result<Option<SlotPeek>> {
     let file_len = file
         .metadata()
         .map_err(|e| Error::io("stat", path, e))?

@@ -7,15 +7,15 @@
 //! length and generation). The caller verifies the bytes against the
 //! committed digests before using them.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::format::Digest;
 
 use super::control::{off, Header};
-use super::SlotState;
+use super::{SlotFile, SlotState};
 
 /// The image a caller wants from another rank's slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,26 +41,18 @@ pub struct PeerSlot {
 }
 
 impl PeerSlot {
-    /// Opens the slot file at `path` when it holds the image `want`
+    /// Opens the slot file `slot` when it holds the image `want`
     /// describes, complete; `Ok(None)` when it does not (another step or
     /// length, staging, not this job's or rank's, not this user's, absent).
     ///
     /// # Errors
     /// [`Error::Io`] opening or reading it.
-    pub fn open(path: &Path, want: PeerImage) -> Result<Option<PeerSlot>> {
-        let file = match OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(path)
-        {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io("open", path, e)),
+    pub fn open(slot: &SlotFile, want: PeerImage) -> Result<Option<PeerSlot>> {
+        let path = &slot.path();
+        let Some(file) = slot.open()? else {
+            return Ok(None);
         };
         let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
-        if !meta.is_file() || meta.uid() != super::slot::euid() {
-            return Ok(None);
-        }
         let Some(before) = control_block(&file, path)? else {
             return Ok(None);
         };
@@ -110,27 +102,6 @@ impl PeerSlot {
             holds(&after, &self.want, self.file_len) && after.generation == self.before.generation
         }))
     }
-}
-
-/// Copies the whole image `want` describes out of the slot file at `path`
-/// into `dst[..want.len]`. `Ok(false)` when the slot does not hold it (see
-/// [`PeerSlot::open`]) or was reacquired during the copy.
-///
-/// # Errors
-/// [`Error::Invalid`] when `dst` is shorter than the image; [`Error::Io`].
-pub fn copy_peer_image(path: &Path, want: &PeerImage, dst: &mut [u8]) -> Result<bool> {
-    let len = usize::try_from(want.len).unwrap_or(usize::MAX);
-    if dst.len() < len {
-        return Err(Error::invalid(
-            path.display(),
-            format!("buffer of {} bytes for an image of {}", dst.len(), want.len),
-        ));
-    }
-    let Some(slot) = PeerSlot::open(path, *want)? else {
-        return Ok(false);
-    };
-    slot.read_at(0, &mut dst[..len])?;
-    slot.unchanged()
 }
 
 fn control_block(file: &File, path: &Path) -> Result<Option<Header>> {

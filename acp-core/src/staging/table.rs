@@ -8,13 +8,16 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use crate::error::{Error, Result};
 
 use super::control::{round_up, Header, Layout, PAGE};
+use super::dir::{slot_file_name, SlotDir};
 use super::slot::{self, SlotMem};
-use super::{open, RingOptions, SlotInfo, SlotState};
+use super::{RingOptions, SlotInfo, SlotState};
 
 /// What all clones of a [`Ring`](super::Ring) share.
 #[derive(Debug)]
 pub(super) struct Inner {
     pub(super) opts: RingOptions,
+    /// The per-user directory of the slot files, held with a shared `flock`.
+    pub(super) dir: SlotDir,
     pub(super) layout: Layout,
     /// The slot files, locked for the life of the ring.
     pub(super) files: Vec<File>,
@@ -85,12 +88,20 @@ impl Inner {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    pub(super) fn name(&self, slot: usize) -> String {
+        slot_file_name(&self.opts.prefix, slot)
+    }
+
     pub(super) fn path(&self, slot: usize) -> PathBuf {
-        open::slot_path(&self.opts, slot)
+        self.dir.path().join(self.name(slot))
     }
 
     pub(super) fn what(&self) -> String {
-        format!("ring `{}` in {}", self.opts.prefix, self.opts.dir.display())
+        format!(
+            "ring `{}` in {}",
+            self.opts.prefix,
+            self.dir.path().display()
+        )
     }
 
     /// Picks the slot `acquire` takes for `len` bytes: a `Free` one (one
