@@ -350,7 +350,7 @@ fn every_change_to_a_stored_or_resident_checkpoint_is_detected() {
         let resident = rng.below(2) == 0;
         let result = if resident {
             let pick = &slots[rng.below(slots.len() as u64) as usize];
-            let file = shm.join(pick.file_name().unwrap());
+            let file = acp_core::staging::user_dir(&shm).join(pick.file_name().unwrap());
             // Most flips aim at the image, a small part of a slot file.
             let layout = &p.slots[&pick.file_name().unwrap().to_string_lossy().into_owned()];
             let focus = (rng.below(4) != 0).then_some((layout.image_offset, layout.image_len));

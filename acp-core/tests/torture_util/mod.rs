@@ -160,9 +160,12 @@ pub(crate) fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
     (t, root, shm)
 }
 
-/// Copies a directory tree of plain files and directories.
+/// Copies the tree `from` to `to`, directory modes kept (a ring's per-user
+/// directory must stay 0700).
 pub(crate) fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).expect("copy target");
+    let mode = std::fs::metadata(from).expect("copy source").permissions();
+    std::fs::set_permissions(to, mode).expect("copy mode");
     for ent in std::fs::read_dir(from).expect("copy source") {
         let ent = ent.expect("entry");
         let dst = to.join(ent.file_name());
