@@ -29,6 +29,8 @@ RUST_SUITES = [
     "torture_faults",
     "torture_hostile",
     "torture_perms",
+    "torture_neighbours",
+    "failed_slots",
     "crash_consistency",
 ]
 WHERE = {
