@@ -20,7 +20,8 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 
 use super::handle::Completion;
-use super::{retain, FailedSlot, SaveReport, Shared};
+use super::state::{FailedSlot, Shared};
+use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry, Index,
@@ -219,14 +220,8 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             }
         }
         if let Some(k) = shared.cfg.keep_last {
-            match retain(root, k, shared.cfg.keep_every) {
-                Ok(deleted) => {
-                    let mut st = shared.lock();
-                    for s in &deleted {
-                        st.committed.remove(s);
-                    }
-                }
-                Err(e) => tracing::warn!("acp: retention after step {step} failed: {e}"),
+            if let Err(e) = shared.retain(k, shared.cfg.keep_every) {
+                tracing::warn!("acp: retention after step {step} failed: {e}");
             }
         }
         let commit_secs = t_commit.elapsed().as_secs_f64();
