@@ -44,11 +44,10 @@ fn slot_matches_index(ring: &Ring, root: &Root, cfg: &EngineConfig, info: &SlotI
         .is_some_and(|f| load::slot_matches_entry(ring, info, f, cfg.chunk_bytes as u64))
 }
 
-/// This engine's job id: the configured one, else the canonical root path.
+/// This engine's job id: the configured one, else the canonical root path
+/// ([`crate::staging::job_id`]).
 pub(super) fn job_id(cfg: &EngineConfig, root: &Root) -> String {
-    cfg.job
-        .clone()
-        .unwrap_or_else(|| root.path().to_string_lossy().into_owned())
+    crate::staging::job_id(root.path(), cfg.job.as_deref())
 }
 
 /// The slot file prefix of `rank` of this engine's job, and the job tag
@@ -63,6 +62,61 @@ pub(super) fn job_names(
         crate::staging::ring_prefix(&job, rank),
         crate::staging::job_tag(&job),
     )
+}
+
+/// What open does with the complete slots a previous process left.
+struct Recovery {
+    /// Newer than the newest committed step: flushed and committed now
+    /// (with `persist_on_open`).
+    to_persist: Vec<SlotInfo>,
+    /// Restorable, but given up when the ring needs room.
+    stale: Vec<FailedSlot>,
+}
+
+/// Sorts the slots recovered from a previous process. Those left Resident
+/// or Flushing and newer than the newest committed step are persisted
+/// (with `persist_on_open`). Of the others left so: a process that died
+/// between a commit and marking its slot left a committed copy (marked
+/// Persisted here, once its digests match the index's); the rest (older
+/// than the newest committed step, or not persisted on open) stay
+/// restorable but are given up when the ring needs room, like a slot whose
+/// flush failed. Left as they were, they would hold their slots for ever
+/// and stall every later save.
+fn sort_recovered(
+    cfg: &EngineConfig,
+    ring: &Ring,
+    root: &Root,
+    recovered: &[SlotInfo],
+    committed: &[u64],
+) -> Recovery {
+    let latest = committed.last().copied();
+    let to_persist: Vec<SlotInfo> = if cfg.persist_on_open {
+        recovered
+            .iter()
+            .filter(|s| latest.is_none_or(|l| s.step > l) && !committed.contains(&s.step))
+            .filter(|s| matches!(s.state, SlotState::Resident | SlotState::Flushing))
+            .cloned()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut stale = Vec::new();
+    for info in recovered {
+        if !matches!(info.state, SlotState::Resident | SlotState::Flushing)
+            || to_persist.iter().any(|p| p.slot == info.slot)
+        {
+            continue;
+        }
+        if committed.contains(&info.step) && slot_matches_index(ring, root, cfg, info) {
+            ring.set_state(info.slot, SlotState::Persisted);
+        } else if let Some(generation) = ring.generation(info.slot) {
+            stale.push(FailedSlot {
+                slot: info.slot,
+                generation,
+            });
+        }
+    }
+    Recovery { to_persist, stale }
 }
 
 impl Engine {
@@ -97,47 +151,13 @@ impl Engine {
             tracing::info!(swept, root = %root.path().display(), "acp: removed unfinished saves of a previous process");
         }
         let committed = root.steps()?;
-        let latest = committed.last().copied();
-        let resident_steps: Vec<u64> = ring_report.recovered.iter().map(|s| s.step).collect();
-        let to_persist: Vec<SlotInfo> = if config.persist_on_open {
-            ring_report
-                .recovered
-                .iter()
-                .filter(|s| latest.is_none_or(|l| s.step > l) && !committed.contains(&s.step))
-                .filter(|s| matches!(s.state, SlotState::Resident | SlotState::Flushing))
-                .cloned()
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // The other complete slots left Resident or Flushing: a process that
-        // died between a commit and marking its slot left a committed copy
-        // (Persisted, once its digests match the index's); the rest (older
-        // than the newest committed step, or not persisted on open) stay
-        // restorable but are given up when the ring needs room, like a slot
-        // whose flush failed. Left as they were, they would hold their
-        // slots for ever and stall every later save.
-        let mut stale = Vec::new();
-        for info in &ring_report.recovered {
-            if !matches!(info.state, SlotState::Resident | SlotState::Flushing)
-                || to_persist.iter().any(|p| p.slot == info.slot)
-            {
-                continue;
-            }
-            if committed.contains(&info.step) && slot_matches_index(&ring, &root, &config, info) {
-                ring.set_state(info.slot, SlotState::Persisted);
-            } else if let Some(generation) = ring.generation(info.slot) {
-                stale.push(FailedSlot {
-                    slot: info.slot,
-                    generation,
-                });
-            }
-        }
+        let Recovery { to_persist, stale } =
+            sort_recovered(&config, &ring, &root, &ring_report.recovered, &committed);
         let report = OpenReport {
             io: io.kind(),
             mlocked: ring_report.mlocked,
             mlock_error: ring_report.mlock_error.clone(),
-            resident_steps,
+            resident_steps: ring_report.recovered.iter().map(|s| s.step).collect(),
             persisting_steps: to_persist.iter().map(|s| s.step).collect(),
             discarded_half_staged: ring_report.discarded_half_staged,
         };
@@ -164,6 +184,15 @@ impl Engine {
             }),
             idle: Condvar::new(),
         });
+        let engine = Engine::start(shared)?;
+        for info in &to_persist {
+            engine.persist_slot(info, true)?;
+        }
+        Ok(engine)
+    }
+
+    /// Starts the flush thread on `shared`.
+    fn start(shared: Arc<Shared>) -> Result<Engine> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let worker = {
             let for_thread = Arc::clone(&shared);
@@ -172,17 +201,13 @@ impl Engine {
                 .spawn(move || flush::run(&for_thread, &rx))
                 .map_err(|e| Error::io("start flush thread", shared.root.path(), e))?
         };
-        let engine = Engine {
+        Ok(Engine {
             inner: Arc::new(Inner {
                 shared,
                 tx: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
             }),
-        };
-        for info in &to_persist {
-            engine.persist_slot(info, true)?;
-        }
-        Ok(engine)
+        })
     }
 
     /// Queues the flush and commit of the resident image of `step` that a
