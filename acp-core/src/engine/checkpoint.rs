@@ -44,7 +44,11 @@ pub struct Checkpoint {
     pub(super) copy_threads: usize,
 }
 
-/// One tensor of a loaded [`Checkpoint`].
+/// One tensor of a loaded [`Checkpoint`]. Shaped as [`HostTensor`], the
+/// save side's, on purpose: two public types, so that either can change
+/// without the other.
+///
+/// [`HostTensor`]: super::HostTensor
 #[derive(Debug, Clone, Copy)]
 pub struct TensorView<'a> {
     /// Name.

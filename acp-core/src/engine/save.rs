@@ -153,6 +153,9 @@ impl Engine {
         Ok(layout)
     }
 
+    /// The stall's start behind [`Engine::begin_save`] and
+    /// [`Engine::begin_save_json`] (whose parameters it repeats), once
+    /// their values are checked JSON text.
     fn begin(
         &self,
         step: u64,
