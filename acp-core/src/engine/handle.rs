@@ -13,7 +13,7 @@ use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::io::IoKind;
 
-/// The completion handle of a save. Also a [`Future`](std::future::Future).
+/// The completion handle of a save. Also a [`Future`].
 ///
 /// Its blocking waits watch the flush: when it makes no progress for the
 /// engine's stall timeout, they fail with [`Error::Timeout`] naming what is

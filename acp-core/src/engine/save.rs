@@ -41,7 +41,7 @@ pub struct SaveReport {
     /// The step.
     pub step: u64,
     /// True when the save was skipped because no slot was free
-    /// ([`WhenFull::Skip`](crate::WhenFull::Skip)); nothing was written.
+    /// ([`WhenFull::Skip`]); nothing was written.
     pub skipped: bool,
     /// Image bytes (the data file's size).
     pub bytes: u64,
