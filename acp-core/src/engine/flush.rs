@@ -20,7 +20,8 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 
 use super::handle::Completion;
-use super::{retain, FailedSlot, SaveReport, Shared};
+use super::state::{FailedSlot, Shared};
+use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry, Index,
@@ -219,14 +220,8 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             }
         }
         if let Some(k) = shared.cfg.keep_last {
-            match retain(root, k, shared.cfg.keep_every) {
-                Ok(deleted) => {
-                    let mut st = shared.lock();
-                    for s in &deleted {
-                        st.committed.remove(s);
-                    }
-                }
-                Err(e) => tracing::warn!("acp: retention after step {step} failed: {e}"),
+            if let Err(e) = shared.retain(k, shared.cfg.keep_every) {
+                tracing::warn!("acp: retention after step {step} failed: {e}");
             }
         }
         let commit_secs = t_commit.elapsed().as_secs_f64();
@@ -263,6 +258,26 @@ fn publish(shared: &Shared, dir: &std::path::Path, step: u64, overwrite: bool) -
 /// How often the ranks look for each other's progress on storage.
 const POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
+/// One look of a commit waiting on other ranks: notes `waiting` as the
+/// flush's progress, fails with `late()` once `deadline` (the commit
+/// timeout) has passed, else sleeps one poll.
+fn poll_ranks(
+    shared: &Shared,
+    deadline: Instant,
+    waiting: String,
+    late: impl FnOnce() -> String,
+) -> Result<()> {
+    shared.note_progress(waiting);
+    if Instant::now() >= deadline {
+        return Err(Error::Timeout {
+            what: late(),
+            secs: shared.cfg.commit_timeout.as_secs_f64(),
+        });
+    }
+    std::thread::sleep(POLL);
+    Ok(())
+}
+
 /// Rank 0 of a multi-rank save: waits until every rank has reported its file
 /// durable (a manifest in its pending directory), moves the files into one
 /// directory, writes the index and publishes the step.
@@ -276,14 +291,12 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
             break reported;
         }
         let missing: Vec<u32> = (0..world).filter(|r| !reported.contains_key(r)).collect();
-        shared.note_progress(format!("step {step}: waiting for ranks {missing:?}"));
-        if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                what: format!("step {step}: ranks {missing:?} did not report their files durable"),
-                secs: shared.cfg.commit_timeout.as_secs_f64(),
-            });
-        }
-        std::thread::sleep(POLL);
+        poll_ranks(
+            shared,
+            deadline,
+            format!("step {step}: waiting for ranks {missing:?}"),
+            || format!("step {step}: ranks {missing:?} did not report their files durable"),
+        )?;
     };
     let mut manifests = Vec::with_capacity(reported.len());
     for (&r, dir) in &reported {
@@ -350,13 +363,11 @@ fn wait_for_commit(shared: &Shared, step: u64, our_root: &str) -> Result<()> {
                 return Ok(());
             }
         }
-        shared.note_progress(format!("step {step}: waiting for rank 0 to commit"));
-        if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                what: format!("step {step}: rank 0 did not commit (ranks [0] did not answer)"),
-                secs: shared.cfg.commit_timeout.as_secs_f64(),
-            });
-        }
-        std::thread::sleep(POLL);
+        poll_ranks(
+            shared,
+            deadline,
+            format!("step {step}: waiting for rank 0 to commit"),
+            || format!("step {step}: rank 0 did not commit (ranks [0] did not answer)"),
+        )?;
     }
 }

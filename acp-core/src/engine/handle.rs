@@ -3,13 +3,27 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use super::{SaveHandle, SaveReport, Shared, WATCH_TICK};
+use super::state::Shared;
+use super::wait::WATCH_TICK;
+use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::io::IoKind;
+
+/// The completion handle of a save. Also a [`Future`].
+///
+/// Its blocking waits watch the flush: when it makes no progress for the
+/// engine's stall timeout, they fail with [`Error::Timeout`] naming what is
+/// stuck (the save may still finish later; wait again to see it).
+#[derive(Debug, Clone)]
+pub struct SaveHandle {
+    done: Arc<Completion>,
+    /// The engine whose flush to watch, while it lives.
+    watch: Option<Weak<Shared>>,
+}
 
 /// The shared completion cell of one save.
 #[derive(Debug)]
@@ -106,7 +120,7 @@ impl SaveHandle {
     }
 
     /// A handle whose waits watch `engine`'s flush for progress.
-    pub(super) fn watched(c: Arc<Completion>, engine: std::sync::Weak<Shared>) -> SaveHandle {
+    pub(super) fn watched(c: Arc<Completion>, engine: Weak<Shared>) -> SaveHandle {
         SaveHandle {
             done: c,
             watch: Some(engine),

@@ -4,29 +4,46 @@
 use std::path::Path;
 use std::time::Instant;
 
-use super::{
-    copy, ranks, verify, wait_for, Checkpoint, LoadReport, LoadRequest, Shared, Source, TensorView,
-};
+use super::checkpoint::Backing;
+use super::state::Shared;
+use super::to_usize;
+use super::wait::wait_for;
+use super::{ranks, verify, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, unhex, Entry, FileEntry, ParsedHeader};
-use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState};
+use crate::format::{data_file_name, parse_header, unhex, FileEntry, ParsedHeader};
+use crate::staging::{Ring, SlotInfo, SlotState};
 
-/// The memory a loaded checkpoint's views point into.
-#[derive(Debug)]
-pub(super) enum Backing {
-    /// A pinned ring slot.
-    Slot(PinnedSlot),
-    /// Private page-aligned memory, `len` bytes of it used.
-    Heap(memmap2::MmapMut, usize),
+/// Which step to load, and from where.
+#[derive(Debug, Clone, Default)]
+pub struct LoadRequest {
+    /// The step; the newest committed one when `None`.
+    pub step: Option<u64>,
+    /// Read from storage even when the step is resident.
+    pub storage_only: bool,
+    /// When the wanted (latest) step is corrupt, fall back to the newest
+    /// older committed step that is intact. Only with `step: None`.
+    pub fallback: bool,
+    /// Load the file written by this rank instead of this engine's own:
+    /// from that rank's slot when it is resident on this node (verified
+    /// against the committed digests), else from storage. With several
+    /// ranks, each file holds that rank's share of the tensors.
+    pub rank: Option<u32>,
+    /// Only these tensors of another rank's file (with its values): only
+    /// the digest chunks under its header and under them are read. Ignored
+    /// for this engine's own file, which is loaded whole.
+    pub tensors: Option<Vec<String>>,
 }
 
-impl Backing {
-    fn image(&self) -> &[u8] {
-        match self {
-            Backing::Slot(p) => p.image(),
-            Backing::Heap(m, len) => &m[..*len],
-        }
+impl Engine {
+    /// Loads a committed step: from its resident slot when one holds it,
+    /// else from storage (into a slot, which becomes resident).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`], [`Error::Corrupt`] naming the file and tensor,
+    /// [`Error::Io`].
+    pub fn load(&self, req: &LoadRequest) -> Result<Checkpoint> {
+        load(self.shared(), req)
     }
 }
 
@@ -406,102 +423,4 @@ fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected<'_>) -> 
         }
     }
     Ok(())
-}
-
-fn to_usize(v: u64) -> usize {
-    super::to_usize(v)
-}
-
-impl Checkpoint {
-    fn with_rejected(mut self, rejected: Option<String>) -> Checkpoint {
-        self.report.rejected = rejected;
-        self
-    }
-
-    /// The step.
-    #[must_use]
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// How it was loaded.
-    #[must_use]
-    pub fn report(&self) -> &LoadReport {
-        &self.report
-    }
-
-    /// The plain values saved with it.
-    #[must_use]
-    pub fn values(&self) -> &serde_json::Value {
-        &self.values
-    }
-
-    /// The tensors, in file order.
-    #[must_use]
-    pub fn entries(&self) -> &[Entry] {
-        &self.entries
-    }
-
-    /// The whole image (a safetensors file).
-    #[must_use]
-    pub fn image(&self) -> &[u8] {
-        self.backing.image()
-    }
-
-    /// The tensor named `name`.
-    #[must_use]
-    pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
-        self.entries
-            .iter()
-            .find(|e| e.name == name)
-            .map(|e| TensorView {
-                name: &e.name,
-                dtype: e.dtype,
-                shape: &e.shape,
-                data: self.data(e),
-            })
-    }
-
-    /// The bytes of `entry` (one of [`Checkpoint::entries`]).
-    #[must_use]
-    pub fn data(&self, entry: &Entry) -> &[u8] {
-        let off = to_usize(entry.offset);
-        &self.backing.image()[off..off + to_usize(entry.len)]
-    }
-
-    /// Copies each tensor `dsts[k].0` (an index into [`Checkpoint::entries`])
-    /// into `dsts[k].1`, in parallel over the copy threads.
-    ///
-    /// # Errors
-    /// [`Error::Invalid`] naming the tensor when an index is out of range or
-    /// a length differs, before anything is copied.
-    pub fn copy_into(&self, dsts: &mut [(usize, &mut [u8])]) -> Result<()> {
-        for (i, d) in dsts.iter() {
-            let Some(e) = self.entries.get(*i) else {
-                return Err(Error::invalid(
-                    format!("tensor index {i}"),
-                    format!("step {} has {} tensors", self.step, self.entries.len()),
-                ));
-            };
-            if d.len() as u64 != e.len {
-                return Err(Error::invalid(
-                    format!("tensor `{}`", e.name),
-                    format!(
-                        "destination has {} bytes, the checkpoint {}",
-                        d.len(),
-                        e.len
-                    ),
-                ));
-            }
-        }
-        let pairs = dsts
-            .iter_mut()
-            .map(|(i, d)| {
-                let src = self.data(&self.entries[*i]);
-                (&mut **d, src)
-            })
-            .collect();
-        copy::parallel_copy(pairs, self.copy_threads);
-        Ok(())
-    }
 }

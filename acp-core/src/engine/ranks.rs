@@ -17,8 +17,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::load::Backing;
-use super::{Checkpoint, LoadReport, Shared, Source};
+use super::checkpoint::Backing;
+use super::open::{job_id, job_names};
+use super::state::Shared;
+use super::{Checkpoint, LoadReport, Source};
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, parse_header, unhex, FileEntry, ParsedHeader, MAX_HEADER_BYTES,
@@ -29,7 +31,7 @@ use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
 /// under the shm directory, whatever the number of slots that rank
 /// configured.
 fn peer_slots(shared: &Shared, rank: u32) -> Vec<SlotFile> {
-    let job = super::job_id(&shared.cfg, &shared.root);
+    let job = job_id(&shared.cfg, &shared.root);
     slot_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
         tracing::debug!("acp: rank {rank}'s slots: {e}");
         Vec::new()
@@ -37,7 +39,7 @@ fn peer_slots(shared: &Shared, rank: u32) -> Vec<SlotFile> {
 }
 
 fn peer_image(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> PeerImage {
-    let (_, job_tag) = super::job_names(&shared.cfg, &shared.root, rank);
+    let (_, job_tag) = job_names(&shared.cfg, &shared.root, rank);
     PeerImage {
         job_tag,
         rank,

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{open_root, shown};
+use crate::engine::retention::check_keep_last;
 use crate::error::{Error, Result};
 
 /// What `gc` removes.
@@ -41,22 +42,7 @@ pub struct GcReport {
     pub freed_bytes: u64,
 }
 
-/// The steps retention removes from `steps` (ascending): all but the newest
-/// `keep_last` and the multiples of `keep_every`. The engine's rule.
-#[must_use]
-pub fn retention_plan(steps: &[u64], keep_last: usize, keep_every: Option<u64>) -> Vec<u64> {
-    let n = steps.len();
-    steps
-        .iter()
-        .enumerate()
-        .filter(|&(i, &step)| {
-            let recent = i + keep_last >= n;
-            let milestone = keep_every.is_some_and(|m| m > 0 && step % m == 0);
-            !recent && !milestone
-        })
-        .map(|(_, &s)| s)
-        .collect()
-}
+pub use crate::engine::retention::retention_plan;
 
 /// Applies retention to `root` (removing each step by renaming it out of
 /// view, syncing the root, then deleting it, so a reader never sees half a
@@ -68,11 +54,8 @@ pub fn retention_plan(steps: &[u64], keep_last: usize, keep_every: Option<u64>) 
 /// [`Error::Config`] for `keep_last == 0`; [`Error::NotFound`]; [`Error::Io`].
 pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
     let root = open_root(root)?;
-    if opts.keep_last == Some(0) {
-        return Err(Error::Config {
-            field: "keep_last",
-            reason: "must be at least 1 (0 would delete every checkpoint)".into(),
-        });
+    if let Some(k) = opts.keep_last {
+        check_keep_last(k)?;
     }
     let steps = root.steps()?;
     let remove = opts
@@ -147,18 +130,4 @@ fn dir_bytes(dir: &Path) -> u64 {
             .map(|m| m.len())
             .sum()
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retention_keeps_newest_and_milestones() {
-        let steps = [100, 200, 300, 400, 500];
-        assert_eq!(retention_plan(&steps, 2, None), vec![100, 200, 300]);
-        assert_eq!(retention_plan(&steps, 2, Some(200)), vec![100, 300]);
-        assert_eq!(retention_plan(&steps, 9, None), Vec::<u64>::new());
-        assert_eq!(retention_plan(&steps, 1, Some(0)), vec![100, 200, 300, 400]);
-    }
 }

@@ -15,10 +15,10 @@ use crate::staging::{job_tag, peek_file, slot_files, SlotState};
 pub const DEFAULT_SHM_DIR: &str = "/dev/shm";
 
 /// The job id an engine on `root` uses when none is configured: the
-/// canonical root path.
+/// canonical root path ([`crate::staging::job_id`]).
 #[must_use]
 pub fn job_id(root: &Path, job: Option<&str>) -> String {
-    job.map_or_else(|| root.to_string_lossy().into_owned(), str::to_owned)
+    crate::staging::job_id(root, job)
 }
 
 /// The file name prefix of the slots of `job` and `rank`:

@@ -47,6 +47,14 @@ pub fn user_dir(shm_dir: &Path) -> PathBuf {
     shm_dir.join(user_dir_name())
 }
 
+/// The job id of an engine on `root` (its canonical path) configured with
+/// `job`: `job` when given, else the root path. Slot names and the job tag
+/// derive from it.
+#[must_use]
+pub fn job_id(root: &Path, job: Option<&str>) -> String {
+    job.map_or_else(|| root.to_string_lossy().into_owned(), str::to_owned)
+}
+
 /// The job tag stored in every control block: blake3 of the job id.
 #[must_use]
 pub fn job_tag(job: &str) -> Digest {

@@ -181,8 +181,8 @@ use slot::Image;
 use table::Inner;
 
 pub use dir::{
-    job_tag, ring_prefix, slot_file_name, slot_files, slot_path, user_dir, user_dir_name, SlotDir,
-    SlotFile,
+    job_id, job_tag, ring_prefix, slot_file_name, slot_files, slot_path, user_dir, user_dir_name,
+    SlotDir, SlotFile,
 };
 pub use peek::{peek_file, peek_slot, SlotPeek};
 pub use peer::{PeerImage, PeerSlot};

@@ -1,0 +1,174 @@
+//! A loaded checkpoint: zero-copy views into the memory it was loaded
+//! into, and the figures of the load.
+
+use super::{copy, to_usize};
+use crate::error::{Error, Result};
+use crate::format::{Dtype, Entry};
+use crate::staging::PinnedSlot;
+
+/// Where a loaded checkpoint came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A resident shared-memory slot.
+    Ram,
+    /// The storage files (now resident in a slot, or in private memory
+    /// when no slot was free).
+    Storage,
+}
+
+/// The figures of a load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadReport {
+    /// Where it came from.
+    pub source: Source,
+    /// Image bytes.
+    pub bytes: u64,
+    /// Whether every chunk was verified against its digest.
+    pub verified: bool,
+    /// Seconds from the call to the views being ready.
+    pub secs: f64,
+    /// Why a resident copy of the step was found but not used (it failed
+    /// verification: the error, naming the slot file and tensor).
+    pub rejected: Option<String>,
+}
+
+/// A loaded checkpoint; its tensors are zero-copy views into a pinned slot
+/// (or a private buffer) that lives as long as this value.
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub(super) step: u64,
+    pub(super) values: serde_json::Value,
+    pub(super) entries: Vec<Entry>,
+    pub(super) backing: Backing,
+    pub(super) report: LoadReport,
+    pub(super) copy_threads: usize,
+}
+
+/// One tensor of a loaded [`Checkpoint`]. Shaped as [`HostTensor`], the
+/// save side's, on purpose: two public types, so that either can change
+/// without the other.
+///
+/// [`HostTensor`]: super::HostTensor
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [u64],
+    /// Bytes.
+    pub data: &'a [u8],
+}
+
+/// The memory a loaded checkpoint's views point into.
+#[derive(Debug)]
+pub(super) enum Backing {
+    /// A pinned ring slot.
+    Slot(PinnedSlot),
+    /// Private page-aligned memory, `len` bytes of it used.
+    Heap(memmap2::MmapMut, usize),
+}
+
+impl Backing {
+    pub(super) fn image(&self) -> &[u8] {
+        match self {
+            Backing::Slot(p) => p.image(),
+            Backing::Heap(m, len) => &m[..*len],
+        }
+    }
+}
+
+impl Checkpoint {
+    pub(super) fn with_rejected(mut self, rejected: Option<String>) -> Checkpoint {
+        self.report.rejected = rejected;
+        self
+    }
+
+    /// The step.
+    #[must_use]
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// How it was loaded.
+    #[must_use]
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The plain values saved with it.
+    #[must_use]
+    pub fn values(&self) -> &serde_json::Value {
+        &self.values
+    }
+
+    /// The tensors, in file order.
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The whole image (a safetensors file).
+    #[must_use]
+    pub fn image(&self) -> &[u8] {
+        self.backing.image()
+    }
+
+    /// The tensor named `name`.
+    #[must_use]
+    pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        self.entries
+            .iter()
+            .find(|e| e.name == name)
+            .map(|e| TensorView {
+                name: &e.name,
+                dtype: e.dtype,
+                shape: &e.shape,
+                data: self.data(e),
+            })
+    }
+
+    /// The bytes of `entry` (one of [`Checkpoint::entries`]).
+    #[must_use]
+    pub fn data(&self, entry: &Entry) -> &[u8] {
+        let off = to_usize(entry.offset);
+        &self.backing.image()[off..off + to_usize(entry.len)]
+    }
+
+    /// Copies each tensor `dsts[k].0` (an index into [`Checkpoint::entries`])
+    /// into `dsts[k].1`, in parallel over the copy threads.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor when an index is out of range or
+    /// a length differs, before anything is copied.
+    pub fn copy_into(&self, dsts: &mut [(usize, &mut [u8])]) -> Result<()> {
+        for (i, d) in dsts.iter() {
+            let Some(e) = self.entries.get(*i) else {
+                return Err(Error::invalid(
+                    format!("tensor index {i}"),
+                    format!("step {} has {} tensors", self.step, self.entries.len()),
+                ));
+            };
+            if d.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!(
+                        "destination has {} bytes, the checkpoint {}",
+                        d.len(),
+                        e.len
+                    ),
+                ));
+            }
+        }
+        let pairs = dsts
+            .iter_mut()
+            .map(|(i, d)| {
+                let src = self.data(&self.entries[*i]);
+                (&mut **d, src)
+            })
+            .collect();
+        copy::parallel_copy(pairs, self.copy_threads);
+        Ok(())
+    }
+}

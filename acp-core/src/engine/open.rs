@@ -1,0 +1,274 @@
+//! Opening an engine: the root, the ring and the I/O engine, and recovery
+//! of what a previous process of this rank left (its unfinished saves, and
+//! the checkpoints resident in its ring slots, persisted when newer than the
+//! newest committed step).
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use super::state::{EngineState, FailedSlot, Shared};
+use super::{flush, handle, load, Engine, Inner, SaveHandle};
+use crate::config::EngineConfig;
+use crate::error::{Error, Result};
+use crate::io::{IoKind, IoOpts};
+use crate::staging::{Ring, RingOptions, SlotInfo, SlotState};
+use crate::storage::local::Root;
+
+/// What opening the engine found and chose.
+#[derive(Debug, Clone)]
+pub struct OpenReport {
+    /// The I/O engine in use.
+    pub io: IoKind,
+    /// Whether the ring is locked in RAM.
+    pub mlocked: bool,
+    /// Why `mlock` was refused, when it was.
+    pub mlock_error: Option<String>,
+    /// Steps found resident in shared memory, left by a previous process.
+    pub resident_steps: Vec<u64>,
+    /// Of those, the steps newer than the newest committed one, queued for
+    /// flush and commit (when `persist_on_open`).
+    pub persisting_steps: Vec<u64>,
+    /// Slots found half-staged and discarded.
+    pub discarded_half_staged: usize,
+}
+
+/// Whether the digests recorded in a recovered slot are those the index of
+/// its (committed) step records for this rank's file.
+fn slot_matches_index(ring: &Ring, root: &Root, cfg: &EngineConfig, info: &SlotInfo) -> bool {
+    let Ok(index) = root.read_index(info.step) else {
+        return false;
+    };
+    index
+        .files
+        .get(&crate::format::data_file_name(cfg.rank))
+        .is_some_and(|f| load::slot_matches_entry(ring, info, f, cfg.chunk_bytes as u64))
+}
+
+/// This engine's job id: the configured one, else the canonical root path
+/// ([`crate::staging::job_id`]).
+pub(super) fn job_id(cfg: &EngineConfig, root: &Root) -> String {
+    crate::staging::job_id(root.path(), cfg.job.as_deref())
+}
+
+/// The slot file prefix of `rank` of this engine's job, and the job tag
+/// (see [`crate::staging::ring_prefix`]).
+pub(super) fn job_names(
+    cfg: &EngineConfig,
+    root: &Root,
+    rank: u32,
+) -> (String, crate::format::Digest) {
+    let job = job_id(cfg, root);
+    (
+        crate::staging::ring_prefix(&job, rank),
+        crate::staging::job_tag(&job),
+    )
+}
+
+/// What open does with the complete slots a previous process left.
+struct Recovery {
+    /// Newer than the newest committed step: flushed and committed now
+    /// (with `persist_on_open`).
+    to_persist: Vec<SlotInfo>,
+    /// Restorable, but given up when the ring needs room.
+    stale: Vec<FailedSlot>,
+}
+
+/// Sorts the slots recovered from a previous process. Those left Resident
+/// or Flushing and newer than the newest committed step are persisted
+/// (with `persist_on_open`). Of the others left so: a process that died
+/// between a commit and marking its slot left a committed copy (marked
+/// Persisted here, once its digests match the index's); the rest (older
+/// than the newest committed step, or not persisted on open) stay
+/// restorable but are given up when the ring needs room, like a slot whose
+/// flush failed. Left as they were, they would hold their slots for ever
+/// and stall every later save.
+fn sort_recovered(
+    cfg: &EngineConfig,
+    ring: &Ring,
+    root: &Root,
+    recovered: &[SlotInfo],
+    committed: &[u64],
+) -> Recovery {
+    let latest = committed.last().copied();
+    let to_persist: Vec<SlotInfo> = if cfg.persist_on_open {
+        recovered
+            .iter()
+            .filter(|s| latest.is_none_or(|l| s.step > l) && !committed.contains(&s.step))
+            .filter(|s| matches!(s.state, SlotState::Resident | SlotState::Flushing))
+            .cloned()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut stale = Vec::new();
+    for info in recovered {
+        if !matches!(info.state, SlotState::Resident | SlotState::Flushing)
+            || to_persist.iter().any(|p| p.slot == info.slot)
+        {
+            continue;
+        }
+        if committed.contains(&info.step) && slot_matches_index(ring, root, cfg, info) {
+            ring.set_state(info.slot, SlotState::Persisted);
+        } else if let Some(generation) = ring.generation(info.slot) {
+            stale.push(FailedSlot {
+                slot: info.slot,
+                generation,
+            });
+        }
+    }
+    Recovery { to_persist, stale }
+}
+
+impl Engine {
+    /// Opens an engine on `config.root` (created if missing, mode 0700),
+    /// opens the ring, probes the I/O engine, starts the flush thread and,
+    /// with `persist_on_open`, queues resident checkpoints newer than the
+    /// newest committed step for flush.
+    ///
+    /// # Errors
+    /// [`Error::Config`], [`Error::Busy`] when another live process has this
+    /// job and rank open, [`Error::Io`].
+    pub fn open(config: EngineConfig) -> Result<Engine> {
+        config.validate()?;
+        let root = Root::open(&config.root, config.faults.clone())?;
+        let io = crate::io::open_engine(config.io)?;
+        let (prefix, job_tag) = job_names(&config, &root, config.rank);
+        let root = root.owned_by(config.rank, &crate::format::hex(&job_tag)[..8]);
+        let (ring, ring_report) = Ring::open(RingOptions {
+            dir: config.shm_dir.clone(),
+            prefix,
+            job_tag,
+            rank: config.rank,
+            slots: config.ring_slots,
+            budget: config.ring_bytes,
+            chunk_bytes: config.chunk_bytes as u64,
+            mlock: config.mlock,
+        })?;
+        // We hold this rank's ring lock: whatever pending directories this
+        // rank left are from a dead process.
+        let swept = root.sweep_leftovers();
+        if swept > 0 {
+            tracing::info!(swept, root = %root.path().display(), "acp: removed unfinished saves of a previous process");
+        }
+        let committed = root.steps()?;
+        let Recovery { to_persist, stale } =
+            sort_recovered(&config, &ring, &root, &ring_report.recovered, &committed);
+        let report = OpenReport {
+            io: io.kind(),
+            mlocked: ring_report.mlocked,
+            mlock_error: ring_report.mlock_error.clone(),
+            resident_steps: ring_report.recovered.iter().map(|s| s.step).collect(),
+            persisting_steps: to_persist.iter().map(|s| s.step).collect(),
+            discarded_half_staged: ring_report.discarded_half_staged,
+        };
+        if let Some(e) = &report.mlock_error {
+            tracing::info!("acp: ring not locked in RAM ({e}); it stays pre-faulted");
+        }
+        let io_opts = IoOpts {
+            chunk_bytes: config.chunk_bytes,
+            queue_depth: config.queue_depth,
+            direct: config.direct,
+            faults: config.faults.clone(),
+        };
+        let shared = Arc::new(Shared {
+            cfg: config,
+            root,
+            ring,
+            io,
+            io_opts,
+            report,
+            state: Mutex::new(EngineState {
+                committed: committed.iter().copied().collect(),
+                failed_slots: stale,
+                ..EngineState::default()
+            }),
+            idle: Condvar::new(),
+        });
+        let engine = Engine::start(shared)?;
+        for info in &to_persist {
+            engine.persist_slot(info, true)?;
+        }
+        Ok(engine)
+    }
+
+    /// Starts the flush thread on `shared`.
+    fn start(shared: Arc<Shared>) -> Result<Engine> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let worker = {
+            let for_thread = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("acp-flush-r{}", shared.cfg.rank))
+                .spawn(move || flush::run(&for_thread, &rx))
+                .map_err(|e| Error::io("start flush thread", shared.root.path(), e))?
+        };
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                shared,
+                tx: Mutex::new(Some(tx)),
+                worker: Mutex::new(Some(worker)),
+            }),
+        })
+    }
+
+    /// Queues the flush and commit of the resident image of `step` that a
+    /// previous process of this rank left in the ring (as `persist_on_open`
+    /// does, for one step the caller chose, e.g. once every rank is known
+    /// to hold its part of it). Loads wait for it, as for open's.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when no slot holds `step` unflushed (resident
+    /// or flushing); [`Error::Exists`] when `step` is committed;
+    /// [`Error::Closed`].
+    pub fn persist_resident(&self, step: u64) -> Result<SaveHandle> {
+        let shared = self.shared();
+        if shared.lock().committed.contains(&step) || shared.root.is_committed(step) {
+            return Err(Error::Exists {
+                step,
+                root: shared.root.path().to_path_buf(),
+            });
+        }
+        let info = shared
+            .ring
+            .complete()
+            .into_iter()
+            .find(|s| {
+                s.step == step && matches!(s.state, SlotState::Resident | SlotState::Flushing)
+            })
+            .ok_or_else(|| Error::NotFound {
+                what: format!(
+                    "unflushed resident image of step {step} in rank {}'s ring",
+                    shared.cfg.rank
+                ),
+            })?;
+        let done = self.persist_slot(&info, false)?;
+        Ok(SaveHandle::from_completion(done))
+    }
+
+    /// Queues a recovered slot for flush and commit; `unwatched` when no
+    /// caller gets the handle (its failure is then raised by `close`).
+    fn persist_slot(&self, info: &SlotInfo, unwatched: bool) -> Result<Arc<handle::Completion>> {
+        let shared = self.shared();
+        let pin = shared.ring.pin(info.slot)?;
+        tracing::info!(
+            step = info.step,
+            "acp: persisting a resident checkpoint left by a previous process"
+        );
+        let mut st = shared.lock();
+        st.recovering.push(info.step);
+        // Open set it aside as reclaimable; being persisted, it is not.
+        st.failed_slots.retain(|f| f.slot != info.slot);
+        drop(st);
+        let done = handle::Completion::new(info.step);
+        self.enqueue(flush::Job {
+            pin,
+            step: info.step,
+            overwrite: false,
+            done: Arc::clone(&done),
+            started: Instant::now(),
+            stall_secs: 0.0,
+            slot_wait_secs: 0.0,
+            unwatched,
+        })?;
+        Ok(done)
+    }
+}

@@ -1,0 +1,102 @@
+//! Retention: which committed steps to keep. One rule, applied by the
+//! engine after each commit (`keep_last`/`keep_every` in the
+//! configuration) and by [`Engine::retain`], and by `acp gc`
+//! ([`crate::ops::gc`]) on a root without an engine.
+
+use super::state::Shared;
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::storage::local::Root;
+
+/// The steps retention removes from `steps` (ascending): all but the newest
+/// `keep_last` and the multiples of `keep_every`. The engine's rule, and
+/// `acp gc`'s.
+#[must_use]
+pub fn retention_plan(steps: &[u64], keep_last: usize, keep_every: Option<u64>) -> Vec<u64> {
+    let n = steps.len();
+    steps
+        .iter()
+        .enumerate()
+        .filter(|&(i, &step)| {
+            let recent = i + keep_last >= n;
+            let milestone = keep_every.is_some_and(|m| m > 0 && step % m == 0);
+            !recent && !milestone
+        })
+        .map(|(_, &s)| s)
+        .collect()
+}
+
+/// Refuses `keep_last == 0`, which would delete every checkpoint.
+///
+/// # Errors
+/// [`Error::Config`] naming `keep_last`.
+pub(crate) fn check_keep_last(keep_last: usize) -> Result<()> {
+    if keep_last == 0 {
+        return Err(Error::Config {
+            field: "keep_last",
+            reason: "must be at least 1 (0 would delete every checkpoint)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Deletes the committed steps of `root` that [`retention_plan`] removes;
+/// returns them.
+fn retain(root: &Root, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+    check_keep_last(keep_last)?;
+    let deleted = retention_plan(&root.steps()?, keep_last, keep_every);
+    for &step in &deleted {
+        root.remove_step(step)?;
+    }
+    Ok(deleted)
+}
+
+impl Shared {
+    /// Applies retention to the root and forgets the deleted steps.
+    pub(super) fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+        let deleted = retain(&self.root, keep_last, keep_every)?;
+        let mut st = self.lock();
+        for s in &deleted {
+            st.committed.remove(s);
+        }
+        Ok(deleted)
+    }
+}
+
+impl Engine {
+    /// Deletes committed steps that are neither among the newest `keep_last`
+    /// nor a multiple of `keep_every`; returns the deleted steps. The newest
+    /// step is always kept.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `keep_last == 0`; [`Error::Io`].
+    pub fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+        self.shared().retain(keep_last, keep_every)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_keeps_newest_and_milestones() {
+        let steps = [100, 200, 300, 400, 500];
+        assert_eq!(retention_plan(&steps, 2, None), vec![100, 200, 300]);
+        assert_eq!(retention_plan(&steps, 2, Some(200)), vec![100, 300]);
+        assert_eq!(retention_plan(&steps, 9, None), Vec::<u64>::new());
+        assert_eq!(retention_plan(&steps, 1, Some(0)), vec![100, 200, 300, 400]);
+    }
+
+    #[test]
+    fn keep_last_zero_is_refused() {
+        assert!(matches!(
+            check_keep_last(0),
+            Err(Error::Config {
+                field: "keep_last",
+                ..
+            })
+        ));
+        assert!(check_keep_last(1).is_ok());
+    }
+}

@@ -1,0 +1,319 @@
+//! Saving: the options and figures of a save, and the stall (checking the
+//! input, laying the image out, waiting for a free ring slot).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::wait::WATCH_TICK;
+use super::{Engine, SaveHandle, Staging};
+use crate::config::WhenFull;
+use crate::error::{Error, Result};
+use crate::format::{check_values_json, Dtype, ImageMeta, Layout, TensorSpec};
+use crate::io::IoKind;
+use crate::staging::StagingSlot;
+
+/// Options of one save.
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// Replace the step if it is already committed (atomically: the old one
+    /// stays loadable until the new one is committed).
+    pub overwrite: bool,
+    /// Extra string metadata for the safetensors header (e.g. `format: pt`).
+    pub extra_metadata: BTreeMap<String, String>,
+}
+
+/// A host tensor handed to [`Engine::save`].
+#[derive(Debug, Clone, Copy)]
+pub struct HostTensor<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [u64],
+    /// The bytes, exactly `numel × dtype.size()` of them.
+    pub data: &'a [u8],
+}
+
+/// The figures of a finished save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveReport {
+    /// The step.
+    pub step: u64,
+    /// True when the save was skipped because no slot was free
+    /// ([`WhenFull::Skip`]); nothing was written.
+    pub skipped: bool,
+    /// Image bytes (the data file's size).
+    pub bytes: u64,
+    /// The stall: from `begin_save` to `finish`, in seconds.
+    pub stall_secs: f64,
+    /// Waiting for a free slot (part of the stall), in seconds.
+    pub slot_wait_secs: f64,
+    /// Queued behind earlier flushes, in seconds.
+    pub queue_secs: f64,
+    /// Writing, hashing and fsyncing the data file, in seconds.
+    pub flush_secs: f64,
+    /// Writing the index, renaming and syncing directories, in seconds.
+    pub commit_secs: f64,
+    /// From `begin_save` to committed, in seconds.
+    pub total_secs: f64,
+    /// The I/O engine that wrote it.
+    pub io: IoKind,
+    /// Whether `O_DIRECT` was used.
+    pub direct: bool,
+}
+
+impl Engine {
+    /// Starts a save of `step`: checks the input, lays the image out in a
+    /// ring slot and returns the [`Staging`] to fill. Returns `Ok(None)`
+    /// when no slot is free and the policy is [`WhenFull::Skip`].
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming a bad tensor or value key; [`Error::Exists`]
+    /// when the step is committed and `overwrite` is off; [`Error::Timeout`]
+    /// waiting for a slot; [`Error::Closed`].
+    pub fn begin_save(
+        &self,
+        step: u64,
+        tensors: &[TensorSpec],
+        values: &serde_json::Value,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        let values = serde_json::to_string(values)
+            .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
+        self.begin(step, tensors, &values, opts)
+    }
+
+    /// [`Engine::begin_save`] with the values given as JSON text, stored as
+    /// given once checked to be one JSON value (bindings that already hold
+    /// the text skip building a [`serde_json::Value`] of it, which costs
+    /// microseconds per tensor reference in the stall).
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save`], and [`Error::Invalid`] naming `values`
+    /// when the text is not JSON.
+    pub fn begin_save_json(
+        &self,
+        step: u64,
+        tensors: &[TensorSpec],
+        values_json: &str,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        check_values_json(values_json)?;
+        self.begin(step, tensors, values_json, opts)
+    }
+
+    /// Readies every free ring slot for a checkpoint of `tensors` and
+    /// `values_json` now (the slot's shared memory is created, populated
+    /// and locked, as the first save into it would do: about a second per
+    /// GiB on first touch), so that the first saves stall no longer than
+    /// later ones. Slots holding checkpoints are left alone. Returns how
+    /// many slots are ready. Call it before training: a save meanwhile
+    /// waits for a slot (or, with [`WhenFull::Skip`], is skipped).
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`] for the input; [`Error::Io`] or
+    /// [`Error::NoSpace`] creating the memory.
+    pub fn reserve_json(&self, tensors: &[TensorSpec], values_json: &str) -> Result<usize> {
+        check_values_json(values_json)?;
+        // The longest header any step can have.
+        let layout = self.plan("reserve", u64::MAX, tensors, values_json, BTreeMap::new())?;
+        self.shared().ring.reserve(layout.total_len)
+    }
+
+    /// The image of a save (values as checked JSON text), refused when it
+    /// does not fit a ring slot.
+    fn plan(
+        &self,
+        what: &str,
+        step: u64,
+        tensors: &[TensorSpec],
+        values_json: &str,
+        extra: BTreeMap<String, String>,
+    ) -> Result<Layout> {
+        let shared = self.shared();
+        let meta = ImageMeta {
+            step,
+            rank: shared.cfg.rank,
+            world_size: shared.cfg.world_size,
+            values: serde_json::Value::Null, // given as text
+            extra,
+        };
+        let layout = Layout::plan_with_values(tensors, &meta, values_json)?;
+        let max = shared.ring.max_image_bytes();
+        if layout.total_len > max {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
+                    layout.total_len, shared.cfg.ring_bytes, shared.cfg.ring_slots
+                ),
+            ));
+        }
+        Ok(layout)
+    }
+
+    /// The stall's start behind [`Engine::begin_save`] and
+    /// [`Engine::begin_save_json`] (whose parameters it repeats), once
+    /// their values are checked JSON text.
+    fn begin(
+        &self,
+        step: u64,
+        tensors: &[TensorSpec],
+        values_json: &str,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        let started = Instant::now();
+        let shared = self.shared();
+        let (closed, known) = {
+            let st = shared.lock();
+            (st.closed, st.committed.contains(&step))
+        };
+        if closed {
+            return Err(Error::Closed {
+                root: shared.root.path().to_path_buf(),
+            });
+        }
+        // The commit re-checks on storage; this only fails early, without I/O.
+        if !opts.overwrite && known {
+            return Err(Error::Exists {
+                step,
+                root: shared.root.path().to_path_buf(),
+            });
+        }
+        let layout = self.plan(
+            &format!("step {step}"),
+            step,
+            tensors,
+            values_json,
+            opts.extra_metadata.clone(),
+        )?;
+        let Some(mut slot) = self.acquire_slot(step, layout.total_len)? else {
+            tracing::warn!(
+                step,
+                "acp: no free ring slot, save skipped (when_full = skip)"
+            );
+            return Ok(None);
+        };
+        let header = layout.header_bytes();
+        slot.image_mut()[..header.len()].copy_from_slice(header);
+        Ok(Some(Staging {
+            engine: self.clone(),
+            step,
+            overwrite: opts.overwrite,
+            layout,
+            slot: Some(slot),
+            started,
+            slot_wait: started.elapsed(),
+        }))
+    }
+
+    fn acquire_slot(&self, step: u64, len: u64) -> Result<Option<StagingSlot>> {
+        let shared = self.shared();
+        // A resident image of the same step (an older attempt) must not be
+        // confused with the new one.
+        for info in shared.ring.complete() {
+            if info.step == step {
+                shared.ring.release(info.slot);
+            }
+        }
+        let start = Instant::now();
+        let mut first_look = true;
+        loop {
+            // Slots whose flush failed are given up only when the ring needs
+            // room: they keep the newest restorable copy until then.
+            let free = shared.ring.acquire(len, None)?;
+            if let Some(s) = free {
+                return Ok(Some(shared.reused(s)));
+            }
+            let failed = shared.lock().failed_slots.pop();
+            if let Some(f) = failed {
+                // Only the image whose flush failed: an entry whose slot
+                // was acquired again since names nothing any more.
+                if shared.ring.release_generation(f.slot, f.generation) {
+                    tracing::warn!(
+                        slot = f.slot,
+                        "acp: dropping a resident checkpoint whose flush failed, to make room"
+                    );
+                }
+                continue;
+            }
+            let limit = match shared.cfg.when_full {
+                WhenFull::Skip => return Ok(None),
+                WhenFull::Wait(d) => d,
+            };
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Err(Error::Timeout {
+                    what: format!("step {step}: waiting for a free ring slot (every slot is staging or flushing)"),
+                    secs: limit.as_secs_f64(),
+                });
+            }
+            // Every slot waits on the flush: when it is stuck, say so now
+            // rather than after the whole slot wait (after one tick, as in
+            // `wait_until`).
+            let stuck = if std::mem::take(&mut first_look) {
+                None
+            } else {
+                shared.stuck(&mut shared.lock())
+            };
+            if let Some(Error::Timeout { what, secs }) = stuck {
+                return Err(Error::Timeout {
+                    what: format!("step {step}: waiting for a free ring slot: {what}"),
+                    secs,
+                });
+            }
+            match shared
+                .ring
+                .acquire(len, Some((limit - waited).min(WATCH_TICK)))
+            {
+                Ok(Some(slot)) => return Ok(Some(shared.reused(slot))),
+                Ok(None) | Err(Error::Timeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Saves host tensors: [`Engine::begin_save`], a parallel copy into the
+    /// slot, [`Staging::finish`]. Returns once the bytes are in the slot.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save`], and [`Error::Invalid`] when a tensor's
+    /// bytes do not match its dtype and shape.
+    pub fn save(
+        &self,
+        step: u64,
+        tensors: &[HostTensor<'_>],
+        values: &serde_json::Value,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        let specs: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec {
+                name: t.name.to_owned(),
+                dtype: t.dtype,
+                shape: t.shape.to_vec(),
+            })
+            .collect();
+        for (t, spec) in tensors.iter().zip(&specs) {
+            let want = spec.byte_len()?;
+            if t.data.len() as u64 != want {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", t.name),
+                    format!(
+                        "{} bytes given, {} × {:?} needs {want}",
+                        t.data.len(),
+                        t.dtype.name(),
+                        t.shape
+                    ),
+                ));
+            }
+        }
+        let Some(mut staging) = self.begin_save(step, &specs, values, opts)? else {
+            return Ok(SaveHandle::skipped(step));
+        };
+        let srcs: Vec<&[u8]> = tensors.iter().map(|t| t.data).collect();
+        staging.copy_from(&srcs)?;
+        Ok(staging.finish())
+    }
+}

@@ -1,0 +1,196 @@
+//! A save in its stall: the caller fills a laid-out ring slot, then
+//! [`Staging::finish`] seals it and queues its flush.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{copy, flush, handle, to_usize, Engine, SaveHandle};
+use crate::error::{Error, Result};
+use crate::format::{Entry, Layout};
+use crate::staging::StagingSlot;
+
+/// A save in its stall: the image is laid out in a ring slot and the caller
+/// fills the tensors' bytes, directly ([`Staging::tensor_mut`]) or by copy
+/// ([`Staging::copy_from`]). [`Staging::finish`] ends the stall. Dropping it
+/// unfinished aborts the save and frees the slot.
+#[derive(Debug)]
+pub struct Staging {
+    pub(super) engine: Engine,
+    pub(super) step: u64,
+    pub(super) overwrite: bool,
+    pub(super) layout: Layout,
+    pub(super) slot: Option<StagingSlot>,
+    pub(super) started: Instant,
+    pub(super) slot_wait: Duration,
+}
+
+impl Staging {
+    /// The step.
+    #[must_use]
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The laid-out tensors, in the order given to `begin_save`.
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.layout.entries
+    }
+
+    fn image_mut(&mut self) -> &mut [u8] {
+        match self.slot.as_mut() {
+            Some(s) => s.image_mut(),
+            None => &mut [],
+        }
+    }
+
+    /// The writable bytes of tensor `i` in the slot.
+    ///
+    /// # Panics
+    /// When `i` is out of range.
+    pub fn tensor_mut(&mut self, i: usize) -> &mut [u8] {
+        let e = &self.layout.entries[i];
+        let (off, len) = (to_usize(e.offset), to_usize(e.len));
+        &mut self.image_mut()[off..off + len]
+    }
+
+    /// The writable bytes of every tensor at once, in entry order.
+    pub fn tensors_mut(&mut self) -> Vec<&mut [u8]> {
+        let ranges: Vec<(usize, usize, usize)> = self
+            .layout
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (to_usize(e.offset), to_usize(e.len), i))
+            .collect();
+        split_ranges(self.image_mut(), ranges)
+    }
+
+    /// Copies `srcs[i]` into tensor `i`, in parallel over the configured
+    /// copy threads.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor whose length differs, before
+    /// anything is copied.
+    pub fn copy_from(&mut self, srcs: &[&[u8]]) -> Result<()> {
+        if srcs.len() != self.layout.entries.len() {
+            return Err(Error::invalid(
+                format!("step {}", self.step),
+                format!(
+                    "{} sources for {} tensors",
+                    srcs.len(),
+                    self.layout.entries.len()
+                ),
+            ));
+        }
+        for (e, s) in self.layout.entries.iter().zip(srcs) {
+            if s.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!("{} bytes given, {} expected", s.len(), e.len),
+                ));
+            }
+        }
+        let threads = self.engine.shared().cfg.copy_threads;
+        let dsts = self.tensors_mut();
+        copy::parallel_copy(
+            dsts.into_iter().zip(srcs.iter().copied()).collect(),
+            threads,
+        );
+        Ok(())
+    }
+
+    /// Copies `items[k].1` into tensor `items[k].0` for a subset of the
+    /// tensors (each at most once), in parallel over the copy threads. The
+    /// rest are left for [`Staging::tensor_mut`] (e.g. device-to-host copies).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor whose index is out of range,
+    /// repeated, or whose length differs, before anything is copied.
+    pub fn copy_some(&mut self, items: &[(usize, &[u8])]) -> Result<()> {
+        let n = self.layout.entries.len();
+        let mut seen = vec![false; n];
+        for (i, s) in items {
+            let Some(e) = self.layout.entries.get(*i) else {
+                return Err(Error::invalid(
+                    format!("tensor index {i}"),
+                    format!("step {} has {n} tensors", self.step),
+                ));
+            };
+            if std::mem::replace(&mut seen[*i], true) {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    "given twice",
+                ));
+            }
+            if s.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{}`", e.name),
+                    format!("{} bytes given, {} expected", s.len(), e.len),
+                ));
+            }
+        }
+        let threads = self.engine.shared().cfg.copy_threads;
+        let mut dsts: Vec<Option<&mut [u8]>> = self.tensors_mut().into_iter().map(Some).collect();
+        let pairs = items
+            .iter()
+            .filter_map(|(i, s)| dsts[*i].take().map(|d| (d, *s)))
+            .collect();
+        copy::parallel_copy(pairs, threads);
+        Ok(())
+    }
+
+    /// The image length in bytes (the data file's size).
+    #[must_use]
+    pub fn image_len(&self) -> u64 {
+        self.layout.total_len
+    }
+
+    /// Ends the stall: seals the slot and queues its flush.
+    #[must_use]
+    pub fn finish(mut self) -> SaveHandle {
+        let done = handle::Completion::new(self.step);
+        let Some(slot) = self.slot.take() else {
+            done.complete(Err(Error::invalid(
+                format!("step {}", self.step),
+                "staging already finished",
+            )));
+            return SaveHandle::from_completion(done);
+        };
+        let pin = slot.seal(self.step, self.layout.total_len);
+        let job = flush::Job {
+            pin,
+            step: self.step,
+            overwrite: self.overwrite,
+            done: Arc::clone(&done),
+            started: self.started,
+            stall_secs: self.started.elapsed().as_secs_f64(),
+            slot_wait_secs: self.slot_wait.as_secs_f64(),
+            unwatched: false,
+        };
+        // An enqueue failure (engine closed) completes `done` with the error.
+        let _ = self.engine.enqueue(job);
+        SaveHandle::watched(done, Arc::downgrade(&self.engine.inner.shared))
+    }
+}
+
+/// Splits `buf` into the disjoint `(offset, len, index)` ranges, returned in
+/// index order. Ranges must not overlap (the layout guarantees it).
+fn split_ranges(buf: &mut [u8], mut ranges: Vec<(usize, usize, usize)>) -> Vec<&mut [u8]> {
+    let n = ranges.len();
+    // Empty tensors share their offset with the next one: put them first.
+    ranges.sort_unstable_by_key(|r| (r.0, r.1));
+    let mut out: Vec<(usize, &mut [u8])> = Vec::with_capacity(n);
+    let mut rest = buf;
+    let mut pos = 0;
+    for (off, len, i) in ranges {
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(off - pos);
+        let (piece, tail) = tail.split_at_mut(len);
+        out.push((i, piece));
+        rest = tail;
+        pos = off + len;
+    }
+    out.sort_unstable_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, p)| p).collect()
+}

@@ -1,0 +1,79 @@
+//! What the caller side and the flush thread share: the configuration,
+//! the storage root, the ring, the I/O engine, and the state under one
+//! lock (queued flushes, slots given up, steps known committed, the
+//! flush's last progress for the watchdog).
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::OpenReport;
+use crate::config::EngineConfig;
+use crate::error::Error;
+use crate::io::{IoEngine, IoOpts};
+use crate::staging::{Ring, StagingSlot};
+use crate::storage::local::Root;
+
+/// What the caller side and the flush thread share.
+#[derive(Debug)]
+pub(super) struct Shared {
+    pub(super) cfg: EngineConfig,
+    pub(super) root: Root,
+    pub(super) ring: Ring,
+    pub(super) io: Arc<dyn IoEngine>,
+    pub(super) io_opts: IoOpts,
+    pub(super) report: OpenReport,
+    pub(super) state: Mutex<EngineState>,
+    pub(super) idle: Condvar,
+}
+
+/// A slot holding an image whose flush failed, and that image's generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct FailedSlot {
+    pub(super) slot: usize,
+    pub(super) generation: u64,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct EngineState {
+    pub(super) closed: bool,
+    /// Flush jobs queued or running.
+    pub(super) in_flight: usize,
+    /// Steps being flushed that came from a previous process's slots; loads
+    /// wait for them so the newest step is committed first.
+    pub(super) recovering: Vec<u64>,
+    /// Slots whose flush failed: complete images, kept resident (restorable)
+    /// but given up when the ring needs room. Each names the image by the
+    /// slot's generation, so an entry outliving its image (the slot
+    /// released and acquired again) never frees a newer one.
+    pub(super) failed_slots: Vec<FailedSlot>,
+    /// Steps known committed (at open, by this engine's flushes, minus
+    /// retention), so the stall checks for `Exists` without touching storage.
+    pub(super) committed: std::collections::BTreeSet<u64>,
+    /// When the running flush last made progress, and what it was doing.
+    pub(super) progress: Option<(Instant, String)>,
+    /// Whether the watchdog has logged the current stall (once per stall).
+    pub(super) stall_logged: bool,
+    /// A flush error that no handle has reported yet (recovery flushes).
+    pub(super) unreported: Option<Error>,
+}
+
+impl Shared {
+    pub(super) fn lock(&self) -> MutexGuard<'_, EngineState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets the failures recorded for a slot just acquired again: they
+    /// named its previous image.
+    pub(super) fn reused(&self, slot: StagingSlot) -> StagingSlot {
+        self.lock().failed_slots.retain(|f| f.slot != slot.slot());
+        slot
+    }
+
+    pub(super) fn note_progress(&self, what: impl Into<String>) {
+        let mut st = self.lock();
+        st.progress = Some((Instant::now(), what.into()));
+        st.stall_logged = false;
+    }
+}
