@@ -282,10 +282,12 @@ def test_prefixed_names_match_unless_strict(ckpt: acp.Checkpointer) -> None:
 def test_prefix_matching_uses_each_saved_tensor_once() -> None:
     targets = {"fc.weight": 1, "weight": 2, "bias": 3}
     saved = ["fc.weight", "model.bias", "model.weight"]
-    matched, missing = am._match(targets, saved, strict_load=False)
+    matched, missing = am.network._match(targets, saved, strict_load=False)
     assert matched == {"fc.weight": "fc.weight", "weight": "model.weight", "bias": "model.bias"}
     assert missing == []
-    matched, missing = am._match({"fc.weight": 1, "weight": 2}, ["fc.weight"], strict_load=False)
+    matched, missing = am.network._match(
+        {"fc.weight": 1, "weight": 2}, ["fc.weight"], strict_load=False
+    )
     assert (matched, missing) == ({"fc.weight": "fc.weight"}, ["weight"])
 
 

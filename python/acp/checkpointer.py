@@ -6,7 +6,6 @@ import contextlib
 import gc
 import operator
 import os
-import sys
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
+from acp._rank import rank_and_world_size
 from acp.distributed import (
     Coordinator,
     Sources,
@@ -32,39 +32,6 @@ from acp.distributed import (
 from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"config `{name}`: {value!r} is not an integer") from None
-
-
-def rank_and_world_size() -> tuple[int, int]:
-    """This process's rank and the world size: from torch.distributed when
-    torch is already imported and a process group is initialised, or from
-    MindSpore's communication state when ``mindspore.communication.init()``
-    was called; else from ``RANK``/``WORLD_SIZE``, else Ascend's
-    ``RANK_ID``/``RANK_SIZE``, else 0 and 1. Never imports a framework."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None:
-        try:
-            if dist.is_available() and dist.is_initialized():
-                return int(dist.get_rank()), int(dist.get_world_size())
-        except (RuntimeError, ValueError):
-            pass
-    comm = sys.modules.get("mindspore.communication.management")
-    if comm is not None and getattr(getattr(comm, "GlobalComm", None), "INITED", False):
-        return int(comm.get_rank()), int(comm.get_group_size())
-    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("RANK_ID", "RANK_SIZE")):
-        rank, size = _env_int(rank_var), _env_int(size_var)
-        if rank is not None or size is not None:
-            return rank or 0, size or 1
-    return 0, 1
 
 
 @dataclass(frozen=True)
@@ -130,6 +97,33 @@ class LoadStats:
         return asdict(self)
 
 
+def load_stats(
+    report: dict[str, Any],
+    t0: float,
+    t1: float,
+    t2: float,
+    copied: int,
+    *,
+    ranks: dict[int, str] | None = None,
+) -> LoadStats:
+    """The ``LoadStats`` of a load that asked the engine at ``t0``, had the
+    checkpoint at ``t1`` and its ``copied`` bytes out at ``t2``
+    (``perf_counter`` times); ``report`` is the engine's ``Loaded.report()``."""
+    return LoadStats(
+        step=report["step"],
+        source=report["source"],
+        bytes=report["bytes"],
+        verified=report["verified"],
+        engine_secs=t1 - t0,
+        copy_secs=t2 - t1,
+        total_secs=t2 - t0,
+        copied_bytes=copied,
+        bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
+        ranks=ranks,
+        rejected=report.get("rejected"),
+    )
+
+
 class SaveHandle:
     """The completion handle of ``Checkpointer.save``."""
 
@@ -186,6 +180,48 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
+class Internals:
+    """What acp's own modules use of a ``Checkpointer`` beyond its public
+    API; not for applications. Got with :func:`internals`.
+
+    - ``acp.guard``: the SIGTERM handler installed for it (``sigterm``),
+      how many ``guard()`` blocks run in the main thread (``main_guards``),
+      the newest save that finished staging (``last_staged``), and the
+      engine even once closed (``Checkpointer.engine`` raises then);
+    - ``acp.dcp``: the engine, to write DCP's layout through the same ring;
+    - ``acp.mindspore``: the codec adapters, a raw engine load (``load``),
+      and the metrics its own loads report to.
+
+    One object instead of private attributes read from other modules: every
+    use is typed and found under one name, and the ``Checkpointer``'s own
+    fields stay its own. ``engine``, ``adapters`` and ``metrics`` are the
+    objects the ``Checkpointer`` opened (fixed for its life); the other
+    fields are state it shares with ``acp.guard``.
+    """
+
+    def __init__(self, engine: _acp.Engine, adapters: Adapters, metrics: Metrics) -> None:
+        self.engine = engine
+        self.adapters = adapters
+        self.metrics = metrics
+        self.last_staged: SaveHandle | None = None
+        self.main_guards = 0
+        self.sigterm: SigtermHandler | None = None
+
+    def load(
+        self, step: int | None, storage_only: bool, fallback: bool, rank: int | None
+    ) -> _acp.Loaded:
+        """The engine's load of ``step`` (checked by the caller)."""
+        # A load from storage may regrow (remap) a ring slot: forget what
+        # was registered about slot memory before it happens.
+        self.adapters.forget_memory()
+        return self.engine.load(step, storage_only, fallback, rank)
+
+
+def internals(ckpt: Checkpointer) -> Internals:
+    """``ckpt``'s :class:`Internals`, for acp's own modules."""
+    return ckpt._in
 
 
 class Checkpointer:
@@ -314,9 +350,6 @@ class Checkpointer:
         self._stall_total = 0.0
         self._stall_max = 0.0
         self._last_save: SaveHandle | None = None
-        self._last_staged: SaveHandle | None = None
-        self._main_guards = 0
-        self._sigterm: SigtermHandler | None = None
         self.last_load: LoadStats | None = None
         """The figures of the latest ``load``."""
         self.last_dying: DyingReport | None = None
@@ -324,6 +357,7 @@ class Checkpointer:
         # Figures and log lines (acp._metrics).
         self._metrics = Metrics(os.fspath(self.root), job, self.rank)
         self._metrics.opened(self._engine.open_report())
+        self._in = Internals(self._engine, self._adapters, self._metrics)
 
     # --- saving -----------------------------------------------------------
 
@@ -354,7 +388,7 @@ class Checkpointer:
         its tensors. See ``acp.distributed``.
         """
         self._check_open()
-        with _gc_paused():
+        with gc_paused():
             return self._save(
                 step, state, overwrite=overwrite, metadata=metadata, replicated=replicated
             )
@@ -371,7 +405,7 @@ class Checkpointer:
         Nothing is saved.
         """
         self._check_open()
-        with _gc_paused():
+        with gc_paused():
             flat, tensors = self._flatten(state, replicated)
             specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
             return self._engine.reserve(specs, flat.json())
@@ -446,7 +480,7 @@ class Checkpointer:
         )
         result = SaveHandle(handle, stats)
         if staging is not None:
-            self._last_staged = result
+            self._in.last_staged = result
         with self._lock:
             self._saves += 1
             self._skipped += staging is None
@@ -541,10 +575,7 @@ class Checkpointer:
         rank: int | None,
     ) -> Any:
         t0 = perf_counter()
-        # A load from storage may regrow (remap) a ring slot: forget what
-        # was registered about slot memory before it happens.
-        self._adapters.forget_memory()
-        loaded = self._engine.load(step, storage_only, fallback, rank)
+        loaded = self._in.load(step, storage_only, fallback, rank)
         # Replicated tensors other ranks wrote are in their files.
         loaded = with_other_ranks(
             self._engine, loaded, self.rank if rank is None else rank, storage_only
@@ -559,19 +590,7 @@ class Checkpointer:
         report = loaded.report()
         ranks = loaded.sources() if isinstance(loaded, Sources) else None
         del loaded
-        stats = LoadStats(
-            step=report["step"],
-            source=report["source"],
-            bytes=report["bytes"],
-            verified=report["verified"],
-            engine_secs=t1 - t0,
-            copy_secs=t2 - t1,
-            total_secs=t2 - t0,
-            copied_bytes=copied,
-            bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
-            ranks=ranks,
-            rejected=report.get("rejected"),
-        )
+        stats = load_stats(report, t0, t1, t2, copied, ranks=ranks)
         self.last_load = stats
         self._metrics.loaded(stats)
         return result if into is None else stats
@@ -682,8 +701,8 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
-        if self._sigterm is not None:
-            self._sigterm.uninstall()
+        if self._in.sigterm is not None:
+            self._in.sigterm.uninstall()
         try:
             self._adapters.close()
         finally:
@@ -719,10 +738,12 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pauses Python's cyclic garbage collector for the stall: walking a
-    state of thousands of tensors allocates enough to trigger collections,
-    which can cost more than the copy itself."""
+    state of thousands of tensors (or planning a DCP save of them, in
+    ``acp.dcp``) allocates enough to trigger full collections that walk the
+    whole heap, which can cost more than the copy itself. Nothing made
+    during the stall forms cycles."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -61,6 +61,7 @@ from time import perf_counter
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Union
 
+from acp import checkpointer
 from acp._acp import AcpError
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_SAVE_FAILED",
     "EXIT_TERMINATED",
+    "ChainedSigterm",
     "DyingReport",
     "Guard",
     "SigtermHandler",
@@ -129,11 +131,12 @@ def dying_checkpoint(
     failure is in the report. Takes no lock of the checkpointer, so a signal
     handler may call it while the main thread is anywhere."""
     t0 = perf_counter()
-    last = ckpt._last_staged
+    inner = checkpointer.internals(ckpt)
+    last = inner.last_staged
     staged = None if last is None else last.step
     error: str | None = None
     committed: int | None = None
-    engine = ckpt._engine
+    engine = inner.engine
     if engine.closed:
         # close() already drained the queue; its error went to its caller.
         if last is not None and last.done():
@@ -199,23 +202,53 @@ def _handled(logger: logging.Logger) -> bool:
     return False
 
 
-class SigtermHandler:
+class ChainedSigterm:
+    """A SIGTERM handler that takes the place of the current one, keeps it
+    as ``previous`` to chain, and can put it back: what acp's handler here
+    and ``acp.mindspore.AcpCheckpoint``'s share. Construct it in the main
+    thread; subclasses say what a SIGTERM does."""
+
+    def __init__(self) -> None:
+        self.previous: _Handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        raise NotImplementedError
+
+    def call_previous(self, signum: int, frame: FrameType | None) -> bool:
+        """Calls the handler this one replaced when it is a Python callable;
+        False when there is none to call (``SIG_DFL``, ``SIG_IGN``, or one
+        installed outside Python)."""
+        previous = self.previous
+        if not callable(previous):
+            return False
+        previous(signum, frame)
+        return True
+
+    def restore(self) -> None:
+        """Puts back the handler this one replaced, if this one is still the
+        current one."""
+        previous = self.previous
+        if signal.getsignal(signal.SIGTERM) is self:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+class SigtermHandler(ChainedSigterm):
     """acp's SIGTERM handler for one checkpointer (see the module docs).
     Calling ``uninstall()`` puts the previous handler back."""
 
     def __init__(self, ckpt: Checkpointer, timeout: float | None) -> None:
         self._ckpt = weakref.ref(ckpt)
         self.timeout = timeout
-        self.previous: _Handler = signal.getsignal(signal.SIGTERM)
         self._busy = False
-        signal.signal(signal.SIGTERM, self)
+        super().__init__()
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if self._busy:
             log.warning("acp: SIGTERM again while the dying checkpoint runs; ignored")
             return
         ckpt = self._ckpt()
-        if ckpt is not None and ckpt._main_guards > 0:
+        if ckpt is not None and checkpointer.internals(ckpt).main_guards > 0:
             # The guard unwinds the block (aborting a half-staged save) and
             # does the rest in its __exit__.
             raise Terminated(signum, frame, self)
@@ -230,20 +263,18 @@ class SigtermHandler:
 
     def exit(self, signum: int, frame: FrameType | None, ok: bool) -> None:
         """Chains the previous handler, then exits with the status for ``ok``."""
-        prev = self.previous
-        if callable(prev):
-            prev(signum, frame)
+        self.call_previous(signum, frame)
         raise SystemExit(EXIT_TERMINATED if ok else EXIT_SAVE_FAILED)
 
     def uninstall(self) -> None:
         """Restores the handler that was there before, if acp's is still the
         current one."""
-        previous = self.previous
-        if signal.getsignal(signal.SIGTERM) is self:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        self.restore()
         ckpt = self._ckpt()
-        if ckpt is not None and ckpt._sigterm is self:
-            ckpt._sigterm = None
+        if ckpt is not None:
+            inner = checkpointer.internals(ckpt)
+            if inner.sigterm is self:
+                inner.sigterm = None
 
 
 def install_sigterm_handler(ckpt: Checkpointer, *, timeout: float | None = None) -> SigtermHandler:
@@ -252,7 +283,7 @@ def install_sigterm_handler(ckpt: Checkpointer, *, timeout: float | None = None)
     if threading.current_thread() is not threading.main_thread():
         raise ValueError("install_sigterm_handler: call it from the main thread")
     handler = SigtermHandler(ckpt, timeout)
-    ckpt._sigterm = handler
+    checkpointer.internals(ckpt).sigterm = handler
     return handler
 
 
@@ -268,11 +299,12 @@ class Guard:
 
     def __enter__(self) -> Checkpointer:
         ckpt = self._ckpt
+        inner = checkpointer.internals(ckpt)
         self._main = threading.current_thread() is threading.main_thread()
-        if self._sigterm and ckpt._sigterm is None:
+        if self._sigterm and inner.sigterm is None:
             self._installed = install_sigterm_handler(ckpt, timeout=self._timeout)
         if self._main:
-            ckpt._main_guards += 1
+            inner.main_guards += 1
         return ckpt
 
     def __exit__(
@@ -283,7 +315,7 @@ class Guard:
     ) -> None:
         ckpt = self._ckpt
         if self._main:
-            ckpt._main_guards -= 1
+            checkpointer.internals(ckpt).main_guards -= 1
         try:
             if exc is None:
                 return

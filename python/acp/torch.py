@@ -104,9 +104,12 @@ def _where(key: str) -> str:
     return f"key `{key}`" if key else "the state"
 
 
-def _slot_tensor(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """A tensor over slot bytes (never empty). Read-only buffers make torch
-    warn that it cannot mark tensors read-only; we only read those."""
+def slot_tensor(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor over slot bytes (also for ``acp.dcp``); an empty buffer
+    gives an empty tensor of its own. Read-only buffers make torch warn
+    that it cannot mark tensors read-only; we only read those."""
+    if not buf.nbytes:
+        return torch.empty(tuple(shape), dtype=dtype)
     if buf.readonly:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
@@ -393,7 +396,7 @@ class Adapter:
                 # Otherwise the caller's state keeps the tensor alive.
                 host.append((index, t.data_ptr(), info.nbytes))
             else:
-                dst = _slot_tensor(staging.buffer(index), t.dtype, info.shape)
+                dst = slot_tensor(staging.buffer(index), t.dtype, info.shape)
                 device_pairs.append((dst, t.detach()))
         if device_pairs:
             image_bytes = staging.image_bytes
@@ -420,7 +423,7 @@ class Adapter:
             if device.type == "cpu":
                 transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))
             elif entry.nbytes:
-                src = _slot_tensor(loaded.buffer(entry.index), dtype, entry.shape)
+                src = slot_tensor(loaded.buffer(entry.index), dtype, entry.shape)
                 device_pairs.append((t, src))
             if ref.get("param"):
                 out.append(torch.nn.Parameter(t, requires_grad=bool(ref.get("rg"))))
@@ -448,7 +451,7 @@ class Adapter:
             if t.device.type == "cpu" and t.is_contiguous():
                 transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))
                 continue
-            src = _slot_tensor(loaded.buffer(entry.index), t.dtype, entry.shape)
+            src = slot_tensor(loaded.buffer(entry.index), t.dtype, entry.shape)
             (host_pairs if t.device.type == "cpu" else device_pairs).append((t, src))
         _check_no_overlap(transfer.host, seen)
         if host_pairs:
