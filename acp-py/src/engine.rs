@@ -3,12 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use acp_core::{
-    DirectIo, EngineConfig, Error, IoChoice, IoKind, LoadRequest, SaveOptions, TensorSpec, Verify,
-    WhenFull,
+    DirectIo, EngineConfig, Error, IoChoice, IoKind, LoadRequest, OnWait, SaveOptions, TensorSpec,
+    Verify, WhenFull,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -260,16 +260,34 @@ impl Engine {
         extra_metadata: Option<BTreeMap<String, String>>,
     ) -> PyResult<Option<Staging>> {
         let specs = tensor_specs(specs)?;
+        // While the save waits for a free slot, Python's signal handlers run
+        // at every tick (a SIGTERM's dying checkpoint must not wait for a
+        // slot); the first exception one raises ends the save.
+        let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
+        let seen = Arc::clone(&raised);
+        let on_wait = OnWait(Arc::new(move || {
+            Python::attach(|py| py.check_signals()).map_err(|e| {
+                *seen.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+                Error::invalid("save", "interrupted by a signal handler's exception")
+            })
+        }));
         let opts = SaveOptions {
             overwrite,
             extra_metadata: extra_metadata.unwrap_or_default(),
+            on_wait: Some(on_wait),
         };
         let engine = self.get()?;
         py.detach(|| {
             let staging = engine.begin_save_json(step, &specs, values_json, &opts)?;
             staging.map(Staging::new).transpose()
         })
-        .map_err(err)
+        .map_err(|e| {
+            raised
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .unwrap_or_else(|| err(e))
+        })
     }
 
     /// Readies every free ring slot for a checkpoint of these tensors and

@@ -48,7 +48,10 @@ pub(crate) fn parallel_copy(pairs: Vec<(&mut [u8], &[u8])>, threads: usize) {
             // for the others (and the calling thread) to take.
             let _ = std::thread::Builder::new()
                 .name("acp-copy".into())
-                .spawn_scoped(scope, || drain(&queue));
+                .spawn_scoped(scope, || {
+                    crate::io::block_async_signals();
+                    drain(&queue);
+                });
         }
         drain(&queue);
     });
@@ -102,7 +105,10 @@ pub(crate) fn parallel_digests(
         for _ in 0..workers {
             let _ = std::thread::Builder::new()
                 .name("acp-hash".into())
-                .spawn_scoped(scope, drain_digests);
+                .spawn_scoped(scope, || {
+                    crate::io::block_async_signals();
+                    drain_digests();
+                });
         }
         drain_digests();
     });

@@ -60,7 +60,7 @@ pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};
 pub use handle::SaveHandle;
 pub use load::LoadRequest;
 pub use open::OpenReport;
-pub use save::{HostTensor, SaveOptions, SaveReport};
+pub use save::{HostTensor, OnWait, SaveOptions, SaveReport};
 pub use stage::Staging;
 
 use state::Shared;

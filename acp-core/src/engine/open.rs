@@ -198,7 +198,10 @@ impl Engine {
             let for_thread = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name(format!("acp-flush-r{}", shared.cfg.rank))
-                .spawn(move || flush::run(&for_thread, &rx))
+                .spawn(move || {
+                    crate::io::block_async_signals();
+                    flush::run(&for_thread, &rx);
+                })
                 .map_err(|e| Error::io("start flush thread", shared.root.path(), e))?
         };
         Ok(Engine {

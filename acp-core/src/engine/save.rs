@@ -2,6 +2,7 @@
 //! input, laying the image out, waiting for a free ring slot).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::wait::WATCH_TICK;
@@ -20,6 +21,21 @@ pub struct SaveOptions {
     pub overwrite: bool,
     /// Extra string metadata for the safetensors header (e.g. `format: pt`).
     pub extra_metadata: BTreeMap<String, String>,
+    /// Called at every tick (100 ms) while the save waits for a free ring
+    /// slot, with no lock of the engine held and nothing staged; an error
+    /// ends the wait and the save with that error. Bindings run their
+    /// signal handlers here (a SIGTERM must not wait for a slot).
+    pub on_wait: Option<OnWait>,
+}
+
+/// The callback of [`SaveOptions::on_wait`].
+#[derive(Clone)]
+pub struct OnWait(pub Arc<dyn Fn() -> Result<()> + Send + Sync>);
+
+impl std::fmt::Debug for OnWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnWait(..)")
+    }
 }
 
 /// A host tensor handed to [`Engine::save`].
@@ -188,7 +204,8 @@ impl Engine {
             values_json,
             opts.extra_metadata.clone(),
         )?;
-        let Some(mut slot) = self.acquire_slot(step, layout.total_len)? else {
+        let Some(mut slot) = self.acquire_slot(step, layout.total_len, opts.on_wait.as_ref())?
+        else {
             tracing::warn!(
                 step,
                 "acp: no free ring slot, save skipped (when_full = skip)"
@@ -208,7 +225,12 @@ impl Engine {
         }))
     }
 
-    fn acquire_slot(&self, step: u64, len: u64) -> Result<Option<StagingSlot>> {
+    fn acquire_slot(
+        &self,
+        step: u64,
+        len: u64,
+        on_wait: Option<&OnWait>,
+    ) -> Result<Option<StagingSlot>> {
         let shared = self.shared();
         // A resident image of the same step (an older attempt) must not be
         // confused with the new one.
@@ -242,6 +264,9 @@ impl Engine {
                 WhenFull::Skip => return Ok(None),
                 WhenFull::Wait(d) => d,
             };
+            if let Some(OnWait(f)) = on_wait {
+                f()?;
+            }
             let waited = start.elapsed();
             if waited >= limit {
                 return Err(Error::Timeout {

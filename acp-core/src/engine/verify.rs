@@ -112,6 +112,7 @@ pub(super) fn read_verified(
             let spawned = std::thread::Builder::new()
                 .name("acp-verify".into())
                 .spawn_scoped(s, move || {
+                    crate::io::block_async_signals();
                     for job in rx {
                         job.check(chunk, entry, found);
                     }

@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::storage::faults::FaultInjector;
 
 pub use regular::{open_listed, open_regular};
+pub(crate) use sys::block_async_signals;
 
 mod file;
 mod psync;

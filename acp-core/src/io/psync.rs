@@ -170,6 +170,7 @@ fn write_chunks(
             let spawned = thread::Builder::new()
                 .name(format!("acp-pwrite-{w}"))
                 .spawn_scoped(s, move || {
+                    super::block_async_signals();
                     for span in rx {
                         if !first.failed() {
                             if let Err(e) = write_span(f, path, src, span) {
@@ -257,6 +258,7 @@ fn read_chunks<'a>(
             let spawned = thread::Builder::new()
                 .name(format!("acp-pread-{w}"))
                 .spawn_scoped(s, move || {
+                    super::block_async_signals();
                     for (span, buf) in rx {
                         if first.failed() {
                             break;

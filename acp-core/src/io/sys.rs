@@ -1,9 +1,9 @@
-//! The two system calls the engines need that `std` does not wrap:
-//! `fallocate(2)` and `fcntl(2)` `F_SETFL`.
+//! The system calls acp needs that `std` does not wrap: `fallocate(2)`,
+//! `fcntl(2)` `F_SETFL`, and `pthread_sigmask(3)` for acp's own threads.
 
 #![allow(
     unsafe_code,
-    reason = "fallocate(2) and fcntl(2) have no safe std wrapper; each call only passes an owned, open fd and integers"
+    reason = "fallocate(2), fcntl(2) and pthread_sigmask(3) have no safe std wrapper; each call only passes an owned, open fd, integers or a sigset on our stack"
 )]
 
 use std::fs::File;
@@ -112,5 +112,59 @@ pub(super) mod tests {
         fallocate(&f, 12345).unwrap();
         assert_eq!(f.metadata().unwrap().len(), 12345);
         fallocate(&f, 0).unwrap();
+    }
+}
+
+/// Blocks the asynchronous signals (SIGTERM, SIGINT, SIGCHLD, ...) in the
+/// calling thread, and so in the threads it spawns: acp's background
+/// threads never take the application's signals, which the kernel then
+/// delivers to the application's own threads, where its handlers (Python's
+/// among them) run, and no acp system call is interrupted by them. Faults
+/// the thread itself raises (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP,
+/// SIGSYS) stay unblocked.
+pub(crate) fn block_async_signals() {
+    // SAFETY: `set` is a sigset_t on our stack, initialised by sigfillset
+    // before any other use; pthread_sigmask reads it and writes no memory
+    // of ours (the old mask is not asked for: null).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut set);
+        for sig in [
+            libc::SIGSEGV,
+            libc::SIGBUS,
+            libc::SIGFPE,
+            libc::SIGILL,
+            libc::SIGTRAP,
+            libc::SIGSYS,
+        ] {
+            libc::sigdelset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+#[cfg(test)]
+mod signal_tests {
+    #[test]
+    fn background_threads_leave_sigterm_to_others() {
+        let blocked = std::thread::Builder::new()
+            .name("acp-test-mask".into())
+            .spawn(|| {
+                super::block_async_signals();
+                // SAFETY: `now` is a sigset_t on our stack that pthread_sigmask
+                // fills; the new-mask argument is null (nothing changes).
+                unsafe {
+                    let mut now: libc::sigset_t = std::mem::zeroed();
+                    libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut now);
+                    (
+                        libc::sigismember(&now, libc::SIGTERM),
+                        libc::sigismember(&now, libc::SIGSEGV),
+                    )
+                }
+            })
+            .expect("the thread starts")
+            .join()
+            .expect("the thread ran");
+        assert_eq!(blocked, (1, 0));
     }
 }

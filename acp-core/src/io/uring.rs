@@ -42,6 +42,17 @@ const MAX_DEPTH: usize = 4096;
 
 /// An operation that ends in EINTR or EAGAIN is retried this many times.
 const MAX_RETRIES: u8 = 16;
+/// How long a flight waits in `io_uring_enter` before it looks at its
+/// operations again.
+const WAIT_TICK: Duration = Duration::from_millis(500);
+/// An operation with no completion for this long is cancelled and started
+/// again: on some kernels a write punted to io-wq while the process takes a
+/// signal never runs (no worker is started for it), and waiting longer
+/// does not help, while a new submission goes through.
+const STUCK_AFTER: Duration = Duration::from_secs(2);
+/// The `user_data` of the cancel requests a flight submits for stuck
+/// operations (operations use their slot index, far below it).
+const CANCEL_TAG: u64 = u64::MAX;
 
 /// The `io_uring` engine.
 #[derive(Debug, Default)]
@@ -245,6 +256,9 @@ struct Op {
     need: usize,
     done: usize,
     retries: u8,
+    /// This flight asked the kernel to cancel it (it was stuck): its
+    /// `ECANCELED` means "start again", not a failure.
+    cancelled: bool,
 }
 
 /// What a completion means for its operation.
@@ -286,6 +300,11 @@ struct Flight<'f, 'b> {
     floor: usize,
     /// Reads: `(index, start, len)` of completed reads not yet taken.
     landed: VecDeque<(usize, usize, usize)>,
+    /// When the last completion arrived (or the first wait began): an
+    /// operation in the kernel with none since [`STUCK_AFTER`] is stuck.
+    progress: std::time::Instant,
+    /// Whether `io_uring_enter` takes a timeout (`IORING_FEAT_EXT_ARG`).
+    timed_waits: bool,
 }
 
 impl<'f, 'b> Flight<'f, 'b> {
@@ -309,7 +328,6 @@ impl<'f, 'b> Flight<'f, 'b> {
             .build(u32::try_from(depth).unwrap_or(1))?;
         let depth = depth.min(usize::try_from(ring.params().sq_entries()).unwrap_or(1));
         Ok(Flight {
-            ring,
             file,
             dir,
             buf_len,
@@ -321,6 +339,9 @@ impl<'f, 'b> Flight<'f, 'b> {
             cqes: Vec::with_capacity(depth),
             floor: 0,
             landed: VecDeque::with_capacity(depth),
+            progress: std::time::Instant::now(),
+            timed_waits: ring.params().is_feature_ext_arg(),
+            ring,
         })
     }
 
@@ -357,6 +378,9 @@ impl<'f, 'b> Flight<'f, 'b> {
             }
             self.floor = span.start + span.io;
         }
+        if self.idle() {
+            self.progress = std::time::Instant::now();
+        }
         let slot = self
             .free
             .pop()
@@ -368,6 +392,7 @@ impl<'f, 'b> Flight<'f, 'b> {
             need,
             done: 0,
             retries: 0,
+            cancelled: false,
         });
         self.push(slot)?;
         // Start it now, so it runs while the caller prepares the next one.
@@ -429,6 +454,17 @@ impl<'f, 'b> Flight<'f, 'b> {
     /// The first failed operation's error, or `io_uring_enter`'s. The
     /// other operations stay in flight: call [`drain`](Self::drain).
     fn wait(&mut self) -> io::Result<()> {
+        if self.timed_waits {
+            let ts = types::Timespec::from(WAIT_TICK);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => self.cancel_if_stuck()?,
+                Err(e) if transient(&e) => {}
+                Err(e) => return Err(e),
+            }
+            return self.reap(true);
+        }
         match self.ring.submit_and_wait(1) {
             Ok(_) => {}
             Err(e) if transient(&e) => {
@@ -441,6 +477,42 @@ impl<'f, 'b> Flight<'f, 'b> {
             Err(e) => return Err(e),
         }
         self.reap(true)
+    }
+
+    /// Asks the kernel to cancel every operation of this flight when none
+    /// has completed for [`STUCK_AFTER`]; each comes back with `ECANCELED`
+    /// (or done, if it finished meanwhile) and [`step`](Self::step) starts
+    /// it again, at most [`MAX_RETRIES`] times.
+    fn cancel_if_stuck(&mut self) -> io::Result<()> {
+        if self.in_kernel() == 0 || self.progress.elapsed() < STUCK_AFTER {
+            return Ok(());
+        }
+        let busy: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].as_ref().is_some_and(|op| !op.cancelled))
+            .collect();
+        for slot in busy {
+            tracing::warn!(
+                slot,
+                "io_uring operation stuck for {STUCK_AFTER:?}; cancelling it to start it again"
+            );
+            let entry = opcode::AsyncCancel::new(slot as u64)
+                .build()
+                .user_data(CANCEL_TAG);
+            // SAFETY: a cancel request names no memory of ours (only the
+            // `user_data` of the operation to cancel).
+            if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                break; // the queue is full: the next tick tries again
+            }
+            self.pushed += 1;
+            if let Some(Some(op)) = self.slots.get_mut(slot) {
+                op.cancelled = true;
+            }
+        }
+        self.progress = std::time::Instant::now();
+        match self.ring.submit() {
+            Err(e) if !transient(&e) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Operations the kernel has consumed and not completed.
@@ -472,8 +544,14 @@ impl<'f, 'b> Flight<'f, 'b> {
         cqes.clear();
         cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
         let mut first = Ok(());
+        if !cqes.is_empty() {
+            self.progress = std::time::Instant::now();
+        }
         for &(slot, res) in &cqes {
             self.completed += 1;
+            if slot == CANCEL_TAG {
+                continue; // the cancel request's own completion
+            }
             let slot = usize::try_from(slot).unwrap_or(usize::MAX);
             let step = self.step(slot, res);
             let outcome = match step {
@@ -505,9 +583,12 @@ impl<'f, 'b> Flight<'f, 'b> {
         let Some(op) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
             return Step::Failed(io::Error::other("completion for no io_uring operation"));
         };
+        let cancelled = std::mem::take(&mut op.cancelled);
         let Ok(moved) = usize::try_from(res) else {
             let errno = -res;
-            if matches!(errno, libc::EINTR | libc::EAGAIN) && op.retries < MAX_RETRIES {
+            let again = matches!(errno, libc::EINTR | libc::EAGAIN)
+                || (cancelled && errno == libc::ECANCELED);
+            if again && op.retries < MAX_RETRIES {
                 op.retries += 1;
                 return Step::Again;
             }

@@ -379,6 +379,7 @@ pub fn import_safetensors(
             let save_opts = SaveOptions {
                 overwrite: opts.overwrite,
                 extra_metadata: extra,
+                ..SaveOptions::default()
             };
             let Some(mut staging) = engine.begin_save(opts.step, &specs, &values, &save_opts)?
             else {

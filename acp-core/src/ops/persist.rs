@@ -105,6 +105,7 @@ pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
                 std::thread::Builder::new()
                     .name(format!("acp-persist-r{rank}"))
                     .spawn_scoped(scope, move || {
+                        crate::io::block_async_signals();
                         persist_rank(&root, &job, rank, world_size, &mine, opts)
                     })
             })
