@@ -64,3 +64,48 @@ def make_ckpt(tmp_path: Path, shm_dir: Path) -> Iterator[MakeCkpt]:
 @pytest.fixture
 def ckpt(make_ckpt: MakeCkpt) -> acp.Checkpointer:
     return make_ckpt()
+
+
+# --- the suite leaves /dev/shm as it found it -------------------------------
+
+_SHM = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    """acp's entries in /dev/shm owned by this user: rings (in the per-user
+    directory and, from older builds, at the top), test and demo dirs."""
+    if not _SHM.is_dir():
+        return set()
+    found: set[str] = set()
+    for p in _SHM.iterdir():
+        try:
+            mine = p.lstat().st_uid == os.geteuid()
+        except FileNotFoundError:
+            continue
+        if not mine or "acp" not in p.name:
+            continue
+        found.add(p.name)
+        if p.name == f"acp-u{os.geteuid()}" and p.is_dir():
+            found.update(f"{p.name}/{q.name}" for q in p.iterdir())
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SHM_BEFORE] = _shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
+    left = sorted(_shm_entries() - before)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = f"/dev/shm: the suite left {len(left)} acp entries behind: {left[:10]}"
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        if exitstatus == 0:
+            session.exitstatus = 1
+
+
+_SHM_BEFORE = pytest.StashKey[set[str]]()
