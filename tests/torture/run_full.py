@@ -40,6 +40,8 @@ WHERE = {
     "io-error-every-op-two-ranks": "acp-core/tests/torture_faults.rs",
     "io-error-every-op-load": "acp-core/tests/torture_faults.rs",
     "hostile": "acp-core/tests/torture_hostile.rs",
+    "fifo": "acp-core/tests/torture_hostile.rs",
+    "claimed size": "acp-core/tests/torture_hostile.rs",
     "permissions": "acp-core/tests/torture_perms.rs",
     "sigterm-dying-checkpoint": "tests/torture/test_sigterm_torture.py",
 }
