@@ -132,20 +132,26 @@ pub trait Front {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoFramework;
 
+impl NoFramework {
+    fn refuse(what: &str, detail: String) -> Failure {
+        Error::invalid(
+            what,
+            format!("{detail}: conversions of framework formats are in the Python `acp` (pip install acp)"),
+        )
+        .into()
+    }
+}
+
 impl Front for NoFramework {
     fn export(
         &self,
         req: &ExportRequest,
         _: Arc<dyn Progress + Send>,
     ) -> std::result::Result<Converted, Failure> {
-        Err(Error::invalid(
+        Err(Self::refuse(
             "export",
-            format!(
-                "--to {}: exports to framework formats are in the Python `acp` (pip install acp)",
-                req.format.name()
-            ),
-        )
-        .into())
+            format!("--to {}", req.format.name()),
+        ))
     }
 
     fn import(
@@ -153,14 +159,10 @@ impl Front for NoFramework {
         req: &ImportRequest,
         _: Arc<dyn Progress + Send>,
     ) -> std::result::Result<Converted, Failure> {
-        Err(Error::invalid(
+        Err(Self::refuse(
             "import",
-            format!(
-                "{} files: imports from framework formats are in the Python `acp` (pip install acp)",
-                req.format.name()
-            ),
-        )
-        .into())
+            format!("{} files", req.format.name()),
+        ))
     }
 }
 
