@@ -245,13 +245,7 @@ fn crafted_file_as(
 fn header_cases(suite: &mut Suite) {
     // The baseline loads: the harness itself is sound.
     {
-        let c = case();
-        let file = st(good_header().to_string(), &DATA);
-        std::fs::write(c.step_dir.join(DATA_NAME), &file).unwrap();
-        write_json(
-            &c.step_dir.join(INDEX_NAME),
-            &index_for(&file, DATA_NAME, &["a", "b"]),
-        );
+        let c = valid_step();
         let ck = load(&c).expect("the baseline checkpoint loads");
         assert_eq!(ck.tensor("b").unwrap().data, &DATA[8..]);
     }
@@ -654,13 +648,7 @@ fn path_cases(suite: &mut Suite) {
 /// and the valid step is what loads.
 fn root_cases(suite: &mut Suite) {
     suite.trials += 1;
-    let c = case();
-    let file = st(good_header().to_string(), &DATA);
-    std::fs::write(c.step_dir.join(DATA_NAME), &file).unwrap();
-    write_json(
-        &c.step_dir.join(INDEX_NAME),
-        &index_for(&file, DATA_NAME, &["a", "b"]),
-    );
+    let c = valid_step();
     let r = &c.root;
     std::fs::write(r.join("step-000000000009"), b"a file, not a directory").unwrap();
     std::fs::create_dir(r.join("step-9")).unwrap();

@@ -454,7 +454,10 @@ fn sniff(path: &std::path::Path) -> Result<ImportFormat> {
     ))
 }
 
-/// Opens a user's input file for reading, without blocking on a FIFO.
+/// Opens a user's input file for reading, without blocking on a FIFO. It
+/// follows symlinks, unlike [`crate::io::open_regular`] (which guards
+/// checkpoint content): a file the user names is often a link, e.g. into a
+/// model cache.
 fn open_input(path: &std::path::Path) -> Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
