@@ -455,14 +455,7 @@ impl<'f, 'b> Flight<'f, 'b> {
     /// other operations stay in flight: call [`drain`](Self::drain).
     fn wait(&mut self) -> io::Result<()> {
         if self.timed_waits {
-            let ts = types::Timespec::from(WAIT_TICK);
-            let args = types::SubmitArgs::new().timespec(&ts);
-            match self.ring.submitter().submit_with_args(1, &args) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ETIME) => self.cancel_if_stuck()?,
-                Err(e) if transient(&e) => {}
-                Err(e) => return Err(e),
-            }
+            self.wait_timed()?;
             return self.reap(true);
         }
         match self.ring.submit_and_wait(1) {
@@ -477,6 +470,21 @@ impl<'f, 'b> Flight<'f, 'b> {
             Err(e) => return Err(e),
         }
         self.reap(true)
+    }
+
+    /// Submits what is queued and waits at most [`WAIT_TICK`] for a
+    /// completion; a wait that times out cancels stuck operations
+    /// ([`cancel_if_stuck`](Self::cancel_if_stuck)). Completions are left
+    /// for the caller to reap.
+    fn wait_timed(&mut self) -> io::Result<()> {
+        let ts = types::Timespec::from(WAIT_TICK);
+        let args = types::SubmitArgs::new().timespec(&ts);
+        match self.ring.submitter().submit_with_args(1, &args) {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ETIME) => self.cancel_if_stuck(),
+            Err(e) if transient(&e) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Asks the kernel to cancel every operation of this flight when none
@@ -655,7 +663,15 @@ impl<'f, 'b> Flight<'f, 'b> {
     /// after this, and closing the ring discards them.
     fn drain(&mut self) {
         while self.in_kernel() > 0 {
-            if let Err(e) = self.wait_only() {
+            // Timed where the kernel can, so a stuck operation is cancelled
+            // here too rather than waited on for ever. (Operations queued
+            // but not yet submitted may start now; they are waited for.)
+            let waited = if self.timed_waits {
+                self.wait_timed()
+            } else {
+                self.wait_only()
+            };
+            if let Err(e) = waited {
                 // Returning would let the kernel use memory we no longer
                 // own; `io_uring_enter(0, 1, GETEVENTS)` on a live ring has
                 // no lasting failure, so wait and try again.
