@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import struct
+from dataclasses import fields as _fields
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,8 @@ def test_async_save_stages_into_the_ring(make_ckpt: MakeCkpt) -> None:
     assert "model.0.weight" in metadata.state_dict_metadata
     md = metadata.state_dict_metadata["extra.strided"]
     assert isinstance(md, TensorStorageMetadata)
-    assert md.properties.strides == (1, 4)  # the staged tensor's, not a placeholder's
+    if "strides" in _fields(TensorProperties):  # torch 2.12 and later record them
+        assert md.properties.strides == (1, 4)  # the staged tensor's, not a placeholder's
 
     target = zeroed(state)
     dcp.load(target, checkpoint_id=7, storage_reader=acp.dcp.StorageReader(ckpt), no_dist=True)
@@ -269,7 +271,8 @@ def test_metadata_is_stored_as_json_not_pickle(make_ckpt: MakeCkpt) -> None:
 
 
 def test_metadata_json_round_trip() -> None:
-    props = TensorProperties(dtype=torch.bfloat16, strides=(1, 4))
+    strides = {"strides": (1, 4)} if "strides" in _fields(TensorProperties) else {}
+    props = TensorProperties(dtype=torch.bfloat16, **strides)
     md = Metadata(
         state_dict_metadata={
             "a": TensorStorageMetadata(
@@ -344,5 +347,8 @@ def test_reader_can_refuse_pickled_values(make_ckpt: MakeCkpt) -> None:
 def test_reader_refuses_a_checkpoint_not_saved_through_dcp(make_ckpt: MakeCkpt) -> None:
     ckpt = make_ckpt()
     ckpt.save(1, {"w": torch.ones(2)}).wait()
-    with pytest.raises(CheckpointException, match=r"not saved through torch\.distributed"):
+    with pytest.raises(ValueError, match=r"not saved through torch\.distributed"):
+        acp.dcp.StorageReader(ckpt).read_metadata()
+    # How DCP reports it depends on torch's version: 2.11 says "metadata is None".
+    with pytest.raises(CheckpointException):
         dcp.load({"w": torch.zeros(2)}, storage_reader=acp.dcp.StorageReader(ckpt), no_dist=True)

@@ -3,6 +3,7 @@ rank's share of a save."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -92,6 +93,10 @@ def _index_from_json(d: dict[str, Any]) -> MetadataIndex:
     return MetadataIndex(d["fqn"], d.get("offset"), d.get("index"))
 
 
+_HAS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+"""torch 2.12 and later record a tensor's strides in its DCP properties."""
+
+
 def _properties_to_json(p: TensorProperties) -> dict[str, Any]:
     return {
         "dtype": str(p.dtype),
@@ -99,12 +104,15 @@ def _properties_to_json(p: TensorProperties) -> dict[str, Any]:
         "requires_grad": bool(p.requires_grad),
         "memory_format": str(p.memory_format),
         "pin_memory": bool(p.pin_memory),
-        "strides": _ints(p.strides),
+        "strides": _ints(getattr(p, "strides", None)),
     }
 
 
 def _properties_from_json(d: dict[str, Any]) -> TensorProperties:
     strides = d.get("strides")
+    extra: dict[str, Any] = {}
+    if _HAS_STRIDES:
+        extra["strides"] = None if strides is None else tuple(int(s) for s in strides)
     return TensorProperties(
         dtype=_torch_attr(d["dtype"], torch.dtype, "dtype"),
         layout=_torch_attr(d.get("layout", "torch.strided"), torch.layout, "layout"),
@@ -113,7 +121,7 @@ def _properties_from_json(d: dict[str, Any]) -> TensorProperties:
             d.get("memory_format", "torch.contiguous_format"), torch.memory_format, "memory format"
         ),
         pin_memory=bool(d.get("pin_memory", False)),
-        strides=None if strides is None else tuple(int(s) for s in strides),
+        **extra,
     )
 
 
