@@ -92,3 +92,29 @@ def test_repeated_saves_reuse_pinned_slots(ckpt: acp.Checkpointer) -> None:
     ckpt.save(6, {"w": torch.randn(1 << 18, device="cuda")}).wait()  # a bigger image
     ckpt.save(7, {"w": w}).wait()
     assert torch.equal(ckpt.load(7)["w"], w)
+
+
+def test_restores_stay_right_when_a_storage_load_regrows_a_pinned_slot(
+    ckpt: acp.Checkpointer,
+) -> None:
+    # Restores from RAM keep the slots' CUDA registrations; a load from
+    # storage into a slot that must grow remaps it, and the registration of
+    # its old mapping must not serve the next copies.
+    small = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+    big = torch.arange(1 << 21, device="cuda", dtype=torch.float32).neg()
+    ckpt.save(1, {"w": small}).wait()
+    ckpt.save(2, {"w": small + 1}).wait()
+    for _ in range(2):  # from RAM: the pinned slot serves both
+        out = {"w": torch.zeros_like(small)}
+        assert ckpt.load(2, into=out).source == "ram"
+        assert torch.equal(out["w"], small + 1)
+    ckpt.save(3, {"w": big}).wait()
+    ckpt.save(4, {"w": small + 2}).wait()
+    for step, want in ((3, big), (1, small), (3, big), (4, small + 2), (2, small + 1)):
+        out = {"w": torch.zeros_like(want)}
+        ckpt.load(step, into=out, storage_only=True)
+        assert torch.equal(out["w"], want), step
+        out = {"w": torch.zeros_like(want)}
+        ckpt.load(step, into=out)
+        assert torch.equal(out["w"], want), step
+        assert torch.equal(ckpt.load(step)["w"], want), step

@@ -7,7 +7,7 @@ import gc
 import operator
 import os
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
@@ -213,10 +213,20 @@ class Internals:
         self, step: int | None, storage_only: bool, fallback: bool, rank: int | None
     ) -> _acp.Loaded:
         """The engine's load of ``step`` (checked by the caller)."""
-        # A load from storage may regrow (remap) a ring slot: forget what
-        # was registered about slot memory before it happens.
-        self.adapters.forget_memory()
-        return self.engine.load(step, storage_only, fallback, rank)
+        loaded = self.engine.load(step, storage_only, fallback, rank)
+        self.loaded_from([loaded.source])
+        return loaded
+
+    def loaded_from(self, sources: Iterable[str]) -> None:
+        """Called after the engine's loads, before their bytes are copied.
+
+        A load that read storage into a ring slot may have regrown (remapped)
+        it, leaving what adapters registered about slot memory (CUDA's pinned
+        ranges) stale: forget it before any copy uses it. A load served from
+        resident slots maps nothing, so the registrations stay: registering a
+        slot costs about as much as copying it, on every restore."""
+        if any(s != "ram" for s in sources):
+            self.adapters.forget_memory()
 
 
 def internals(ckpt: Checkpointer) -> Internals:
@@ -580,6 +590,9 @@ class Checkpointer:
         loaded = with_other_ranks(
             self._engine, loaded, self.rank if rank is None else rank, storage_only
         )
+        ranks = loaded.sources() if isinstance(loaded, Sources) else None
+        if ranks:  # other ranks' files, loaded by with_other_ranks
+            self._in.loaded_from(ranks.values())
         t1 = perf_counter()
         if into is None:
             result = load_state(loaded, self._adapters, map_location)
@@ -588,7 +601,6 @@ class Checkpointer:
             copied = load_into(loaded, self._adapters, into, map_location)
         t2 = perf_counter()
         report = loaded.report()
-        ranks = loaded.sources() if isinstance(loaded, Sources) else None
         del loaded
         stats = load_stats(report, t0, t1, t2, copied, ranks=ranks)
         self.last_load = stats
