@@ -37,12 +37,18 @@ sysdeps:
 build-dev: venv ## Build the wheel (release) and install it into .venv.
 	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q
 
+# examples/*.rs are include!d by acp-core's example and tests, which
+# `cargo fmt` does not follow: they are formatted by name.
+EXAMPLES_RS := $(wildcard examples/*.rs)
+
 fmt: ## Format Rust and Python code.
 	cargo fmt --all
+	rustfmt --edition 2021 $(EXAMPLES_RS)
 	$(VENV)/bin/ruff format
 
 lint: venv cargo-deny ## fmt check, clippy -D warnings, cargo deny, ruff, mypy --strict.
 	cargo fmt --all -- --check
+	rustfmt --check --edition 2021 $(EXAMPLES_RS)
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --workspace --all-targets --features acp-core/cli -- -D warnings
 	$(DENY_OFFLINE)
