@@ -13,10 +13,10 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # below 2 (torch 2.15 runs with either).
 PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2" "matplotlib>=3.8"
 
-.PHONY: help venv sysdeps build-dev fmt lint test test-rust test-py demo bench bench-compare bench-scaling bench-goodput benchmarks torture-full fuzz-build fuzz-smoke clean
+.PHONY: help venv sysdeps build-dev fmt lint cargo-deny deny deny-advisories test test-rust test-py demo bench bench-compare bench-scaling bench-goodput benchmarks torture-full fuzz-build fuzz-smoke clean
 
 help: ## Show this help.
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 $(VENV)/.deps: Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,17 +37,45 @@ sysdeps:
 build-dev: venv ## Build the wheel (release) and install it into .venv.
 	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q
 
+# examples/*.rs are include!d by acp-core's example and tests, which
+# `cargo fmt` does not follow: they are formatted by name.
+EXAMPLES_RS := $(wildcard examples/*.rs)
+
 fmt: ## Format Rust and Python code.
 	cargo fmt --all
+	rustfmt --edition 2021 $(EXAMPLES_RS)
 	$(VENV)/bin/ruff format
 
-lint: venv ## fmt check, clippy -D warnings, ruff, mypy --strict.
+lint: venv cargo-deny ## fmt check, clippy -D warnings, cargo deny, ruff, mypy --strict.
 	cargo fmt --all -- --check
+	rustfmt --check --edition 2021 $(EXAMPLES_RS)
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --workspace --all-targets --features acp-core/cli -- -D warnings
+	$(DENY_OFFLINE)
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
 	MYPYPATH=python $(VENV)/bin/mypy --strict
+
+# cargo-deny checks the dependency tree against deny.toml. `make lint` runs
+# the checks that need no network: licences, duplicate versions (warned),
+# sources (crates.io only). The RustSec advisories need the advisory database
+# from GitHub, so they are a target of their own, `make deny-advisories`, to
+# run where the network allows (a CI job with network access, a laptop).
+# A missing cargo-deny is installed first: a one-off compile of about 5
+# minutes on 2 shared cores.
+CARGO_DENY_VERSION := 0.20.2
+DENY_OFFLINE := cargo deny check --hide-inclusion-graph licenses bans sources
+
+cargo-deny:
+	@cargo deny --version >/dev/null 2>&1 || { \
+	  echo "installing cargo-deny $(CARGO_DENY_VERSION) (cargo install; a few minutes, once)"; \
+	  cargo install cargo-deny --locked --version $(CARGO_DENY_VERSION); }
+
+deny: cargo-deny ## cargo deny: licences, duplicate versions, sources (no network).
+	$(DENY_OFFLINE)
+
+deny-advisories: cargo-deny ## cargo deny: RustSec advisories (fetches their database from GitHub).
+	cargo deny check --hide-inclusion-graph advisories
 
 test-rust: ## Rust unit, integration and doc tests (and the acp binary's).
 	cargo test --workspace

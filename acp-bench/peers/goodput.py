@@ -52,8 +52,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import random
 import selectors
 import shutil
 import signal
@@ -62,9 +60,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
+from goodput_analysis import Mode, Run, check, kill_schedule, step_rate, summarize
+from goodput_report import fmt, machine, markdown, plot
 from goodput_worker import QUICK_MODEL, STRIDE, Model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,43 +75,9 @@ STDERR_TAIL = 4000
 STARTUP_TIMEOUT = 300.0
 """Seconds a worker may take to restore (a probe) or to train its first step (a fault-free
 run, whose budget counts from there)."""
-MAX_FAILURES = 50
-"""Failed checks kept per mode in the JSON (the count is kept too)."""
-DURABLE = {"acp": "saved", "torch": "durable", "dcp": "durable"}
-"""The event after which a mode's step survives a SIGKILL of the worker (for acp: the save
-returned, the step is in the shared-memory ring)."""
 
 
 # ============================================================================ the supervisor
-
-
-@dataclass
-class Mode:
-    name: str
-    kind: str
-    every: int
-    label: str
-    on_full: str = "wait"
-    """acp's ``on_full``."""
-
-
-@dataclass
-class Run:
-    """One mode in one round; times in seconds from the run's start, on the supervisor's
-    clock. ``events`` are the workers' (``inc``: which worker, 0 the first)."""
-
-    mode: str
-    kind: str
-    round: int
-    faulted: bool
-    budget: float
-    kills: list[float]
-    events: list[dict[str, Any]] = field(default_factory=list)
-    spawns: list[float] = field(default_factory=list)
-    probe: dict[str, Any] | None = None
-    errors: list[str] = field(default_factory=list)
-    loadavg: list[float] = field(default_factory=list)
-    wall: float = 0.0
 
 
 class Supervisor:
@@ -279,361 +245,6 @@ def _tail(path: str) -> str:
         return ""
 
 
-# ============================================================================ analysis
-
-
-def kill_schedule(budget: float, mtbf: float, seed: int, min_gap: float) -> list[float]:
-    """Kill moments (seconds from the start) with exponential gaps of mean ``mtbf``, each at
-    least ``min_gap``, before ``budget``."""
-    rng = random.Random(seed)
-    out: list[float] = []
-    t = 0.0
-    while True:
-        t += max(min_gap, rng.expovariate(1.0 / mtbf))
-        if t >= budget:
-            return out
-        out.append(round(t, 3))
-
-
-def training(run: Run) -> tuple[int, float]:
-    """Steps trained and seconds spent training: from each worker's restore (or fresh start)
-    to its last step, summed over the run's workers. Checkpoint stalls are inside."""
-    steps, secs = 0, 0.0
-    for inc in sorted({e["inc"] for e in run.events}):
-        evs = [e for e in run.events if e["inc"] == inc]
-        ready = next((e["t"] for e in evs if e["ev"] in ("restored", "fresh")), None)
-        done = [e["t"] for e in evs if e["ev"] == "step"]
-        if ready is not None and done:
-            steps += len(done)
-            secs += done[-1] - ready
-    return steps, secs
-
-
-def _rate(run: Run) -> float | None:
-    steps, secs = training(run)
-    return steps / secs if secs > 0 else None
-
-
-def check(run: Run, ref_ck: dict[int, str]) -> list[str]:
-    """The correctness checks of one run; returns the failures."""
-    where = f"round {run.round + 1}{'' if run.faulted else ', fault-free'}"
-    bad = [f"{where}: {e}" for e in run.errors]
-    seen: dict[int, str] = {}
-    last_durable = 0
-    durable_ev = DURABLE.get(run.kind)
-
-    def fail(text: str) -> None:
-        bad.append(f"{where}: {text}")
-
-    for e in run.events:
-        if e["ev"] == "step":
-            s, ck = e["step"], e["ck"]
-            if seen.setdefault(s, ck) != ck:
-                fail(f"step {s} recomputed at {e['t']:.2f} s: checksum {ck}, first {seen[s]}")
-            if ref_ck.get(s, ck) != ck:
-                fail(f"step {s}: checksum {ck}, the bare loop's {ref_ck[s]}")
-        elif e["ev"] == durable_ev:
-            last_durable = max(last_durable, e["step"])
-        elif e["ev"] == "error":
-            fail(f"save of step {e['step']} failed: {e['error']}")
-        elif e["ev"] in ("restored", "fresh"):
-            got = e.get("step", 0)
-            if got < last_durable:
-                fail(
-                    f"worker {e['inc']} restored step {got} at {e['t']:.2f} s, but step "
-                    f"{last_durable} was reported saved before the kill"
-                )
-            if e["ev"] == "restored" and seen.get(got, e["ck"]) != e["ck"]:
-                fail(f"restored step {got}: checksum {e['ck']}, trained {seen[got]}")
-            last_durable = got
-    p = run.probe
-    if p is not None:
-        if p.get("error"):
-            fail(p["error"])
-        if p["step"] < last_durable:
-            fail(f"the probe restored step {p['step']}, but step {last_durable} was saved")
-        if seen.get(p["step"], p.get("ck")) != p.get("ck"):
-            fail(f"the probe's step {p['step']}: checksum {p['ck']}, trained {seen[p['step']]}")
-    return bad
-
-
-def faults(run: Run) -> list[dict[str, Any]]:
-    """Per kill: the step the job had reached (its high-water mark), what the restart
-    restored, and the time lost: until a restarted worker reports that step again. A fault
-    whose job is killed again before that is ``censored="kill"`` and counts until that kill
-    (the next fault's time starts there: together they partition the time spent below the
-    high-water mark); one still short of it when the budget ends is ``censored="budget"``
-    and left out of the time figures."""
-    progress = [
-        (e["t"], e["inc"], e["step"]) for e in run.events if e["ev"] in ("step", "restored")
-    ]
-    out = []
-    for i, tk in enumerate(run.kills):
-        last = i + 1 == len(run.kills)
-        end = run.budget if last else run.kills[i + 1]
-        reached = max([s for t, _, s in progress if t <= tk], default=0)
-        back = next((t for t, inc, s in progress if inc == i + 1 and s >= reached), None)
-        f: dict[str, Any] = {"round": run.round, "t": tk, "reached": reached}
-        f["censored"] = None if back is not None else "budget" if last else "kill"
-        f["lost_secs"] = (back if back is not None else end) - tk
-        ev = {e["ev"]: e for e in reversed(run.events) if e["inc"] == i + 1}
-        if "imported" in ev:
-            f["import_secs"] = ev["imported"]["t"] - tk
-        if "opened" in ev:
-            f["opened_secs"] = ev["opened"]["t"] - tk
-            f["build_secs"] = ev["opened"]["build_secs"]
-            f["open_secs"] = ev["opened"]["open_secs"]
-        restarted = ev.get("restored", ev.get("fresh"))
-        if restarted is not None:
-            f["restored"] = restarted.get("step", 0)
-            f["steps_lost"] = reached - f["restored"]
-            f["restart_secs"] = restarted["t"] - tk
-            f["restore_secs"] = restarted.get("secs", 0.0)
-            f["source"] = restarted.get("source", "none")
-        out.append(f)
-    return out
-
-
-def _med(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
-
-
-def summarize(
-    mode: Mode, runs: list[Run], cleans: list[Run], bare: list[float | None], bad: list[str]
-) -> dict[str, Any]:
-    """The figures of one mode over its rounds; ``bare``: the bare loop's step rate by round."""
-    every = [f for run in runs for f in faults(run)]
-    timed = [f for f in every if f["censored"] != "budget"]
-    restarted = [f for f in every if "restored" in f]
-    resumed = [f for f in restarted if f["restored"] > 0]
-    budget = sum(run.budget for run in runs)
-    useful = sum(run.probe["step"] if run.probe else 0 for run in runs)
-    ideal = sum((bare[run.round] or 0.0) * run.budget for run in runs)
-    src = cleans or runs
-    steps = sum(training(run)[0] for run in src)
-    bare_steps = sum(training(run)[1] * (bare[run.round] or 0.0) for run in src)
-    return {
-        "mode": mode.name,
-        "label": mode.label,
-        "useful_steps": useful,
-        "budget_secs": budget,
-        "useful_steps_per_hour": useful / budget * 3600,
-        "goodput": useful / ideal if ideal else None,
-        "by_round": [
-            {
-                "round": run.round,
-                "useful_steps": run.probe["step"] if run.probe else 0,
-                "goodput": (run.probe["step"] if run.probe else 0)
-                / ((bare[run.round] or 0.0) * run.budget or 1.0),
-            }
-            for run in runs
-        ],
-        "faults": len(every),
-        "faults_timed": len(timed),
-        "killed_before_back": sum(1 for f in timed if f["censored"]),
-        "resumed": len(resumed),
-        "lost_secs_median": _med([f["lost_secs"] for f in timed]),
-        "lost_secs_mean": _mean([f["lost_secs"] for f in timed]),
-        "restart_secs_median": _med([f["restart_secs"] for f in restarted]),
-        "import_secs_median": _med([f["import_secs"] for f in every if "import_secs" in f]),
-        "opened_secs_median": _med([f["opened_secs"] for f in every if "opened_secs" in f]),
-        "build_secs_median": _med([f["build_secs"] for f in every if "build_secs" in f]),
-        "open_secs_median": _med([f["open_secs"] for f in every if "open_secs" in f]),
-        "restore_secs_median": _med([f["restore_secs"] for f in resumed]),
-        "steps_lost_median": _med([f["steps_lost"] for f in restarted]),
-        "steps_lost_mean": _mean([f["steps_lost"] for f in restarted]),
-        "restore_sources": sorted({f["source"] for f in resumed}),
-        "ram_restores": sum(1 for f in resumed if f["source"] == "ram"),
-        "final_sources": [(run.probe or {}).get("source", "none") for run in runs],
-        "training_steps_per_sec": steps / sum(training(run)[1] for run in src) if steps else None,
-        "overhead": 1 - steps / bare_steps if bare_steps else None,
-        "overhead_from": "fault-free runs" if cleans else "training time of the faulted runs",
-        "stall_secs_median": _med([e["stall"] for run in src for e in run.events if "stall" in e]),
-        "checks": "ok" if not bad else "FAILED",
-        "failures": bad[:MAX_FAILURES],
-        "failures_total": len(bad),
-        "fault_list": every,
-    }
-
-
-# ============================================================================ output
-
-
-def machine() -> dict[str, Any]:
-    """The machine and versions (torch's without importing it here)."""
-    from importlib.metadata import version
-
-    import acp
-
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    mem = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        mem = int(next(ln.split()[1] for ln in f if ln.startswith("MemTotal"))) * 1024
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "mem_bytes": mem,
-        "kernel": platform.release(),
-        "python": sys.version.split()[0],
-        "torch": version("torch"),
-        "acp": acp.__version__,
-        "loadavg_start": list(os.getloadavg()),
-    }
-
-
-def _fmt(x: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
-    return "n/a" if x is None else f"{x * scale:{spec}}{unit}"
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    c, m = doc["config"], doc["machine"]
-    md = c["model"]
-    rates = "; ".join(" and ".join(_fmt(x, ".2f") for x in r["bare_rates"]) for r in doc["rounds"])
-    kills = sum(len(r["kills"]) for r in doc["rounds"])
-    budget = sum(r["budget"] for r in doc["rounds"])
-    budgets = " and ".join(f"{r['budget']:g}" for r in doc["rounds"])
-    lines = [
-        "# Goodput under faults",
-        "",
-        f"`{' '.join(doc['command'])}`",
-        "",
-        f"An MLP ({md['d_in']}-{md['hidden']}x{md['layers']}-{md['classes']}, batch "
-        f"{md['batch']}, AdamW, {md['threads']} torch thread(s)) with "
-        f"{doc['state_bytes'] / 1e6:.0f} MB of state, trained for {budget:g} s per mode "
-        f"({len(doc['rounds'])} round(s) of {budgets} s) and SIGKILLed {kills} times, at the "
-        f"same moments in every mode ({c['schedule']}). The bare loop (no checkpoints, no "
-        f"faults) ran {rates} steps/s (at the start and the end of each round). "
-        f"{m['cpus']} CPUs ({m['cpu']}), {m['mem_bytes'] / 2**30:.0f} GiB, shared with other "
-        f"work (load average {m['loadavg_start'][0]:.1f} at the start, "
-        f"{m['loadavg_end'][0]:.1f} at the end); torch {m['torch']}, acp {m['acp']}; "
-        f"the whole run took {doc['wall_secs']:.0f} s.",
-        "",
-        "| mode | useful steps | useful steps/h | goodput (of bare) | faults "
-        "| time lost per fault, median / mean | steps lost per fault, median "
-        "| kill to restored, median | checkpoint overhead | save stall, median | checks |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for s in doc["summary"]:
-        lines.append(
-            f"| {s['label']} | {s['useful_steps']} | {s['useful_steps_per_hour']:,.0f} | "
-            f"{_fmt(s['goodput'], '.1f', 100, ' %')} | {s['faults']} | "
-            f"{_fmt(s['lost_secs_median'], '.2f', 1, ' s')} / "
-            f"{_fmt(s['lost_secs_mean'], '.2f', 1, ' s')} | "
-            f"{_fmt(s['steps_lost_median'], '.1f')} | "
-            f"{_fmt(s['restart_secs_median'], '.2f', 1, ' s')} | "
-            f"{_fmt(s['overhead'], '.1f', 100, ' %')} | "
-            f"{_fmt(s['stall_secs_median'], '.1f', 1e3, ' ms')} | {s['checks']} |"
-        )
-    lines += ["", *[f"- {_sentence(s)}" for s in doc["summary"]], ""]
-    overhead = (
-        f"Checkpoint overhead: 1 - (the mode's step rate in fault-free runs of {c['clean']:g} s) "
-        "/ (the bare loop's in the same round); the save stall is from those runs. "
-        if c["clean"] > 0
-        else "Checkpoint overhead: 1 - (the mode's step rate while training, from each "
-        "worker's restore to its last step, stalls included) / (the bare loop's in the same "
-        "round). "
-    )
-    lines += [
-        "Useful steps: the step a restart after the budget restores, summed over the rounds "
-        "(recomputed steps count once); goodput: useful steps over what the bare loop's step "
-        "rate gives in the same time. Time lost per fault: from the kill until a restarted "
-        "worker reports the step the job had reached before it, on the supervisor's clock; a "
-        "fault whose job is killed again before getting back counts until that kill, and one "
-        "the budget cut short is left out. "
-        + overhead
-        + "Save stall: how long a checkpoint call held the training loop (for dcp, with the "
-        "wait for the previous save to finish). Every restart runs on the same node: the peers' "
-        "files are in the page cache, acp's newest step in its shared-memory ring.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _sentence(s: dict[str, Any]) -> str:
-    text = (
-        f"**{s['label']}**: {s['useful_steps']} useful steps "
-        f"({s['useful_steps_per_hour']:,.0f}/h, {_fmt(s['goodput'], '.0f', 100, ' %')} of the "
-        f"bare loop's rate); {s['faults']} faults, {s['resumed']} resumed from a checkpoint; "
-        f"per fault a median {_fmt(s['lost_secs_median'], '.2f')} s lost (mean "
-        f"{_fmt(s['lost_secs_mean'], '.2f')} s): {_fmt(s['restart_secs_median'], '.2f')} s from "
-        f"the kill to a restored state (Python up and torch imported after "
-        f"{_fmt(s['import_secs_median'], '.2f')} s; then model and AdamW built in "
-        f"{_fmt(s['build_secs_median'], '.2f')} s, checkpointer opened in "
-        f"{_fmt(s['open_secs_median'], '.3f')} s, state restored in "
-        f"{_fmt(s['restore_secs_median'], '.3f')} s), then "
-        f"{_fmt(s['steps_lost_median'], '.1f')} steps to recompute"
-    )
-    if s["restore_sources"]:
-        text += f"; restored from {', '.join(s['restore_sources'])}"
-        if "ram" in s["restore_sources"]:
-            text += f" ({s['ram_restores']} of {s['resumed']} restores from RAM)"
-    if s["overhead"] is not None:
-        text += f"; checkpointing costs {s['overhead'] * 100:.1f} % of the bare loop's step rate"
-    text += "."
-    if s["failures"]:
-        text += f" **CHECKS FAILED**: {'; '.join(s['failures'][:3])}"
-    return text
-
-
-def plot(doc: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rounds = doc["rounds"]
-    fig = plt.figure(figsize=(13, 1.0 + 4.0 * len(rounds)), layout="constrained")
-    grid = fig.add_gridspec(len(rounds), 2, width_ratios=[2.3, 1])
-    color = {s["mode"]: f"C{i}" for i, s in enumerate(doc["summary"])}
-    label = {s["mode"]: s["label"] for s in doc["summary"]}
-    for r, rnd in enumerate(rounds):
-        ax = fig.add_subplot(grid[r, 0])
-        budget = rnd["budget"]
-        for i, tk in enumerate(rnd["kills"]):
-            ax.axvline(tk, color="0.6", lw=0.8, ls="--", label="SIGKILL" if i == 0 else None)
-        if rnd["bare_rate"]:
-            t1 = rnd["bare_first_step_secs"]
-            ax.plot([t1, budget], [0, rnd["bare_rate"] * (budget - t1)], "k:", lw=1,
-                    label="bare loop, no faults")  # fmt: skip
-        for run in (x for x in doc["runs"] if x["round"] == r):
-            durable = DURABLE[run["kind"]]
-            pts = [(0.0, 0)]
-            for e in run["events"]:
-                if e["ev"] in (durable, "restored"):
-                    pts.append((e["t"], max(pts[-1][1], e["step"])))
-            pts.append((budget, run["probe"]["step"] if run["probe"] else pts[-1][1]))
-            c = color[run["mode"]]
-            ax.step(*zip(*pts), where="post", lw=1.6, color=c, label=label[run["mode"]])
-            trained = [(e["t"], e["step"]) for e in run["events"] if e["ev"] == "step"]
-            if trained:
-                ax.plot(*zip(*trained), ".", ms=1, color=c, alpha=0.3)
-        ax.set_xlim(0, budget)
-        ax.set_ylim(bottom=0)
-        ax.set_ylabel("useful step (dots: step trained)")
-        ax.set_title(f"Round {r + 1}: progress under the same SIGKILL schedule", fontsize=10)
-        if r == 0:
-            ax.legend(loc="upper left", fontsize=8)
-        if r == len(rounds) - 1:
-            ax.set_xlabel("wall time (s)")
-    bx = fig.add_subplot(grid[:, 1])
-    labels = [s["label"] for s in doc["summary"]]
-    values = [(s["goodput"] or 0) * 100 for s in doc["summary"]]
-    bars = bx.barh(labels, values, color=[color[s["mode"]] for s in doc["summary"]])
-    bx.bar_label(bars, fmt="%.0f %%", fontsize=8)
-    bx.invert_yaxis()
-    bx.set_xlabel("goodput (% of the bare loop's step rate)")
-    bx.set_xlim(0, 110)
-    bx.set_title("Goodput over all rounds", fontsize=10)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ============================================================================ main
 
 
@@ -749,12 +360,12 @@ def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool
         rnd: dict[str, Any] = {
             "budget": per_round,
             "kills": kills,
-            "bare_rates": [_rate(bare)],
+            "bare_rates": [step_rate(bare)],
             "bare_first_step_secs": startup,
             "bare": [asdict(bare)],
         }
         doc["rounds"].append(rnd)
-        _say(f"  {_fmt(_rate(bare), '.2f')} steps/s after {startup:.1f} s of start-up; each "
+        _say(f"  {fmt(step_rate(bare), '.2f')} steps/s after {startup:.1f} s of start-up; each "
              f"mode: {per_round:g} s, kills at {kills}")  # fmt: skip
         k = r % len(ms)
         for mode in ms[k:] + ms[:k]:
@@ -768,9 +379,9 @@ def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool
         if not a.quick:  # the load drifts: the bare loop again, at the end of the round
             bare = sup.run(Mode("bare", "bare", 1, "bare loop"), r, a.bare, [])
             bad_bare += check(bare, ref_ck)
-            rnd["bare_rates"].append(_rate(bare))
+            rnd["bare_rates"].append(step_rate(bare))
             rnd["bare"].append(asdict(bare))
-            _say(f"  the bare loop again: {_fmt(_rate(bare), '.2f')} steps/s")
+            _say(f"  the bare loop again: {fmt(step_rate(bare), '.2f')} steps/s")
         rates = [x for x in rnd["bare_rates"] if x]
         rnd["bare_rate"] = statistics.fmean(rates) if rates else None
     bare_rates = [rnd["bare_rate"] for rnd in doc["rounds"]]

@@ -1,0 +1,388 @@
+//! [`Ring`]: the handle to one job's and rank's slots, and what it does
+//! with them: open, acquire and reserve, pin, state and digest updates,
+//! release and unlink. The protocol it follows is the module doc of
+//! [`staging`](super).
+
+use std::path::PathBuf;
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::format::Digest;
+
+use super::handles::{PinnedSlot, StagingSlot};
+use super::open;
+use super::table::Inner;
+use super::{RingOptions, RingReport, SlotInfo, SlotState};
+
+/// The ring of one job and rank. Cheap to clone; all clones share the slots.
+#[derive(Debug, Clone)]
+pub struct Ring {
+    inner: Arc<Inner>,
+}
+
+impl Ring {
+    /// Opens (creating as needed) the slot files, locks them with `flock`,
+    /// reads their control blocks and reports complete images left by a
+    /// previous process. Slot files are created lazily at their first use if
+    /// absent; existing ones keep their size until a bigger image needs them.
+    ///
+    /// Absent files are created as one header page so that each is locked
+    /// and names its owner; their image memory is still allocated only by
+    /// the first [`Ring::acquire`] that needs it.
+    ///
+    /// # Errors
+    /// [`Error::Busy`] when another live process holds the slots (names
+    /// the pid if known), or a slot file or the per-user directory is
+    /// owned by another user; [`Error::Invalid`] when the per-user
+    /// directory is a symlink, not a directory or not mode `0700`, a slot
+    /// file is not a regular file, or the options are impossible (no slots, chunk
+    /// size 0, a budget with no room for an image, a prefix that is not a
+    /// plain file name); [`Error::Io`], or [`Error::NoSpace`] when the
+    /// directory is full.
+    pub fn open(opts: RingOptions) -> Result<(Ring, RingReport)> {
+        let (inner, report) = open::open(opts)?;
+        Ok((
+            Ring {
+                inner: Arc::new(inner),
+            },
+            report,
+        ))
+    }
+
+    /// The largest image one slot may hold under the budget.
+    #[must_use]
+    pub fn max_image_bytes(&self) -> u64 {
+        self.inner.layout.max_image
+    }
+
+    /// Takes a slot for an image of `len` bytes and marks it `Staging`.
+    /// Chooses a `Free` slot, else the `Persisted` one with the oldest step;
+    /// never a slot that is pinned, `Staging`, `Resident` or `Flushing`.
+    /// Grows the slot's file and mapping when it is too small (fallocate,
+    /// populate, mlock), so steady-state saves touch no fresh page. With
+    /// `wait = Some(d)` blocks up to `d` for a slot to free; with `None`
+    /// returns `Ok(None)` at once when none is free.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `len` exceeds [`Ring::max_image_bytes`];
+    /// [`Error::Timeout`]; [`Error::Io`] when growing fails, or
+    /// [`Error::NoSpace`] when the directory (tmpfs) has no room for it.
+    pub fn acquire(&self, len: u64, wait: Option<Duration>) -> Result<Option<StagingSlot>> {
+        self.take(len, wait, true)
+    }
+
+    /// Readies every `Free` slot for images of `len` bytes now (grows,
+    /// populates and locks its memory, as the first [`Ring::acquire`] of
+    /// it would), so the first saves into them pay no more than later
+    /// ones. Slots holding images (`Persisted` included) are left alone.
+    /// Returns how many slots are ready.
+    ///
+    /// # Errors
+    /// As [`Ring::acquire`].
+    pub fn reserve(&self, len: u64) -> Result<usize> {
+        let mut held = Vec::new();
+        while let Some(slot) = self.take(len, None, false)? {
+            held.push(slot); // dropped unsealed below: `Free` again, memory kept
+        }
+        Ok(held.len())
+    }
+
+    fn take(&self, len: u64, wait: Option<Duration>, evict: bool) -> Result<Option<StagingSlot>> {
+        let inner = &self.inner;
+        let max = inner.layout.max_image;
+        if len > max {
+            return Err(Error::invalid(
+                format!("image of {len} bytes"),
+                format!(
+                    "exceeds the {max}-byte slot capacity of {} ({} bytes over {} slots)",
+                    inner.what(),
+                    inner.opts.budget,
+                    inner.opts.slots
+                ),
+            ));
+        }
+        let start = Instant::now();
+        let deadline = wait.and_then(|d| start.checked_add(d));
+        let mut t = inner.lock();
+        let slot = loop {
+            if let Some(i) = inner.pick(&t, len, evict) {
+                break i;
+            }
+            let Some(d) = wait else { return Ok(None) };
+            match deadline {
+                None => t = inner.freed.wait(t).unwrap_or_else(PoisonError::into_inner),
+                Some(dl) => {
+                    let now = Instant::now();
+                    if now >= dl {
+                        return Err(Error::Timeout {
+                            what: format!("{}: a free slot for {len} bytes", inner.what()),
+                            secs: d.as_secs_f64(),
+                        });
+                    }
+                    t = inner
+                        .freed
+                        .wait_timeout(t, dl - now)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+            }
+        };
+        let Some(e) = t.slots.get_mut(slot) else {
+            return Err(Error::invalid(inner.what(), format!("no slot {slot}")));
+        };
+        e.state = SlotState::Staging;
+        e.step = 0;
+        e.len = 0;
+        e.has_digests = false;
+        e.free_on_unpin = false;
+        e.generation = e.generation.wrapping_add(1);
+        let generation = e.generation;
+        let old = e.mem.take();
+        drop(t);
+
+        let mut mlock_error = None;
+        let prepared = inner.prepare(slot, len, old, generation, &mut mlock_error);
+        let mut t = inner.lock();
+        if let Some(why) = mlock_error {
+            tracing::warn!(
+                "{}: {why}; the slot stays pre-faulted but unlocked",
+                inner.what()
+            );
+            t.mlock_ok = false;
+            t.mlock_error = Some(why);
+        }
+        let Some(e) = t.slots.get_mut(slot) else {
+            return Err(Error::invalid(inner.what(), format!("no slot {slot}")));
+        };
+        match prepared {
+            Ok(mem) => {
+                let image = mem.image.clone();
+                e.mem = Some(mem);
+                Ok(Some(StagingSlot {
+                    ring: Arc::clone(inner),
+                    slot,
+                    image,
+                    sealed: false,
+                }))
+            }
+            Err(err) => {
+                // The file may be left `Staging`; the next open discards it.
+                e.state = SlotState::Free;
+                drop(t);
+                inner.freed.notify_all();
+                Err(err)
+            }
+        }
+    }
+
+    /// The slots holding complete images, newest step first.
+    #[must_use]
+    pub fn complete(&self) -> Vec<SlotInfo> {
+        let t = self.inner.lock();
+        let mut v: Vec<SlotInfo> = t
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_available())
+            .map(|(i, e)| e.info(i))
+            .collect();
+        v.sort_by(|a, b| b.step.cmp(&a.step).then(a.slot.cmp(&b.slot)));
+        v
+    }
+
+    /// Pins slot `slot` for reading.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when it holds no complete image.
+    pub fn pin(&self, slot: usize) -> Result<PinnedSlot> {
+        let inner = &self.inner;
+        let mut t = inner.lock();
+        let not_found = || Error::NotFound {
+            what: format!("complete image in slot {slot} of {}", inner.what()),
+        };
+        let Some(e) = t.slots.get_mut(slot) else {
+            return Err(not_found());
+        };
+        let Some(mem) = e.mem.as_ref().filter(|_| e.is_available()) else {
+            return Err(not_found());
+        };
+        let image = mem.image.clone();
+        e.pins += 1;
+        Ok(PinnedSlot {
+            ring: Arc::clone(inner),
+            slot,
+            image,
+            step: e.step,
+            len: usize::try_from(e.len).unwrap_or(usize::MAX),
+            generation: e.generation,
+        })
+    }
+
+    /// Moves a complete slot between `Resident`, `Flushing` and `Persisted`.
+    /// `Free` is [`Ring::release`]. Ignored (and logged) for a slot that
+    /// holds no complete image, and for `Staging`, which only
+    /// [`Ring::acquire`] sets. Moving to `Persisted` wakes `acquire` waiters.
+    pub fn set_state(&self, slot: usize, state: SlotState) {
+        let inner = &self.inner;
+        match state {
+            SlotState::Free => return self.release(slot),
+            SlotState::Staging => {
+                tracing::warn!("{}: slot {slot}: set_state(Staging) ignored", inner.what());
+                return;
+            }
+            SlotState::Resident | SlotState::Flushing | SlotState::Persisted => {}
+        }
+        let mut t = inner.lock();
+        match t.slots.get_mut(slot) {
+            Some(e) if e.is_available() => {
+                if let Some(m) = &mut e.mem {
+                    m.ctrl.set_state(state);
+                }
+                e.state = state;
+            }
+            _ => {
+                tracing::warn!(
+                    "{}: slot {slot}: set_state({state:?}) on a slot without a complete image ignored",
+                    inner.what()
+                );
+                return;
+            }
+        }
+        drop(t);
+        if state == SlotState::Persisted {
+            inner.freed.notify_all();
+        }
+    }
+
+    /// Records the chunk digests of slot `slot`'s image (computed by the flush
+    /// or by a verified read). Ignored when they do not fit the digest area.
+    pub fn set_digests(&self, slot: usize, digests: &[Digest]) {
+        let inner = &self.inner;
+        let chunk = inner.opts.chunk_bytes;
+        let mut t = inner.lock();
+        let Some(e) = t.slots.get_mut(slot).filter(|e| e.is_available()) else {
+            tracing::warn!(
+                "{}: slot {slot}: digests for a slot without a complete image ignored",
+                inner.what()
+            );
+            return;
+        };
+        let stored = e
+            .mem
+            .as_mut()
+            .is_some_and(|m| m.ctrl.set_digests(digests, chunk));
+        if stored {
+            e.has_digests = true;
+        } else {
+            tracing::warn!(
+                "{}: slot {slot}: {} digests do not fit the digest area; ignored",
+                inner.what(),
+                digests.len()
+            );
+        }
+    }
+
+    /// The recorded digests of slot `slot`, if any.
+    #[must_use]
+    pub fn digests(&self, slot: usize) -> Option<Vec<Digest>> {
+        let t = self.inner.lock();
+        let e = t
+            .slots
+            .get(slot)
+            .filter(|e| e.is_available() && e.has_digests)?;
+        e.mem.as_ref()?.ctrl.digests()
+    }
+
+    /// Marks slot `slot` `Free` (its image is dropped) once no pin holds it.
+    /// From then on it is neither listed by [`Ring::complete`] nor pinnable.
+    /// Ignored for a `Staging` slot (dropping its [`StagingSlot`] frees it).
+    pub fn release(&self, slot: usize) {
+        self.release_if(slot, None);
+    }
+
+    /// [`Ring::release`] of slot `slot` only while it holds the image of
+    /// generation `generation` ([`PinnedSlot::generation`],
+    /// [`Ring::generation`]); a slot acquired again since is left alone.
+    /// Returns whether the image was released.
+    pub fn release_generation(&self, slot: usize, generation: u64) -> bool {
+        self.release_if(slot, Some(generation))
+    }
+
+    /// The generation of slot `slot` while it holds a complete image.
+    #[must_use]
+    pub fn generation(&self, slot: usize) -> Option<u64> {
+        let t = self.inner.lock();
+        t.slots
+            .get(slot)
+            .filter(|e| e.is_available())
+            .map(|e| e.generation)
+    }
+
+    fn release_if(&self, slot: usize, generation: Option<u64>) -> bool {
+        let inner = &self.inner;
+        let mut t = inner.lock();
+        let Some(e) = t.slots.get_mut(slot) else {
+            return false;
+        };
+        if generation.is_some_and(|g| g != e.generation) {
+            return false;
+        }
+        match e.state {
+            SlotState::Free => return false,
+            SlotState::Staging => {
+                tracing::warn!(
+                    "{}: slot {slot}: release of a staging slot ignored",
+                    inner.what()
+                );
+                return false;
+            }
+            SlotState::Resident | SlotState::Flushing | SlotState::Persisted => {}
+        }
+        if e.pins > 0 {
+            let released = !e.free_on_unpin;
+            e.free_on_unpin = true;
+            e.has_digests = false;
+            return released;
+        }
+        e.free();
+        drop(t);
+        inner.freed.notify_all();
+        true
+    }
+
+    /// The file that backs slot `slot`, for messages.
+    #[must_use]
+    pub fn slot_path(&self, slot: usize) -> PathBuf {
+        self.inner.path(slot)
+    }
+
+    /// Wakes waiters in [`Ring::acquire`] (after a state change made elsewhere).
+    pub fn notify(&self) {
+        self.inner.freed.notify_all();
+    }
+
+    /// Unlinks the slot files (their memory is freed once unmapped), then
+    /// the per-user directory when no other ring uses it and it is empty.
+    /// The ring keeps working on its open files but no longer holds the
+    /// directory.
+    /// For tests and `acp gc --shm`; a normal close keeps them resident.
+    pub fn unlink_all(&self) {
+        let inner = &self.inner;
+        for slot in 0..inner.opts.slots {
+            if let Err(e) = inner.dir.unlink(&inner.name(slot)) {
+                tracing::warn!("unlink {}: {e}", inner.path(slot).display());
+            }
+        }
+        inner.dir.remove_if_unused();
+    }
+
+    /// Whether every slot mapped so far is locked in RAM (`mlock` asked for
+    /// and never refused), and the last refusal. Unlike
+    /// [`RingReport::mlocked`], this covers slots grown after open.
+    #[must_use]
+    pub fn mlock_state(&self) -> (bool, Option<String>) {
+        let t = self.inner.lock();
+        (t.mlock_ok, t.mlock_error.clone())
+    }
+}
