@@ -146,3 +146,16 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod span_tests {
+    use super::chunk_span;
+
+    #[test]
+    fn spans_tile_the_file_and_saturate_past_it() {
+        assert_eq!(chunk_span(0, 4096, 10_000), (0, 4096));
+        assert_eq!(chunk_span(2, 4096, 10_000), (8192, 10_000));
+        assert_eq!(chunk_span(3, 4096, 10_000), (10_000, 10_000));
+        assert_eq!(chunk_span(u64::MAX, u64::MAX, 7), (7, 7));
+    }
+}

@@ -497,3 +497,34 @@ fn tensor(path: &Path, name: String, value: Value) -> Result<Stated> {
 #[cfg(test)]
 #[path = "header_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+mod prefix_tests {
+    use std::path::Path;
+
+    use super::read_header;
+    use crate::error::Result;
+
+    fn from(bytes: &[u8], max: u64) -> Result<super::ParsedHeader> {
+        read_header(Path::new("f"), bytes.len() as u64, max, |buf, at| {
+            let at = usize::try_from(at).unwrap();
+            buf.copy_from_slice(&bytes[at..at + buf.len()]);
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn reads_the_stated_header_only() {
+        let mut file = 2u64.to_le_bytes().to_vec();
+        file.extend_from_slice(b"{}");
+        assert!(from(&file, 1 << 20).unwrap().entries.is_empty());
+        // Longer than the caller reads: refused before reading it.
+        let e = from(&file, 1).unwrap_err().to_string();
+        assert!(e.contains("past the limit of 1"), "{e}");
+        // Past the end, or too short for a prefix: the parser's reasons.
+        let e = from(&file[..9], 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("past the end of the file"), "{e}");
+        let e = from(&file[..4], 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("too short"), "{e}");
+    }
+}
