@@ -25,7 +25,14 @@
 //! file read whole through the `IoEngine` with several reads in flight
 //! ([`IoSource`]), or another rank's slot ([`PeerSlot`](crate::staging::PeerSlot),
 //! whose caller also checks that the slot was not reused during the reads).
-//! Sources are handed in already opened; the reader never opens a path.
+//! Sources are handed in already opened; the reader never opens a path
+//! (the `IoEngine` opens the file it reads whole, as it always has).
+//!
+//! In the crate's layers this module sits between `engine` (and `ops`),
+//! which use it, and `io`, `staging` and `format`, which it uses. The
+//! format pieces it builds on are shared with the writer: [`digest`],
+//! [`chunk_span`], and the header's length prefix ([`header_end`],
+//! [`read_header`] for headers read without digests).
 //!
 //! # Parallelism
 //!
