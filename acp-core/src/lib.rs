@@ -58,6 +58,7 @@ pub mod error;
 pub mod format;
 pub mod io;
 pub mod ops;
+mod read;
 pub mod staging;
 pub mod storage;
 

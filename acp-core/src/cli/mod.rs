@@ -440,11 +440,8 @@ fn sniff(path: &std::path::Path) -> Result<ImportFormat> {
     if n >= 2 && head[..2] == *b"PK" {
         return Ok(ImportFormat::Torch);
     }
-    if n == 9 && head[8] == b'{' {
-        let len = u64::from_le_bytes([
-            head[0], head[1], head[2], head[3], head[4], head[5], head[6], head[7],
-        ]);
-        if len.checked_add(8).is_some_and(|end| end <= size) {
+    if let (9, Some(prefix)) = (n, head.first_chunk::<8>()) {
+        if head[8] == b'{' && crate::format::header_end(*prefix) <= size {
             return Ok(ImportFormat::Safetensors);
         }
     }

@@ -73,48 +73,6 @@ fn drain(queue: &CopyQueue<'_>) {
     }
 }
 
-/// The blake3 digest of each `chunk`-byte piece of `data`, computed over up
-/// to `threads` threads (each takes a contiguous run of chunks).
-pub(crate) fn parallel_digests(
-    data: &[u8],
-    chunk: usize,
-    threads: usize,
-) -> Vec<crate::format::Digest> {
-    let chunk = chunk.max(1);
-    let n = data.len().div_ceil(chunk);
-    if threads <= 1 || data.len() < PARALLEL_MIN_BYTES || n < 2 {
-        return crate::format::chunk_digests(data, chunk);
-    }
-    let per = n.div_ceil(threads);
-    let mut out = vec![[0u8; 32]; n];
-    let work: Vec<(&mut [crate::format::Digest], &[u8])> =
-        out.chunks_mut(per).zip(data.chunks(per * chunk)).collect();
-    let queue = std::sync::Mutex::new(work);
-    let workers = threads.min(n) - 1;
-    let drain_digests = || loop {
-        let item = queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop();
-        let Some((dst, src)) = item else { return };
-        for (d, piece) in dst.iter_mut().zip(src.chunks(chunk)) {
-            *d = *blake3::hash(piece).as_bytes();
-        }
-    };
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            let _ = std::thread::Builder::new()
-                .name("acp-hash".into())
-                .spawn_scoped(scope, || {
-                    crate::io::block_async_signals();
-                    drain_digests();
-                });
-        }
-        drain_digests();
-    });
-    out
-}
-
 fn copy_group(g: Vec<(&mut [u8], &[u8])>) {
     for (d, s) in g {
         d.copy_from_slice(s);

@@ -24,8 +24,8 @@ use super::state::{FailedSlot, Shared};
 use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
-    data_file_name, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry, Index,
-    Manifest, FORMAT_VERSION, INDEX_FILE_NAME,
+    data_file_name, digest, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry,
+    Index, Manifest, FORMAT_VERSION, INDEX_FILE_NAME,
 };
 use crate::staging::{PinnedSlot, SlotState};
 use crate::storage::local::read_small;
@@ -133,7 +133,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             &shared.io_opts,
             &mut |i, bytes| {
                 debug_assert_eq!(i, digests.len());
-                digests.push(*blake3::hash(bytes).as_bytes());
+                digests.push(digest(bytes));
                 shared.note_progress(format!(
                     "step {step}: writing {} (chunk {i})",
                     path.display()

@@ -8,10 +8,11 @@ use super::checkpoint::Backing;
 use super::state::Shared;
 use super::to_usize;
 use super::wait::wait_for;
-use super::{ranks, verify, Checkpoint, Engine, LoadReport, Source};
+use super::{ranks, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{data_file_name, parse_header, unhex, FileEntry, ParsedHeader};
+use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
+use crate::read::{ChunkReader, IoSource, MemSource};
 use crate::staging::{Ring, SlotInfo, SlotState};
 
 /// Which step to load, and from where.
@@ -147,7 +148,7 @@ fn load_step(
         // Another rank's image may be resident in its slot on this node.
         if let Some((buf, slot_path)) = ranks::copy_from_peer_slot(shared, step, rank, entry) {
             let len = to_usize(entry.size);
-            match verify::verify(&slot_path, &buf[..len], entry, threads) {
+            match verify_in_place(&buf[..len], &slot_path, entry, threads) {
                 Ok(_) => {
                     let backing = Backing::Heap(buf, len);
                     return finish(
@@ -190,7 +191,7 @@ fn load_step(
             }
             let verified = shared.cfg.verify == Verify::Always;
             if verified {
-                if let Err(e) = verify::verify(&slot_path, pin.image(), entry, threads) {
+                if let Err(e) = verify_in_place(pin.image(), &slot_path, entry, threads) {
                     // The resident copy is only a cache of the committed
                     // one: drop it and read storage.
                     tracing::warn!(
@@ -229,7 +230,13 @@ fn load_step(
     // Each chunk is verified as it lands; nothing is sealed or handed out
     // before every digest matched.
     let read = |dst: &mut [u8]| {
-        verify::read_verified(&*shared.io, &shared.io_opts, &path, dst, entry, threads)
+        let src = IoSource {
+            io: &*shared.io,
+            opts: &shared.io_opts,
+            path: &path,
+            len: entry.size,
+        };
+        ChunkReader::new(src, entry)?.read_verified(dst, threads, shared.io_opts.chunk_bytes)
     };
     let backing = if let Some(mut slot) = slot {
         let digests = read(slot.image_mut())?;
@@ -253,6 +260,17 @@ fn load_step(
         &expected,
     )
     .map(|c| c.with_rejected(rejected))
+}
+
+/// Checks `image`, which came from the file at `path`, in place against
+/// `entry`'s digests ([`ChunkReader::verify_in_place`]).
+fn verify_in_place(
+    image: &[u8],
+    path: &Path,
+    entry: &FileEntry,
+    threads: usize,
+) -> Result<Vec<crate::format::Digest>> {
+    ChunkReader::new(MemSource::new(image, path), entry)?.verify_in_place(threads)
 }
 
 /// Whether ring slot `info` records, for its image, the length, the chunk
@@ -315,7 +333,7 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
         return Ok(());
     }
     let cut = if got < size {
-        tensor_at(path, size, got)
+        tensor_at(&file, path, size, got)
     } else {
         None
     };
@@ -326,15 +344,20 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
     ))
 }
 
-/// The tensor holding byte `offset` of the data file at `path` (whose
-/// index says it has `size` bytes), read from its header; `None` when the
-/// header cannot be read or parsed. Reads at most 1 MiB of header.
-fn tensor_at(path: &Path, size: u64, offset: u64) -> Option<String> {
-    verify::file_header(path, size)?
-        .entries
-        .into_iter()
-        .find(|e| e.offset <= offset && offset < e.offset + e.len.max(1))
-        .map(|e| e.name)
+/// The tensor holding byte `offset` of the data file `file` at `path`
+/// (whose index says it has `size` bytes), read from its header; `None`
+/// when the header cannot be read or parsed. Reads at most 1 MiB of header.
+fn tensor_at(file: &std::fs::File, path: &Path, size: u64, offset: u64) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    read_header(path, size, 1 << 20, |buf, at| {
+        file.read_exact_at(buf, at)
+            .map_err(|e| Error::io("read", path, e))
+    })
+    .ok()?
+    .entries
+    .into_iter()
+    .find(|e| e.offset <= offset && offset < e.offset + e.len.max(1))
+    .map(|e| e.name)
 }
 
 /// Private page-aligned memory for an image of `len` bytes (padded to a

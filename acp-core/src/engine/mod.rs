@@ -53,7 +53,6 @@ pub(crate) mod retention;
 mod save;
 mod stage;
 mod state;
-mod verify;
 mod wait;
 
 pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};

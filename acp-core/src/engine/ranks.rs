@@ -12,8 +12,6 @@
 //! tensors.
 
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -22,9 +20,8 @@ use super::open::{job_id, job_names};
 use super::state::Shared;
 use super::{Checkpoint, LoadReport, Source};
 use crate::error::{Error, Result};
-use crate::format::{
-    data_file_name, parse_header, unhex, FileEntry, ParsedHeader, MAX_HEADER_BYTES,
-};
+use crate::format::{data_file_name, FileEntry, ParsedHeader};
+use crate::read::{ChunkReader, ChunkSource, FileSource};
 use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
 
 /// The slot files of `rank` of this engine's job in this user's directory
@@ -88,141 +85,61 @@ fn open_peer_slot(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> O
         })
 }
 
-/// Where the chunks of an image are read from.
-enum Chunks {
-    Storage(File, PathBuf),
-    Peer(PeerSlot),
-}
-
-impl Chunks {
-    /// Opens the data file at `path` that the index says has `size` bytes
-    /// ([`crate::io::open_listed`]: refused when its real size differs, so
-    /// no memory is sized by an index that disagrees with the file).
-    fn storage(path: &Path, size: u64) -> Result<Chunks> {
-        let file = crate::io::open_listed(path, size)?;
-        Ok(Chunks::Storage(file, path.to_path_buf()))
-    }
-
-    fn path(&self) -> &Path {
-        match self {
-            Chunks::Storage(_, p) => p,
-            Chunks::Peer(s) => s.path(),
-        }
-    }
-
-    fn read_at(&self, start: u64, dst: &mut [u8]) -> Result<()> {
-        match self {
-            Chunks::Storage(f, p) => f
-                .read_exact_at(dst, start)
-                .map_err(|e| Error::io("read", p, e)),
-            Chunks::Peer(s) => s.read_at(start, dst),
-        }
-    }
+/// Opens the data file at `path` that the index says has `size` bytes
+/// ([`crate::io::open_listed`]: refused when its real size differs, so no
+/// memory is sized by an index that disagrees with the file).
+fn storage(path: &Path, size: u64) -> Result<FileSource> {
+    let file = crate::io::open_listed(path, size)?;
+    Ok(FileSource::new(file, path.to_path_buf(), size))
 }
 
 /// An image read chunk by chunk into memory of its full size (untouched
-/// pages cost nothing), each chunk checked against the index once.
-struct Partial<'a> {
-    entry: &'a FileEntry,
-    src: Chunks,
+/// pages cost nothing), each chunk checked by the [`ChunkReader`] once.
+struct Partial<S> {
+    reader: ChunkReader<S>,
     buf: memmap2::MmapMut,
     read: BTreeSet<u64>,
 }
 
-impl<'a> Partial<'a> {
+impl<S: ChunkSource> Partial<S> {
     /// Memory for the image of `entry`, read from `src`: a storage file
-    /// whose real size is the index's ([`Chunks::storage`]), or a peer slot
-    /// whose file holds an image of that length ([`PeerSlot::open`]).
-    fn new(entry: &'a FileEntry, src: Chunks) -> Result<Partial<'a>> {
-        if entry.chunk_bytes == 0 || entry.chunk_bytes > 1 << 30 {
-            return Err(Error::corrupt(
-                src.path(),
-                None,
-                format!(
-                    "chunks of {} bytes are past acp's limits",
-                    entry.chunk_bytes
-                ),
-            ));
-        }
-        let buf = super::load::heap(entry.size, src.path())?;
+    /// whose real size is the index's ([`storage`]), or a peer slot whose
+    /// file holds an image of that length ([`PeerSlot::open`]).
+    fn new(entry: &FileEntry, src: S) -> Result<Partial<S>> {
+        let reader = ChunkReader::new(src, entry)?;
+        let buf = super::load::heap(entry.size, reader.path())?;
         Ok(Partial {
-            entry,
-            src,
+            reader,
             buf,
             read: BTreeSet::new(),
         })
     }
 
-    fn chunk_span(&self, i: u64) -> (u64, u64) {
-        let start = i * self.entry.chunk_bytes;
-        (start, (start + self.entry.chunk_bytes).min(self.entry.size))
+    fn path(&self) -> &Path {
+        self.reader.path()
     }
 
-    /// Reads and checks chunk `i`, unless already done.
-    fn chunk(&mut self, i: u64) -> Result<()> {
-        if self.read.contains(&i) {
-            return Ok(());
-        }
-        let (start, end) = self.chunk_span(i);
-        let want = usize::try_from(i)
-            .ok()
-            .and_then(|i| self.entry.chunks.get(i))
-            .and_then(|h| unhex(h));
-        let Some(want) = want else {
-            return Err(Error::corrupt(
-                self.src.path(),
-                None,
-                format!("the index records no digest for bytes {start}..{end}"),
-            ));
-        };
-        let dst = &mut self.buf[to_usize(start)..to_usize(end)];
-        self.src.read_at(start, dst)?;
-        if *blake3::hash(dst).as_bytes() != want {
-            return Err(Error::corrupt(
-                self.src.path(),
-                None,
-                format!("digest mismatch in bytes {start}..{end}"),
-            ));
-        }
-        self.read.insert(i);
-        Ok(())
-    }
-
-    /// Reads the chunks under the header; parses it.
+    /// Reads and checks the chunks under the header; parses it.
     fn header(&mut self) -> Result<ParsedHeader> {
-        let mut need = 8u64.min(self.entry.size);
-        let mut i = 0;
-        while i * self.entry.chunk_bytes < need {
-            self.chunk(i)?;
-            if let Some(n) = self.buf.first_chunk::<8>() {
-                need = u64::from_le_bytes(*n)
-                    .saturating_add(8)
-                    .min(self.entry.size);
-            }
-            if need > MAX_HEADER_BYTES + 8 {
-                return Err(Error::corrupt(
-                    self.src.path(),
-                    None,
-                    format!("a header of {need} bytes is past acp's limit"),
-                ));
-            }
-            i += 1;
-        }
-        parse_header(
-            self.src.path(),
-            &self.buf[..to_usize(need)],
-            self.entry.size,
-        )
+        let (header, n) = self.reader.header_into(&mut self.buf)?;
+        self.read.extend(0..n);
+        Ok(header)
     }
 
-    /// Reads the chunks under bytes `start..end`.
+    /// Reads the chunks under bytes `start..end`, each checked once.
     fn range(&mut self, start: u64, end: u64) -> Result<()> {
         if end <= start {
             return Ok(());
         }
-        let c = self.entry.chunk_bytes;
+        let c = self.reader.entry().chunk_bytes;
         for i in start / c..end.div_ceil(c) {
-            self.chunk(i)?;
+            if self.read.contains(&i) {
+                continue;
+            }
+            let (s, e) = self.reader.span(i);
+            self.reader
+                .read_chunk_into(i, &mut self.buf[to_usize(s)..to_usize(e)])?;
+            self.read.insert(i);
         }
         Ok(())
     }
@@ -232,7 +149,7 @@ impl<'a> Partial<'a> {
 /// that hold it, each checked against the index's digests.
 pub(super) fn read_header(shared: &Shared, step: u64, rank: u32) -> Result<ParsedHeader> {
     let (path, entry) = file_of(shared, step, rank)?;
-    Partial::new(&entry, Chunks::storage(&path, entry.size)?)?.header()
+    Partial::new(&entry, storage(&path, entry.size)?)?.header()
 }
 
 fn file_of(shared: &Shared, step: u64, rank: u32) -> Result<(PathBuf, FileEntry)> {
@@ -265,14 +182,15 @@ pub(super) fn load_tensors(
     if !storage_only {
         if let Some(slot) = open_peer_slot(shared, step, rank, &entry) {
             let slot_path = slot.path().to_path_buf();
-            let got = read_tensors(Chunks::Peer(slot), &entry, names, step).and_then(|(p, h)| {
-                match &p.src {
-                    Chunks::Peer(s) if !s.unchanged()? => Err(Error::corrupt(
+            let got = read_tensors(slot, &entry, names, step).and_then(|(p, h)| {
+                if p.reader.source().unchanged()? {
+                    Ok((p, h))
+                } else {
+                    Err(Error::corrupt(
                         &slot_path,
                         None,
                         "the slot was reused during the copy",
-                    )),
-                    _ => Ok((p, h)),
+                    ))
                 }
             });
             match got {
@@ -283,21 +201,21 @@ pub(super) fn load_tensors(
             }
         }
     }
-    let (p, h) = read_tensors(Chunks::storage(&path, entry.size)?, &entry, names, step)?;
+    let (p, h) = read_tensors(storage(&path, entry.size)?, &entry, names, step)?;
     Ok(checkpoint(shared, step, p, h, Source::Storage, t0))
 }
 
-fn read_tensors<'a>(
-    src: Chunks,
-    entry: &'a FileEntry,
+fn read_tensors<S: ChunkSource>(
+    src: S,
+    entry: &FileEntry,
     names: &[String],
     step: u64,
-) -> Result<(Partial<'a>, ParsedHeader)> {
+) -> Result<(Partial<S>, ParsedHeader)> {
     let mut p = Partial::new(entry, src)?;
     let mut header = p.header()?;
     if header.step.is_some_and(|s| s != step) {
         return Err(Error::corrupt(
-            p.src.path(),
+            p.path(),
             None,
             format!("header says step {:?}, expected {step}", header.step),
         ));
@@ -308,7 +226,7 @@ fn read_tensors<'a>(
         let have: BTreeSet<&str> = header.entries.iter().map(|e| e.name.as_str()).collect();
         let missing = wanted.difference(&have).next().copied().unwrap_or_default();
         return Err(Error::NotFound {
-            what: format!("tensor `{missing}` in {}", p.src.path().display()),
+            what: format!("tensor `{missing}` in {}", p.path().display()),
         });
     }
     for e in &header.entries {
@@ -317,10 +235,10 @@ fn read_tensors<'a>(
     Ok((p, header))
 }
 
-fn checkpoint(
+fn checkpoint<S: ChunkSource>(
     shared: &Shared,
     step: u64,
-    p: Partial<'_>,
+    p: Partial<S>,
     header: ParsedHeader,
     source: Source,
     t0: Instant,
@@ -329,11 +247,11 @@ fn checkpoint(
         .read
         .iter()
         .map(|&i| {
-            let (s, e) = p.chunk_span(i);
+            let (s, e) = p.reader.span(i);
             e - s
         })
         .sum();
-    let len = to_usize(p.entry.size);
+    let len = to_usize(p.reader.entry().size);
     Checkpoint {
         step,
         values: header.values,

@@ -5,6 +5,22 @@ pub type Digest = [u8; 32];
 
 const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
 
+/// The digest of one chunk: blake3 of its bytes. Every chunk digest acp
+/// writes (the flush) or checks (every reader) is this function's.
+#[must_use]
+pub fn digest(bytes: &[u8]) -> Digest {
+    *blake3::hash(bytes).as_bytes()
+}
+
+/// The byte range `[start, end)` of chunk `i` of a file of `size` bytes
+/// cut into `chunk`-byte pieces (the last may be shorter). Saturates for
+/// an `i` past the end (an empty range at `size`).
+#[must_use]
+pub fn chunk_span(i: u64, chunk: u64, size: u64) -> (u64, u64) {
+    let start = i.saturating_mul(chunk).min(size);
+    (start, start.saturating_add(chunk).min(size))
+}
+
 /// The digest of each `chunk`-byte piece of `data` (the last may be shorter).
 /// Empty data has no chunks. A `chunk` of 0 is read as "one chunk holding
 /// all of `data`" rather than panicking.
@@ -14,9 +30,7 @@ pub fn chunk_digests(data: &[u8], chunk: usize) -> Vec<Digest> {
         return Vec::new();
     }
     let chunk = if chunk == 0 { data.len() } else { chunk };
-    data.chunks(chunk)
-        .map(|piece| *blake3::hash(piece).as_bytes())
-        .collect()
+    data.chunks(chunk).map(digest).collect()
 }
 
 /// The root digest of a file: blake3 over the concatenated chunk digests.
@@ -130,5 +144,18 @@ mod tests {
             let data = vec![7u8; len];
             prop_assert_eq!(chunk_digests(&data, chunk).len(), len.div_ceil(chunk));
         }
+    }
+}
+
+#[cfg(test)]
+mod span_tests {
+    use super::chunk_span;
+
+    #[test]
+    fn spans_tile_the_file_and_saturate_past_it() {
+        assert_eq!(chunk_span(0, 4096, 10_000), (0, 4096));
+        assert_eq!(chunk_span(2, 4096, 10_000), (8192, 10_000));
+        assert_eq!(chunk_span(3, 4096, 10_000), (10_000, 10_000));
+        assert_eq!(chunk_span(u64::MAX, u64::MAX, 7), (7, 7));
     }
 }

@@ -33,6 +33,59 @@ pub struct ParsedHeader {
     pub values: serde_json::Value,
 }
 
+/// The bytes of the length prefix that starts every safetensors file.
+pub const PREFIX_BYTES: u64 = 8;
+
+/// Where the header stated by `prefix` (the file's first
+/// [`PREFIX_BYTES`], little-endian) ends: the data start, `8 + N`. An
+/// untrusted prefix may state any length; this saturates rather than
+/// overflows, and [`parse_header`] refuses what is past its limits.
+#[must_use]
+pub fn header_end(prefix: [u8; 8]) -> u64 {
+    u64::from_le_bytes(prefix).saturating_add(PREFIX_BYTES)
+}
+
+/// Reads the header of a source of `len` bytes through `read_at(buf,
+/// offset)` (which fills `buf` from `offset` or fails) and parses it with
+/// [`parse_header`]: the prefix first, then exactly the header it states.
+/// Nothing is verified against digests here; this is for files that have
+/// none (an import's input) and for best-effort reads (naming the tensors
+/// of a chunk known to be bad, a slot's summary). `path` only labels
+/// errors.
+///
+/// # Errors
+/// [`Error::Corrupt`](crate::Error::Corrupt) for a header longer than
+/// `max` bytes and whatever [`parse_header`] refuses; the errors of
+/// `read_at`.
+pub fn read_header(
+    path: &Path,
+    len: u64,
+    max: u64,
+    mut read_at: impl FnMut(&mut [u8], u64) -> Result<()>,
+) -> Result<ParsedHeader> {
+    let mut prefix = [0u8; 8];
+    let have = usize::try_from(len.min(PREFIX_BYTES)).unwrap_or(0);
+    read_at(&mut prefix[..have], 0)?;
+    let end = header_end(prefix);
+    if len < PREFIX_BYTES || end - PREFIX_BYTES > MAX_HEADER_BYTES || end > len {
+        // Too short, too long or past the end: the prefix alone says why.
+        return parse_header(path, &prefix[..have], len);
+    }
+    if end - PREFIX_BYTES > max {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!(
+                "header of {} bytes is past the limit of {max} read here",
+                end - PREFIX_BYTES
+            ),
+        ));
+    }
+    let mut bytes = vec![0u8; usize::try_from(end).unwrap_or(0)];
+    read_at(&mut bytes, 0)?;
+    parse_header(path, &bytes, len)
+}
+
 /// Parses and validates the header at the start of `bytes`, a file of
 /// `file_len` bytes (`bytes` holds at least the header; it may hold the
 /// whole file). `path` only labels errors.
@@ -123,7 +176,7 @@ fn header_text<'a>(path: &Path, bytes: &'a [u8], file_len: u64) -> Result<(u64, 
             bytes.len()
         )));
     };
-    let n = u64::from_le_bytes(*prefix);
+    let n = header_end(*prefix) - PREFIX_BYTES;
     if n > MAX_HEADER_BYTES {
         return Err(corrupt(format!(
             "header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes"
@@ -444,3 +497,34 @@ fn tensor(path: &Path, name: String, value: Value) -> Result<Stated> {
 #[cfg(test)]
 #[path = "header_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+mod prefix_tests {
+    use std::path::Path;
+
+    use super::read_header;
+    use crate::error::Result;
+
+    fn from(bytes: &[u8], max: u64) -> Result<super::ParsedHeader> {
+        read_header(Path::new("f"), bytes.len() as u64, max, |buf, at| {
+            let at = usize::try_from(at).unwrap();
+            buf.copy_from_slice(&bytes[at..at + buf.len()]);
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn reads_the_stated_header_only() {
+        let mut file = 2u64.to_le_bytes().to_vec();
+        file.extend_from_slice(b"{}");
+        assert!(from(&file, 1 << 20).unwrap().entries.is_empty());
+        // Longer than the caller reads: refused before reading it.
+        let e = from(&file, 1).unwrap_err().to_string();
+        assert!(e.contains("past the limit of 1"), "{e}");
+        // Past the end, or too short for a prefix: the parser's reasons.
+        let e = from(&file[..9], 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("past the end of the file"), "{e}");
+        let e = from(&file[..4], 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("too short"), "{e}");
+    }
+}

@@ -151,9 +151,11 @@ mod manifest;
 #[cfg(test)]
 mod tests;
 
-pub use digest::{chunk_digests, hex, root_digest, unhex, Digest};
+pub use digest::{chunk_digests, chunk_span, digest, hex, root_digest, unhex, Digest};
 pub use dtype::Dtype;
-pub use header::{parse_header, ParsedHeader, MAX_HEADER_BYTES};
+pub use header::{
+    header_end, parse_header, read_header, ParsedHeader, MAX_HEADER_BYTES, PREFIX_BYTES,
+};
 pub use index::{data_file_name, validate_file_name, FileEntry, Index, INDEX_FILE_NAME};
 pub use layout::{
     check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,

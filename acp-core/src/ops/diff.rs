@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::inspect::plain_values;
-use super::read::DataFile;
+use super::read::{self, DataFile};
 use super::{open_root, pick_step, shown, Progress};
 use crate::error::{Error, Result};
 use crate::format::{Dtype, Entry, INDEX_FILE_NAME};
@@ -90,7 +90,7 @@ fn open_side(root: &crate::storage::local::Root, step: u64) -> Result<Side> {
     let mut files = BTreeMap::new();
     let mut tensors = BTreeMap::new();
     for (name, entry) in &index.files {
-        let mut f = DataFile::open(&dir, &index_path, name, entry)?;
+        let mut f = read::open(&dir, &index_path, name, entry)?;
         for e in &f.header()?.entries {
             tensors.insert(e.name.clone(), (name.clone(), e.clone()));
         }

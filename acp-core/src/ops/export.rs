@@ -15,11 +15,11 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::read::DataFile;
+use super::read::{self, DataFile};
 use super::{open_root, pick_step, scratch_beside, shown, Progress, CODEC_KEY};
 use crate::error::{Error, Result};
 use crate::format::{
-    parse_header, Entry, ImageMeta, Layout, TensorSpec, INDEX_FILE_NAME, MAX_HEADER_BYTES,
+    read_header, Entry, ImageMeta, Layout, TensorSpec, INDEX_FILE_NAME, MAX_HEADER_BYTES,
 };
 use crate::{Engine, EngineConfig, SaveOptions};
 
@@ -78,7 +78,7 @@ pub fn export_safetensors(
     let mut files = Vec::new();
     for (name, entry) in &index.files {
         if rank.is_none_or(|r| entry.rank == r) {
-            files.push(DataFile::open(&dir, &index_path, name, entry)?);
+            files.push(read::open(&dir, &index_path, name, entry)?);
         }
     }
     if files.is_empty() {
@@ -90,8 +90,8 @@ pub fn export_safetensors(
             ),
         });
     }
-    files.sort_by_key(|f| f.entry.rank);
-    let total: u64 = files.iter().map(|f| f.entry.size).sum();
+    files.sort_by_key(|f| f.entry().rank);
+    let total: u64 = files.iter().map(|f| f.entry().size).sum();
     let tmp = scratch_beside(out);
     let result = (|| {
         let file = OpenOptions::new()
@@ -104,12 +104,14 @@ pub fn export_safetensors(
         progress.begin(&format!("export step {step}"), total);
         let (bytes, tensors) = if files.len() == 1 {
             let f = &mut files[0];
-            f.stream(progress, |off, buf| {
+            f.stream(|off, buf| {
                 file.write_all_at(buf, off)
-                    .map_err(|e| Error::io("write", &tmp, e))
+                    .map_err(|e| Error::io("write", &tmp, e))?;
+                progress.advance(buf.len() as u64);
+                Ok(())
             })?;
             let n = f.header()?.entries.len();
-            (f.entry.size, n)
+            (f.entry().size, n)
         } else {
             merge(&mut files, step, &file, &tmp, progress)?
         };
@@ -136,7 +138,7 @@ pub fn export_safetensors(
         out: shown(out),
         bytes,
         tensors,
-        ranks: files.iter().map(|f| f.entry.rank).collect(),
+        ranks: files.iter().map(|f| f.entry().rank).collect(),
         secs: t0.elapsed().as_secs_f64(),
     })
 }
@@ -153,7 +155,7 @@ fn merge(
     let mut extra = BTreeMap::new();
     let mut sources: Vec<Vec<Entry>> = Vec::new();
     for (i, f) in files.iter_mut().enumerate() {
-        let rank = f.entry.rank;
+        let rank = f.entry().rank;
         let h = f.header()?;
         if !h.values.is_null() {
             extra.insert(format!("values.rank{rank}"), h.values.to_string());
@@ -190,7 +192,7 @@ fn merge(
     for (f, entries) in files.iter_mut().zip(&sources) {
         let dests = &layout.entries[next..next + entries.len()];
         next += entries.len();
-        f.stream(progress, |off, buf| {
+        f.stream(|off, buf| {
             let end = off + buf.len() as u64;
             for (src, dst) in entries.iter().zip(dests) {
                 let (s, e) = (src.offset.max(off), (src.offset + src.len).min(end));
@@ -201,6 +203,7 @@ fn merge(
                 out.write_all_at(piece, dst.offset + (s - src.offset))
                     .map_err(|e| Error::io("write", out_path, e))?;
             }
+            progress.advance(buf.len() as u64);
             Ok(())
         })?;
     }
@@ -273,18 +276,10 @@ fn open_source(path: &Path) -> Result<Source> {
         .metadata()
         .map_err(|e| Error::io("stat", path, e))?
         .len();
-    let mut n = [0u8; 8];
-    if len >= 8 {
-        file.read_exact_at(&mut n, 0)
-            .map_err(|e| Error::io("read", path, e))?;
-    }
-    let hlen = u64::from_le_bytes(n)
-        .min(MAX_HEADER_BYTES)
-        .min(len.saturating_sub(8));
-    let mut bytes = vec![0u8; to_usize(hlen + 8).min(to_usize(len))];
-    file.read_exact_at(&mut bytes, 0)
-        .map_err(|e| Error::io("read", path, e))?;
-    let h = parse_header(path, &bytes, len)?;
+    let h = read_header(path, len, MAX_HEADER_BYTES, |buf, at| {
+        file.read_exact_at(buf, at)
+            .map_err(|e| Error::io("read", path, e))
+    })?;
     Ok(Source {
         path: path.to_path_buf(),
         file,

@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::read::DataFile;
+use super::read;
 use super::{open_root, pick_step, shown};
 use crate::error::Result;
 use crate::format::INDEX_FILE_NAME;
@@ -87,7 +87,7 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
     let mut files = Vec::new();
     let mut tensors = Vec::new();
     for (name, entry) in &index.files {
-        let mut f = DataFile::open(&dir, &index_path, name, entry)?;
+        let mut f = read::open(&dir, &index_path, name, entry)?;
         let h = f.header()?;
         let mut metadata = h.metadata.clone();
         metadata.remove("acp.values");

@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::format::{parse_header, MAX_HEADER_BYTES};
+use crate::format::{read_header, MAX_HEADER_BYTES};
 use crate::staging::{job_tag, peek_file, slot_files, SlotState};
 
 /// Where rings live unless configured otherwise.
@@ -155,15 +155,11 @@ fn image_header(
     image_offset: u64,
     image_len: u64,
 ) -> Option<(Option<u32>, usize)> {
-    let mut n = [0u8; 8];
-    f.read_exact_at(&mut n, image_offset).ok()?;
-    let hlen = u64::from_le_bytes(n);
-    if hlen > MAX_HEADER_BYTES || hlen + 8 > image_len {
-        return None;
-    }
-    let mut bytes = vec![0u8; usize::try_from(hlen + 8).ok()?];
-    f.read_exact_at(&mut bytes, image_offset).ok()?;
-    let h = parse_header(path, &bytes, image_len).ok()?;
+    let h = read_header(path, image_len, MAX_HEADER_BYTES, |buf, at| {
+        f.read_exact_at(buf, image_offset + at)
+            .map_err(|e| crate::Error::io("read", path, e))
+    })
+    .ok()?;
     let world = h
         .metadata
         .get("acp.world_size")

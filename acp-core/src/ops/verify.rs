@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::read::DataFile;
+use super::read;
 use super::{open_root, pick_step, shown, Progress};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::INDEX_FILE_NAME;
@@ -137,7 +137,7 @@ fn verify_step(
     progress.begin(&format!("verify step {step}"), total);
     for (name, entry) in &index.files {
         report.files += 1;
-        let mut f = match DataFile::open(&dir, &index_path, name, entry) {
+        let mut f = match read::open(&dir, &index_path, name, entry) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::Corrupt => {
                 report.problems.push(problem(&e, &dir.join(name)));
@@ -150,7 +150,7 @@ fn verify_step(
             }
         };
         let header = f.header().map(|h| (h.step, h.entries.clone()));
-        let bad = match f.check_all(progress) {
+        let bad = match f.check_all(&mut |n| progress.advance(n)) {
             Ok(b) => b,
             Err(e) => {
                 progress.end();
@@ -160,16 +160,16 @@ fn verify_step(
         report.bytes += entry.size;
         for b in &bad {
             report.problems.push(Problem {
-                file: shown(&f.path),
+                file: shown(f.path()),
                 tensors: b.tensors.clone(),
-                reason: b.reason.clone(),
+                reason: b.reason(),
             });
         }
         match header {
             Ok((hstep, entries)) => {
                 if hstep.is_some_and(|s| s != step) {
                     report.problems.push(Problem {
-                        file: shown(&f.path),
+                        file: shown(f.path()),
                         tensors: Vec::new(),
                         reason: format!("header says step {hstep:?}, the index {step}"),
                     });
@@ -178,7 +178,7 @@ fn verify_step(
                 for &t in mapped.get(name.as_str()).map_or(&[][..], Vec::as_slice) {
                     if !held.contains(t) {
                         report.problems.push(Problem {
-                            file: shown(&f.path),
+                            file: shown(f.path()),
                             tensors: vec![t.to_owned()],
                             reason: "the index maps the tensor to this file, whose header lacks it"
                                 .to_owned(),
@@ -187,7 +187,7 @@ fn verify_step(
                 }
             }
             // A header under a changed chunk is already reported above.
-            Err(e) if bad.is_empty() => report.problems.push(problem(&e, &f.path)),
+            Err(e) if bad.is_empty() => report.problems.push(problem(&e, f.path())),
             Err(_) => {}
         }
     }

@@ -74,6 +74,12 @@ impl PeerSlot {
         &self.path
     }
 
+    /// The length of the wanted image, which the slot holds.
+    #[must_use]
+    pub fn image_len(&self) -> u64 {
+        self.want.len
+    }
+
     /// Copies image bytes `start..start + dst.len()` into `dst`. They are
     /// only the image's if [`PeerSlot::unchanged`] holds afterwards.
     ///

@@ -1,0 +1,337 @@
+//! Whole images checked on several threads: in place
+//! ([`ChunkReader::verify_in_place`]), or while they are read
+//! ([`ChunkReader::read_verified`]).
+//!
+//! A read is verified while it runs: the source hands over each read as
+//! soon as it has landed, and a small pool of hashing threads (fed through
+//! a channel) checks it while later reads are still in flight. The reads
+//! are cut along the digest chunks (a whole number of them per read), so
+//! each landed read can be checked on its own, in any order.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use super::{to_usize, ChunkReader, ChunkSource};
+use crate::error::{Error, Result};
+use crate::format::{digest, Digest};
+
+/// The largest read the I/O engines take (one SQE's length is a `u32`).
+const MAX_READ: usize = 1 << 30;
+
+/// Below this many bytes, chunks are hashed on the calling thread rather
+/// than by several: starting threads costs more.
+const POOL_MIN_BYTES: usize = 8 << 20;
+
+impl<S: ChunkSource + Sync> ChunkReader<S> {
+    /// Checks the image the source holds in memory (a resident slot) in
+    /// place, on up to `threads` threads, without copying it. Returns the
+    /// digests once every one matched.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] naming the file and the first differing chunk's
+    /// tensors, or when the length or chunk count is not the index's;
+    /// [`Error::Invalid`] for a source that is not in memory.
+    pub(crate) fn verify_in_place(&mut self, threads: usize) -> Result<Vec<Digest>> {
+        let image = self
+            .src
+            .in_memory()
+            .ok_or_else(|| Error::invalid(self.src.name().display(), "not an image in memory"))?;
+        let got = digests_of(image, to_usize(self.chunk), threads);
+        self.check_digests(got, image.len() as u64)
+    }
+
+    /// Compares `got`, the digests of an image of `len` bytes, with the
+    /// index's; the error names the lowest chunk that differs.
+    fn check_digests(&mut self, got: Vec<Digest>, len: u64) -> Result<Vec<Digest>> {
+        if len != self.entry.size {
+            return Err(self.len_error(len));
+        }
+        if got.len() != self.digests.len() {
+            return Err(self.count_error(got.len()));
+        }
+        match (0..).zip(&got).find(|(i, g)| !self.matches(*i, g)) {
+            Some((i, _)) => Err(self.mismatch_error(i)),
+            None => Ok(got),
+        }
+    }
+
+    /// Reads the whole image into `dst` ([`ChunkSource::read_all`], in
+    /// reads near `io_chunk` bytes), checking each chunk as it lands: on
+    /// `threads` hashing threads (the calling one helps at the end), or on
+    /// the calling thread alone when `threads` is 1 or the file is small.
+    /// Returns the digests once every one matched.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] naming the file and the chunk's tensors when a
+    /// digest differs (the lowest chunk found before the read stopped), or
+    /// when the file's length or chunk count is not the index's; the
+    /// source's errors.
+    pub(crate) fn read_verified(
+        &mut self,
+        dst: &mut [u8],
+        threads: usize,
+        io_chunk: usize,
+    ) -> Result<Vec<Digest>> {
+        let len = to_usize(self.entry.size);
+        let chunk = to_usize(self.chunk);
+        let n = len.div_ceil(chunk);
+        if self.digests.len() != n {
+            return Err(self.count_error(n));
+        }
+        let Some(read_bytes) = read_size(chunk, io_chunk) else {
+            // Reads cannot be cut along these digest chunks (acp never
+            // writes such a file): read it all, then hash it.
+            let got = self.src.read_all(dst, io_chunk, &mut |_, _| Ok(()))?;
+            if got != self.entry.size {
+                return Err(self.len_error(got));
+            }
+            let image = &dst[..len];
+            let digests = digests_of(image, chunk, threads);
+            if digests.len() == n && !(0..).zip(&digests).all(|(i, g)| self.matches(i, g)) {
+                self.guess = crate::format::parse_header(self.src.name(), image, got).ok();
+            }
+            return self.check_digests(digests, got);
+        };
+        let per_read = read_bytes / chunk;
+        let found = Found::default();
+        let mut got = vec![[0u8; 32]; n];
+        let this = &*self;
+        let read = {
+            // Per read `i`, the digests it covers; taken when it lands.
+            let mut outs: Vec<Option<&mut [Digest]>> = got.chunks_mut(per_read).map(Some).collect();
+            let read = this.hash_while_reading(dst, threads, read_bytes, &found, &mut outs);
+            read.map(|r| (r, outs.iter().any(Option::is_some)))
+        };
+        if let Some(i) = found.first() {
+            return Err(self.mismatch_error(i as u64));
+        }
+        let (read, unreported) = read?;
+        if read != self.entry.size {
+            return Err(self.len_error(read));
+        }
+        if unreported {
+            // Every read succeeded but some chunk was never handed over:
+            // check the whole image rather than trust the unseen part.
+            tracing::warn!(path = %self.src.name().display(), "the source did not report every chunk");
+            let digests = digests_of(&dst[..len], chunk, threads);
+            return self.check_digests(digests, read);
+        }
+        Ok(got)
+    }
+
+    /// The read of [`ChunkReader::read_verified`], each landed read hashed
+    /// into its `outs` slot by a pool (or this thread); records the chunks
+    /// that differ in `found`.
+    fn hash_while_reading<'d>(
+        &self,
+        dst: &'d mut [u8],
+        threads: usize,
+        read_bytes: usize,
+        found: &Found,
+        outs: &mut [Option<&'d mut [Digest]>],
+    ) -> Result<u64> {
+        let chunk = to_usize(self.chunk);
+        let per_read = read_bytes / chunk;
+        // One thread asked for, or a small file: hash on the calling
+        // thread, between reads, while the next ones are in flight.
+        let pool = if threads > 1 && to_usize(self.entry.size) >= POOL_MIN_BYTES {
+            threads
+        } else {
+            0
+        };
+        std::thread::scope(|s| {
+            let (tx, rx) = crossbeam_channel::unbounded::<Job<'_>>();
+            let mut hashers = 0;
+            for _ in 0..pool {
+                let rx = rx.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("acp-verify".into())
+                    .spawn_scoped(s, move || {
+                        crate::io::block_async_signals();
+                        for job in rx {
+                            job.check(chunk, self, found);
+                        }
+                    });
+                // A thread that cannot start leaves its share to the
+                // others, or to the calling thread when none started.
+                if spawned.is_ok() {
+                    hashers += 1;
+                }
+            }
+            let path = self.src.name();
+            let mut on_piece = |i: usize, bytes| -> Result<()> {
+                if found.any() {
+                    // Reported by the caller as the mismatch it is.
+                    return Err(Error::corrupt(path, None, "digest mismatch"));
+                }
+                let Some(out) = outs.get_mut(i).and_then(Option::take) else {
+                    return Err(Error::io(
+                        "read",
+                        path,
+                        std::io::Error::other(format!("chunk {i} reported twice or out of range")),
+                    ));
+                };
+                let job = Job {
+                    first: i * per_read,
+                    bytes,
+                    out,
+                };
+                if hashers == 0 {
+                    job.check(chunk, self, found);
+                } else if let Err(e) = tx.send(job) {
+                    // Unreachable: `rx` lives until the scope ends.
+                    e.into_inner().check(chunk, self, found);
+                }
+                Ok(())
+            };
+            let read = self.src.read_all(dst, read_bytes, &mut on_piece);
+            drop(tx);
+            // The calling thread helps with what is still queued.
+            for job in &rx {
+                job.check(chunk, self, found);
+            }
+            read
+        })
+    }
+
+    fn len_error(&self, got: u64) -> Error {
+        Error::corrupt(
+            self.src.name(),
+            None,
+            format!("file is {got} bytes, the index says {}", self.entry.size),
+        )
+    }
+
+    fn count_error(&self, got: usize) -> Error {
+        Error::corrupt(
+            self.src.name(),
+            None,
+            format!("{got} chunks, the index records {}", self.digests.len()),
+        )
+    }
+}
+
+/// The read size for digest chunks of `chunk` bytes, near the engine's
+/// `io_chunk`: a whole number of digest chunks, at least one. `None` when
+/// reads cannot be cut so (`chunk` not a multiple of 4096, or over the
+/// largest read).
+fn read_size(chunk: usize, io_chunk: usize) -> Option<usize> {
+    if chunk % 4096 != 0 || chunk > MAX_READ {
+        return None;
+    }
+    Some(chunk * (io_chunk / chunk).clamp(1, MAX_READ / chunk))
+}
+
+/// One landed read: its bytes, the digest chunks it holds from index
+/// `first` on, and where their digests go.
+struct Job<'a> {
+    first: usize,
+    bytes: &'a [u8],
+    out: &'a mut [Digest],
+}
+
+impl Job<'_> {
+    /// Hashes each `chunk`-byte piece and compares it with the index's
+    /// digest; records the first that differs. Skips the work once any
+    /// mismatch is known (the read fails anyway).
+    fn check<S: ChunkSource>(self, chunk: usize, reader: &ChunkReader<S>, found: &Found) {
+        if found.any() {
+            return;
+        }
+        for (k, (piece, d)) in self.bytes.chunks(chunk).zip(self.out).enumerate() {
+            *d = digest(piece);
+            let i = self.first + k;
+            if !reader.matches(i as u64, d) {
+                found.record(i);
+                return;
+            }
+        }
+    }
+}
+
+/// The chunks found to differ, shared by the hashers.
+#[derive(Default)]
+struct Found {
+    any: AtomicBool,
+    lowest: Mutex<Option<usize>>,
+}
+
+impl Found {
+    fn any(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
+    fn record(&self, i: usize) {
+        let mut lowest = self.lowest.lock().unwrap_or_else(PoisonError::into_inner);
+        *lowest = Some(lowest.map_or(i, |l| l.min(i)));
+        self.any.store(true, Ordering::Release);
+    }
+
+    fn first(&self) -> Option<usize> {
+        *self.lowest.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The digest of each `chunk`-byte piece of `data`, computed over up to
+/// `threads` threads (each takes a contiguous run of chunks).
+fn digests_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Digest> {
+    let chunk = chunk.max(1);
+    let n = data.len().div_ceil(chunk);
+    if threads <= 1 || data.len() < POOL_MIN_BYTES || n < 2 {
+        return crate::format::chunk_digests(data, chunk);
+    }
+    let per = n.div_ceil(threads);
+    let mut out = vec![[0u8; 32]; n];
+    let work: Vec<(&mut [Digest], &[u8])> =
+        out.chunks_mut(per).zip(data.chunks(per * chunk)).collect();
+    let queue = Mutex::new(work);
+    let workers = threads.min(n) - 1;
+    let drain = || loop {
+        let item = queue.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let Some((dst, src)) = item else { return };
+        for (d, piece) in dst.iter_mut().zip(src.chunks(chunk)) {
+            *d = digest(piece);
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let _ = std::thread::Builder::new()
+                .name("acp-hash".into())
+                .spawn_scoped(scope, || {
+                    crate::io::block_async_signals();
+                    drain();
+                });
+        }
+        drain();
+    });
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_hold_whole_digest_chunks() {
+        assert_eq!(read_size(4096, 4 << 20), Some(4 << 20));
+        assert_eq!(read_size(3 << 20, 4 << 20), Some(3 << 20));
+        assert_eq!(read_size(8 << 20, 4 << 20), Some(8 << 20));
+        assert_eq!(read_size(64 << 10, 1 << 20), Some(1 << 20));
+        assert_eq!(read_size(1 << 30, 4 << 20), Some(1 << 30));
+        assert_eq!(read_size(4096, 1 << 30), Some(1 << 30));
+        assert_eq!(read_size(1000, 4 << 20), None);
+        assert_eq!(read_size(2 << 30, 4 << 20), None);
+    }
+
+    #[test]
+    fn digests_on_threads_are_the_serial_ones() {
+        let data: Vec<u8> = (0..(20u32 << 20)).map(|i| (i % 251) as u8).collect();
+        for threads in [1, 2, 3, 8] {
+            assert_eq!(
+                digests_of(&data, 1 << 20, threads),
+                crate::format::chunk_digests(&data, 1 << 20),
+                "threads {threads}"
+            );
+        }
+    }
+}
