@@ -49,6 +49,7 @@ mod handle;
 mod load;
 mod open;
 mod ranks;
+mod release;
 pub(crate) mod retention;
 mod save;
 mod stage;
@@ -177,7 +178,8 @@ impl Engine {
     }
 
     /// Drains the flush queue and stops the flush thread. Resident slots stay
-    /// in shared memory. Further saves fail with [`Error::Closed`]. Never
+    /// in shared memory, unless `release_on_close` is set and every
+    /// resident step is committed: then this rank's ring files are removed. Further saves fail with [`Error::Closed`]. Never
     /// waits longer than the watchdog allows for a stuck flush.
     ///
     /// # Errors
@@ -205,10 +207,13 @@ impl Engine {
             }
         }
         drained?;
-        match shared.lock().unreported.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = shared.lock().unreported.take() {
+            return Err(e);
         }
+        if shared.cfg.release_on_close {
+            release::release_ring(shared);
+        }
+        Ok(())
     }
 }
 
