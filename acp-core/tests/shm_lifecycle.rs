@@ -96,7 +96,9 @@ fn release_on_close_removes_the_ring_once_everything_is_committed() {
     save(&engine, 1).wait().unwrap();
     save(&engine, 2).wait().unwrap();
     assert_eq!(slot_files(&shm2).len(), 2);
+    assert_eq!(engine.kept_on_close(), None);
     engine.close().unwrap();
+    assert_eq!(engine.kept_on_close(), Some(vec![]));
     assert_eq!(slot_files(&shm2), Vec::<String>::new());
     assert!(
         !acp_core::staging::user_dir(&shm2).exists(),
@@ -124,6 +126,7 @@ fn release_on_close_keeps_a_ring_holding_an_uncommitted_step() {
     assert!(save(&engine, 2).wait().is_err());
     assert_eq!(engine.resident_steps(), [2, 1]);
     engine.close().unwrap();
+    assert_eq!(engine.kept_on_close(), Some(vec![2]));
     assert_eq!(
         slot_files(&shm).len(),
         2,

@@ -80,6 +80,9 @@ struct Inner {
     shared: Arc<Shared>,
     tx: Mutex<Option<Sender<flush::Job>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// After a close with `release_on_close`: the steps whose only copy
+    /// kept the ring (empty when it was released).
+    kept_on_close: Mutex<Option<Vec<u64>>>,
 }
 
 impl Engine {
@@ -211,9 +214,26 @@ impl Engine {
             return Err(e);
         }
         if shared.cfg.release_on_close {
-            release::release_ring(shared);
+            let kept = release::release_ring(shared);
+            *self
+                .inner
+                .kept_on_close
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(kept);
         }
         Ok(())
+    }
+
+    /// After [`Engine::close`] with `release_on_close`: the resident steps
+    /// that are the only copy of their step (not committed), for which the
+    /// ring was kept; empty when it was removed. `None` before such a close.
+    #[must_use]
+    pub fn kept_on_close(&self) -> Option<Vec<u64>> {
+        self.inner
+            .kept_on_close
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 }
 

@@ -213,6 +213,7 @@ impl Engine {
                 shared,
                 tx: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
+                kept_on_close: Mutex::new(None),
             }),
         })
     }
