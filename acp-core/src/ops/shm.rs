@@ -173,17 +173,14 @@ fn judge(ring: &RingFiles, slots: &[SlotSeen], live: bool) -> Judged {
             .collect::<Vec<_>>()
             .join(", ");
         match (&origin.root, &root) {
-            (Some(r), Some(_)) => format!(
-                "step(s) {steps} not committed in {r}: the only copy \
-                 (`acp persist` commits it; --force drops it)"
-            ),
+            (Some(r), Some(_)) => format!("step(s) {steps} not committed in {r}: the only copy"),
             (Some(r), None) => format!(
                 "step(s) {steps} not marked persisted and the root {r} cannot be read: \
-                 possibly the only copy (--force drops it)"
+                 possibly the only copy"
             ),
             (None, _) => format!(
                 "step(s) {steps} not marked persisted and the ring records no root: \
-                 possibly the only copy (--force drops it)"
+                 possibly the only copy"
             ),
         }
     });
@@ -305,7 +302,12 @@ fn reclaim(shm_dir: &Path, opts: &ShmGcOptions, skip: Option<&Digest>) -> Result
         let j = judge(&ring, &held.slots, false);
         let reason = match (&j.why_kept, opts.force) {
             (Some(why), false) => {
-                rows.push(row(&j, false, why.clone()));
+                let fix = if j.row.root.is_some() {
+                    "`acp persist` commits it; --force drops it"
+                } else {
+                    "--force drops it"
+                };
+                rows.push(row(&j, false, format!("{why} ({fix})")));
                 continue;
             }
             (Some(why), true) => format!("--force: {why}"),
@@ -399,7 +401,7 @@ pub fn list_text(r: &ShmListReport) -> String {
         return format!("no ring in {}\n", r.dir);
     }
     let mut s = format!(
-        "{} ring(s) in {}, {}\n",
+        "{} ring(s) in {}, {} (steps: * committed in its root, ! the only copy)\n",
         r.rings.len(),
         r.dir,
         text::bytes(r.bytes)
@@ -407,7 +409,7 @@ pub fn list_text(r: &ShmListReport) -> String {
     let _ = writeln!(
         s,
         "{:<27} {:>5} {:<10} {:>6} {:>10}  {:<24} ROOT",
-        "RING", "RANK", "HOLDER", "AGE", "BYTES", "STEPS (* committed, ! only copy)"
+        "RING", "RANK", "HOLDER", "AGE", "BYTES", "STEPS"
     );
     for g in &r.rings {
         let steps = g
