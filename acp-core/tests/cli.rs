@@ -86,7 +86,7 @@ fn shm_engine(root: &std::path::Path, shm: &std::path::Path, job: &str) -> Engin
             .with_shm_ttl(std::time::Duration::ZERO)
             .with_mlock(false),
     )
-    .unwrap()
+    .expect("the engine opens")
 }
 
 fn save_one(engine: &Engine, step: u64) {
@@ -103,9 +103,9 @@ fn save_one(engine: &Engine, step: u64) {
             &serde_json::json!({}),
             &SaveOptions::default(),
         )
-        .unwrap()
+        .expect("the save starts")
         .wait()
-        .unwrap();
+        .expect("the save commits");
 }
 
 #[test]
