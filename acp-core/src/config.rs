@@ -84,6 +84,8 @@ pub struct EngineConfig {
     pub(crate) keep_last: Option<usize>,
     pub(crate) keep_every: Option<u64>,
     pub(crate) persist_on_open: bool,
+    pub(crate) release_on_close: bool,
+    pub(crate) shm_ttl: Duration,
     pub(crate) stall_timeout: Duration,
     pub(crate) commit_timeout: Duration,
     pub(crate) faults: Option<Arc<FaultInjector>>,
@@ -91,6 +93,9 @@ pub struct EngineConfig {
 
 /// Default ring budget: 4 GiB.
 pub const DEFAULT_RING_BYTES: u64 = 4 << 30;
+/// Default age after which [`Engine::open`](crate::Engine::open) removes
+/// another job's dead, fully committed ring: 24 h.
+pub const DEFAULT_SHM_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default flush chunk: 4 MiB.
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 
@@ -119,6 +124,8 @@ impl EngineConfig {
             keep_last: None,
             keep_every: None,
             persist_on_open: true,
+            release_on_close: false,
+            shm_ttl: DEFAULT_SHM_TTL,
             stall_timeout: Duration::from_secs(300),
             commit_timeout: Duration::from_secs(600),
             faults: None,
@@ -250,6 +257,29 @@ impl EngineConfig {
     #[must_use]
     pub fn with_persist_on_open(mut self, persist: bool) -> Self {
         self.persist_on_open = persist;
+        self
+    }
+
+    /// Whether [`Engine::close`](crate::Engine::close) removes this job
+    /// and rank's ring files (after the flush queue drains), freeing their
+    /// shared memory. A ring whose resident steps are not all committed
+    /// (or superseded by a newer committed step) is kept, with a warning:
+    /// it holds the only copy. Default false: the newest resident step
+    /// stays in RAM for a fast restart and for `acp persist`.
+    #[must_use]
+    pub fn with_release_on_close(mut self, release: bool) -> Self {
+        self.release_on_close = release;
+        self
+    }
+
+    /// At open, rings of other jobs of this user in `shm_dir` whose files
+    /// have not changed for this long, that no live process holds and
+    /// whose resident steps are all committed, are removed (as `acp gc
+    /// --shm --ttl` does). Default 24 h ([`DEFAULT_SHM_TTL`]); zero turns
+    /// it off.
+    #[must_use]
+    pub fn with_shm_ttl(mut self, ttl: Duration) -> Self {
+        self.shm_ttl = ttl;
         self
     }
 

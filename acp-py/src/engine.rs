@@ -92,7 +92,7 @@ impl Engine {
         shm_dir=None, mlock=None, copy_threads=None, chunk_bytes=None, queue_depth=None,
         io=None, direct_io=None, on_full=None, full_timeout=None, verify=None,
         keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
-        commit_timeout=None, faults=None,
+        commit_timeout=None, faults=None, release_on_close=None, shm_ttl=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -122,6 +122,8 @@ impl Engine {
         stall_timeout: Option<f64>,
         commit_timeout: Option<f64>,
         faults: Option<&FaultInjector>,
+        release_on_close: Option<bool>,
+        shm_ttl: Option<f64>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
             .with_rank(rank)
@@ -209,6 +211,12 @@ impl Engine {
         }
         if let Some(f) = faults {
             c = c.with_faults(f.shared());
+        }
+        if let Some(v) = release_on_close {
+            c = c.with_release_on_close(v);
+        }
+        if let Some(v) = shm_ttl {
+            c = c.with_shm_ttl(seconds("shm_ttl", v)?);
         }
         let inner = py.detach(|| acp_core::Engine::open(c)).map_err(err)?;
         Ok(Engine {
@@ -409,9 +417,12 @@ impl Engine {
     }
 
     /// Drains the flush queue, stops the flush thread and lets go of the
-    /// engine; resident slots stay in shared memory. Raises the first flush
-    /// error no handle reported. A second call does nothing.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
+    /// engine; resident slots stay in shared memory (with
+    /// `release_on_close`, they are removed when every resident step is
+    /// committed). Raises the first flush error no handle reported. Returns,
+    /// with `release_on_close`, the uncommitted steps that kept the ring
+    /// (empty when it was removed), else None. A second call does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<Option<Vec<u64>>> {
         let taken = self
             .inner
             .write()
@@ -421,12 +432,12 @@ impl Engine {
             // Closing waits for the flushes; dropping may join the flush thread.
             Some(engine) => py
                 .detach(move || {
-                    let closed = engine.close();
+                    let closed = engine.close().map(|()| engine.kept_on_close());
                     drop(engine);
                     closed
                 })
                 .map_err(err),
-            None => Ok(()),
+            None => Ok(None),
         }
     }
 

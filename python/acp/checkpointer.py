@@ -265,6 +265,13 @@ class Checkpointer:
             initialised. With several ranks and a store, constructing the
             ``Checkpointer`` is collective and ``load`` agrees on the step;
             see ``acp.distributed``.
+        release_on_close: ``close()`` removes this rank's ring from shared
+            memory once every resident step is committed (default False:
+            the newest step stays resident for a fast restart and for
+            ``acp persist``). A ring holding the only copy of a step is kept.
+        shm_ttl: seconds after which opening removes the rings of other
+            jobs of this user that no process holds and whose steps are all
+            committed (default 24 h; 0 turns it off; see ``acp gc --shm``).
         The other keywords tune the engine; see ``acp._acp.Engine``.
     """
 
@@ -295,6 +302,8 @@ class Checkpointer:
         faults: _acp.FaultInjector | None = None,
         replica_group: Sequence[int] | None = None,
         store: Store | None = None,
+        release_on_close: bool = False,
+        shm_ttl: float | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         detected_rank, detected_world = rank_and_world_size()
@@ -333,6 +342,8 @@ class Checkpointer:
             stall_timeout=stall_timeout,
             commit_timeout=commit_timeout,
             faults=faults,
+            release_on_close=release_on_close,
+            shm_ttl=shm_ttl,
         )
         self.root = self._engine.root
         self._coordinator: Coordinator | None = None
@@ -707,8 +718,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the queued flushes, then stops the engine. Resident
-        checkpoints stay in shared memory. Raises the first flush error no
-        handle reported. Idempotent."""
+        checkpoints stay in shared memory, unless ``release_on_close`` was
+        set: then this rank's ring is removed, if every resident step is
+        committed (a ring holding the only copy of a step is kept, and a
+        warning logged). Raises the first flush error no handle reported.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -719,7 +733,16 @@ class Checkpointer:
             self._adapters.close()
         finally:
             try:
-                self._engine.close()
+                kept = self._engine.close()
+                if kept:
+                    logger.warning(
+                        "acp: release_on_close: the ring of %s rank %d is kept in shared "
+                        "memory: it holds the only copy of step(s) %s (not committed; "
+                        "`acp persist` commits it, `acp gc --shm --force` drops it)",
+                        self.root,
+                        self.rank,
+                        kept,
+                    )
             finally:
                 self._metrics.close()
 

@@ -136,13 +136,21 @@ pub enum Command {
         after_help = EXIT_CODES,
         long_about = "List the committed steps of ROOT with their size, ranks and tensors, and \
             which are resident in this node's shared memory (and any resident checkpoint that \
-            is not committed: `acp persist` commits it)."
+            is not committed: `acp persist` commits it). With --shm, list every ring of this \
+            user on the node instead: its job, rank and root, the steps it holds (which are \
+            committed in the root, which are the only copy), its size, whether a live process \
+            holds it, and its age."
     )]
     Ls {
-        /// The checkpoint directory.
-        root: PathBuf,
-        /// The job id the trainer used (default: the root path).
+        /// The checkpoint directory (not with --shm).
+        #[arg(required_unless_present = "shm", conflicts_with = "shm")]
+        root: Option<PathBuf>,
+        /// Every ring of this user on the node instead: job, rank, root,
+        /// resident steps (which are committed), size, live holder, age.
         #[arg(long)]
+        shm: bool,
+        /// The job id the trainer used (default: the root path).
+        #[arg(long, conflicts_with = "shm")]
         job: Option<String>,
         /// Where the ring's slot files are.
         #[arg(long, default_value = ops::DEFAULT_SHM_DIR)]
@@ -266,17 +274,37 @@ pub enum Command {
         #[command(flatten)]
         out: Output,
     },
-    /// Keep the newest K steps (and multiples of M); remove old unfinished saves.
+    /// Keep the newest K steps (and multiples of M); remove old unfinished saves or dead rings.
     #[command(
         after_help = EXIT_CODES,
         long_about = "Keep the newest K committed steps (and every multiple of M), removing \
             the rest atomically; with --pending also remove unfinished saves left by dead \
             processes. Safe beside a live trainer: the newest step is always kept, and \
-            unfinished saves younger than --older-than are left alone."
+            unfinished saves younger than --older-than are left alone. With --shm instead, \
+            remove this user's rings in shared memory that no live process holds and whose \
+            resident steps are all committed in their root (or superseded by a newer \
+            committed step), reporting each ring removed or kept and the bytes freed; a ring \
+            holding the only copy of a step is kept unless --force, a ring a live process \
+            holds always."
     )]
     Gc {
-        /// The checkpoint directory.
-        root: PathBuf,
+        /// The checkpoint directory (not with --shm).
+        #[arg(required_unless_present = "shm", conflicts_with = "shm")]
+        root: Option<PathBuf>,
+        /// Remove this user's rings in shared memory that no live process
+        /// holds and whose resident steps are all committed.
+        #[arg(long, conflicts_with_all = ["keep", "pending"])]
+        shm: bool,
+        /// With --shm: also remove rings holding the only copy of a step
+        /// (never a ring a live process holds).
+        #[arg(long, requires = "shm")]
+        force: bool,
+        /// With --shm: only rings whose files have not changed for SECS.
+        #[arg(long, value_name = "SECS", requires = "shm")]
+        ttl: Option<f64>,
+        /// Where the rings' slot files are (with --shm).
+        #[arg(long, default_value = ops::DEFAULT_SHM_DIR, requires = "shm")]
+        shm_dir: PathBuf,
         /// Keep the newest K steps.
         #[arg(long, value_name = "K", value_parser = keep_count)]
         keep: Option<usize>,

@@ -227,14 +227,18 @@ fn execute(command: Command, front: &dyn Front) -> std::result::Result<u8, Failu
     match command {
         Command::Ls {
             root,
+            shm,
             job,
             shm_dir,
             out,
-        } => emit(
-            &out,
-            &ops::list(&root, job.as_deref(), &shm_dir)?,
-            text::list,
-        )?,
+        } => match root {
+            Some(root) if !shm => emit(
+                &out,
+                &ops::list(&root, job.as_deref(), &shm_dir)?,
+                text::list,
+            )?,
+            _ => emit(&out, &ops::shm_list(&shm_dir)?, ops::shm_list_text)?,
+        },
         Command::Inspect { root, step, out } => {
             emit(&out, &ops::inspect(&root, step)?, text::inspect)?;
         }
@@ -323,6 +327,10 @@ fn execute(command: Command, front: &dyn Front) -> std::result::Result<u8, Failu
         }
         Command::Gc {
             root,
+            shm,
+            force,
+            ttl,
+            shm_dir,
             keep,
             every,
             pending,
@@ -330,6 +338,21 @@ fn execute(command: Command, front: &dyn Front) -> std::result::Result<u8, Failu
             dry_run,
             out,
         } => {
+            let root = match root {
+                Some(root) if !shm => root,
+                _ => {
+                    let opts = ops::ShmGcOptions {
+                        dry_run,
+                        force,
+                        ttl: ttl.map(|t| secs("--ttl", t)).transpose()?,
+                    };
+                    emit(&out, &ops::shm_gc(&shm_dir, &opts)?, ops::shm_gc_text)?;
+                    return Ok(0);
+                }
+            };
+            if force || ttl.is_some() {
+                return Err(usage("gc", "--force and --ttl go with --shm"));
+            }
             if keep.is_none() && !pending {
                 return Err(usage("gc", "say what to remove: --keep K and/or --pending"));
             }

@@ -49,6 +49,7 @@ mod handle;
 mod load;
 mod open;
 mod ranks;
+mod release;
 pub(crate) mod retention;
 mod save;
 mod stage;
@@ -78,6 +79,9 @@ struct Inner {
     shared: Arc<Shared>,
     tx: Mutex<Option<Sender<flush::Job>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// After a close with `release_on_close`: the steps whose only copy
+    /// kept the ring (empty when it was released).
+    kept_on_close: Mutex<Option<Vec<u64>>>,
 }
 
 impl Engine {
@@ -176,7 +180,8 @@ impl Engine {
     }
 
     /// Drains the flush queue and stops the flush thread. Resident slots stay
-    /// in shared memory. Further saves fail with [`Error::Closed`]. Never
+    /// in shared memory, unless `release_on_close` is set and every
+    /// resident step is committed: then this rank's ring files are removed. Further saves fail with [`Error::Closed`]. Never
     /// waits longer than the watchdog allows for a stuck flush.
     ///
     /// # Errors
@@ -204,10 +209,30 @@ impl Engine {
             }
         }
         drained?;
-        match shared.lock().unreported.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = shared.lock().unreported.take() {
+            return Err(e);
         }
+        if shared.cfg.release_on_close {
+            let kept = release::release_ring(shared);
+            *self
+                .inner
+                .kept_on_close
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(kept);
+        }
+        Ok(())
+    }
+
+    /// After [`Engine::close`] with `release_on_close`: the resident steps
+    /// that are the only copy of their step (not committed), for which the
+    /// ring was kept; empty when it was removed. `None` before such a close.
+    #[must_use]
+    pub fn kept_on_close(&self) -> Option<Vec<u64>> {
+        self.inner
+            .kept_on_close
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 }
 

@@ -144,6 +144,10 @@ impl Engine {
             chunk_bytes: config.chunk_bytes as u64,
             mlock: config.mlock,
         })?;
+        ring.record_origin(root.path(), &job_id(&config, &root));
+        if !config.shm_ttl.is_zero() {
+            crate::ops::reclaim_expired(&config.shm_dir, config.shm_ttl, &job_tag);
+        }
         // We hold this rank's ring lock: whatever pending directories this
         // rank left are from a dead process.
         let swept = root.sweep_leftovers();
@@ -209,6 +213,7 @@ impl Engine {
                 shared,
                 tx: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
+                kept_on_close: Mutex::new(None),
             }),
         })
     }

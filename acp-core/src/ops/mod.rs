@@ -35,6 +35,7 @@ mod list;
 mod persist;
 mod read;
 mod resident;
+mod shm;
 #[cfg(test)]
 mod tests;
 pub mod text;
@@ -52,6 +53,11 @@ pub use inspect::{inspect, plain_values, FileInfo, InspectReport, TensorInfo};
 pub use list::{list, ListReport, StepRow};
 pub use persist::{persist, PersistOptions, PersistReport, RankPersist};
 pub use resident::{job_id, resident, shm_prefix, ResidentSlot, DEFAULT_SHM_DIR};
+pub use shm::{
+    gc_text as shm_gc_text, list_text as shm_list_text, shm_gc, shm_list, ShmGcOptions,
+    ShmGcReport, ShmGcRow, ShmListReport, ShmRing,
+};
+pub(crate) use shm::{only_copies, reclaim_expired};
 pub use verify::{verify, Problem, StepVerify, VerifyReport};
 
 use crate::error::{Error, ErrorKind, Result};

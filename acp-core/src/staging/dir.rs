@@ -98,6 +98,22 @@ fn parse_slot_name(name: &str, stem: &str) -> Option<(u32, usize)> {
     Some((rank.parse().ok()?, slot.parse().ok()?))
 }
 
+/// `acp-{16 hex}-r{rank:05}-s{slot}` → (`acp-{16 hex}-r{rank:05}`, rank,
+/// slot): any ring's slot file, whatever its job.
+pub(super) fn parse_ring_name(name: &str) -> Option<(String, u32, usize)> {
+    let hex = name.strip_prefix("acp-")?.get(..16)?;
+    if !hex
+        .bytes()
+        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    {
+        return None;
+    }
+    let stem = format!("acp-{hex}-");
+    let (rank, slot) = parse_slot_name(name, &stem)?;
+    let prefix = name.rsplit_once("-s")?.0.to_owned();
+    Some((prefix, rank, slot))
+}
+
 /// The trusted per-user slot directory, held open.
 #[derive(Debug)]
 pub struct SlotDir {
@@ -459,6 +475,19 @@ mod tests {
                 .join(user_dir_name())
                 .join(format!("{}-s2", ring_prefix("j", 7)))
         );
+    }
+
+    #[test]
+    fn any_ring_name_parses() {
+        let prefix = ring_prefix("some job", 12);
+        assert_eq!(
+            parse_ring_name(&slot_file_name(&prefix, 3)),
+            Some((prefix.clone(), 12, 3))
+        );
+        assert_eq!(parse_ring_name(&prefix), None);
+        assert_eq!(parse_ring_name("acp-0123456789ABCDEF-r00000-s0"), None);
+        assert_eq!(parse_ring_name("acp-0123-r00000-s0"), None);
+        assert_eq!(parse_ring_name("other-file"), None);
     }
 
     #[test]

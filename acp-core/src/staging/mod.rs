@@ -69,7 +69,8 @@
 //! |     96 |    4 | `digest_count`  | number of recorded digests |
 //! |    100 |    4 | `digests_valid` | `1` when the digests are complete, else `0` |
 //! |    104 |    8 | `image_offset`  | offset of the image area, a multiple of 4096 |
-//! |    112 | 3984 | reserved        | zero |
+//! |    112 |    … | origin record   | the ring's checkpoint root and job id ([`Ring::record_origin`]; zero when not recorded) |
+//! |      … |    … | reserved        | zero |
 //! |   4096 |    … | digest area     | `digest_count` × 32-byte blake3 chunk digests |
 //!
 //! The digest area holds one digest per `chunk_bytes` of the largest image
@@ -168,9 +169,11 @@ mod control;
 mod dir;
 mod handles;
 mod open;
+mod origin;
 mod peek;
 mod peer;
 mod ring;
+mod rings;
 mod slot;
 mod table;
 
@@ -183,9 +186,11 @@ pub use dir::{
     SlotDir, SlotFile,
 };
 pub use handles::{PinnedSlot, StagingSlot};
+pub use origin::{read_origin, Origin};
 pub use peek::{peek_file, peek_slot, SlotPeek};
 pub use peer::{PeerImage, PeerSlot};
 pub use ring::Ring;
+pub use rings::{rings, HeldRing, RingFiles, SlotSeen};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]

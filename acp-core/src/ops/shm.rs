@@ -1,0 +1,480 @@
+//! `acp ls --shm` and `acp gc --shm`: every ring of this user on the node,
+//! and the reclaim of those nobody needs any more. The engine runs the
+//! same reclaim at open for rings older than its TTL
+//! ([`EngineConfig::with_shm_ttl`](crate::EngineConfig::with_shm_ttl)).
+//!
+//! A ring may be removed only when
+//! - no live process holds it (its slot files' `flock`s are free; they are
+//!   then held here until the files are unlinked, so nobody opens it
+//!   meanwhile), and
+//! - no resident step in it is the only copy of that step: each is
+//!   committed in the ring's root, or superseded there (a newer step is
+//!   committed), or, when the root is not recorded or is gone, was marked
+//!   persisted by its flush. `--force` drops the only copies too (never a
+//!   live ring's).
+
+use std::fmt::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{open_root, shown, text};
+use crate::error::Result;
+use crate::format::{hex, Digest};
+use crate::staging::{rings, user_dir, RingFiles, SlotSeen, SlotState};
+
+/// One ring of this user on the node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShmRing {
+    /// The ring's name: its slot files are `{ring}-s{i}`.
+    pub ring: String,
+    /// The job id, when its slot files record it.
+    pub job: Option<String>,
+    /// The rank.
+    pub rank: u32,
+    /// The checkpoint root it belongs to, when recorded.
+    pub root: Option<String>,
+    /// Slot files.
+    pub slots: usize,
+    /// Steps of the complete images it holds, newest first.
+    pub resident_steps: Vec<u64>,
+    /// Of those, the steps committed in its root.
+    pub committed_steps: Vec<u64>,
+    /// Of those, the steps that are nowhere else: not committed in its
+    /// root nor superseded there by a newer committed step (`acp persist`
+    /// commits the newest of them).
+    pub only_copy_steps: Vec<u64>,
+    /// Bytes of shared memory its files hold.
+    pub bytes: u64,
+    /// Whether a live process holds it.
+    pub live: bool,
+    /// The pid its control blocks name as the last owner.
+    pub owner_pid: Option<u32>,
+    /// Seconds since its files last changed (opened, grown or written).
+    pub age_secs: f64,
+}
+
+/// What `acp ls --shm` shows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShmListReport {
+    /// The per-user directory looked at.
+    pub dir: String,
+    /// Every ring in it, by name.
+    pub rings: Vec<ShmRing>,
+    /// Bytes over all of them.
+    pub bytes: u64,
+}
+
+/// What `acp gc --shm` does.
+#[derive(Debug, Clone, Default)]
+pub struct ShmGcOptions {
+    /// Only report what would be removed.
+    pub dry_run: bool,
+    /// Also remove rings holding the only copy of a step (never a live one).
+    pub force: bool,
+    /// Only rings whose files have not changed for this long.
+    pub ttl: Option<Duration>,
+}
+
+/// What `acp gc --shm` did to one ring.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShmGcRow {
+    /// The ring's name.
+    pub ring: String,
+    /// Its job id, when recorded.
+    pub job: Option<String>,
+    /// The rank.
+    pub rank: u32,
+    /// Its root, when recorded.
+    pub root: Option<String>,
+    /// Whether it was removed (with `dry_run`: would be).
+    pub removed: bool,
+    /// Why.
+    pub reason: String,
+    /// Bytes of shared memory its files hold.
+    pub bytes: u64,
+}
+
+/// What `acp gc --shm` removed (or, with `dry_run`, would remove).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShmGcReport {
+    /// The per-user directory looked at.
+    pub dir: String,
+    /// Whether nothing was removed on purpose.
+    pub dry_run: bool,
+    /// Every ring, removed or kept, with the reason.
+    pub rings: Vec<ShmGcRow>,
+    /// Bytes freed (with `dry_run`: that would be).
+    pub freed_bytes: u64,
+}
+
+/// What the slot files of a ring say, judged against its root.
+struct Judged {
+    row: ShmRing,
+    /// Why the steps of `only_copy_steps` are not judged safe (names the
+    /// root), when there are any.
+    why_kept: Option<String>,
+}
+
+/// Reads a ring's slot files and judges its steps against its root.
+fn judge(ring: &RingFiles, slots: &[SlotSeen], live: bool) -> Judged {
+    let stem = ring.prefix.get(4..20).unwrap_or_default();
+    let ours = |s: &&SlotSeen| {
+        s.peek
+            .as_ref()
+            .is_some_and(|p| p.rank == ring.rank && hex(&p.job_tag).starts_with(stem))
+    };
+    let origin = slots
+        .iter()
+        .filter(ours)
+        .map(|s| s.origin.clone())
+        .find(|o| o.job.is_some())
+        .unwrap_or_default();
+    // (step, marked persisted by its flush), newest first.
+    let mut images: Vec<(u64, bool)> = slots
+        .iter()
+        .filter(ours)
+        .filter_map(|s| s.peek.as_ref())
+        .filter(|p| p.is_complete())
+        .map(|p| (p.step, p.state == Some(SlotState::Persisted)))
+        .collect();
+    images.sort_unstable_by(|a, b| b.cmp(a));
+    images.dedup_by_key(|i| i.0);
+    let root = origin
+        .root
+        .as_deref()
+        .and_then(|r| open_root(Path::new(r)).ok());
+    let (committed, latest) = match &root {
+        Some(r) => {
+            let steps = r.steps().unwrap_or_default();
+            let latest = steps.last().copied();
+            (steps, latest)
+        }
+        None => (Vec::new(), None),
+    };
+    let committed_steps: Vec<u64> = images
+        .iter()
+        .map(|i| i.0)
+        .filter(|s| committed.contains(s))
+        .collect();
+    let only_copy_steps: Vec<u64> = images
+        .iter()
+        .filter(|(s, persisted)| match &root {
+            Some(_) => !committed.contains(s) && latest.is_none_or(|l| *s > l),
+            None => !persisted,
+        })
+        .map(|i| i.0)
+        .collect();
+    let why_kept = only_copy_steps.first().map(|_| {
+        let steps = only_copy_steps
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        match (&origin.root, &root) {
+            (Some(r), Some(_)) => format!("step(s) {steps} not committed in {r}: the only copy"),
+            (Some(r), None) => format!(
+                "step(s) {steps} not marked persisted and the root {r} cannot be read: \
+                 possibly the only copy"
+            ),
+            (None, _) => format!(
+                "step(s) {steps} not marked persisted and the ring records no root: \
+                 possibly the only copy"
+            ),
+        }
+    });
+    let owner_pid = slots
+        .iter()
+        .filter(ours)
+        .filter_map(|s| s.peek.as_ref().map(|p| p.owner_pid))
+        .find(|p| *p != 0);
+    let age = slots.iter().map(SlotSeen::age).min().unwrap_or_default();
+    Judged {
+        row: ShmRing {
+            ring: ring.prefix.clone(),
+            job: origin.job,
+            rank: ring.rank,
+            root: origin.root,
+            slots: slots.len(),
+            resident_steps: images.iter().map(|i| i.0).collect(),
+            committed_steps,
+            only_copy_steps,
+            bytes: slots.iter().map(|s| s.file_bytes).sum(),
+            live,
+            owner_pid,
+            age_secs: age.as_secs_f64(),
+        },
+        why_kept,
+    }
+}
+
+/// Every ring of this user in `shm_dir`, with its job, root, resident
+/// steps (and which are committed), size, live holder and age. Probes each
+/// ring's locks without waiting (taken and released at once); reads no
+/// image.
+///
+/// # Errors
+/// An untrustworthy per-user directory (see
+/// [`SlotDir`](crate::staging::SlotDir)); [`Error::Io`](crate::Error::Io).
+pub fn shm_list(shm_dir: &Path) -> Result<ShmListReport> {
+    let mut out = Vec::new();
+    for ring in rings(shm_dir)? {
+        let holder = ring.holder()?;
+        let slots = ring.read()?;
+        let mut j = judge(&ring, &slots, holder.is_some());
+        if let Some(pid) = holder.filter(|p| *p != 0) {
+            j.row.owner_pid = Some(pid);
+        }
+        out.push(j.row);
+    }
+    Ok(ShmListReport {
+        dir: shown(&user_dir(shm_dir)),
+        bytes: out.iter().map(|r| r.bytes).sum(),
+        rings: out,
+    })
+}
+
+/// Removes the rings of this user in `shm_dir` that no live process holds
+/// and that hold no step's only copy (with `force`, those too), older than
+/// `ttl` when given; reports every ring, removed or kept, with the reason.
+///
+/// # Errors
+/// An untrustworthy per-user directory; [`Error::Io`](crate::Error::Io)
+/// listing it or unlinking a slot file.
+pub fn shm_gc(shm_dir: &Path, opts: &ShmGcOptions) -> Result<ShmGcReport> {
+    reclaim(shm_dir, opts, None)
+}
+
+/// [`shm_gc`], leaving alone the rings of the job tagged `skip`.
+fn reclaim(shm_dir: &Path, opts: &ShmGcOptions, skip: Option<&Digest>) -> Result<ShmGcReport> {
+    let skip_stem = skip.map(|t| format!("acp-{}-", &hex(t)[..16]));
+    let mut rows = Vec::new();
+    let mut freed = 0;
+    for ring in rings(shm_dir)? {
+        if skip_stem
+            .as_ref()
+            .is_some_and(|s| ring.prefix.starts_with(s))
+        {
+            continue;
+        }
+        // The age first, from an unlocked look: a young ring's locks are
+        // never taken.
+        let seen = ring.read()?;
+        let age = seen.iter().map(SlotSeen::age).min().unwrap_or_default();
+        let row = |j: &Judged, removed: bool, reason: String| ShmGcRow {
+            ring: j.row.ring.clone(),
+            job: j.row.job.clone(),
+            rank: j.row.rank,
+            root: j.row.root.clone(),
+            removed,
+            reason,
+            bytes: j.row.bytes,
+        };
+        if let Some(ttl) = opts.ttl.filter(|t| age < *t) {
+            let j = judge(&ring, &seen, false);
+            rows.push(row(
+                &j,
+                false,
+                format!(
+                    "younger than the TTL ({:.0} s < {:.0} s)",
+                    age.as_secs_f64(),
+                    ttl.as_secs_f64()
+                ),
+            ));
+            continue;
+        }
+        drop(seen);
+        let held = match ring.hold()? {
+            Ok(h) => h,
+            Err(pid) => {
+                let seen = ring.read()?;
+                let j = judge(&ring, &seen, true);
+                let who = if pid == 0 {
+                    "a live process".to_owned()
+                } else {
+                    format!("live process {pid}")
+                };
+                rows.push(row(&j, false, format!("held by {who}")));
+                continue;
+            }
+        };
+        let j = judge(&ring, &held.slots, false);
+        let reason = match (&j.why_kept, opts.force) {
+            (Some(why), false) => {
+                let fix = if j.row.root.is_some() {
+                    "`acp persist` commits it; --force drops it"
+                } else {
+                    "--force drops it"
+                };
+                rows.push(row(&j, false, format!("{why} ({fix})")));
+                continue;
+            }
+            (Some(why), true) => format!("--force: {why}"),
+            (None, _) if j.row.resident_steps.is_empty() => "holds no complete image".to_owned(),
+            (None, _) => match &j.row.root {
+                Some(r) => format!("every resident step is committed in {r} (or superseded)"),
+                None => "every resident step was persisted".to_owned(),
+            },
+        };
+        let bytes = if opts.dry_run {
+            drop(held);
+            j.row.bytes
+        } else {
+            held.remove()?
+        };
+        freed += bytes;
+        rows.push(ShmGcRow {
+            bytes,
+            ..row(&j, true, reason)
+        });
+    }
+    Ok(ShmGcReport {
+        dir: shown(&user_dir(shm_dir)),
+        dry_run: opts.dry_run,
+        rings: rows,
+        freed_bytes: freed,
+    })
+}
+
+/// At engine open: removes the rings of other jobs of this user in
+/// `shm_dir` not changed for `ttl`, with no live holder and no step's only
+/// copy. Never fails: what it cannot do is logged.
+pub(crate) fn reclaim_expired(shm_dir: &Path, ttl: Duration, own_job: &Digest) {
+    let opts = ShmGcOptions {
+        dry_run: false,
+        force: false,
+        ttl: Some(ttl),
+    };
+    match reclaim(shm_dir, &opts, Some(own_job)) {
+        Ok(r) => {
+            for g in r.rings.iter().filter(|g| g.removed) {
+                tracing::info!(
+                    ring = %g.ring,
+                    root = g.root.as_deref().unwrap_or("unknown"),
+                    bytes = g.bytes,
+                    "acp: removed an expired ring of another job: {}",
+                    g.reason
+                );
+            }
+        }
+        Err(e) => tracing::warn!("acp: reclaiming expired rings in {}: {e}", shown(shm_dir)),
+    }
+}
+
+/// Of the steps `resident` in a ring of `root`, those that are nowhere
+/// else: neither committed in `root` nor superseded there by a newer
+/// committed step. The rule `acp gc --shm` applies, for the engine's
+/// release on close.
+///
+/// # Errors
+/// [`Error::Io`](crate::Error::Io) listing the root.
+pub(crate) fn only_copies(
+    root: &crate::storage::local::Root,
+    resident: &[u64],
+) -> Result<Vec<u64>> {
+    let committed = root.steps()?;
+    let latest = committed.last().copied();
+    Ok(resident
+        .iter()
+        .copied()
+        .filter(|s| !committed.contains(s) && latest.is_none_or(|l| *s > l))
+        .collect())
+}
+
+fn age(secs: f64) -> String {
+    if secs < 60.0 {
+        format!("{secs:.0}s")
+    } else if secs < 3600.0 {
+        format!("{:.0}m", secs / 60.0)
+    } else if secs < 86400.0 {
+        format!("{:.1}h", secs / 3600.0)
+    } else {
+        format!("{:.1}d", secs / 86400.0)
+    }
+}
+
+/// `acp ls --shm` as text.
+#[must_use]
+pub fn list_text(r: &ShmListReport) -> String {
+    if r.rings.is_empty() {
+        return format!("no ring in {}\n", r.dir);
+    }
+    let mut s = format!(
+        "{} ring(s) in {}, {} (steps: * committed in its root, ! the only copy)\n",
+        r.rings.len(),
+        r.dir,
+        text::bytes(r.bytes)
+    );
+    let _ = writeln!(
+        s,
+        "{:<27} {:>5} {:<10} {:>6} {:>10}  {:<24} ROOT",
+        "RING", "RANK", "HOLDER", "AGE", "BYTES", "STEPS"
+    );
+    for g in &r.rings {
+        let steps = g
+            .resident_steps
+            .iter()
+            .map(|st| {
+                let mark = if g.committed_steps.contains(st) {
+                    "*"
+                } else if g.only_copy_steps.contains(st) {
+                    "!"
+                } else {
+                    ""
+                };
+                format!("{st}{mark}")
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        let holder = match (g.live, g.owner_pid) {
+            (true, Some(p)) => format!("pid {p}"),
+            (true, None) => "live".to_owned(),
+            (false, _) => "-".to_owned(),
+        };
+        let root = match (&g.root, &g.job) {
+            (Some(r), Some(j)) if j != r => format!("{r} (job {j})"),
+            (Some(r), _) => r.clone(),
+            (None, _) => "unknown".to_owned(),
+        };
+        let _ = writeln!(
+            s,
+            "{:<27} {:>5} {:<10} {:>6} {:>10}  {:<24} {root}",
+            g.ring,
+            g.rank,
+            holder,
+            age(g.age_secs),
+            text::bytes(g.bytes),
+            if steps.is_empty() {
+                "-".to_owned()
+            } else {
+                steps
+            },
+        );
+    }
+    s
+}
+
+/// `acp gc --shm` as text.
+#[must_use]
+pub fn gc_text(r: &ShmGcReport) -> String {
+    let verb = if r.dry_run { "would remove" } else { "removed" };
+    let removed = r.rings.iter().filter(|g| g.removed).count();
+    let mut s = format!(
+        "{verb} {removed} ring(s) in {}, {}; kept {}\n",
+        r.dir,
+        text::bytes(r.freed_bytes),
+        r.rings.len() - removed
+    );
+    for g in &r.rings {
+        let what = if g.removed { verb } else { "kept" };
+        let _ = writeln!(
+            s,
+            "  {what} {} ({}): {}",
+            g.ring,
+            text::bytes(g.bytes),
+            g.reason
+        );
+    }
+    s
+}
