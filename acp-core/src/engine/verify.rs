@@ -13,6 +13,7 @@
 //! once the whole file was read and every chunk's digest equals the
 //! index's; on any error the caller drops the buffer unmarked.
 
+use std::fs::File;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -69,6 +70,7 @@ pub(super) fn verify(
 pub(super) fn read_verified(
     io: &dyn IoEngine,
     opts: &IoOpts,
+    file: &File,
     path: &Path,
     dst: &mut [u8],
     entry: &FileEntry,
@@ -83,7 +85,7 @@ pub(super) fn read_verified(
     let Some(read_bytes) = read_size(chunk, opts.chunk_bytes) else {
         // Reads cannot be cut along these digest chunks (acp never writes
         // such a file): read it all, then hash it.
-        let got = io.read_file(path, dst, opts, &mut |_, _| Ok(()))?;
+        let got = io.read_from(file, path, dst, opts, &mut |_, _| Ok(()))?;
         check_len(path, got, entry)?;
         return verify(path, &dst[..len], entry, threads);
     };
@@ -148,7 +150,7 @@ pub(super) fn read_verified(
             }
             Ok(())
         };
-        let read = io.read_file(path, dst, &opts, &mut on_chunk);
+        let read = io.read_from(file, path, dst, &opts, &mut on_chunk);
         drop(tx);
         // The calling thread helps with what is still queued.
         for job in &rx {
@@ -159,7 +161,12 @@ pub(super) fn read_verified(
     let unreported = outs.iter().any(Option::is_some);
     drop(outs);
     if let Some(i) = found.first() {
-        return Err(mismatch(path, file_header(path, entry.size), chunk, i));
+        return Err(mismatch(
+            path,
+            file_header(file, path, entry.size),
+            chunk,
+            i,
+        ));
     }
     check_len(path, read?, entry)?;
     if unreported {
@@ -281,20 +288,30 @@ fn mismatch(path: &Path, header: Option<ParsedHeader>, chunk: usize, i: usize) -
     Error::corrupt(path, suspects.first().map(String::as_str), what)
 }
 
-/// The header of the data file at `path` (whose index says it has `size`
+/// The header of data `file` (named `path`, whose index says it has `size`
 /// bytes), read from the file itself; `None` when it cannot be read or
 /// parsed. Reads at most 1 MiB of header.
-pub(super) fn file_header(path: &Path, size: u64) -> Option<ParsedHeader> {
-    use std::io::Read;
-    let mut f = crate::io::open_regular(path).ok()?;
+pub(super) fn file_header(file: &File, path: &Path, size: u64) -> Option<ParsedHeader> {
+    use std::os::unix::fs::FileExt;
     let mut prefix = [0u8; 8];
-    f.read_exact(&mut prefix).ok()?;
+    file.read_exact_at(&mut prefix, 0).ok()?;
     let n = u64::from_le_bytes(prefix);
     if n > 1 << 20 {
         return None;
     }
+    // The header as far as the file holds it (a cut file may end inside).
     let mut bytes = prefix.to_vec();
-    f.take(n).read_to_end(&mut bytes).ok()?;
+    bytes.resize(8 + usize::try_from(n).ok()?, 0);
+    let mut got = 8;
+    while got < bytes.len() {
+        match file.read_at(&mut bytes[got..], got as u64) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    bytes.truncate(got);
     parse_header(path, &bytes, size).ok()
 }
 

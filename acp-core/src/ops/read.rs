@@ -3,11 +3,14 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use super::Progress;
 use crate::error::{Error, Result};
-use crate::format::{parse_header, unhex, validate_file_name, Digest, FileEntry, ParsedHeader};
+use crate::format::{
+    parse_header, unhex, validate_file_name, Digest, FileEntry, ParsedHeader, INDEX_FILE_NAME,
+};
+use crate::storage::Storage;
 
 /// One data file of a committed step, opened for verified reads.
 #[derive(Debug)]
@@ -34,21 +37,20 @@ pub(crate) struct BadChunk {
 }
 
 impl DataFile {
-    /// Opens `name` in step directory `dir` as the index describes it.
+    /// Opens file `name` of committed `step` as the index describes it.
     ///
     /// # Errors
     /// [`Error::Corrupt`] for a bad name, a missing or non-regular file
-    /// (never waited on: see [`crate::io::open_regular`]) or one whose
+    /// (never waited on: see [`Storage::open_listed`]) or one whose
     /// size differs from the index; [`Error::Io`].
     pub(crate) fn open(
-        dir: &Path,
-        index_path: &Path,
+        root: &dyn Storage,
+        step: u64,
         name: &str,
         entry: &FileEntry,
     ) -> Result<DataFile> {
-        validate_file_name(index_path, name)?;
-        let path = dir.join(name);
-        let file = crate::io::open_listed(&path, entry.size)?;
+        validate_file_name(&root.describe(step, INDEX_FILE_NAME), name)?;
+        let (file, path) = root.open_listed(step, name, entry.size)?.into_parts();
         Ok(DataFile {
             path,
             entry: entry.clone(),
