@@ -271,11 +271,18 @@ where
     let want = want_direct(opts.direct, aligned(dst.as_ptr()), "read", path)?;
     let direct = apply_flags(file, opts.direct, want, path)?;
     tracing::trace!(path = %path.display(), len, direct, "read");
-    if n > 0 {
+    let read = if n > 0 {
         let (dst, _) = dst.split_at_mut(padded);
-        chunks(file, dst, Geometry::new(n, opts.chunk_bytes, true))?;
+        chunks(file, dst, Geometry::new(n, opts.chunk_bytes, true))
+    } else {
+        Ok(())
+    };
+    // The caller keeps the descriptor (to name a changed chunk's tensors
+    // from the header, say): hand it back as buffered as it came.
+    if direct {
+        sys::clear_direct(file).map_err(|e| Error::io("fcntl", path, e))?;
     }
-    Ok(len)
+    read.map(|()| len)
 }
 
 #[cfg(test)]

@@ -112,7 +112,8 @@ pub trait IoEngine: Send + Sync + Debug {
     /// (reads in flight are waited for) and is returned. On any error, some
     /// chunks may have been reported and others not: a caller must not
     /// trust any of `dst` unless the call returned `Ok`. An empty file has
-    /// no chunks.
+    /// no chunks. `O_DIRECT`, when used, is cleared again before the call
+    /// returns, so `file` can be read at any offset afterwards.
     ///
     /// # Errors
     /// [`Error::Io`]; the error of `on_chunk`; [`Error::Invalid`] when the
