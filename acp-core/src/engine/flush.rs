@@ -151,7 +151,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let t_commit = Instant::now();
         shared.note_progress(format!(
             "step {step}: committing in {}",
-            root.location().join(pending.key()).display()
+            root.describe_pending(&pending).display()
         ));
         let header = parse_header(&path, image, len)?;
         // The slot's control block names the step; the image's own header

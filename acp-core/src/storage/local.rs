@@ -273,6 +273,10 @@ impl Storage for LocalStorage {
         self.step_dir(step).join(name)
     }
 
+    fn describe_pending(&self, pending: &Pending) -> PathBuf {
+        self.dir_of(pending)
+    }
+
     fn recreate_if_missing(&self) -> Result<bool> {
         match fs::symlink_metadata(&self.path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

@@ -208,6 +208,9 @@ pub trait Storage: Send + Sync + Debug {
     /// How messages name file `name` of committed `step`. Never opened.
     fn describe(&self, step: u64, name: &str) -> PathBuf;
 
+    /// How messages name pending place `pending`. Never opened.
+    fn describe_pending(&self, pending: &Pending) -> PathBuf;
+
     /// Makes the storage again when it was removed under the engine;
     /// returns whether it had to.
     ///
