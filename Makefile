@@ -34,8 +34,8 @@ sysdeps:
 	    apt-get install -y -q fio >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1; } || echo "note: could not install fio; raw disk baselines use a Python O_DIRECT loop"; \
 	  else echo "note: fio is not installed (apt-get install fio); raw disk baselines use a Python O_DIRECT loop"; fi; }
 
-build-dev: venv ## Build the wheel (release) and install it into .venv.
-	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q
+build-dev: venv ## Build the wheel (release, with fault injection for the tests) and install it into .venv.
+	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q --features test-util
 
 # examples/*.rs are include!d by acp-core's example and tests, which
 # `cargo fmt` does not follow: they are formatted by name.

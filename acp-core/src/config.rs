@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+#[cfg(feature = "test-util")]
 use crate::storage::faults::FaultInjector;
+use crate::storage::Probe;
 
 /// Which I/O engine flushes and reads checkpoint files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,6 +90,7 @@ pub struct EngineConfig {
     pub(crate) shm_ttl: Duration,
     pub(crate) stall_timeout: Duration,
     pub(crate) commit_timeout: Duration,
+    #[cfg(feature = "test-util")]
     pub(crate) faults: Option<Arc<FaultInjector>>,
 }
 
@@ -128,6 +131,7 @@ impl EngineConfig {
             shm_ttl: DEFAULT_SHM_TTL,
             stall_timeout: Duration::from_secs(300),
             commit_timeout: Duration::from_secs(600),
+            #[cfg(feature = "test-util")]
             faults: None,
         }
     }
@@ -301,11 +305,23 @@ impl EngineConfig {
         self
     }
 
-    /// Injects I/O failures (tests and fault drills).
+    /// Injects I/O failures (tests and fault drills): `faults` sees every
+    /// storage operation of the engine. Only with the `test-util` feature.
+    #[cfg(feature = "test-util")]
     #[must_use]
     pub fn with_faults(mut self, faults: Arc<FaultInjector>) -> Self {
         self.faults = Some(faults);
         self
+    }
+
+    /// What sees every storage operation: the fault injector, when the
+    /// `test-util` feature is on and one is set.
+    pub(crate) fn probe(&self) -> Option<Arc<dyn Probe>> {
+        #[cfg(feature = "test-util")]
+        if let Some(f) = &self.faults {
+            return Some(Arc::clone(f) as Arc<dyn Probe>);
+        }
+        None
     }
 
     /// This process's rank.

@@ -14,7 +14,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{err, invalid};
-use crate::faults::FaultInjector;
 use crate::load::Loaded;
 use crate::save::{SaveHandle, Staging};
 
@@ -64,6 +63,22 @@ fn config_error(field: &'static str, reason: impl Into<String>) -> PyErr {
 /// How long a blocking wait runs with the GIL released before it lets
 /// Python handle pending signals.
 pub(crate) const SIGNAL_TICK: Duration = Duration::from_millis(100);
+
+/// `c` with the fault injector `f` (an `acp._acp.FaultInjector`).
+#[cfg(feature = "test-util")]
+fn with_faults(c: EngineConfig, f: &Bound<'_, PyAny>) -> PyResult<EngineConfig> {
+    let f = f.cast::<crate::faults::FaultInjector>()?;
+    Ok(c.with_faults(f.get().shared()))
+}
+
+/// Refuses `faults=`: this build has no fault injection.
+#[cfg(not(feature = "test-util"))]
+fn with_faults(_c: EngineConfig, _f: &Bound<'_, PyAny>) -> PyResult<EngineConfig> {
+    Err(invalid(
+        "faults",
+        "this build of acp has no fault injection (built without the `test-util` feature)",
+    ))
+}
 
 /// Seconds from Python as a [`Duration`].
 pub(crate) fn seconds(field: &'static str, secs: f64) -> PyResult<Duration> {
@@ -121,7 +136,7 @@ impl Engine {
         persist_on_open: Option<bool>,
         stall_timeout: Option<f64>,
         commit_timeout: Option<f64>,
-        faults: Option<&FaultInjector>,
+        faults: Option<Bound<'_, PyAny>>,
         release_on_close: Option<bool>,
         shm_ttl: Option<f64>,
     ) -> PyResult<Engine> {
@@ -210,7 +225,7 @@ impl Engine {
             c = c.with_commit_timeout(seconds("commit_timeout", v)?);
         }
         if let Some(f) = faults {
-            c = c.with_faults(f.shared());
+            c = with_faults(c, &f)?;
         }
         if let Some(v) = release_on_close {
             c = c.with_release_on_close(v);

@@ -7,6 +7,7 @@
 mod cli;
 mod engine;
 mod errors;
+#[cfg(feature = "test-util")]
 mod faults;
 mod load;
 mod ops;
@@ -25,6 +26,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::Staging>()?;
     m.add_class::<save::SaveHandle>()?;
     m.add_class::<load::Loaded>()?;
+    #[cfg(feature = "test-util")]
     m.add_class::<faults::FaultInjector>()?;
     ops::register(m)?;
     cli::register(m)?;

@@ -1,17 +1,20 @@
 //! The flush thread: writes sealed slots to storage, hashes them on the way,
 //! and commits each step.
 //!
-//! Commit protocol for step S of rank r (world size 1):
-//! 1. create `.pending-S-rR-pid-nonce/` under the root;
+//! Commit protocol for step S of rank r (world size 1), through the
+//! [`Storage`](crate::storage::Storage) seam (the local storage's own steps
+//! in brackets):
+//! 1. create a pending place [`.pending-S-rR-pid-nonce/` under the root];
 //! 2. write `rank-R.safetensors` in it from the slot (O_DIRECT, chunks in
 //!    flight), hashing each chunk before it is submitted; fsync it;
-//! 3. write `model.safetensors.index.json` (sizes, digests, weight map);
-//!    fsync it; fsync the pending directory;
-//! 4. rename the pending directory to `step-S` (or exchange it atomically
-//!    with the old `step-S` when overwriting); fsync the root — the commit;
+//! 3. write `model.safetensors.index.json` (sizes, digests, weight map)
+//!    durably; make the pending place durable [fsync the directory];
+//! 4. publish it — the commit [rename the pending directory to `step-S`,
+//!    or exchange it atomically with the old `step-S` when overwriting;
+//!    fsync the root];
 //! 5. write the `latest` hint; mark the slot `Persisted`; apply retention.
 //!
-//! A crash before 4 leaves a pending directory that is never loaded and is
+//! A crash before 4 leaves a pending place that is never loaded and is
 //! swept by the next engine of this rank; after 4 the step is complete.
 
 use std::sync::Arc;
@@ -24,11 +27,11 @@ use super::state::{FailedSlot, Shared};
 use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
-    data_file_name, digest, hex, manifest_file_name, parse_header, root_digest, Digest, FileEntry,
-    Index, Manifest, FORMAT_VERSION, INDEX_FILE_NAME,
+    data_file_name, digest, hex, parse_header, root_digest, Digest, FileEntry, Index, Manifest,
+    FORMAT_VERSION, INDEX_FILE_NAME,
 };
 use crate::staging::{PinnedSlot, SlotState};
-use crate::storage::local::read_small;
+use crate::storage::Pending;
 
 /// One sealed slot to flush and commit.
 #[derive(Debug)]
@@ -58,7 +61,7 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
         // before the first chunk (creating the directory) is caught too.
         shared.note_progress(format!(
             "step {step}: starting the flush into {}",
-            shared.root.path().display()
+            shared.root.location().display()
         ));
         let result = flush_one(shared, job);
         {
@@ -113,20 +116,21 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         tracing::warn!(
             step,
             "acp: checkpoint root {} was removed; created it again",
-            root.path().display()
+            root.location().display()
         );
         shared.lock().committed.clear();
     }
     let pending = root.create_pending(step)?;
     let result = (|| {
         let file_name = data_file_name(rank);
-        let path = pending.join(&file_name);
+        let (file, path) = root.create_file(&pending, &file_name)?.into_parts();
         let image = job.pin.image();
         let len = image.len() as u64;
         let chunk = shared.io_opts.chunk_bytes;
         let mut digests: Vec<Digest> = Vec::with_capacity(image.len().div_ceil(chunk.max(1)));
         shared.note_progress(format!("step {step}: writing {}", path.display()));
-        let stats = shared.io.write_file(
+        let stats = shared.io.write_to(
+            &file,
             &path,
             job.pin.padded(),
             len,
@@ -145,7 +149,10 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         shared.ring.set_digests(slot, &digests);
 
         let t_commit = Instant::now();
-        shared.note_progress(format!("step {step}: committing in {}", pending.display()));
+        shared.note_progress(format!(
+            "step {step}: committing in {}",
+            root.describe_pending(&pending).display()
+        ));
         let header = parse_header(&path, image, len)?;
         // The slot's control block names the step; the image's own header
         // must agree, or a damaged control block would commit a checkpoint
@@ -179,9 +186,9 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                     .collect(),
                 files: [(file_name, entry)].into_iter().collect(),
             };
-            root.write_durable(&pending.join(INDEX_FILE_NAME), &index.to_json())?;
-            root.sync_dir(&pending)?;
-            publish(shared, &pending, step, job.overwrite)?;
+            root.write_small(&pending, INDEX_FILE_NAME, &index.to_json())?;
+            root.make_durable(&pending)?;
+            root.publish(&pending, job.overwrite)?;
         } else {
             let manifest = Manifest {
                 format_version: FORMAT_VERSION,
@@ -192,20 +199,14 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 entry,
                 tensors,
             };
-            // Rank 0 takes a manifest as soon as its name appears, and may
-            // move this directory's data file and remove the directory at
-            // once: the name appears by a rename, after the content and
-            // the directory are durable.
-            let name = manifest_file_name(rank);
-            let tmp = pending.join(format!("{name}.tmp"));
-            root.write_durable(&tmp, &manifest.to_json()?)?;
-            root.sync_dir(&pending)?;
-            root.rename(&tmp, &pending.join(name))?;
+            // Rank 0 may take this rank's file and remove the pending
+            // place as soon as the report appears.
+            root.report_rank(&pending, rank, &manifest.to_json()?)?;
             if rank == 0 {
                 commit_ranks(shared, step, job.overwrite)?;
             } else {
                 wait_for_commit(shared, step, &manifest.entry.root)?;
-                let _ = std::fs::remove_dir_all(&pending);
+                root.discard(&pending);
             }
         }
         shared.ring.set_state(slot, SlotState::Persisted);
@@ -239,20 +240,10 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             direct: stats.direct,
         })
     })();
-    if result.is_err() && pending.exists() {
-        let _ = std::fs::remove_dir_all(&pending);
+    if result.is_err() {
+        root.discard(&pending);
     }
     result.map_err(|e: Error| e)
-}
-
-/// Publishes a complete step directory and removes the step it replaced.
-fn publish(shared: &Shared, dir: &std::path::Path, step: u64, overwrite: bool) -> Result<()> {
-    if let Some(old) = shared.root.publish(dir, step, overwrite)? {
-        if let Err(e) = std::fs::remove_dir_all(&old) {
-            tracing::warn!("acp: could not remove replaced step {}: {e}", old.display());
-        }
-    }
-    Ok(())
 }
 
 /// How often the ranks look for each other's progress on storage.
@@ -298,13 +289,13 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
             || format!("step {step}: ranks {missing:?} did not report their files durable"),
         )?;
     };
-    let mut manifests = Vec::with_capacity(reported.len());
-    for (&r, dir) in &reported {
+    let mut manifests: Vec<(&Pending, Manifest)> = Vec::with_capacity(reported.len());
+    for (&r, pending) in &reported {
         if r >= world {
             continue;
         }
-        let path = dir.join(manifest_file_name(r));
-        let m = Manifest::parse(&path, &read_small(&path, 256 << 20)?, step, r)?;
+        let (path, bytes) = root.read_report(pending, r)?;
+        let m = Manifest::parse(&path, &bytes, step, r)?;
         if m.world_size != world {
             return Err(Error::corrupt(
                 &path,
@@ -315,9 +306,9 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
                 ),
             ));
         }
-        manifests.push((dir.clone(), m));
+        manifests.push((pending, m));
     }
-    let commit = root.create_commit_dir(step)?;
+    let commit = root.create_gather(step)?;
     let result = (|| {
         let mut index = Index {
             step,
@@ -326,8 +317,8 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
             files: std::collections::BTreeMap::new(),
             weight_map: std::collections::BTreeMap::new(),
         };
-        for (dir, m) in &manifests {
-            root.rename(&dir.join(&m.file), &commit.join(&m.file))?;
+        for (pending, m) in &manifests {
+            root.adopt(pending, &m.file, &commit)?;
             for t in &m.tensors {
                 if let Some(other) = index.weight_map.insert(t.clone(), m.file.clone()) {
                     return Err(Error::invalid(
@@ -338,16 +329,16 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
             }
             index.files.insert(m.file.clone(), m.entry.clone());
         }
-        root.write_durable(&commit.join(INDEX_FILE_NAME), &index.to_json())?;
-        root.sync_dir(&commit)?;
-        publish(shared, &commit, step, overwrite)
+        root.write_small(&commit, INDEX_FILE_NAME, &index.to_json())?;
+        root.make_durable(&commit)?;
+        root.publish(&commit, overwrite)
     })();
     if result.is_err() {
-        let _ = std::fs::remove_dir_all(&commit);
+        root.discard(&commit);
     }
     result?;
-    for (dir, _) in &manifests {
-        let _ = std::fs::remove_dir_all(dir);
+    for (pending, _) in &manifests {
+        root.discard(pending);
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Loading a committed step: from a resident slot when one holds it, else
 //! from storage into a slot (or private memory when the ring has no room).
 
+use std::fs::File;
 use std::path::Path;
 use std::time::Instant;
 
@@ -14,6 +15,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
 use crate::read::{ChunkReader, IoSource, MemSource};
 use crate::staging::{Ring, SlotInfo, SlotState};
+use crate::storage::FileHandle;
 
 /// Which step to load, and from where.
 #[derive(Debug, Clone, Default)]
@@ -64,7 +66,10 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
             steps.sort_unstable();
             if steps.is_empty() {
                 return Err(Error::NotFound {
-                    what: format!("committed checkpoint in {}", shared.root.path().display()),
+                    what: format!(
+                        "committed checkpoint in {}",
+                        shared.root.location().display()
+                    ),
                 });
             }
             let newest_first = steps.into_iter().rev();
@@ -108,7 +113,7 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
         }
     }
     Err(first_err.unwrap_or_else(|| Error::NotFound {
-        what: format!("intact checkpoint in {}", shared.root.path().display()),
+        what: format!("intact checkpoint in {}", shared.root.location().display()),
     }))
 }
 
@@ -123,12 +128,11 @@ fn load_step(
     let rank = rank.unwrap_or(own);
     let index = shared.root.read_index(step)?;
     let file_name = data_file_name(rank);
-    let dir = shared.root.step_dir(step);
     let Some(entry) = index.files.get(&file_name) else {
         return Err(Error::NotFound {
             what: format!(
                 "rank {rank}'s file in step {step} of {}",
-                shared.root.path().display()
+                shared.root.location().display()
             ),
         });
     };
@@ -185,7 +189,7 @@ fn load_step(
                 tracing::warn!(
                     "acp: resident copy of step {step} in {} is not the one {} records (another root's image, or no digests); reading storage",
                     slot_path.display(),
-                    dir.display()
+                    shared.root.describe(step, crate::format::INDEX_FILE_NAME).display()
                 );
                 continue;
             }
@@ -216,9 +220,10 @@ fn load_step(
             .map(|c| c.with_rejected(rejected));
         }
     }
-    let path = dir.join(&file_name);
+    let path = shared.root.describe(step, &file_name);
     // The file's true size before any memory is sized by the index's.
-    check_file_size(&path, entry.size, &expected.tensors)?;
+    let opened = shared.root.open_file(step, &file_name);
+    let file = check_file_size(opened, &path, entry.size, &expected.tensors)?;
     // Another rank's file is read into private memory: the ring holds this
     // rank's own checkpoints only.
     let fits = rank == own && entry.size <= shared.ring.max_image_bytes();
@@ -233,6 +238,7 @@ fn load_step(
         let src = IoSource {
             io: &*shared.io,
             opts: &shared.io_opts,
+            file: &file,
             path: &path,
             len: entry.size,
         };
@@ -306,15 +312,21 @@ struct Expected<'a> {
     world_size: u32,
 }
 
-/// Checks that `path` is a regular file (opened by
-/// [`crate::io::open_regular`], so a FIFO is refused, not waited on) of
-/// `size` bytes (the index's), so no buffer is sized by an index that
-/// disagrees with the file. Names the tensor cut by a truncation when the
-/// header is still readable, else the first tensor the file should hold.
-fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
+/// Checks that `opened`, the data file named `path` (opened by
+/// [`Storage::open_file`](crate::storage::Storage::open_file), so a FIFO is
+/// refused, not waited on), has `size` bytes (the index's), so no buffer is
+/// sized by an index that disagrees with the file; returns the file. Names
+/// the tensor cut by a truncation when the header is still readable, else
+/// the first tensor the file should hold.
+fn check_file_size(
+    opened: Result<FileHandle>,
+    path: &Path,
+    size: u64,
+    tensors: &[&str],
+) -> Result<File> {
     let first = tensors.first().copied();
-    let file = match crate::io::open_regular(path) {
-        Ok(f) => f,
+    let file = match opened {
+        Ok(f) => f.into_parts().0,
         Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::corrupt(
                 path,
@@ -330,7 +342,7 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let got = meta.len();
     if got == size {
-        return Ok(());
+        return Ok(file);
     }
     let cut = if got < size {
         tensor_at(&file, path, size, got)
@@ -347,7 +359,7 @@ fn check_file_size(path: &Path, size: u64, tensors: &[&str]) -> Result<()> {
 /// The tensor holding byte `offset` of the data file `file` at `path`
 /// (whose index says it has `size` bytes), read from its header; `None`
 /// when the header cannot be read or parsed. Reads at most 1 MiB of header.
-fn tensor_at(file: &std::fs::File, path: &Path, size: u64, offset: u64) -> Option<String> {
+fn tensor_at(file: &File, path: &Path, size: u64, offset: u64) -> Option<String> {
     use std::os::unix::fs::FileExt;
     read_header(path, size, 1 << 20, |buf, at| {
         file.read_exact_at(buf, at)

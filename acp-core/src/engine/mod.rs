@@ -106,7 +106,7 @@ impl Engine {
             st.in_flight -= 1;
             drop(st);
             let err = Error::Closed {
-                root: shared.root.path().to_path_buf(),
+                root: shared.root.location().to_path_buf(),
             };
             job.done.complete(Err(err.duplicate()));
             return Err(err);
@@ -129,7 +129,7 @@ impl Engine {
     /// The checkpoint root (canonical).
     #[must_use]
     pub fn root(&self) -> &Path {
-        self.shared().root.path()
+        self.shared().root.location()
     }
 
     /// The committed steps, ascending.

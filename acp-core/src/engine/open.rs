@@ -12,7 +12,7 @@ use crate::config::EngineConfig;
 use crate::error::{Error, Result};
 use crate::io::{IoKind, IoOpts};
 use crate::staging::{Ring, RingOptions, SlotInfo, SlotState};
-use crate::storage::local::Root;
+use crate::storage::{LocalStorage, Storage};
 
 /// What opening the engine found and chose.
 #[derive(Debug, Clone)]
@@ -34,7 +34,12 @@ pub struct OpenReport {
 
 /// Whether the digests recorded in a recovered slot are those the index of
 /// its (committed) step records for this rank's file.
-fn slot_matches_index(ring: &Ring, root: &Root, cfg: &EngineConfig, info: &SlotInfo) -> bool {
+fn slot_matches_index(
+    ring: &Ring,
+    root: &dyn Storage,
+    cfg: &EngineConfig,
+    info: &SlotInfo,
+) -> bool {
     let Ok(index) = root.read_index(info.step) else {
         return false;
     };
@@ -46,15 +51,15 @@ fn slot_matches_index(ring: &Ring, root: &Root, cfg: &EngineConfig, info: &SlotI
 
 /// This engine's job id: the configured one, else the canonical root path
 /// ([`crate::staging::job_id`]).
-pub(super) fn job_id(cfg: &EngineConfig, root: &Root) -> String {
-    crate::staging::job_id(root.path(), cfg.job.as_deref())
+pub(super) fn job_id(cfg: &EngineConfig, root: &dyn Storage) -> String {
+    crate::staging::job_id(root.location(), cfg.job.as_deref())
 }
 
 /// The slot file prefix of `rank` of this engine's job, and the job tag
 /// (see [`crate::staging::ring_prefix`]).
 pub(super) fn job_names(
     cfg: &EngineConfig,
-    root: &Root,
+    root: &dyn Storage,
     rank: u32,
 ) -> (String, crate::format::Digest) {
     let job = job_id(cfg, root);
@@ -85,7 +90,7 @@ struct Recovery {
 fn sort_recovered(
     cfg: &EngineConfig,
     ring: &Ring,
-    root: &Root,
+    root: &dyn Storage,
     recovered: &[SlotInfo],
     committed: &[u64],
 ) -> Recovery {
@@ -130,10 +135,11 @@ impl Engine {
     /// job and rank open, [`Error::Io`].
     pub fn open(config: EngineConfig) -> Result<Engine> {
         config.validate()?;
-        let root = Root::open(&config.root, config.faults.clone())?;
+        let root = LocalStorage::open(&config.root)?.with_probe(config.probe());
         let io = crate::io::open_engine(config.io)?;
         let (prefix, job_tag) = job_names(&config, &root, config.rank);
-        let root = root.owned_by(config.rank, &crate::format::hex(&job_tag)[..8]);
+        let root: Box<dyn Storage> =
+            Box::new(root.owned_by(config.rank, &crate::format::hex(&job_tag)[..8]));
         let (ring, ring_report) = Ring::open(RingOptions {
             dir: config.shm_dir.clone(),
             prefix,
@@ -144,7 +150,7 @@ impl Engine {
             chunk_bytes: config.chunk_bytes as u64,
             mlock: config.mlock,
         })?;
-        ring.record_origin(root.path(), &job_id(&config, &root));
+        ring.record_origin(root.location(), &job_id(&config, &*root));
         if !config.shm_ttl.is_zero() {
             crate::ops::reclaim_expired(&config.shm_dir, config.shm_ttl, &job_tag);
         }
@@ -152,11 +158,11 @@ impl Engine {
         // rank left are from a dead process.
         let swept = root.sweep_leftovers();
         if swept > 0 {
-            tracing::info!(swept, root = %root.path().display(), "acp: removed unfinished saves of a previous process");
+            tracing::info!(swept, root = %root.location().display(), "acp: removed unfinished saves of a previous process");
         }
         let committed = root.steps()?;
         let Recovery { to_persist, stale } =
-            sort_recovered(&config, &ring, &root, &ring_report.recovered, &committed);
+            sort_recovered(&config, &ring, &*root, &ring_report.recovered, &committed);
         let report = OpenReport {
             io: io.kind(),
             mlocked: ring_report.mlocked,
@@ -172,7 +178,7 @@ impl Engine {
             chunk_bytes: config.chunk_bytes,
             queue_depth: config.queue_depth,
             direct: config.direct,
-            faults: config.faults.clone(),
+            faults: config.probe(),
         };
         let shared = Arc::new(Shared {
             cfg: config,
@@ -206,7 +212,7 @@ impl Engine {
                     crate::io::block_async_signals();
                     flush::run(&for_thread, &rx);
                 })
-                .map_err(|e| Error::io("start flush thread", shared.root.path(), e))?
+                .map_err(|e| Error::io("start flush thread", shared.root.location(), e))?
         };
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -232,7 +238,7 @@ impl Engine {
         if shared.lock().committed.contains(&step) || shared.root.is_committed(step) {
             return Err(Error::Exists {
                 step,
-                root: shared.root.path().to_path_buf(),
+                root: shared.root.location().to_path_buf(),
             });
         }
         let info = shared

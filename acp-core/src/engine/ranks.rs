@@ -23,12 +23,13 @@ use crate::error::{Error, Result};
 use crate::format::{data_file_name, FileEntry, ParsedHeader};
 use crate::read::{ChunkReader, ChunkSource, FileSource};
 use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
+use crate::storage::Storage;
 
 /// The slot files of `rank` of this engine's job in this user's directory
 /// under the shm directory, whatever the number of slots that rank
 /// configured.
 fn peer_slots(shared: &Shared, rank: u32) -> Vec<SlotFile> {
-    let job = job_id(&shared.cfg, &shared.root);
+    let job = job_id(&shared.cfg, &*shared.root);
     slot_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
         tracing::debug!("acp: rank {rank}'s slots: {e}");
         Vec::new()
@@ -36,7 +37,7 @@ fn peer_slots(shared: &Shared, rank: u32) -> Vec<SlotFile> {
 }
 
 fn peer_image(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> PeerImage {
-    let (_, job_tag) = job_names(&shared.cfg, &shared.root, rank);
+    let (_, job_tag) = job_names(&shared.cfg, &*shared.root, rank);
     PeerImage {
         job_tag,
         rank,
@@ -85,12 +86,12 @@ fn open_peer_slot(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> O
         })
 }
 
-/// Opens the data file at `path` that the index says has `size` bytes
-/// ([`crate::io::open_listed`]: refused when its real size differs, so no
-/// memory is sized by an index that disagrees with the file).
-fn storage(path: &Path, size: u64) -> Result<FileSource> {
-    let file = crate::io::open_listed(path, size)?;
-    Ok(FileSource::new(file, path.to_path_buf(), size))
+/// Opens data file `name` of committed `step`, which the index says has
+/// `size` bytes ([`Storage::open_listed`]: refused when its real size
+/// differs, so no memory is sized by an index that disagrees with the file).
+fn storage(root: &dyn Storage, step: u64, name: &str, size: u64) -> Result<FileSource> {
+    let (file, path) = root.open_listed(step, name, size)?.into_parts();
+    Ok(FileSource::new(file, path, size))
 }
 
 /// An image read chunk by chunk into memory of its full size (untouched
@@ -148,22 +149,22 @@ impl<S: ChunkSource> Partial<S> {
 /// The header of `rank`'s file of committed `step`, read from the chunks
 /// that hold it, each checked against the index's digests.
 pub(super) fn read_header(shared: &Shared, step: u64, rank: u32) -> Result<ParsedHeader> {
-    let (path, entry) = file_of(shared, step, rank)?;
-    Partial::new(&entry, storage(&path, entry.size)?)?.header()
+    let (name, entry) = file_of(shared, step, rank)?;
+    Partial::new(&entry, storage(&*shared.root, step, &name, entry.size)?)?.header()
 }
 
-fn file_of(shared: &Shared, step: u64, rank: u32) -> Result<(PathBuf, FileEntry)> {
+fn file_of(shared: &Shared, step: u64, rank: u32) -> Result<(String, FileEntry)> {
     let mut index = shared.root.read_index(step)?;
     let name = data_file_name(rank);
     let Some(entry) = index.files.remove(&name) else {
         return Err(Error::NotFound {
             what: format!(
                 "rank {rank}'s file in step {step} of {}",
-                shared.root.path().display()
+                shared.root.location().display()
             ),
         });
     };
-    Ok((shared.root.step_dir(step).join(&name), entry))
+    Ok((name, entry))
 }
 
 /// The tensors `names` of `rank`'s file of committed `step` (with the
@@ -178,7 +179,7 @@ pub(super) fn load_tensors(
     storage_only: bool,
     t0: Instant,
 ) -> Result<Checkpoint> {
-    let (path, entry) = file_of(shared, step, rank)?;
+    let (name, entry) = file_of(shared, step, rank)?;
     if !storage_only {
         if let Some(slot) = open_peer_slot(shared, step, rank, &entry) {
             let slot_path = slot.path().to_path_buf();
@@ -201,7 +202,8 @@ pub(super) fn load_tensors(
             }
         }
     }
-    let (p, h) = read_tensors(storage(&path, entry.size)?, &entry, names, step)?;
+    let source = storage(&*shared.root, step, &name, entry.size)?;
+    let (p, h) = read_tensors(source, &entry, names, step)?;
     Ok(checkpoint(shared, step, p, h, Source::Storage, t0))
 }
 

@@ -12,7 +12,7 @@ use super::state::Shared;
 /// resident step when the root could not be listed).
 pub(super) fn release_ring(shared: &Shared) -> Vec<u64> {
     let resident: Vec<u64> = shared.ring.complete().iter().map(|s| s.step).collect();
-    match crate::ops::only_copies(&shared.root, &resident) {
+    match super::retention::only_copies(&*shared.root, &resident) {
         Ok(only) if only.is_empty() => {
             shared.ring.unlink_all();
             only
@@ -20,7 +20,7 @@ pub(super) fn release_ring(shared: &Shared) -> Vec<u64> {
         Ok(only) => {
             tracing::warn!(
             steps = ?only,
-            root = %shared.root.path().display(),
+            root = %shared.root.location().display(),
             "acp: release_on_close: the ring is kept: it holds the only copy of step(s) {only:?} \
              (not committed; `acp persist` commits it, `acp gc --shm --force` drops it)"
             );

@@ -6,7 +6,7 @@
 use super::state::Shared;
 use super::Engine;
 use crate::error::{Error, Result};
-use crate::storage::local::Root;
+use crate::storage::Storage;
 
 /// The steps retention removes from `steps` (ascending): all but the newest
 /// `keep_last` and the multiples of `keep_every`. The engine's rule, and
@@ -42,7 +42,7 @@ pub(crate) fn check_keep_last(keep_last: usize) -> Result<()> {
 
 /// Deletes the committed steps of `root` that [`retention_plan`] removes;
 /// returns them.
-fn retain(root: &Root, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+fn retain(root: &dyn Storage, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
     check_keep_last(keep_last)?;
     let deleted = retention_plan(&root.steps()?, keep_last, keep_every);
     for &step in &deleted {
@@ -54,7 +54,7 @@ fn retain(root: &Root, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<
 impl Shared {
     /// Applies retention to the root and forgets the deleted steps.
     pub(super) fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
-        let deleted = retain(&self.root, keep_last, keep_every)?;
+        let deleted = retain(&*self.root, keep_last, keep_every)?;
         let mut st = self.lock();
         for s in &deleted {
             st.committed.remove(s);
@@ -73,6 +73,23 @@ impl Engine {
     pub fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
         self.shared().retain(keep_last, keep_every)
     }
+}
+
+/// Of the steps `resident` in a ring of `root`, those that are nowhere
+/// else: neither committed in `root` nor superseded there by a newer
+/// committed step. The rule `acp gc --shm` applies, for the engine's
+/// release on close.
+///
+/// # Errors
+/// [`Error::Io`](crate::Error::Io) listing the root.
+pub(crate) fn only_copies(root: &dyn Storage, resident: &[u64]) -> Result<Vec<u64>> {
+    let committed = root.steps()?;
+    let latest = committed.last().copied();
+    Ok(resident
+        .iter()
+        .copied()
+        .filter(|s| !committed.contains(s) && latest.is_none_or(|l| *s > l))
+        .collect())
 }
 
 #[cfg(test)]

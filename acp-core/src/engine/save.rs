@@ -187,14 +187,14 @@ impl Engine {
         };
         if closed {
             return Err(Error::Closed {
-                root: shared.root.path().to_path_buf(),
+                root: shared.root.location().to_path_buf(),
             });
         }
         // The commit re-checks on storage; this only fails early, without I/O.
         if !opts.overwrite && known {
             return Err(Error::Exists {
                 step,
-                root: shared.root.path().to_path_buf(),
+                root: shared.root.location().to_path_buf(),
             });
         }
         let layout = self.plan(

@@ -11,13 +11,13 @@ use crate::config::EngineConfig;
 use crate::error::Error;
 use crate::io::{IoEngine, IoOpts};
 use crate::staging::{Ring, StagingSlot};
-use crate::storage::local::Root;
+use crate::storage::Storage;
 
 /// What the caller side and the flush thread share.
 #[derive(Debug)]
 pub(super) struct Shared {
     pub(super) cfg: EngineConfig,
-    pub(super) root: Root,
+    pub(super) root: Box<dyn Storage>,
     pub(super) ring: Ring,
     pub(super) io: Arc<dyn IoEngine>,
     pub(super) io_opts: IoOpts,

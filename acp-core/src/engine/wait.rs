@@ -71,7 +71,7 @@ pub(super) fn wait_for(
         what: format!(
             "{} flushes of {}",
             st.in_flight,
-            shared.root.path().display()
+            shared.root.location().display()
         ),
         secs: timeout.map_or(0.0, |t| t.as_secs_f64()),
     })

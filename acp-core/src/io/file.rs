@@ -9,7 +9,7 @@ use std::path::Path;
 use crate::config::DirectIo;
 use crate::error::{Error, Result};
 use crate::io::{IoKind, IoOpts, IoStats};
-use crate::storage::faults;
+use crate::storage::probe_op;
 
 use super::sys;
 
@@ -87,8 +87,8 @@ impl Geometry {
 
 /// Removes a file on drop unless disarmed: no partial file survives an
 /// error (or an unwinding `on_chunk`).
-struct RemoveOnDrop<'a> {
-    path: Option<&'a Path>,
+pub(super) struct RemoveOnDrop<'a> {
+    pub(super) path: Option<&'a Path>,
 }
 
 impl Drop for RemoveOnDrop<'_> {
@@ -154,21 +154,20 @@ fn aligned(p: *const u8) -> bool {
     (p as usize) % ALIGN == 0
 }
 
-/// The write skeleton: checks, `O_EXCL` create (0600), `O_DIRECT` policy,
-/// `fallocate`, then `chunks(file, geometry, on_chunk)` writes the chunks,
-/// then the tail truncate and the fsync. Any error removes the file.
-pub(super) fn write_file<F>(
-    kind: IoKind,
-    path: &Path,
-    src: &[u8],
-    len: u64,
-    opts: &IoOpts,
-    on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
-    chunks: F,
-) -> Result<IoStats>
-where
-    F: FnOnce(&File, Geometry, &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()>,
-{
+/// What a write of `len` bytes of `src` moves, once its arguments are
+/// checked.
+pub(super) struct WritePlan {
+    /// Bytes of file data.
+    n: usize,
+    /// `n` rounded up to [`ALIGN`].
+    padded: usize,
+    /// Whether to ask for `O_DIRECT`.
+    want: bool,
+}
+
+/// Checks a write's arguments (options, `len` within `src`, `O_DIRECT`
+/// policy) before anything is created or written.
+pub(super) fn plan_write(path: &Path, src: &[u8], len: u64, opts: &IoOpts) -> Result<WritePlan> {
     check_opts(opts)?;
     let what = || format!("write {}", path.display());
     let n = usize::try_from(len)
@@ -183,27 +182,53 @@ where
     let padded = round_up(n).ok_or_else(|| Error::invalid(what(), "length overflows"))?;
     let buf_ok = padded <= src.len() && aligned(src.as_ptr());
     let want = want_direct(opts.direct, buf_ok, "write", path)?;
+    Ok(WritePlan { n, padded, want })
+}
 
-    let file = OpenOptions::new()
+/// Creates `path` for [`super::IoEngine::write_file`]: write-only, mode
+/// 0600, `O_EXCL` (it must not exist), close-on-exec.
+pub(super) fn create_exclusive(path: &Path) -> Result<File> {
+    OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| Error::io("create", path, e))?;
-    let mut guard = RemoveOnDrop { path: Some(path) };
+        .map_err(|e| Error::io("create", path, e))
+}
 
-    let direct = apply_flags(&file, opts.direct, want, path)?;
-    sys::fallocate(&file, len).map_err(|e| Error::io("fallocate", path, e))?;
-    chunks(&file, Geometry::new(n, opts.chunk_bytes, direct), on_chunk)?;
+/// The write skeleton over a fresh, empty `file` (named `path` in
+/// messages): checks, `O_DIRECT` policy, `fallocate`, then
+/// `chunks(file, geometry, on_chunk)` writes the chunks, then the tail
+/// truncate and the fsync.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "IoEngine::write_to's arguments, plus the engine's kind and chunk loop"
+)]
+pub(super) fn write_file<F>(
+    kind: IoKind,
+    file: &File,
+    path: &Path,
+    src: &[u8],
+    len: u64,
+    opts: &IoOpts,
+    on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    chunks: F,
+) -> Result<IoStats>
+where
+    F: FnOnce(&File, Geometry, &mut dyn FnMut(usize, &[u8]) -> Result<()>) -> Result<()>,
+{
+    let WritePlan { n, padded, want } = plan_write(path, src, len, opts)?;
+
+    let direct = apply_flags(file, opts.direct, want, path)?;
+    sys::fallocate(file, len).map_err(|e| Error::io("fallocate", path, e))?;
+    chunks(file, Geometry::new(n, opts.chunk_bytes, direct), on_chunk)?;
     if direct && padded != n {
         file.set_len(len)
             .map_err(|e| Error::io("truncate", path, e))?;
     }
-    faults::check(opts.faults.as_deref(), "fsync", path)
-        .map_err(|e| Error::io("fsync", path, e))?;
+    probe_op(opts.faults.as_deref(), "fsync", path).map_err(|e| Error::io("fsync", path, e))?;
     file.sync_all().map_err(|e| Error::io("fsync", path, e))?;
-    guard.path = None;
     Ok(IoStats {
         bytes: len,
         direct,
@@ -211,12 +236,14 @@ where
     })
 }
 
-/// The read skeleton: [`super::open_regular`] (no symlink, no FIFO, only a
-/// regular file), refusal of a file that does not fit, `O_DIRECT` policy, then `chunks(file, dst, geometry)`
-/// reads the chunks (each padded to [`ALIGN`]; the last one comes back
-/// short at end of file) and hands each one over as it lands. Returns the
-/// file length.
+/// The read skeleton over `file` (opened by [`super::open_regular`]: no
+/// symlink, no FIFO, only a regular file; named `path` in messages):
+/// refusal of a file that does not fit, `O_DIRECT` policy, then
+/// `chunks(file, dst, geometry)` reads the chunks (each padded to
+/// [`ALIGN`]; the last one comes back short at end of file) and hands each
+/// one over as it lands. Returns the file length.
 pub(super) fn read_file<'a, F>(
+    file: &File,
     path: &Path,
     dst: &'a mut [u8],
     opts: &IoOpts,
@@ -226,7 +253,6 @@ where
     F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
 {
     check_opts(opts)?;
-    let file = super::open_regular(path)?;
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let len = meta.len();
     let too_big = || {
@@ -243,13 +269,20 @@ where
         .filter(|&p| p <= dst.len())
         .ok_or_else(too_big)?;
     let want = want_direct(opts.direct, aligned(dst.as_ptr()), "read", path)?;
-    let direct = apply_flags(&file, opts.direct, want, path)?;
+    let direct = apply_flags(file, opts.direct, want, path)?;
     tracing::trace!(path = %path.display(), len, direct, "read");
-    if n > 0 {
+    let read = if n > 0 {
         let (dst, _) = dst.split_at_mut(padded);
-        chunks(&file, dst, Geometry::new(n, opts.chunk_bytes, true))?;
+        chunks(file, dst, Geometry::new(n, opts.chunk_bytes, true))
+    } else {
+        Ok(())
+    };
+    // The caller keeps the descriptor (to name a changed chunk's tensors
+    // from the header, say): hand it back as buffered as it came.
+    if direct {
+        sys::clear_direct(file).map_err(|e| Error::io("fcntl", path, e))?;
     }
-    Ok(len)
+    read.map(|()| len)
 }
 
 #[cfg(test)]

@@ -3,12 +3,13 @@
 //! one trait, producing byte-identical files.
 
 use std::fmt::Debug;
+use std::fs::File;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use crate::config::{DirectIo, IoChoice};
 use crate::error::{Error, Result};
-use crate::storage::faults::FaultInjector;
+use crate::storage::Probe;
 
 pub use regular::{open_listed, open_regular};
 pub(crate) use sys::block_async_signals;
@@ -39,10 +40,11 @@ pub struct IoOpts {
     /// `O_DIRECT` policy. With `Auto`, a file system that rejects `O_DIRECT`
     /// (EINVAL at open) gets buffered I/O.
     pub direct: DirectIo,
-    /// Fault injection: `check("write", path)` before each chunk write,
+    /// Sees each operation before it runs, and may fail it (fault
+    /// injection in tests): `check("write", path)` before each chunk write,
     /// `check("fsync", path)` before the fsync, `check("read", path)` before
-    /// each chunk read.
-    pub faults: Option<Arc<FaultInjector>>,
+    /// each chunk read. `None` outside tests.
+    pub faults: Option<Arc<dyn Probe>>,
 }
 
 /// What a write or read did.
@@ -61,28 +63,30 @@ pub trait IoEngine: Send + Sync + Debug {
     /// Which engine this is.
     fn kind(&self) -> IoKind;
 
-    /// Creates `path` (mode 0600, `O_EXCL`: it must not exist), writes the
-    /// first `len` bytes of `src` in chunks of `opts.chunk_bytes` with up to
-    /// `opts.queue_depth` in flight, sets the file length to exactly `len`,
-    /// and fsyncs it. `src.len()` is at least `len` rounded up to 4096 and
-    /// `src` is 4096-aligned, so the last chunk can be written whole under
-    /// `O_DIRECT` and the file truncated after. (A source that is not so is
-    /// written buffered under [`DirectIo::Auto`] and refused under
-    /// [`DirectIo::On`].)
+    /// Writes the first `len` bytes of `src` to `file` (fresh and empty,
+    /// opened for writing; `path` names it in messages) in chunks of
+    /// `opts.chunk_bytes` with up to `opts.queue_depth` in flight, sets the
+    /// file length to exactly `len`, and fsyncs it. `src.len()` is at least
+    /// `len` rounded up to 4096 and `src` is 4096-aligned, so the last chunk
+    /// can be written whole under `O_DIRECT` and the file truncated after.
+    /// (A source that is not so is written buffered under
+    /// [`DirectIo::Auto`] and refused under [`DirectIo::On`].)
     ///
     /// `on_chunk(i, bytes)` is called for chunk `i` (the unpadded bytes)
     /// before that chunk is submitted, in order, on the calling thread; an
     /// error from it stops the write. An empty file has no chunks, so
-    /// `on_chunk` is not called. On any error the partial file is removed;
-    /// an existing file at `path` is never touched.
+    /// `on_chunk` is not called. On error the file holds some of the bytes:
+    /// its owner (the [`Storage`](crate::storage::Storage) that made it)
+    /// discards it.
     ///
     /// # Errors
-    /// [`Error::Io`] / [`Error::NoSpace`] naming `path` and the operation
-    /// (EEXIST when `path` exists); the error of `on_chunk`;
-    /// [`Error::Invalid`] for a chunk size that is not a positive multiple
-    /// of 4096 up to 1 GiB, a queue depth of 0, or a `len` beyond `src`.
-    fn write_file(
+    /// [`Error::Io`] / [`Error::NoSpace`] naming `path` and the operation;
+    /// the error of `on_chunk`; [`Error::Invalid`] for a chunk size that is
+    /// not a positive multiple of 4096 up to 1 GiB, a queue depth of 0, or a
+    /// `len` beyond `src`.
+    fn write_to(
         &self,
+        file: &File,
         path: &Path,
         src: &[u8],
         len: u64,
@@ -90,12 +94,13 @@ pub trait IoEngine: Send + Sync + Debug {
         on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<IoStats>;
 
-    /// Reads the whole of `path` (opened by [`open_regular`]) into the start of
-    /// `dst` in chunks of `opts.chunk_bytes` with up to `opts.queue_depth` in
-    /// flight, and returns its length. `dst` is 4096-aligned; the file must
-    /// fit with its last chunk padded: `round_up(file_len, 4096) <= dst.len()`,
-    /// else [`Error::Invalid`] without reading. Bytes of `dst` between the
-    /// file length and that bound may be overwritten.
+    /// Reads the whole of `file` (opened by [`open_regular`]; `path` names
+    /// it in messages) into the start of `dst` in chunks of
+    /// `opts.chunk_bytes` with up to `opts.queue_depth` in flight, and
+    /// returns its length. `dst` is 4096-aligned; the file must fit with
+    /// its last chunk padded: `round_up(file_len, 4096) <= dst.len()`, else
+    /// [`Error::Invalid`] without reading. Bytes of `dst` between the file
+    /// length and that bound may be overwritten.
     ///
     /// `on_chunk(i, bytes)` is called once for each chunk `i` as soon as it
     /// has landed, with its file bytes (unpadded; chunk `i` starts at byte
@@ -107,20 +112,59 @@ pub trait IoEngine: Send + Sync + Debug {
     /// (reads in flight are waited for) and is returned. On any error, some
     /// chunks may have been reported and others not: a caller must not
     /// trust any of `dst` unless the call returned `Ok`. An empty file has
-    /// no chunks.
+    /// no chunks. `O_DIRECT`, when used, is cleared again before the call
+    /// returns, so `file` can be read at any offset afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Io`]; the error of `on_chunk`; [`Error::Invalid`] when the
+    /// file does not fit, or for the bad options `write_to` refuses.
+    fn read_from<'a>(
+        &self,
+        file: &File,
+        path: &Path,
+        dst: &'a mut [u8],
+        opts: &IoOpts,
+        on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+    ) -> Result<u64>;
+
+    /// Creates `path` (mode 0600, `O_EXCL`: it must not exist) and writes it
+    /// as [`IoEngine::write_to`] does. On any error the partial file is
+    /// removed; an existing file at `path` is never touched.
+    ///
+    /// # Errors
+    /// As [`IoEngine::write_to`]; [`Error::Io`] (EEXIST when `path` exists).
+    fn write_file(
+        &self,
+        path: &Path,
+        src: &[u8],
+        len: u64,
+        opts: &IoOpts,
+        on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<IoStats> {
+        file::plan_write(path, src, len, opts)?;
+        let file = file::create_exclusive(path)?;
+        let mut guard = file::RemoveOnDrop { path: Some(path) };
+        let stats = self.write_to(&file, path, src, len, opts, on_chunk)?;
+        guard.path = None;
+        Ok(stats)
+    }
+
+    /// Opens `path` with [`open_regular`] and reads it as
+    /// [`IoEngine::read_from`] does.
     ///
     /// # Errors
     /// [`Error::Corrupt`] naming `path` when it is not a regular file (a
-    /// symlink, a FIFO, a directory...); [`Error::Io`]; the error of
-    /// `on_chunk`; [`Error::Invalid`] when the file does not fit, or for the
-    /// bad options `write_file` refuses.
+    /// symlink, a FIFO, a directory...); as [`IoEngine::read_from`].
     fn read_file<'a>(
         &self,
         path: &Path,
         dst: &'a mut [u8],
         opts: &IoOpts,
         on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
-    ) -> Result<u64>;
+    ) -> Result<u64> {
+        let file = open_regular(path)?;
+        self.read_from(&file, path, dst, opts, on_chunk)
+    }
 }
 
 /// Opens the engine `choice` asks for. `Auto` probes `io_uring` once (a ring

@@ -19,7 +19,7 @@ use crossbeam_channel::Receiver;
 use crate::error::{Error, Result};
 use crate::io::file::{self, Geometry, Span};
 use crate::io::{IoEngine, IoKind, IoOpts, IoStats};
-use crate::storage::faults;
+use crate::storage::probe_op;
 
 /// At most this many worker threads per call, whatever the queue depth.
 const MAX_THREADS: usize = 64;
@@ -33,8 +33,9 @@ impl IoEngine for PsyncEngine {
         IoKind::Psync
     }
 
-    fn write_file(
+    fn write_to(
         &self,
+        file: &File,
         path: &Path,
         src: &[u8],
         len: u64,
@@ -43,6 +44,7 @@ impl IoEngine for PsyncEngine {
     ) -> Result<IoStats> {
         file::write_file(
             IoKind::Psync,
+            file,
             path,
             src,
             len,
@@ -52,14 +54,15 @@ impl IoEngine for PsyncEngine {
         )
     }
 
-    fn read_file<'a>(
+    fn read_from<'a>(
         &self,
+        file: &File,
         path: &Path,
         dst: &'a mut [u8],
         opts: &IoOpts,
         on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
     ) -> Result<u64> {
-        file::read_file(path, dst, opts, |f, dst, geo| {
+        file::read_file(file, path, dst, opts, |f, dst, geo| {
             read_chunks(f, path, dst, geo, opts, on_chunk)
         })
     }
@@ -149,8 +152,7 @@ fn write_chunks(
     let mut prepare = |i: usize| -> Result<Span> {
         let span = geo.span(i);
         on_chunk(i, &src[span.start..span.start + span.data])?;
-        faults::check(opts.faults.as_deref(), "write", path)
-            .map_err(|e| Error::io("write", path, e))?;
+        probe_op(opts.faults.as_deref(), "write", path).map_err(|e| Error::io("write", path, e))?;
         Ok(span)
     };
     if n <= 1 {
@@ -217,9 +219,8 @@ fn read_chunks<'a>(
     on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
 ) -> Result<()> {
     let n = geo.count();
-    let check = || {
-        faults::check(opts.faults.as_deref(), "read", path).map_err(|e| Error::io("read", path, e))
-    };
+    let check =
+        || probe_op(opts.faults.as_deref(), "read", path).map_err(|e| Error::io("read", path, e));
     // Each chunk's buffer: `span.io` bytes at `span.start`, disjoint.
     let mut bufs = Vec::with_capacity(n);
     let mut rest = dst;

@@ -78,6 +78,31 @@ pub(super) fn set_flags(file: &File, direct: bool, clear_nonblock: bool) -> io::
     Ok(())
 }
 
+/// Clears `O_DIRECT` on `file`'s open file description, so that a caller
+/// handed the descriptor back can read it at any offset and into any
+/// buffer.
+///
+/// # Errors
+/// Any OS error of `fcntl`.
+pub(super) fn clear_direct(file: &File) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is open for the whole call (`file` is borrowed);
+    // F_GETFL takes no argument and reads no memory of ours.
+    let old = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if old < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if old & libc::O_DIRECT == 0 {
+        return Ok(());
+    }
+    // SAFETY: as above; F_SETFL takes an integer flag word.
+    let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, old & !libc::O_DIRECT) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use std::cell::Cell;

@@ -31,7 +31,7 @@ use io_uring::{opcode, types, IoUring};
 use crate::error::{Error, Result};
 use crate::io::file::{self, Geometry, Span};
 use crate::io::{IoEngine, IoKind, IoOpts, IoStats};
-use crate::storage::faults;
+use crate::storage::probe_op;
 
 /// `IORING_ENTER_GETEVENTS` from the kernel uapi (`io_uring.h`); the crate
 /// keeps its copy private.
@@ -63,8 +63,9 @@ impl IoEngine for UringEngine {
         IoKind::Uring
     }
 
-    fn write_file(
+    fn write_to(
         &self,
+        file: &File,
         path: &Path,
         src: &[u8],
         len: u64,
@@ -73,6 +74,7 @@ impl IoEngine for UringEngine {
     ) -> Result<IoStats> {
         file::write_file(
             IoKind::Uring,
+            file,
             path,
             src,
             len,
@@ -82,14 +84,15 @@ impl IoEngine for UringEngine {
         )
     }
 
-    fn read_file<'a>(
+    fn read_from<'a>(
         &self,
+        file: &File,
         path: &Path,
         dst: &'a mut [u8],
         opts: &IoOpts,
         on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
     ) -> Result<u64> {
-        file::read_file(path, dst, opts, |f, dst, geo| {
+        file::read_file(file, path, dst, opts, |f, dst, geo| {
             read_chunks(f, path, dst, geo, opts, on_chunk)
         })
     }
@@ -159,7 +162,7 @@ fn write_chunks(
     let mut prepare = |i: usize| -> Result<Span> {
         let span = geo.span(i);
         on_chunk(i, &src[span.start..span.start + span.data])?;
-        faults::check(opts.faults.as_deref(), "write", path).map_err(io_err)?;
+        probe_op(opts.faults.as_deref(), "write", path).map_err(io_err)?;
         Ok(span)
     };
     let mut next = 0;
@@ -215,7 +218,7 @@ fn read_chunks<'a>(
         loop {
             while next < n && flight.has_room() {
                 let span = geo.span(next);
-                faults::check(opts.faults.as_deref(), "read", path).map_err(io_err)?;
+                probe_op(opts.faults.as_deref(), "read", path).map_err(io_err)?;
                 // `span.io` is padded; only `span.data` bytes must come back.
                 flight.start(span, span.data).map_err(io_err)?;
                 next += 1;

@@ -11,7 +11,8 @@ use super::inspect::plain_values;
 use super::read::{self, DataFile};
 use super::{open_root, pick_step, shown, Progress};
 use crate::error::{Error, Result};
-use crate::format::{Dtype, Entry, INDEX_FILE_NAME};
+use crate::format::{Dtype, Entry};
+use crate::storage::{LocalStorage, Storage};
 
 /// How one tensor present in both steps differs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -83,14 +84,12 @@ struct Side {
     tensors: BTreeMap<String, (String, Entry)>,
 }
 
-fn open_side(root: &crate::storage::local::Root, step: u64) -> Result<Side> {
+fn open_side(root: &LocalStorage, step: u64) -> Result<Side> {
     let index = root.read_index(step)?;
-    let dir = root.step_dir(step);
-    let index_path = dir.join(INDEX_FILE_NAME);
     let mut files = BTreeMap::new();
     let mut tensors = BTreeMap::new();
     for (name, entry) in &index.files {
-        let mut f = read::open(&dir, &index_path, name, entry)?;
+        let mut f = read::open(root, step, name, entry)?;
         for e in &f.header()?.entries {
             tensors.insert(e.name.clone(), (name.clone(), e.clone()));
         }
@@ -173,7 +172,7 @@ pub fn diff(root: &Path, a: u64, b: u64, progress: &dyn Progress) -> Result<Diff
         json_diff(file, "", &va, &vb, &mut values);
     }
     Ok(DiffReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         step_a: a,
         step_b: b,
         added,

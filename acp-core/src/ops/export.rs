@@ -18,9 +18,8 @@ use serde_json::Value;
 use super::read::{self, DataFile};
 use super::{open_root, pick_step, scratch_beside, shown, Progress, CODEC_KEY};
 use crate::error::{Error, Result};
-use crate::format::{
-    read_header, Entry, ImageMeta, Layout, TensorSpec, INDEX_FILE_NAME, MAX_HEADER_BYTES,
-};
+use crate::format::{read_header, Entry, ImageMeta, Layout, TensorSpec, MAX_HEADER_BYTES};
+use crate::storage::Storage;
 use crate::{Engine, EngineConfig, SaveOptions};
 
 /// What `acp export` wrote.
@@ -67,8 +66,6 @@ pub fn export_safetensors(
     let root = open_root(root)?;
     let step = pick_step(&root, step)?;
     let index = root.read_index(step)?;
-    let dir = root.step_dir(step);
-    let index_path = dir.join(INDEX_FILE_NAME);
     if !overwrite && std::fs::symlink_metadata(out).is_ok() {
         return Err(Error::invalid(
             out.display(),
@@ -78,7 +75,7 @@ pub fn export_safetensors(
     let mut files = Vec::new();
     for (name, entry) in &index.files {
         if rank.is_none_or(|r| entry.rank == r) {
-            files.push(read::open(&dir, &index_path, name, entry)?);
+            files.push(read::open(&root, step, name, entry)?);
         }
     }
     if files.is_empty() {
@@ -86,7 +83,7 @@ pub fn export_safetensors(
             what: format!(
                 "rank {}'s file in step {step} of {}",
                 rank.unwrap_or(0),
-                root.path().display()
+                root.location().display()
             ),
         });
     }
@@ -133,7 +130,7 @@ pub fn export_safetensors(
         }
     }
     Ok(ExportReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         step,
         out: shown(out),
         bytes,

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{open_root, shown};
 use crate::engine::retention::check_keep_last;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::storage::Storage;
 
 /// What `gc` removes.
 #[derive(Debug, Clone, Default)]
@@ -63,52 +64,31 @@ pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
         .map_or_else(Vec::new, |k| retention_plan(&steps, k, opts.keep_every));
     let mut freed = 0;
     for &step in &remove {
-        freed += dir_bytes(&root.step_dir(step));
+        freed += root.step_bytes(step);
         if !opts.dry_run {
             root.remove_step(step)?;
         }
     }
     let mut removed_unfinished = Vec::new();
     if let Some(age) = opts.unfinished_older_than {
-        let rd = std::fs::read_dir(root.path()).map_err(|e| Error::io("list", root.path(), e))?;
-        for ent in rd.flatten() {
-            let name = ent.file_name().to_string_lossy().into_owned();
-            let unfinished = [".pending-", ".commit-", ".trash-", ".latest-"]
-                .iter()
-                .any(|p| name.starts_with(p));
-            if !unfinished {
-                continue;
-            }
-            let Ok(meta) = std::fs::symlink_metadata(ent.path()) else {
-                continue;
-            };
-            let old = meta
-                .modified()
-                .ok()
+        for left in root.leftovers()? {
+            let old = left
+                .modified
                 .and_then(|m| m.elapsed().ok())
                 .is_some_and(|e| e >= age);
             if !old {
                 continue;
             }
-            freed += if meta.is_dir() {
-                dir_bytes(&ent.path())
-            } else {
-                meta.len()
-            };
+            freed += left.bytes;
             if !opts.dry_run {
-                let gone = if meta.is_dir() {
-                    std::fs::remove_dir_all(ent.path())
-                } else {
-                    std::fs::remove_file(ent.path())
-                };
-                gone.map_err(|e| Error::io("remove", ent.path(), e))?;
+                root.remove_leftover(&left.name)?;
             }
-            removed_unfinished.push(name);
+            removed_unfinished.push(left.name);
         }
         removed_unfinished.sort();
     }
     Ok(GcReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         dry_run: opts.dry_run,
         kept_steps: steps
             .iter()
@@ -118,16 +98,5 @@ pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
         removed_steps: remove,
         removed_unfinished,
         freed_bytes: freed,
-    })
-}
-
-/// The bytes of the regular files directly in `dir`.
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir).map_or(0, |rd| {
-        rd.flatten()
-            .filter_map(|e| std::fs::symlink_metadata(e.path()).ok())
-            .filter(std::fs::Metadata::is_file)
-            .map(|m| m.len())
-            .sum()
     })
 }

@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::read;
 use super::{open_root, pick_step, shown};
 use crate::error::Result;
-use crate::format::INDEX_FILE_NAME;
+use crate::storage::Storage;
 
 /// One data file of a step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -82,12 +82,10 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
     let root = open_root(root)?;
     let step = pick_step(&root, step)?;
     let index = root.read_index(step)?;
-    let dir = root.step_dir(step);
-    let index_path = dir.join(INDEX_FILE_NAME);
     let mut files = Vec::new();
     let mut tensors = Vec::new();
     for (name, entry) in &index.files {
-        let mut f = read::open(&dir, &index_path, name, entry)?;
+        let mut f = read::open(&root, step, name, entry)?;
         let h = f.header()?;
         let mut metadata = h.metadata.clone();
         metadata.remove("acp.values");
@@ -112,7 +110,7 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
         });
     }
     Ok(InspectReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         step,
         format_version: index.format_version,
         world_size: index.world_size,

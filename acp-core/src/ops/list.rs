@@ -6,9 +6,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::resident::{job_id, resident, ResidentSlot};
-use super::{mtime_secs, open_root, shown};
+use super::{epoch_secs, open_root, shown};
 use crate::error::Result;
-use crate::format::INDEX_FILE_NAME;
+use crate::storage::Storage;
 
 /// One committed step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,7 +64,7 @@ pub struct ListReport {
 /// [`Error::Io`](crate::Error::Io) listing it.
 pub fn list(root: &Path, job: Option<&str>, shm_dir: &Path) -> Result<ListReport> {
     let root = open_root(root)?;
-    let job = job_id(root.path(), job);
+    let job = job_id(root.location(), job);
     let slots = resident(shm_dir, &job, None)?;
     let steps = root.steps()?;
     let mut rows = Vec::with_capacity(steps.len());
@@ -75,7 +75,7 @@ pub fn list(root: &Path, job: Option<&str>, shm_dir: &Path) -> Result<ListReport
             .map(|s| s.rank)
             .collect();
         resident_ranks.dedup();
-        let index_path = root.step_dir(step).join(INDEX_FILE_NAME);
+        let committed_at = root.committed_at(step).and_then(epoch_secs);
         let row = match root.read_index(step) {
             Ok(index) => StepRow {
                 step,
@@ -83,7 +83,7 @@ pub fn list(root: &Path, job: Option<&str>, shm_dir: &Path) -> Result<ListReport
                 world_size: index.world_size,
                 bytes: index.files.values().map(|f| f.size).sum(),
                 tensors: index.weight_map.len(),
-                committed_at: mtime_secs(&index_path),
+                committed_at,
                 resident_ranks,
                 error: None,
             },
@@ -93,7 +93,7 @@ pub fn list(root: &Path, job: Option<&str>, shm_dir: &Path) -> Result<ListReport
                 world_size: 0,
                 bytes: 0,
                 tensors: 0,
-                committed_at: mtime_secs(&index_path),
+                committed_at,
                 resident_ranks,
                 error: Some(e.to_string()),
             },
@@ -105,21 +105,13 @@ pub fn list(root: &Path, job: Option<&str>, shm_dir: &Path) -> Result<ListReport
         .filter(|s| s.complete && s.step.is_some_and(|st| !steps.contains(&st)))
         .cloned()
         .collect();
-    let unfinished = std::fs::read_dir(root.path())
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| {
-                    let n = e.file_name();
-                    let n = n.to_string_lossy();
-                    n.starts_with(".pending-")
-                        || n.starts_with(".commit-")
-                        || n.starts_with(".trash-")
-                })
-                .count()
-        })
+    // Unfinished saves and removals; a half-written `latest` hint is not one.
+    let unfinished = root
+        .leftovers()
+        .map(|l| l.iter().filter(|l| !l.hint).count())
         .unwrap_or(0);
     Ok(ListReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         job,
         shm_dir: shown(shm_dir),
         latest: steps.last().copied(),

@@ -53,14 +53,15 @@ pub use inspect::{inspect, plain_values, FileInfo, InspectReport, TensorInfo};
 pub use list::{list, ListReport, StepRow};
 pub use persist::{persist, PersistOptions, PersistReport, RankPersist};
 pub use resident::{job_id, resident, shm_prefix, ResidentSlot, DEFAULT_SHM_DIR};
+pub(crate) use shm::reclaim_expired;
 pub use shm::{
     gc_text as shm_gc_text, list_text as shm_list_text, shm_gc, shm_list, ShmGcOptions,
     ShmGcReport, ShmGcRow, ShmListReport, ShmRing,
 };
-pub(crate) use shm::{only_copies, reclaim_expired};
 pub use verify::{verify, Problem, StepVerify, VerifyReport};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::storage::{LocalStorage, Storage};
 
 /// The key that marks a values tree of acp's Python state codec
 /// (`{"acp.codec": 1, "state": ...}`).
@@ -110,8 +111,8 @@ pub fn exit_code_of(kind: ErrorKind) -> u8 {
 ///
 /// # Errors
 /// [`Error::NotFound`]; [`Error::Invalid`] when it is not a directory.
-pub(crate) fn open_root(path: &Path) -> Result<crate::storage::local::Root> {
-    let root = crate::storage::local::Root::open_existing(path)?;
+pub(crate) fn open_root(path: &Path) -> Result<LocalStorage> {
+    let root = LocalStorage::open_existing(path)?;
     if !root.path().is_dir() {
         return Err(Error::invalid(
             path.display(),
@@ -123,14 +124,14 @@ pub(crate) fn open_root(path: &Path) -> Result<crate::storage::local::Root> {
 
 /// The steps to work on: `step` when given (it must be committed), else
 /// the newest committed one.
-pub(crate) fn pick_step(root: &crate::storage::local::Root, step: Option<u64>) -> Result<u64> {
+pub(crate) fn pick_step(root: &LocalStorage, step: Option<u64>) -> Result<u64> {
     match step {
         Some(s) => {
             if root.is_committed(s) {
                 Ok(s)
             } else {
                 Err(Error::NotFound {
-                    what: format!("step {s} in {}", root.path().display()),
+                    what: format!("step {s} in {}", root.location().display()),
                 })
             }
         }
@@ -139,7 +140,7 @@ pub(crate) fn pick_step(root: &crate::storage::local::Root, step: Option<u64>) -
             .last()
             .copied()
             .ok_or_else(|| Error::NotFound {
-                what: format!("committed checkpoint in {}", root.path().display()),
+                what: format!("committed checkpoint in {}", root.location().display()),
             }),
     }
 }
@@ -149,9 +150,8 @@ pub(crate) fn shown(p: &Path) -> String {
     p.display().to_string()
 }
 
-/// Seconds since the Unix epoch of a file's modification time.
-pub(crate) fn mtime_secs(p: &Path) -> Option<f64> {
-    let m = std::fs::symlink_metadata(p).ok()?.modified().ok()?;
+/// Seconds since the Unix epoch of a time.
+pub(crate) fn epoch_secs(m: std::time::SystemTime) -> Option<f64> {
     m.duration_since(std::time::UNIX_EPOCH)
         .ok()
         .map(|d| d.as_secs_f64())

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::resident::{job_id, resident, ResidentSlot};
 use super::{open_root, shown};
 use crate::error::{Error, Result};
+use crate::storage::Storage;
 use crate::{Engine, EngineConfig};
 
 /// What to persist.
@@ -72,7 +73,7 @@ pub struct PersistReport {
 /// [`Error::NoSpace`], [`Error::Timeout`] naming ranks that did not report).
 pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
     let root = open_root(&opts.root)?;
-    let job = job_id(root.path(), opts.job.as_deref());
+    let job = job_id(root.location(), opts.job.as_deref());
     let slots = resident(&opts.shm_dir, &job, None)?;
     let ranks: Vec<u32> = match &opts.ranks {
         Some(r) => r.clone(),
@@ -101,7 +102,7 @@ pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
             .map(|&rank| {
                 let mine: Vec<&ResidentSlot> = slots.iter().filter(|s| s.rank == rank).collect();
                 let job = job.clone();
-                let root = root.path().to_path_buf();
+                let root = root.location().to_path_buf();
                 std::thread::Builder::new()
                     .name(format!("acp-persist-r{rank}"))
                     .spawn_scoped(scope, move || {
@@ -122,7 +123,7 @@ pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
     });
     let ranks = results.into_iter().collect::<Result<Vec<_>>>()?;
     Ok(PersistReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         job,
         world_size,
         ranks,

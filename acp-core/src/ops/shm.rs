@@ -23,6 +23,7 @@ use super::{open_root, shown, text};
 use crate::error::Result;
 use crate::format::{hex, Digest};
 use crate::staging::{rings, user_dir, RingFiles, SlotSeen, SlotState};
+use crate::storage::Storage;
 
 /// One ring of this user on the node.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -360,26 +361,6 @@ pub(crate) fn reclaim_expired(shm_dir: &Path, ttl: Duration, own_job: &Digest) {
         }
         Err(e) => tracing::warn!("acp: reclaiming expired rings in {}: {e}", shown(shm_dir)),
     }
-}
-
-/// Of the steps `resident` in a ring of `root`, those that are nowhere
-/// else: neither committed in `root` nor superseded there by a newer
-/// committed step. The rule `acp gc --shm` applies, for the engine's
-/// release on close.
-///
-/// # Errors
-/// [`Error::Io`](crate::Error::Io) listing the root.
-pub(crate) fn only_copies(
-    root: &crate::storage::local::Root,
-    resident: &[u64],
-) -> Result<Vec<u64>> {
-    let committed = root.steps()?;
-    let latest = committed.last().copied();
-    Ok(resident
-        .iter()
-        .copied()
-        .filter(|s| !committed.contains(s) && latest.is_none_or(|l| *s > l))
-        .collect())
 }
 
 fn age(secs: f64) -> String {

@@ -419,7 +419,7 @@ fn gc_keeps_what_it_should() {
     };
     assert_eq!(exit_code(&gc(&f.root, &keep0).unwrap_err()), 2);
     assert_eq!(
-        crate::storage::local::Root::open_existing(&f.root)
+        crate::storage::LocalStorage::open_existing(&f.root)
             .unwrap()
             .steps()
             .unwrap(),

@@ -9,6 +9,7 @@ use super::read;
 use super::{open_root, pick_step, shown, Progress};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::INDEX_FILE_NAME;
+use crate::storage::{LocalStorage, Storage};
 
 /// One thing wrong with a step.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,7 +69,7 @@ pub fn verify(
         let s = root.steps()?;
         if s.is_empty() {
             return Err(Error::NotFound {
-                what: format!("committed checkpoint in {}", root.path().display()),
+                what: format!("committed checkpoint in {}", root.location().display()),
             });
         }
         s
@@ -80,7 +81,7 @@ pub fn verify(
         out.push(verify_step(&root, step, progress)?);
     }
     Ok(VerifyReport {
-        root: shown(root.path()),
+        root: shown(root.location()),
         ok: out.iter().all(|s| s.ok),
         steps: out,
     })
@@ -106,13 +107,8 @@ fn problem(e: &Error, fallback: &Path) -> Problem {
     }
 }
 
-fn verify_step(
-    root: &crate::storage::local::Root,
-    step: u64,
-    progress: &dyn Progress,
-) -> Result<StepVerify> {
-    let dir = root.step_dir(step);
-    let index_path = dir.join(INDEX_FILE_NAME);
+fn verify_step(root: &LocalStorage, step: u64, progress: &dyn Progress) -> Result<StepVerify> {
+    let index_path = root.describe(step, INDEX_FILE_NAME);
     let mut report = StepVerify {
         step,
         ok: false,
@@ -137,10 +133,12 @@ fn verify_step(
     progress.begin(&format!("verify step {step}"), total);
     for (name, entry) in &index.files {
         report.files += 1;
-        let mut f = match read::open(&dir, &index_path, name, entry) {
+        let mut f = match read::open(root, step, name, entry) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::Corrupt => {
-                report.problems.push(problem(&e, &dir.join(name)));
+                report
+                    .problems
+                    .push(problem(&e, &root.describe(step, name)));
                 progress.advance(entry.size);
                 continue;
             }

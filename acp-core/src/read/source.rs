@@ -150,14 +150,13 @@ impl ChunkSource for MemSource<'_> {
 }
 
 /// A data file read whole through the [`IoEngine`] (io_uring or the pread
-/// pool, several reads in flight), as a restore from storage reads it.
-/// The engine opens `path` itself ([`crate::io::open_regular`]); so does
-/// [`ChunkSource::read_at`], which only the naming of a bad chunk's
-/// tensors uses.
+/// pool, several reads in flight), as a restore from storage reads it, from
+/// the handle the storage opened (`path` only names it in messages).
 #[derive(Debug)]
 pub(crate) struct IoSource<'a> {
     pub(crate) io: &'a dyn IoEngine,
     pub(crate) opts: &'a IoOpts,
+    pub(crate) file: &'a File,
     pub(crate) path: &'a Path,
     /// The index's length, which the caller checked against the file's.
     pub(crate) len: u64,
@@ -165,7 +164,7 @@ pub(crate) struct IoSource<'a> {
 
 impl ChunkSource for IoSource<'_> {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        crate::io::open_regular(self.path)?
+        self.file
             .read_exact_at(buf, offset)
             .map_err(|e| Error::io("read", self.path, e))
     }
@@ -188,7 +187,8 @@ impl ChunkSource for IoSource<'_> {
             chunk_bytes: piece,
             ..self.opts.clone()
         };
-        self.io.read_file(self.path, dst, &opts, on_piece)
+        self.io
+            .read_from(self.file, self.path, dst, &opts, on_piece)
     }
 }
 

@@ -18,7 +18,7 @@ use super::{RingOptions, RingReport, SlotInfo, SlotState};
 /// The ring of one job and rank. Cheap to clone; all clones share the slots.
 #[derive(Debug, Clone)]
 pub struct Ring {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
 }
 
 impl Ring {

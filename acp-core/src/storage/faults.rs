@@ -1,7 +1,8 @@
 //! A fault injector: turns the N-th storage operation of the engine into an
 //! error, a stall (a hung disk or NFS server), or whatever a test hook does
 //! (e.g. kill the process at that exact point), so tests can break every
-//! step of a save in turn.
+//! step of a save in turn. It is the [`Probe`](super::Probe) of tests and
+//! fault drills, built only with the `test-util` feature.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
@@ -175,11 +176,9 @@ impl FaultInjector {
     }
 }
 
-/// Calls `f.check` when an injector is set.
-pub(crate) fn check(f: Option<&FaultInjector>, op: &str, path: &Path) -> std::io::Result<()> {
-    match f {
-        Some(f) => f.check(op, path),
-        None => Ok(()),
+impl super::Probe for FaultInjector {
+    fn check(&self, op: &str, path: &Path) -> std::io::Result<()> {
+        FaultInjector::check(self, op, path)
     }
 }
 

@@ -1,17 +1,21 @@
-//! The checkpoint root on a local or shared POSIX file system: step
-//! directories, durable small files, renames and directory syncs.
+//! [`Storage`] on a local or shared POSIX file system: step directories,
+//! durable small files, renames and directory syncs.
 //!
-//! Every operation that the commit protocol depends on goes through here,
-//! so the fault injector sees each one.
+//! Every primitive operation that the commit protocol depends on goes
+//! through here (and the I/O engine's chunk writes and fsyncs), so a
+//! [`Probe`] sees each one.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
 
+use super::{probe_op, FileHandle, Leftover, Pending, Probe, Storage};
 use crate::error::{Error, Result};
-use crate::format::{Index, INDEX_FILE_NAME};
-use crate::storage::faults::{check, FaultInjector};
+use crate::format::{manifest_file_name, validate_file_name, Index, INDEX_FILE_NAME};
 
 /// The name of the directory of a committed step.
 #[must_use]
@@ -32,17 +36,21 @@ pub fn parse_step_dir_name(name: &str) -> Option<u64> {
 /// The file holding the newest committed step, as a hint for tools.
 pub const LATEST_FILE_NAME: &str = "latest";
 
-/// A checkpoint root directory.
+/// The name prefixes of what an interrupted save or removal leaves in the
+/// root (pending, gathering and trash directories; `latest` hints).
+const LEFTOVER_PREFIXES: [&str; 4] = [".pending-", ".commit-", ".trash-", ".latest-"];
+
+/// A checkpoint root directory: [`Storage`] on a POSIX file system.
 #[derive(Debug, Clone)]
-pub struct Root {
+pub struct LocalStorage {
     path: PathBuf,
-    faults: Option<std::sync::Arc<FaultInjector>>,
+    probe: Option<Arc<dyn Probe>>,
     /// `r{rank:05}-{job tag}`: marks the temporary directories this engine
     /// creates, so that it sweeps only its own job's and rank's leftovers.
     owner: String,
 }
 
-impl Root {
+impl LocalStorage {
     /// Opens `path` to write checkpoints to, creating it (mode 0700) when
     /// missing. An existing root must be owned by this process's effective
     /// user and writable by nobody else: whoever else can write to it could
@@ -52,7 +60,7 @@ impl Root {
     /// [`Error::Io`] when it cannot be created or is not a directory;
     /// [`Error::Config`] (field `root`) naming the path when another user
     /// owns it or its group or others may write to it.
-    pub fn open(path: &Path, faults: Option<std::sync::Arc<FaultInjector>>) -> Result<Root> {
+    pub fn open(path: &Path) -> Result<LocalStorage> {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -61,9 +69,9 @@ impl Root {
         let path = fs::canonicalize(path).map_err(|e| Error::io("resolve", path, e))?;
         let meta = fs::metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
         check_writable_root(&path, meta.uid(), meta.mode(), euid())?;
-        Ok(Root {
+        Ok(LocalStorage {
             path,
-            faults,
+            probe: None,
             owner: "r00000-any".to_owned(),
         })
     }
@@ -71,18 +79,25 @@ impl Root {
     /// Marks this root's temporary directories as those of `rank` of the
     /// job whose tag is `job_tag` (a few hex digits).
     #[must_use]
-    pub fn owned_by(mut self, rank: u32, job_tag: &str) -> Root {
+    pub fn owned_by(mut self, rank: u32, job_tag: &str) -> LocalStorage {
         self.owner = format!("r{rank:05}-{job_tag}");
         self
     }
 
+    /// Shows every primitive operation to `probe` before it runs.
+    #[must_use]
+    pub fn with_probe(mut self, probe: Option<Arc<dyn Probe>>) -> LocalStorage {
+        self.probe = probe;
+        self
+    }
+
     /// Opens an existing root without creating it, to read from. Unlike
-    /// [`Root::open`], the root may belong to another user (a checkpoint
-    /// downloaded or shared read-only): reads still never leave it.
+    /// [`LocalStorage::open`], the root may belong to another user (a
+    /// checkpoint downloaded or shared read-only): reads still never leave it.
     ///
     /// # Errors
     /// [`Error::NotFound`] when it does not exist.
-    pub fn open_existing(path: &Path) -> Result<Root> {
+    pub fn open_existing(path: &Path) -> Result<LocalStorage> {
         let path = fs::canonicalize(path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
                 Error::NotFound {
@@ -92,9 +107,9 @@ impl Root {
                 Error::io("resolve", path, e)
             }
         })?;
-        Ok(Root {
+        Ok(LocalStorage {
             path,
-            faults: None,
+            probe: None,
             owner: "r00000-any".to_owned(),
         })
     }
@@ -106,248 +121,49 @@ impl Root {
     }
 
     fn check(&self, op: &'static str, path: &Path) -> Result<()> {
-        check(self.faults.as_deref(), op, path).map_err(|e| Error::io(op, path, e))
+        probe_op(self.probe.as_deref(), op, path).map_err(|e| Error::io(op, path, e))
     }
 
     /// The directory of committed step `step`.
-    #[must_use]
-    pub fn step_dir(&self, step: u64) -> PathBuf {
+    fn step_dir(&self, step: u64) -> PathBuf {
         self.path.join(step_dir_name(step))
     }
 
-    /// The committed steps, ascending: directories `step-…` that hold an index
-    /// file. Symlinks are ignored.
-    ///
-    /// # Errors
-    /// [`Error::Io`] listing the root.
-    pub fn steps(&self) -> Result<Vec<u64>> {
-        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
-        let mut steps = Vec::new();
-        for ent in rd {
-            let ent = ent.map_err(|e| Error::io("list", &self.path, e))?;
-            let Some(step) = ent.file_name().to_str().and_then(parse_step_dir_name) else {
-                continue;
-            };
-            let Ok(ft) = ent.file_type() else { continue };
-            if !ft.is_dir() {
-                continue;
-            }
-            let index = ent.path().join(INDEX_FILE_NAME);
-            if fs::symlink_metadata(&index).is_ok_and(|m| m.is_file()) {
-                steps.push(step);
-            }
-        }
-        steps.sort_unstable();
-        Ok(steps)
+    /// The directory of a pending place.
+    fn dir_of(&self, pending: &Pending) -> PathBuf {
+        self.path.join(pending.key())
     }
 
-    /// Step directories (`step-…`, not symlinks) that hold no index file.
-    /// The commit protocol never leaves one (the index is in place before
-    /// the rename that commits), so each is a committed step whose index
-    /// was lost.
-    ///
-    /// # Errors
-    /// [`Error::Io`] listing the root.
-    pub fn steps_without_index(&self) -> Result<Vec<u64>> {
-        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
-        let mut steps = Vec::new();
-        for ent in rd {
-            let ent = ent.map_err(|e| Error::io("list", &self.path, e))?;
-            let Some(step) = ent.file_name().to_str().and_then(parse_step_dir_name) else {
-                continue;
-            };
-            if !ent.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
-            if fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME)).is_err() {
-                steps.push(step);
-            }
-        }
-        steps.sort_unstable();
-        Ok(steps)
-    }
-
-    /// Whether step `step` is committed.
-    #[must_use]
-    pub fn is_committed(&self, step: u64) -> bool {
-        let dir = self.step_dir(step);
-        fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir())
-            && fs::symlink_metadata(dir.join(INDEX_FILE_NAME)).is_ok_and(|m| m.is_file())
-    }
-
-    /// Reads and validates the index of committed step `step`.
-    ///
-    /// # Errors
-    /// [`Error::NotFound`] when the step is not committed; [`Error::Corrupt`]
-    /// when its index is malformed, names another step, or is missing from
-    /// an existing step directory.
-    pub fn read_index(&self, step: u64) -> Result<Index> {
-        let dir = self.step_dir(step);
-        if !fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
-            return Err(Error::NotFound {
-                what: format!("step {step} in {}", self.path.display()),
-            });
-        }
-        let path = dir.join(INDEX_FILE_NAME);
-        let bytes = read_small(&path, 64 << 20).map_err(|e| match e {
-            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                Error::corrupt(
-                    &path,
-                    None,
-                    "missing: the step directory exists, so the step was committed with one",
-                )
-            }
-            other => other,
-        })?;
-        let index = Index::parse(&path, &bytes)?;
-        if index.step != step {
-            return Err(Error::corrupt(
-                &path,
-                None,
-                format!("index says step {}, directory says {step}", index.step),
-            ));
-        }
-        Ok(index)
-    }
-
-    /// Creates the root again (mode 0700, with its parents) when it was
-    /// removed; returns whether it had to.
-    ///
-    /// # Errors
-    /// [`Error::Io`] when it cannot be made.
-    pub fn recreate_if_missing(&self) -> Result<bool> {
-        match fs::symlink_metadata(&self.path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                self.check("create directory", &self.path)?;
-                fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&self.path)
-                    .map_err(|e| Error::io("create directory", &self.path, e))?;
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-
-    /// Creates a fresh pending directory for `step` written by `rank`.
-    ///
-    /// # Errors
-    /// [`Error::Io`].
-    pub fn create_pending(&self, step: u64) -> Result<PathBuf> {
-        let name = format!(
-            ".pending-{step:012}-{}-{}-{}",
+    /// A fresh name `{prefix}-{step}-{owner}-{pid}-{nonce}` in the root.
+    fn fresh_name(&self, prefix: &str, step: u64) -> String {
+        format!(
+            "{prefix}-{step:012}-{}-{}-{}",
             self.owner,
             std::process::id(),
             nonce()
-        );
-        let path = self.path.join(name);
+        )
+    }
+
+    /// Creates the fresh directory `{prefix}-…` for `step`.
+    fn create_temp_dir(&self, prefix: &str, step: u64) -> Result<Pending> {
+        let name = self.fresh_name(prefix, step);
+        let path = self.path.join(&name);
         self.check("create directory", &path)?;
         fs::DirBuilder::new()
             .mode(0o700)
             .create(&path)
             .map_err(|e| Error::io("create directory", &path, e))?;
-        Ok(path)
-    }
-
-    /// Creates the directory in which rank 0 assembles a multi-rank step.
-    ///
-    /// # Errors
-    /// [`Error::Io`].
-    pub fn create_commit_dir(&self, step: u64) -> Result<PathBuf> {
-        let path = self.path.join(format!(
-            ".commit-{step:012}-{}-{}-{}",
-            self.owner,
-            std::process::id(),
-            nonce()
-        ));
-        self.check("create directory", &path)?;
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| Error::io("create directory", &path, e))?;
-        Ok(path)
-    }
-
-    /// The pending directories of `step` that hold a manifest, by rank
-    /// (the newest one when a rank has several).
-    ///
-    /// # Errors
-    /// [`Error::Io`] listing the root.
-    pub fn reported_ranks(&self, step: u64) -> Result<std::collections::BTreeMap<u32, PathBuf>> {
-        let prefix = format!(".pending-{step:012}-r");
-        let job = format!("-{}-", self.owner.split_once('-').map_or("", |(_, j)| j));
-        let mut found: std::collections::BTreeMap<u32, (std::time::SystemTime, PathBuf)> =
-            std::collections::BTreeMap::new();
-        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
-        for ent in rd.flatten() {
-            let name = ent.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
-                continue;
-            };
-            let Some(rank) = rest.get(..5).and_then(|r| r.parse::<u32>().ok()) else {
-                continue;
-            };
-            // Only this job's ranks (another job may share the root).
-            if !rest.get(5..).is_some_and(|r| r.starts_with(&job)) {
-                continue;
-            }
-            let manifest = ent.path().join(crate::format::manifest_file_name(rank));
-            let Ok(meta) = fs::symlink_metadata(&manifest) else {
-                continue;
-            };
-            if !meta.is_file() {
-                continue;
-            }
-            let when = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
-            if found.get(&rank).is_none_or(|(w, _)| *w < when) {
-                found.insert(rank, (when, ent.path()));
-            }
-        }
-        Ok(found.into_iter().map(|(r, (_, p))| (r, p)).collect())
+        Ok(Pending::new(step, name))
     }
 
     /// Renames `from` to `to` (both inside the root).
-    ///
-    /// # Errors
-    /// [`Error::Io`].
-    pub fn rename(&self, from: &Path, to: &Path) -> Result<()> {
+    fn rename(&self, from: &Path, to: &Path) -> Result<()> {
         self.check("rename", to)?;
         fs::rename(from, to).map_err(|e| Error::io("rename", to, e))
     }
 
-    /// Removes the pending, commit and trash directories that this job's
-    /// rank (see [`Root::owned_by`]) left behind in a previous life (the
-    /// caller holds that rank's ring lock, so no live process owns them).
-    /// Returns how many were removed.
-    pub fn sweep_leftovers(&self) -> usize {
-        let Ok(rd) = fs::read_dir(&self.path) else {
-            return 0;
-        };
-        let tag = format!("-{}-", self.owner);
-        let mut n = 0;
-        for ent in rd.flatten() {
-            let name = ent.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let ours = (name.starts_with(".pending-")
-                || name.starts_with(".trash-")
-                || name.starts_with(".commit-"))
-                && name.contains(&tag);
-            if ours
-                && ent.file_type().is_ok_and(|t| t.is_dir())
-                && fs::remove_dir_all(ent.path()).is_ok()
-            {
-                n += 1;
-            }
-        }
-        n
-    }
-
     /// Writes `bytes` to a new file `path` (mode 0600) and fsyncs it.
-    ///
-    /// # Errors
-    /// [`Error::Io`] / [`Error::NoSpace`].
-    pub fn write_durable(&self, path: &Path, bytes: &[u8]) -> Result<()> {
+    fn write_durable(&self, path: &Path, bytes: &[u8]) -> Result<()> {
         self.check("write", path)?;
         let mut f = OpenOptions::new()
             .write(true)
@@ -363,25 +179,23 @@ impl Root {
     }
 
     /// Fsyncs a directory, so the names created or renamed in it are durable.
-    ///
-    /// # Errors
-    /// [`Error::Io`].
-    pub fn sync_dir(&self, dir: &Path) -> Result<()> {
+    fn sync_dir(&self, dir: &Path) -> Result<()> {
         self.check("fsync directory", dir)?;
         File::open(dir)
             .and_then(|d| d.sync_all())
             .map_err(|e| Error::io("fsync directory", dir, e))
     }
 
-    /// Publishes a fully written pending directory as committed step `step`:
-    /// renames it into place (atomically exchanging it with an existing
-    /// step directory when `overwrite`), then fsyncs the root. Returns the
-    /// directory of the replaced step (now under a trash name), if any.
-    ///
-    /// # Errors
-    /// [`Error::Exists`] when the step exists and `overwrite` is off;
-    /// [`Error::Io`].
-    pub fn publish(&self, pending: &Path, step: u64, overwrite: bool) -> Result<Option<PathBuf>> {
+    /// Renames a fully written pending directory into place as `step`
+    /// (atomically exchanging it with an existing step directory when
+    /// `overwrite`), then fsyncs the root. Returns the directory of the
+    /// replaced step (now under a trash name), if any.
+    fn rename_into_place(
+        &self,
+        pending: &Path,
+        step: u64,
+        overwrite: bool,
+    ) -> Result<Option<PathBuf>> {
         let target = self.step_dir(step);
         self.check("rename", &target)?;
         let exists = fs::symlink_metadata(&target).is_ok();
@@ -416,22 +230,105 @@ impl Root {
             return Ok(None);
         }
         // `pending` now holds the old step; move it out of the way.
-        let trash = self.path.join(format!(
-            ".trash-{step:012}-{}-{}-{}",
-            self.owner,
-            std::process::id(),
-            nonce()
-        ));
+        let trash = self.path.join(self.fresh_name(".trash", step));
         fs::rename(pending, &trash).map_err(|e| Error::io("rename", pending, e))?;
         Ok(Some(trash))
     }
 
-    /// Records `step` as the newest committed step in the `latest` file
-    /// (written under a temporary name, fsynced, renamed, root fsynced).
-    ///
-    /// # Errors
-    /// [`Error::Io`].
-    pub fn write_latest(&self, step: u64) -> Result<()> {
+    /// The step directories (`step-…`, not symlinks) and whether each holds
+    /// an index file (a regular one).
+    fn step_dirs(&self) -> Result<Vec<(u64, bool)>> {
+        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        let mut steps = Vec::new();
+        for ent in rd {
+            let ent = ent.map_err(|e| Error::io("list", &self.path, e))?;
+            let Some(step) = ent.file_name().to_str().and_then(parse_step_dir_name) else {
+                continue;
+            };
+            if !ent.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let index = fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME));
+            steps.push((step, index.is_ok_and(|m| m.is_file())));
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    /// The path of file `name` of committed `step`, once `name` is known to
+    /// stay inside the step directory.
+    fn file_path(&self, step: u64, name: &str) -> Result<PathBuf> {
+        let dir = self.step_dir(step);
+        validate_file_name(&dir.join(INDEX_FILE_NAME), name)?;
+        Ok(dir.join(name))
+    }
+}
+
+impl Storage for LocalStorage {
+    fn location(&self) -> &Path {
+        &self.path
+    }
+
+    fn describe(&self, step: u64, name: &str) -> PathBuf {
+        self.step_dir(step).join(name)
+    }
+
+    fn describe_pending(&self, pending: &Pending) -> PathBuf {
+        self.dir_of(pending)
+    }
+
+    fn recreate_if_missing(&self) -> Result<bool> {
+        match fs::symlink_metadata(&self.path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.check("create directory", &self.path)?;
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&self.path)
+                    .map_err(|e| Error::io("create directory", &self.path, e))?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn create_pending(&self, step: u64) -> Result<Pending> {
+        self.create_temp_dir(".pending", step)
+    }
+
+    fn create_file(&self, pending: &Pending, name: &str) -> Result<FileHandle> {
+        let dir = self.dir_of(pending);
+        validate_file_name(&dir.join(INDEX_FILE_NAME), name)?;
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| Error::io("create", &path, e))?;
+        Ok(FileHandle::new(file, path))
+    }
+
+    fn write_small(&self, pending: &Pending, name: &str, bytes: &[u8]) -> Result<()> {
+        self.write_durable(&self.dir_of(pending).join(name), bytes)
+    }
+
+    fn make_durable(&self, pending: &Pending) -> Result<()> {
+        self.sync_dir(&self.dir_of(pending))
+    }
+
+    fn publish(&self, pending: &Pending, overwrite: bool) -> Result<()> {
+        let dir = self.dir_of(pending);
+        if let Some(old) = self.rename_into_place(&dir, pending.step(), overwrite)? {
+            if let Err(e) = fs::remove_dir_all(&old) {
+                tracing::warn!("acp: could not remove replaced step {}: {e}", old.display());
+            }
+        }
+        Ok(())
+    }
+
+    fn write_latest(&self, step: u64) -> Result<()> {
         let tmp = self
             .path
             .join(format!(".latest-{}-{}", std::process::id(), nonce()));
@@ -445,24 +342,246 @@ impl Root {
         self.sync_dir(&self.path)
     }
 
-    /// Removes committed step `step`: renames it out of view, fsyncs the root,
-    /// then deletes it.
-    ///
-    /// # Errors
-    /// [`Error::Io`].
-    pub fn remove_step(&self, step: u64) -> Result<()> {
+    fn discard(&self, pending: &Pending) {
+        let dir = self.dir_of(pending);
+        if fs::symlink_metadata(&dir).is_ok() {
+            let _ = fs::remove_dir_all(&dir);
+        }
+    }
+
+    fn report_rank(&self, pending: &Pending, rank: u32, manifest: &[u8]) -> Result<()> {
+        // Rank 0 takes a manifest as soon as its name appears, and may
+        // move this directory's data file and remove the directory at
+        // once: the name appears by a rename, after the content and
+        // the directory are durable.
+        let dir = self.dir_of(pending);
+        let name = manifest_file_name(rank);
+        let tmp = dir.join(format!("{name}.tmp"));
+        self.write_durable(&tmp, manifest)?;
+        self.sync_dir(&dir)?;
+        self.rename(&tmp, &dir.join(name))
+    }
+
+    fn reported_ranks(&self, step: u64) -> Result<BTreeMap<u32, Pending>> {
+        let prefix = format!(".pending-{step:012}-r");
+        let job = format!("-{}-", self.owner.split_once('-').map_or("", |(_, j)| j));
+        let mut found: BTreeMap<u32, (SystemTime, String)> = BTreeMap::new();
+        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        for ent in rd.flatten() {
+            let name = ent.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let Some(rest) = name.strip_prefix(&prefix) else {
+                continue;
+            };
+            let Some(rank) = rest.get(..5).and_then(|r| r.parse::<u32>().ok()) else {
+                continue;
+            };
+            // Only this job's ranks (another job may share the root).
+            if !rest.get(5..).is_some_and(|r| r.starts_with(&job)) {
+                continue;
+            }
+            let manifest = ent.path().join(manifest_file_name(rank));
+            let Ok(meta) = fs::symlink_metadata(&manifest) else {
+                continue;
+            };
+            if !meta.is_file() {
+                continue;
+            }
+            let when = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
+            if found.get(&rank).is_none_or(|(w, _)| *w < when) {
+                found.insert(rank, (when, name.to_owned()));
+            }
+        }
+        Ok(found
+            .into_iter()
+            .map(|(r, (_, key))| (r, Pending::new(step, key)))
+            .collect())
+    }
+
+    fn read_report(&self, pending: &Pending, rank: u32) -> Result<(PathBuf, Vec<u8>)> {
+        let path = self.dir_of(pending).join(manifest_file_name(rank));
+        let bytes = read_small(&path, 256 << 20)?;
+        Ok((path, bytes))
+    }
+
+    fn create_gather(&self, step: u64) -> Result<Pending> {
+        self.create_temp_dir(".commit", step)
+    }
+
+    fn adopt(&self, from: &Pending, name: &str, into: &Pending) -> Result<()> {
+        let to = self.dir_of(into);
+        validate_file_name(&to.join(INDEX_FILE_NAME), name)?;
+        self.rename(&self.dir_of(from).join(name), &to.join(name))
+    }
+
+    fn steps(&self) -> Result<Vec<u64>> {
+        Ok(self
+            .step_dirs()?
+            .into_iter()
+            .filter_map(|(s, index)| index.then_some(s))
+            .collect())
+    }
+
+    fn steps_without_index(&self) -> Result<Vec<u64>> {
+        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        let mut steps = Vec::new();
+        for ent in rd {
+            let ent = ent.map_err(|e| Error::io("list", &self.path, e))?;
+            let Some(step) = ent.file_name().to_str().and_then(parse_step_dir_name) else {
+                continue;
+            };
+            if !ent.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME)).is_err() {
+                steps.push(step);
+            }
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    fn is_committed(&self, step: u64) -> bool {
         let dir = self.step_dir(step);
-        let trash = self.path.join(format!(
-            ".trash-{step:012}-{}-{}-{}",
-            self.owner,
-            std::process::id(),
-            nonce()
-        ));
+        fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir())
+            && fs::symlink_metadata(dir.join(INDEX_FILE_NAME)).is_ok_and(|m| m.is_file())
+    }
+
+    fn read_index(&self, step: u64) -> Result<Index> {
+        let dir = self.step_dir(step);
+        if !fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+            return Err(Error::NotFound {
+                what: format!("step {step} in {}", self.path.display()),
+            });
+        }
+        let path = dir.join(INDEX_FILE_NAME);
+        let bytes = read_small(&path, 64 << 20).map_err(|e| match e {
+            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                Error::corrupt(
+                    &path,
+                    None,
+                    "missing: the step directory exists, so the step was committed with one",
+                )
+            }
+            other => other,
+        })?;
+        let index = Index::parse(&path, &bytes)?;
+        if index.step != step {
+            return Err(Error::corrupt(
+                &path,
+                None,
+                format!("index says step {}, directory says {step}", index.step),
+            ));
+        }
+        Ok(index)
+    }
+
+    fn committed_at(&self, step: u64) -> Option<SystemTime> {
+        let index = self.step_dir(step).join(INDEX_FILE_NAME);
+        fs::symlink_metadata(index).ok()?.modified().ok()
+    }
+
+    fn open_file(&self, step: u64, name: &str) -> Result<FileHandle> {
+        let path = self.file_path(step, name)?;
+        let file = crate::io::open_regular(&path)?;
+        Ok(FileHandle::new(file, path))
+    }
+
+    fn open_listed(&self, step: u64, name: &str, size: u64) -> Result<FileHandle> {
+        let path = self.file_path(step, name)?;
+        let file = crate::io::open_listed(&path, size)?;
+        Ok(FileHandle::new(file, path))
+    }
+
+    fn step_bytes(&self, step: u64) -> u64 {
+        dir_bytes(&self.step_dir(step))
+    }
+
+    fn remove_step(&self, step: u64) -> Result<()> {
+        let dir = self.step_dir(step);
+        let trash = self.path.join(self.fresh_name(".trash", step));
         self.check("rename", &dir)?;
         fs::rename(&dir, &trash).map_err(|e| Error::io("rename", &dir, e))?;
         self.sync_dir(&self.path)?;
         fs::remove_dir_all(&trash).map_err(|e| Error::io("remove", &trash, e))
     }
+
+    fn sweep_leftovers(&self) -> usize {
+        let Ok(rd) = fs::read_dir(&self.path) else {
+            return 0;
+        };
+        let tag = format!("-{}-", self.owner);
+        let mut n = 0;
+        for ent in rd.flatten() {
+            let name = ent.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let ours = (name.starts_with(".pending-")
+                || name.starts_with(".trash-")
+                || name.starts_with(".commit-"))
+                && name.contains(&tag);
+            if ours
+                && ent.file_type().is_ok_and(|t| t.is_dir())
+                && fs::remove_dir_all(ent.path()).is_ok()
+            {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn leftovers(&self) -> Result<Vec<Leftover>> {
+        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        let mut found = Vec::new();
+        for ent in rd.flatten() {
+            let name = ent.file_name().to_string_lossy().into_owned();
+            if !LEFTOVER_PREFIXES.iter().any(|p| name.starts_with(p)) {
+                continue;
+            }
+            let Ok(meta) = fs::symlink_metadata(ent.path()) else {
+                continue;
+            };
+            found.push(Leftover {
+                bytes: if meta.is_dir() {
+                    dir_bytes(&ent.path())
+                } else {
+                    meta.len()
+                },
+                modified: meta.modified().ok(),
+                hint: name.starts_with(".latest-"),
+                name,
+            });
+        }
+        found.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(found)
+    }
+
+    fn remove_leftover(&self, name: &str) -> Result<()> {
+        let path = self.path.join(name);
+        if !LEFTOVER_PREFIXES.iter().any(|p| name.starts_with(p)) || name.contains('/') {
+            return Err(Error::invalid(
+                path.display(),
+                "is not something an interrupted save left behind",
+            ));
+        }
+        let meta = fs::symlink_metadata(&path).map_err(|e| Error::io("remove", &path, e))?;
+        let gone = if meta.is_dir() {
+            fs::remove_dir_all(&path)
+        } else {
+            fs::remove_file(&path)
+        };
+        gone.map_err(|e| Error::io("remove", &path, e))
+    }
+}
+
+/// The bytes of the regular files directly in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir).map_or(0, |rd| {
+        rd.flatten()
+            .filter_map(|e| fs::symlink_metadata(e.path()).ok())
+            .filter(fs::Metadata::is_file)
+            .map(|m| m.len())
+            .sum()
+    })
 }
 
 /// Reads a small file whole (at most `limit` bytes), opened by
