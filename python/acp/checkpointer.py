@@ -8,7 +8,6 @@ import operator
 import os
 import threading
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -19,6 +18,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp._rank import rank_and_world_size
+from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats
 from acp.distributed import (
     Coordinator,
     Sources,
@@ -32,154 +32,6 @@ from acp.distributed import (
 from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """The figures of one save. Fields after ``tensor_bytes`` are None until
-    the save has finished."""
-
-    step: int
-    skipped: bool
-    done: bool
-    stall_secs: float
-    """The whole ``save()`` call: what training waited for."""
-    flatten_secs: float
-    """Walking the state and checking it (part of the stall)."""
-    copy_secs: float
-    """Copying tensors into the ring slot (part of the stall)."""
-    tensors: int
-    tensor_bytes: int
-    bytes: int | None = None
-    """The data file's size."""
-    engine_stall_secs: float | None = None
-    slot_wait_secs: float | None = None
-    queue_secs: float | None = None
-    flush_secs: float | None = None
-    commit_secs: float | None = None
-    total_secs: float | None = None
-    """From the start of ``save()`` in the engine to committed."""
-    flush_bytes_per_sec: float | None = None
-    io: str | None = None
-    direct: bool | None = None
-    error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """The figures of one load."""
-
-    step: int
-    source: str
-    """``"ram"`` (a resident shared-memory slot) or ``"storage"``; ``"mixed"``
-    when other ranks' files were read too (see ``ranks``) and not all from
-    the same."""
-    bytes: int
-    verified: bool
-    engine_secs: float
-    """Finding, reading (from storage) and verifying the checkpoint."""
-    copy_secs: float
-    """Copying the tensors out and rebuilding the state."""
-    total_secs: float
-    copied_bytes: int
-    bytes_per_sec: float
-    ranks: dict[int, str] | None = None
-    """When tensors came from other ranks' files too: where each file came
-    from (``"ram"`` or ``"storage"``), by the rank that wrote it."""
-    rejected: str | None = None
-    """Why a resident copy was found but not used: it failed verification
-    (the error names the slot file and tensor); the load read storage."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def load_stats(
-    report: dict[str, Any],
-    t0: float,
-    t1: float,
-    t2: float,
-    copied: int,
-    *,
-    ranks: dict[int, str] | None = None,
-) -> LoadStats:
-    """The ``LoadStats`` of a load that asked the engine at ``t0``, had the
-    checkpoint at ``t1`` and its ``copied`` bytes out at ``t2``
-    (``perf_counter`` times); ``report`` is the engine's ``Loaded.report()``."""
-    return LoadStats(
-        step=report["step"],
-        source=report["source"],
-        bytes=report["bytes"],
-        verified=report["verified"],
-        engine_secs=t1 - t0,
-        copy_secs=t2 - t1,
-        total_secs=t2 - t0,
-        copied_bytes=copied,
-        bytes_per_sec=copied / (t2 - t0) if t2 > t0 else 0.0,
-        ranks=ranks,
-        rejected=report.get("rejected"),
-    )
-
-
-class SaveHandle:
-    """The completion handle of ``Checkpointer.save``."""
-
-    def __init__(self, handle: _acp.SaveHandle, stats: SaveStats) -> None:
-        self._handle = handle
-        self._stall = stats
-
-    @property
-    def step(self) -> int:
-        return self._handle.step
-
-    @property
-    def skipped(self) -> bool:
-        """True when the save was skipped (``on_full="skip"`` and no free slot)."""
-        return self._stall.skipped
-
-    def done(self) -> bool:
-        """Whether the save has finished (committed, failed or skipped)."""
-        return self._handle.done()
-
-    def wait(self, timeout: float | None = None) -> SaveStats:
-        """Blocks until the step is durable and committed; returns its
-        figures. Raises the save's error, or ``acp.AcpTimeout``."""
-        return self._with(self._handle.wait(timeout))
-
-    @property
-    def stats(self) -> SaveStats:
-        """The figures so far; never blocks, never raises."""
-        try:
-            report = self._handle.report()
-        except AcpError as e:
-            return SaveStats(**{**self._stall.as_dict(), "done": True, "error": str(e)})
-        return self._stall if report is None else self._with(report)
-
-    def _with(self, r: dict[str, Any]) -> SaveStats:
-        flush = r["flush_secs"]
-        return SaveStats(
-            **{
-                **self._stall.as_dict(),
-                "done": True,
-                "skipped": r["skipped"],
-                "bytes": r["bytes"],
-                "engine_stall_secs": r["stall_secs"],
-                "slot_wait_secs": r["slot_wait_secs"],
-                "queue_secs": r["queue_secs"],
-                "flush_secs": flush,
-                "commit_secs": r["commit_secs"],
-                "total_secs": r["total_secs"],
-                "flush_bytes_per_sec": r["bytes"] / flush if flush > 0 else None,
-                "io": r["io"],
-                "direct": r["direct"],
-            }
-        )
-
-    def __repr__(self) -> str:
-        return f"SaveHandle(step={self.step}, done={self.done()})"
 
 
 class Internals:

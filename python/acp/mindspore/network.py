@@ -14,12 +14,12 @@ from acp._codec import Decoder, Entry, decoded_items, is_tensor_node, parse
 from acp._load import _Fresh, entries_of, run_transfers
 from acp._mindspore_codec import FLOATS, INTS, Convert, dtype_from_safetensors
 from acp._rank import mindspore_or_env_rank
+from acp._stats import load_stats
 from acp.checkpointer import (
     Checkpointer,
     LoadStats,
     _step,
     internals,
-    load_stats,
 )
 from acp.mindspore.params import PARAMS, param_dict
 
