@@ -141,10 +141,29 @@ fn ops_export(
     .map_err(err)
 }
 
+/// The plain-values view of a values tree (`values_json`, JSON text) as
+/// JSON text: the leaves plain JSON cannot hold as they are (tensors, bytes,
+/// non-finite floats, big ints, framework values) described for people, or
+/// `null` when `describe` is false. The one definition is
+/// [`ops::plain_values_with`].
+#[pyfunction]
+#[pyo3(signature = (values_json, describe=true))]
+fn plain_values(values_json: &str, describe: bool) -> PyResult<String> {
+    let values: serde_json::Value =
+        serde_json::from_str(values_json).map_err(|e| err(Error::invalid("values JSON", e)))?;
+    let leaves = if describe {
+        ops::Leaves::Described
+    } else {
+        ops::Leaves::Omitted
+    };
+    Ok(ops::plain_values_with(&values, leaves).to_string())
+}
+
 /// Registers the operations in the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Report>()?;
     m.add_function(wrap_pyfunction!(ops_inspect, m)?)?;
     m.add_function(wrap_pyfunction!(ops_export, m)?)?;
+    m.add_function(wrap_pyfunction!(plain_values, m)?)?;
     Ok(())
 }

@@ -36,6 +36,7 @@ __all__ = [
     "cli_main",
     "ops_export",
     "ops_inspect",
+    "plain_values",
 ]
 
 __version__: str
@@ -186,6 +187,10 @@ def ops_export(
     overwrite: bool = False,
     progress: _Progress | None = None,
 ) -> Report: ...
+def plain_values(values_json: str, describe: bool = True) -> str:
+    """The plain-values view of a values tree, as JSON text: leaves plain
+    JSON cannot hold (tensors, bytes, non-finite floats, big ints, framework
+    values) described for people, or ``null`` when ``describe`` is false."""
 
 @final
 class CliProgress:

@@ -248,33 +248,19 @@ def write_mindspore(
     for s in states.values():
         for i, (name, dt, shape, _) in enumerate(s.tensors):
             tensors.append((name, dt, shape, s.buffer(i)))
-        values = json.loads(s.values_json)
-        for key, v in _flat_scalars(_plain(values)):
+        for key, v in plain_scalars(s.values_json):
             appended.setdefault(key, v)
     scratch = tmp / "out.ckpt"
     write_ckpt(tensors, scratch, format="ckpt", append=appended or None)
     shutil.move(scratch, out)
 
 
-def _plain(values: Any) -> Any:
-    from acp._codec import CODEC_KEY, STATE_KEY
-
-    if isinstance(values, dict) and CODEC_KEY in values:
-        return _plain_node(values.get(STATE_KEY))
-    return values
-
-
-def _plain_node(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_plain_node(v) for v in node]
-    if isinstance(node, dict):
-        tag = node.get("t")
-        if tag in ("dict", "odict"):
-            return {str(_plain_node(k)): _plain_node(v) for k, v in zip(node["k"], node["v"])}
-        if tag == "tuple":
-            return [_plain_node(v) for v in node["v"]]
-        return None  # tensors, bytes, framework values: not plain scalars
-    return node
+def plain_scalars(values_json: str) -> list[tuple[str, Any]]:
+    """The scalars (bools, ints, floats, strings) of a values tree as saved,
+    by their dotted key path, from acp-core's plain-values view (the one
+    the command line's ``inspect`` prints, with tensors, bytes and other
+    leaves that are not plain JSON left out)."""
+    return list(_flat_scalars(json.loads(_acp.plain_values(values_json, describe=False))))
 
 
 def _flat_scalars(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::inspect::plain_values;
+use super::plain_values;
 use super::read::{self, DataFile};
 use super::{open_root, pick_step, shown, Progress};
 use crate::error::{Error, Result};

@@ -33,6 +33,7 @@ mod gc;
 mod inspect;
 mod list;
 mod persist;
+mod plain;
 mod read;
 mod resident;
 mod shm;
@@ -49,9 +50,10 @@ pub use export::{
     export_safetensors, import_safetensors, ExportReport, ImportOptions, ImportReport,
 };
 pub use gc::{gc, retention_plan, GcOptions, GcReport};
-pub use inspect::{inspect, plain_values, FileInfo, InspectReport, TensorInfo};
+pub use inspect::{inspect, FileInfo, InspectReport, TensorInfo};
 pub use list::{list, ListReport, StepRow};
 pub use persist::{persist, PersistOptions, PersistReport, RankPersist};
+pub use plain::{plain_values, plain_values_with, Leaves};
 pub use resident::{job_id, resident, shm_prefix, ResidentSlot, DEFAULT_SHM_DIR};
 pub(crate) use shm::reclaim_expired;
 pub use shm::{
