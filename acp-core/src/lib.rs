@@ -13,6 +13,33 @@
 //! per rank plus `model.safetensors.index.json`, whose writing (by a rename)
 //! is the commit. See [`format`] for the byte layout and the commit protocol.
 //!
+//! # Layers
+//!
+//! Each module uses only the ones below it; nothing imports upwards:
+//!
+//! ```text
+//! bin/acp.rs      the `acp` binary: argv in, exit code out
+//! cli             the command line (clap), shared with the wheel's `acp`
+//! ops             list, inspect, verify, export, import, diff, gc, persist, shm
+//! engine          Engine: save, flush, load, recovery at open, retention
+//! read            the one verified reader of committed data files
+//! io              IoEngine: io_uring / psync bulk reads and writes
+//! staging, storage   the shared-memory ring; the Storage seam (LocalStorage)
+//! format          the on-disk format: header, index, digests, dtypes
+//! error           Error, ErrorKind, Result
+//! ```
+//!
+//! Two calls still cross upwards: `engine`'s open reclaims other jobs'
+//! expired rings through `ops` (`acp shm gc`'s judgement, which needs a
+//! root's committed steps), and `storage::local` opens files with
+//! [`io::open_regular`] (while `io` takes `storage`'s fault probe).
+//!
+//! `config` (the engine's settings) sits beside `engine` and is read by
+//! the layers it configures. The seams are documented where they are
+//! defined: `engine` (what a save and a load promise), `read` (what
+//! "verified" means), [`io`] (the data path) and [`storage`] (the commit
+//! protocol, and how an object store fits it).
+//!
 //! # Quick start
 //!
 //! ```

@@ -1,9 +1,46 @@
-//! The engine façade: save, load, list, retain, close.
+//! The engine: save, load, list, retain, close, for one job and rank.
 //!
-//! [`Engine`] is a cheap handle on `state::Shared`: what the caller side
-//! and the flush thread share (configuration, storage root, ring, I/O
-//! engine, and the engine state under one lock). Each file owns one part of
-//! its life:
+//! # The seam
+//!
+//! This module owns a rank's checkpointing as a process sees it: the ring
+//! of shared-memory slots it stages into, the flush thread that writes a
+//! sealed slot to storage and commits it, the state both sides share, and
+//! what a process finds at open (recovery). [`Engine`] is the one entry
+//! point; everything above it (`ops`, `cli`, acp-py) holds an `Engine` or
+//! calls its public types, never its parts.
+//!
+//! Below, it drives four layers and reaches past none of them: the ring
+//! through [`staging`](crate::staging) (slot states, seals, pins), the
+//! files through a `Box<dyn `[`Storage`](crate::storage::Storage)`>`
+//! (pending, durable, publish; it never builds a path or calls `std::fs`),
+//! the bytes through an [`IoEngine`](crate::io::IoEngine), and every read
+//! of committed bytes through the verified reader (`read`). Formats (the
+//! header it lays out, the index it writes last) come from
+//! [`format`](crate::format).
+//!
+//! Its invariants:
+//! - **The stall is only the copy.** `save` returns once the tensors are in
+//!   a sealed slot; hashing, writing and committing happen on the flush
+//!   thread. A save never waits on storage, except for a free slot when the
+//!   ring is full (`on_full`).
+//! - **Committed means published.** A step counts as committed only once
+//!   [`Storage::publish`](crate::storage::Storage::publish) returned. A
+//!   flush that fails leaves the previous committed step as it was and its
+//!   own image resident (restorable) in its slot.
+//! - **Nothing unverified reaches a caller.** A load from a slot, a peer
+//!   rank's slot or storage hands out bytes only after every chunk matched
+//!   the committed index's digests.
+//! - **A slot is reused only when its image is safe elsewhere**: a save
+//!   takes a free slot or one whose image is persisted, never an unflushed
+//!   one; the image of a failed flush is given up (with a warning) only
+//!   when the ring has no other room. Recovery at open persists a resident
+//!   image newer than anything committed.
+//!
+//! # Files
+//!
+//! [`Engine`] is a cheap handle on `state::Shared` (configuration,
+//! storage, ring, I/O engine, and the state under one lock). Each file owns
+//! one part of its life:
 //!
 //! - `open.rs`: opening, and recovery of what a previous process of this
 //!   rank left: its unfinished saves are swept, the checkpoints resident in
@@ -25,11 +62,13 @@
 //!   [`Error::Timeout`] naming what it is stuck on.
 //! - `retention.rs`: which committed steps to keep (the newest `keep_last`
 //!   and the multiples of `keep_every`), one rule for the engine and for
-//!   `acp gc` ([`crate::ops::retention_plan`]).
-//! - `load.rs`, `ranks.rs`, `verify.rs` and `checkpoint.rs`: loading a
-//!   committed step (from a resident slot, a peer rank's slot or storage,
-//!   verified against the index's digests) into a [`Checkpoint`] of
-//!   zero-copy views. `copy.rs` is the parallel copy both sides use.
+//!   `acp gc` (which calls [`retention_plan`](crate::ops::retention_plan)).
+//! - `release.rs`: `release_on_close`, removing the ring's files at close
+//!   unless a resident step is nowhere else.
+//! - `load.rs`, `ranks.rs` and `checkpoint.rs`: loading a committed step
+//!   (from a resident slot, a peer rank's slot or storage, verified through
+//!   `read`) into a [`Checkpoint`] of zero-copy views. `copy.rs` is the
+//!   parallel copy both sides use.
 //!
 //! This file holds the [`Engine`] handle itself: the flush queue and thread
 //! it owns, [`Engine::close`], and the read-only accessors.

@@ -1,6 +1,40 @@
 //! The I/O engines that move checkpoint files between ring slots and
 //! storage: `io_uring` (`uring`) and a pwrite/pread pool (`psync`), behind
 //! one trait, producing byte-identical files.
+//!
+//! # The seam
+//!
+//! This module owns the bulk data path and nothing else: given an opened
+//! file and a buffer, an [`IoEngine`] writes the buffer to the file (or
+//! reads the file into the buffer) in chunks of [`IoOpts::chunk_bytes`],
+//! [`IoOpts::queue_depth`] of them in flight, with `O_DIRECT` when the
+//! policy and the file system allow it, and fsyncs what it wrote. It
+//! decides neither where a file lives nor when it counts: the caller above
+//! (`engine`'s flush, `read`'s whole-image source) gets the file from a
+//! [`Storage`](crate::storage::Storage), which created it and later makes
+//! it durable and publishes it or discards it. The engine is chosen once
+//! ([`open_engine`]): `io_uring` when the kernel allows it, else psync.
+//!
+//! The contract with the layers above:
+//! - **Chunks are reported in order of their bytes' life.** A write calls
+//!   `on_chunk(i, bytes)` for each chunk before submitting it, in order (the
+//!   flush hashes there, so the digests are of exactly the bytes written);
+//!   a read calls it as each chunk lands, in completion order (the verified
+//!   reader hashes there, overlapping the read).
+//! - **Buffers are the caller's and stay put.** `src`/`dst` are borrowed
+//!   for the whole call, 4096-aligned and padded to a whole last chunk;
+//!   every operation in flight has finished before a call returns, on
+//!   success and on error, so the kernel never touches a buffer after it
+//!   is given back.
+//! - **Errors reach the caller, naming the file and the operation.** Worker
+//!   loops never panic; a short write, an fsync error or an `ENOSPC` is an
+//!   [`Error`] for that call. After an error, nothing in the file or in
+//!   `dst` may be trusted; the file's owner discards it.
+//!
+//! Fault injection enters here as an [`IoOpts::faults`] probe (see
+//! [`storage`](crate::storage#fault-injection)): it sees each chunk write,
+//! fsync and chunk read before it runs. Without the `test-util` feature the
+//! engine is never given one.
 
 use std::fmt::Debug;
 use std::fs::File;
@@ -11,10 +45,12 @@ use crate::config::{DirectIo, IoChoice};
 use crate::error::{Error, Result};
 use crate::storage::Probe;
 
+pub(crate) use pool::run_on_threads;
 pub use regular::{open_listed, open_regular};
 pub(crate) use sys::block_async_signals;
 
 mod file;
+mod pool;
 mod psync;
 mod regular;
 mod sys;

@@ -31,7 +31,7 @@ pub enum Leaves {
 }
 
 /// The values tree of acp's Python state codec as plain JSON, its leaves
-/// described for people (see the [module docs](self)).
+/// described for people ([`Leaves::Described`]).
 #[must_use]
 pub fn plain_values(values: &Value) -> Value {
     plain_values_with(values, Leaves::Described)

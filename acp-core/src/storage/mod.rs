@@ -1,6 +1,15 @@
 //! The storage seam: where committed checkpoints live, and the lifecycle of
 //! one step from "being written" to "committed" to "removed".
 //!
+//! In the crate's layers this module is at the bottom with `staging`: it
+//! uses only [`format`](crate::format) (the index it reads back) and
+//! [`error`](crate::error). `engine`, `ops` and `read` hold a
+//! `dyn Storage` and never touch the file system for a checkpoint root
+//! themselves; the [`io`](crate::io) engines write and read through the
+//! files it hands out. Its invariant, which every implementation keeps: a
+//! step is either committed whole (listed, its index and every file it
+//! names readable) or not visible at all.
+//!
 //! # The contract
 //!
 //! A [`Storage`] holds committed steps, each a set of named files (one data
@@ -78,9 +87,11 @@
 //! Tests break every operation of the protocol in turn with a
 //! [`Probe`]: it sees each primitive operation (a chunk write, an fsync, a
 //! rename, a directory sync) before it runs, and may fail or stall it. The
-//! probe sits at the primitives rather than around [`Storage`]'s calls
-//! because the interesting crash points lie inside one call (between the
-//! rename that commits and the fsync that makes it durable). The injector
+//! probe sits at the primitives, inside [`LocalStorage`] and the I/O
+//! engines, rather than in a wrapper around [`Storage`]: a wrapper sees
+//! only whole calls, and the interesting crash points lie inside one call
+//! (between the rename that commits and the fsync that makes it durable,
+//! between two chunk writes of one file). The injector
 //! that implements it, [`faults::FaultInjector`], exists only with the
 //! `test-util` feature, and so does the configuration that installs it:
 //! a build without the feature has no way to inject a fault.
