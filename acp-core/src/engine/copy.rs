@@ -40,39 +40,10 @@ pub(crate) fn parallel_copy(pairs: Vec<(&mut [u8], &[u8])>, threads: usize) {
     if !cur.is_empty() {
         groups.push(cur);
     }
-    let workers = groups.len().saturating_sub(1);
-    let queue = std::sync::Mutex::new(groups);
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            // A thread that cannot be started leaves its share in the queue
-            // for the others (and the calling thread) to take.
-            let _ = std::thread::Builder::new()
-                .name("acp-copy".into())
-                .spawn_scoped(scope, || {
-                    crate::io::block_async_signals();
-                    drain(&queue);
-                });
-        }
-        drain(&queue);
-    });
+    crate::io::run_on_threads("acp-copy", groups, copy_group);
 }
 
-/// Runs of (destination, source) pairs, one run per thread's turn.
-type CopyQueue<'a> = std::sync::Mutex<Vec<Vec<(&'a mut [u8], &'a [u8])>>>;
-
-fn drain(queue: &CopyQueue<'_>) {
-    loop {
-        let group = queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop();
-        match group {
-            Some(g) => copy_group(g),
-            None => return,
-        }
-    }
-}
-
+/// One thread's turn: a run of (destination, source) pairs.
 fn copy_group(g: Vec<(&mut [u8], &[u8])>) {
     for (d, s) in g {
         d.copy_from_slice(s);

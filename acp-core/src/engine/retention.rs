@@ -84,12 +84,19 @@ impl Engine {
 /// [`Error::Io`](crate::Error::Io) listing the root.
 pub(crate) fn only_copies(root: &dyn Storage, resident: &[u64]) -> Result<Vec<u64>> {
     let committed = root.steps()?;
-    let latest = committed.last().copied();
     Ok(resident
         .iter()
         .copied()
-        .filter(|s| !committed.contains(s) && latest.is_none_or(|l| *s > l))
+        .filter(|&s| is_only_copy(&committed, s))
         .collect())
+}
+
+/// Whether a resident `step` is nowhere else, given the `committed` steps
+/// of its root (ascending): not committed, and newer than every committed
+/// step (an older one is superseded). [`only_copies`]'s rule, and
+/// `acp shm list`/`gc`'s for a ring whose root can be read.
+pub(crate) fn is_only_copy(committed: &[u64], step: u64) -> bool {
+    !committed.contains(&step) && committed.last().is_none_or(|&l| step > l)
 }
 
 #[cfg(test)]

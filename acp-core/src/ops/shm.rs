@@ -20,6 +20,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{open_root, shown, text};
+use crate::engine::retention::is_only_copy;
 use crate::error::Result;
 use crate::format::{hex, Digest};
 use crate::staging::{rings, user_dir, RingFiles, SlotSeen, SlotState};
@@ -146,13 +147,9 @@ fn judge(ring: &RingFiles, slots: &[SlotSeen], live: bool) -> Judged {
         .root
         .as_deref()
         .and_then(|r| open_root(Path::new(r)).ok());
-    let (committed, latest) = match &root {
-        Some(r) => {
-            let steps = r.steps().unwrap_or_default();
-            let latest = steps.last().copied();
-            (steps, latest)
-        }
-        None => (Vec::new(), None),
+    let committed = match &root {
+        Some(r) => r.steps().unwrap_or_default(),
+        None => Vec::new(),
     };
     let committed_steps: Vec<u64> = images
         .iter()
@@ -162,7 +159,7 @@ fn judge(ring: &RingFiles, slots: &[SlotSeen], live: bool) -> Judged {
     let only_copy_steps: Vec<u64> = images
         .iter()
         .filter(|(s, persisted)| match &root {
-            Some(_) => !committed.contains(s) && latest.is_none_or(|l| *s > l),
+            Some(_) => is_only_copy(&committed, *s),
             None => !persisted,
         })
         .map(|i| i.0)

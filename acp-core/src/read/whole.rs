@@ -284,25 +284,10 @@ fn digests_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Digest> {
     let mut out = vec![[0u8; 32]; n];
     let work: Vec<(&mut [Digest], &[u8])> =
         out.chunks_mut(per).zip(data.chunks(per * chunk)).collect();
-    let queue = Mutex::new(work);
-    let workers = threads.min(n) - 1;
-    let drain = || loop {
-        let item = queue.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        let Some((dst, src)) = item else { return };
+    crate::io::run_on_threads("acp-hash", work, |(dst, src)| {
         for (d, piece) in dst.iter_mut().zip(src.chunks(chunk)) {
             *d = digest(piece);
         }
-    };
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            let _ = std::thread::Builder::new()
-                .name("acp-hash".into())
-                .spawn_scoped(scope, || {
-                    crate::io::block_async_signals();
-                    drain();
-                });
-        }
-        drain();
     });
     out
 }
