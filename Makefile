@@ -46,11 +46,12 @@ fmt: ## Format Rust and Python code.
 	rustfmt --edition 2021 $(EXAMPLES_RS)
 	$(VENV)/bin/ruff format
 
-lint: venv cargo-deny ## fmt check, clippy -D warnings, cargo deny, ruff, mypy --strict.
+lint: venv cargo-deny ## fmt check, clippy -D warnings, rustdoc -D warnings, cargo deny, ruff, mypy --strict.
 	cargo fmt --all -- --check
 	rustfmt --check --edition 2021 $(EXAMPLES_RS)
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --workspace --all-targets --features acp-core/cli -- -D warnings
+	RUSTDOCFLAGS='-D warnings' cargo doc -p acp-core --no-deps -q
 	$(DENY_OFFLINE)
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check

@@ -11,7 +11,7 @@
 //!
 //! Each rank's file is a plain safetensors file; a step directory holds one
 //! per rank plus `model.safetensors.index.json`, whose writing (by a rename)
-//! is the commit. See [`format`] for the byte layout and the commit protocol.
+//! is the commit. See [`format`](mod@format) for the byte layout and the commit protocol.
 //!
 //! # Layers
 //!

@@ -52,7 +52,7 @@ pub use crate::engine::retention::retention_plan;
 /// an unfinished save younger than the age is left alone.
 ///
 /// # Errors
-/// [`Error::Config`] for `keep_last == 0`; [`Error::NotFound`]; [`Error::Io`].
+/// [`Error::Config`](crate::Error::Config) for `keep_last == 0`; [`Error::NotFound`](crate::Error::NotFound); [`Error::Io`](crate::Error::Io).
 pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
     let root = open_root(root)?;
     if let Some(k) = opts.keep_last {

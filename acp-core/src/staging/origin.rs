@@ -115,7 +115,7 @@ pub fn read_origin(file: &File, tag: &Digest) -> Origin {
 
 impl Ring {
     /// Records in every slot file that this ring belongs to the checkpoint
-    /// root `root` and the job id `job` (see the [module docs](self)).
+    /// root `root` and the job id `job`.
     /// Best effort: a root and job too long for the header page, or a
     /// failed write, leave the origin unknown (logged), never an error.
     pub fn record_origin(&self, root: &Path, job: &str) {

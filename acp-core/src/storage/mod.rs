@@ -92,7 +92,7 @@
 //! only whole calls, and the interesting crash points lie inside one call
 //! (between the rename that commits and the fsync that makes it durable,
 //! between two chunk writes of one file). The injector
-//! that implements it, [`faults::FaultInjector`], exists only with the
+//! that implements it, `faults::FaultInjector`, exists only with the
 //! `test-util` feature, and so does the configuration that installs it:
 //! a build without the feature has no way to inject a fault.
 
