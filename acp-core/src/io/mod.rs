@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::storage::Probe;
 
 pub use regular::{open_listed, open_regular};
-pub(crate) use sys::block_async_signals;
+pub(crate) use sys::{block_async_signals, lower_thread_priority};
 
 mod file;
 mod psync;
