@@ -182,7 +182,7 @@ impl Staging {
         let shared = engine.shared();
         let now = Instant::now();
         let mut st = shared.lock();
-        st.counts.sealed(self.step, now);
+        st.counts.sealed(self.step, self.started);
         let decision = policy::decide(
             shared.cfg.persist_policy,
             self.persist,
