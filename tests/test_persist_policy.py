@@ -63,5 +63,5 @@ def test_coalescing_is_chosen_by_name(make_ckpt: MakeCkpt) -> None:
     ],
 )
 def test_impossible_policies_are_refused(make_ckpt: MakeCkpt, kwargs: dict[str, object]) -> None:
-    with pytest.raises(acp.ConfigError, match="persist_policy|background_nice"):
+    with pytest.raises(acp.ConfigError, match=r"persist_policy|background_nice"):
         make_ckpt(**kwargs)

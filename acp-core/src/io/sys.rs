@@ -254,8 +254,8 @@ mod priority_tests {
             .join()
             .unwrap();
         let want = (7, i64::from(super::IOPRIO_BE_LOWEST));
-        assert_eq!((got.0 .0, i64::from(got.0 .1)), want);
-        assert_eq!((got.1 .0, i64::from(got.1 .1)), want);
+        assert_eq!(got.0, want);
+        assert_eq!(got.1, want);
     }
 }
 
