@@ -51,6 +51,35 @@ impl Default for WhenFull {
     }
 }
 
+/// Which saves the engine persists (flushes to storage and commits) when
+/// the save leaves it to the policy ([`Persist::Policy`](crate::Persist)).
+/// A save that is not persisted stays resident: a RAM snapshot in its ring
+/// slot, restorable on this node, lost with the node.
+///
+/// Every policy decides the same on every rank only when it depends on the
+/// step alone: with several ranks, only [`PersistPolicy::Every`] is valid
+/// (rank 0 commits a step once every rank has written it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PersistPolicy {
+    /// Persist the saves whose step is a multiple of `n`; `Every(1)`
+    /// persists every save.
+    Every(u64),
+    /// Persist a save when at least this long has passed since the last
+    /// persist was queued (the first save is persisted).
+    Interval(Duration),
+    /// Persist the newest snapshot whenever the previous persist has
+    /// finished: at most one persist in flight; a newer snapshot supersedes
+    /// an older one still waiting, which is then never written.
+    Coalesce,
+}
+
+impl Default for PersistPolicy {
+    /// `Every(1)`: every save is persisted.
+    fn default() -> Self {
+        PersistPolicy::Every(1)
+    }
+}
+
 /// How much of a checkpoint is re-hashed when it is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Verify {
@@ -90,6 +119,8 @@ pub struct EngineConfig {
     pub(crate) shm_ttl: Duration,
     pub(crate) stall_timeout: Duration,
     pub(crate) commit_timeout: Duration,
+    pub(crate) persist_policy: PersistPolicy,
+    pub(crate) background_nice: i32,
     #[cfg(feature = "test-util")]
     pub(crate) faults: Option<Arc<FaultInjector>>,
 }
@@ -99,6 +130,8 @@ pub const DEFAULT_RING_BYTES: u64 = 4 << 30;
 /// Default age after which [`Engine::open`](crate::Engine::open) removes
 /// another job's dead, fully committed ring: 24 h.
 pub const DEFAULT_SHM_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default niceness of the flush thread (and the I/O threads it starts): 10.
+pub const DEFAULT_BACKGROUND_NICE: i32 = 10;
 /// Default flush chunk: 4 MiB.
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 
@@ -131,6 +164,8 @@ impl EngineConfig {
             shm_ttl: DEFAULT_SHM_TTL,
             stall_timeout: Duration::from_secs(300),
             commit_timeout: Duration::from_secs(600),
+            persist_policy: PersistPolicy::default(),
+            background_nice: DEFAULT_BACKGROUND_NICE,
             #[cfg(feature = "test-util")]
             faults: None,
         }
@@ -305,6 +340,30 @@ impl EngineConfig {
         self
     }
 
+    /// Which saves are persisted when the save leaves it to the policy.
+    /// Default [`PersistPolicy::Every`]`(1)`: every save, so code written
+    /// before the policy existed keeps its meaning.
+    #[must_use]
+    pub fn with_persist_policy(mut self, policy: PersistPolicy) -> Self {
+        self.persist_policy = policy;
+        self
+    }
+
+    /// The niceness (0 to 19) the flush thread sets on itself, and so on
+    /// the hashing and I/O threads it starts (they inherit it); with a
+    /// positive value it also asks for the lowest best-effort I/O priority
+    /// (`ioprio_set`). Training threads then win the cores and the disk
+    /// when they compete with the background flush. Best effort: a refusal
+    /// is logged once, never an error. The share of threads the flush uses
+    /// is [`EngineConfig::with_queue_depth`]'s (at most that many pwrite
+    /// threads). Default 10 ([`DEFAULT_BACKGROUND_NICE`]); 0 leaves the
+    /// priorities alone.
+    #[must_use]
+    pub fn with_background_nice(mut self, nice: i32) -> Self {
+        self.background_nice = nice;
+        self
+    }
+
     /// Injects I/O failures (tests and fault drills): `faults` sees every
     /// storage operation of the engine. Only with the `test-util` feature.
     #[cfg(feature = "test-util")]
@@ -392,6 +451,27 @@ impl EngineConfig {
         if self.keep_every == Some(0) {
             return bad("keep_every", "must be at least 1");
         }
+        if !(0..=19).contains(&self.background_nice) {
+            return bad("background_nice", "must be between 0 and 19");
+        }
+        match self.persist_policy {
+            PersistPolicy::Every(0) => {
+                return bad(
+                    "persist_policy",
+                    "persist every 0 steps: must be at least 1",
+                );
+            }
+            PersistPolicy::Interval(d) if d.is_zero() => {
+                return bad("persist_policy", "a persist interval must be positive");
+            }
+            PersistPolicy::Interval(_) | PersistPolicy::Coalesce if self.world_size > 1 => {
+                return bad(
+                    "persist_policy",
+                    "with several ranks every rank must persist the same steps: use Every(n) or explicit persist per save",
+                );
+            }
+            _ => {}
+        }
         if let Some(job) = &self.job {
             if job.is_empty() || job.len() > 128 {
                 return bad("job", "must be 1 to 128 bytes");
@@ -427,5 +507,21 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(e.to_string().contains("keep_last"), "{e}");
+        let e = EngineConfig::new("/tmp/x")
+            .with_persist_policy(PersistPolicy::Every(0))
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("persist_policy"), "{e}");
+        let e = EngineConfig::new("/tmp/x")
+            .with_world_size(2)
+            .with_persist_policy(PersistPolicy::Coalesce)
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("persist_policy"), "{e}");
+        let e = EngineConfig::new("/tmp/x")
+            .with_background_nice(20)
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("background_nice"), "{e}");
     }
 }

@@ -91,10 +91,10 @@ pub mod storage;
 
 mod engine;
 
-pub use config::{DirectIo, EngineConfig, IoChoice, Verify, WhenFull};
+pub use config::{DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull};
 pub use engine::{
-    Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, SaveHandle,
-    SaveOptions, SaveReport, Source, Staging, TensorView,
+    Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Outcome, Persist,
+    PersistStats, SaveHandle, SaveOptions, SaveReport, Source, Staging, TensorView,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};

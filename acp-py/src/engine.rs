@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use acp_core::{
-    DirectIo, EngineConfig, Error, IoChoice, IoKind, LoadRequest, OnWait, SaveOptions, TensorSpec,
-    Verify, WhenFull,
+    DirectIo, EngineConfig, Error, IoChoice, IoKind, LoadRequest, OnWait, Persist, PersistPolicy,
+    SaveOptions, TensorSpec, Verify, WhenFull,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -108,6 +108,7 @@ impl Engine {
         io=None, direct_io=None, on_full=None, full_timeout=None, verify=None,
         keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
         commit_timeout=None, faults=None, release_on_close=None, shm_ttl=None,
+        persist_every=None, persist_interval=None, persist_policy=None, background_nice=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -139,6 +140,10 @@ impl Engine {
         faults: Option<Bound<'_, PyAny>>,
         release_on_close: Option<bool>,
         shm_ttl: Option<f64>,
+        persist_every: Option<u64>,
+        persist_interval: Option<f64>,
+        persist_policy: Option<&str>,
+        background_nice: Option<i32>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
             .with_rank(rank)
@@ -218,6 +223,14 @@ impl Engine {
         if let Some(v) = persist_on_open {
             c = c.with_persist_on_open(v);
         }
+        c = c.with_persist_policy(persist_policy_of(
+            persist_every,
+            persist_interval,
+            persist_policy,
+        )?);
+        if let Some(v) = background_nice {
+            c = c.with_background_nice(v);
+        }
         if let Some(v) = stall_timeout {
             c = c.with_stall_timeout(seconds("stall_timeout", v)?);
         }
@@ -272,7 +285,13 @@ impl Engine {
     /// Starts a save: lays out `specs` (name, safetensors dtype, shape) and
     /// the JSON `values_json` in a ring slot. Returns the `Staging` to fill,
     /// or `None` when the save was skipped because no slot was free.
-    #[pyo3(signature = (step, specs, values_json, overwrite=false, extra_metadata=None))]
+    /// `persist`: True persists the save, False keeps it a RAM snapshot,
+    /// None lets the engine's persist policy decide.
+    #[pyo3(signature = (step, specs, values_json, overwrite=false, extra_metadata=None, persist=None))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one argument per SaveOptions field"
+    )]
     fn begin_save(
         &self,
         py: Python<'_>,
@@ -281,6 +300,7 @@ impl Engine {
         values_json: &str,
         overwrite: bool,
         extra_metadata: Option<BTreeMap<String, String>>,
+        persist: Option<bool>,
     ) -> PyResult<Option<Staging>> {
         let specs = tensor_specs(specs)?;
         // While the save waits for a free slot, Python's signal handlers run
@@ -298,6 +318,11 @@ impl Engine {
             overwrite,
             extra_metadata: extra_metadata.unwrap_or_default(),
             on_wait: Some(on_wait),
+            persist: match persist {
+                None => Persist::Policy,
+                Some(true) => Persist::Always,
+                Some(false) => Persist::Never,
+            },
         };
         let engine = self.get()?;
         py.detach(|| {
@@ -383,6 +408,44 @@ impl Engine {
             .map(|v| v.to_string())
     }
 
+    /// The RAM snapshots of this rank on this node: the steps resident in
+    /// its ring (persisted or not), newest first.
+    fn snapshots(&self) -> PyResult<Vec<u64>> {
+        Ok(self.get()?.snapshots())
+    }
+
+    /// Queues the persist of the newest resident step when it is newer
+    /// than every committed step and no persist of it is under way,
+    /// whatever the policy chose at its save; returns its handle, or None
+    /// when there is nothing to persist.
+    fn persist_newest(&self, py: Python<'_>) -> PyResult<Option<SaveHandle>> {
+        let engine = self.get()?;
+        py.detach(|| engine.persist_newest())
+            .map(|h| h.map(SaveHandle::new))
+            .map_err(err)
+    }
+
+    /// What became of the saves so far: `staged`, `persisted`, `resident`,
+    /// `superseded` and `skipped` counts, `bytes_written` to storage, the
+    /// persist `queue_depth`, `newest_snapshot`, `newest_persisted` and
+    /// `persisted_lag_secs` (how much older the newest persisted step's
+    /// snapshot is than the newest snapshot).
+    fn persist_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.get()?.persist_stats();
+        let d = PyDict::new(py);
+        d.set_item("staged", s.staged)?;
+        d.set_item("persisted", s.persisted)?;
+        d.set_item("resident", s.resident)?;
+        d.set_item("superseded", s.superseded)?;
+        d.set_item("skipped", s.skipped)?;
+        d.set_item("bytes_written", s.bytes_written)?;
+        d.set_item("queue_depth", s.queue_depth)?;
+        d.set_item("newest_snapshot", s.newest_snapshot)?;
+        d.set_item("newest_persisted", s.newest_persisted)?;
+        d.set_item("persisted_lag_secs", s.persisted_lag_secs)?;
+        Ok(d)
+    }
+
     /// Queues the flush and commit of the unflushed resident image of
     /// `step` a previous process of this rank left; returns its handle.
     fn persist_resident(&self, py: Python<'_>, step: u64) -> PyResult<SaveHandle> {
@@ -458,6 +521,34 @@ impl Engine {
 
     fn __repr__(&self) -> String {
         format!("Engine(root={:?}, closed={})", self.root, self.closed())
+    }
+}
+
+/// The persist policy from the keywords: `persist_every=N`,
+/// `persist_interval=seconds`, or `persist_policy` `"every"` (every save,
+/// or every `persist_every`) or `"coalesce"`; at most one kind.
+fn persist_policy_of(
+    every: Option<u64>,
+    interval: Option<f64>,
+    policy: Option<&str>,
+) -> PyResult<PersistPolicy> {
+    match (every, interval, policy) {
+        (None, None, None | Some("every")) => Ok(PersistPolicy::default()),
+        (Some(n), None, None | Some("every")) => Ok(PersistPolicy::Every(n)),
+        (None, Some(secs), None | Some("interval")) => {
+            Ok(PersistPolicy::Interval(seconds("persist_interval", secs)?))
+        }
+        (None, None, Some("coalesce")) => Ok(PersistPolicy::Coalesce),
+        (_, _, Some(other)) if !["every", "interval", "coalesce"].contains(&other) => {
+            Err(config_error(
+                "persist_policy",
+                format!("{other:?} is not one of [\"every\", \"interval\", \"coalesce\"]"),
+            ))
+        }
+        _ => Err(config_error(
+            "persist_policy",
+            "give one of persist_every, persist_interval or persist_policy=\"coalesce\"",
+        )),
     }
 }
 

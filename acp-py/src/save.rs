@@ -352,6 +352,7 @@ fn report_dict<'py>(py: Python<'py>, r: &SaveReport) -> PyResult<Bound<'py, PyDi
     d.set_item("total_secs", r.total_secs)?;
     d.set_item("io", io_name(r.io))?;
     d.set_item("direct", r.direct)?;
+    d.set_item("outcome", r.outcome.as_str())?;
     Ok(d)
 }
 

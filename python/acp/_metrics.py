@@ -4,7 +4,11 @@ Prometheus text exposition format.
 
 Per save: the stall (what training waited for), bytes, staging throughput
 (tensor bytes over the copy into the ring), queue wait, flush time and
-throughput, commit time, and the time from ``save()`` to committed. Per
+throughput, commit time, the time from ``save()`` to committed, and its
+outcome (persisted, or kept resident in RAM, or superseded before its
+persist). From the engine: steps staged, persisted, resident and
+superseded, bytes written to storage, the persist queue's depth, and how
+far the newest persisted step lags the newest snapshot. Per
 load: the source (``ram`` or ``storage``), bytes and throughput.
 
 A save finishes in the background; its figures are collected when the
@@ -21,9 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from acp._acp import AcpError
 
 if TYPE_CHECKING:
     from acp.checkpointer import LoadStats, SaveHandle, SaveStats
@@ -99,6 +105,8 @@ class _Figures:
     committed: int = 0
     failed: int = 0
     skipped: int = 0
+    resident: int = 0
+    superseded: int = 0
     bytes: int = 0
     tensor_bytes: int = 0
     last_committed_step: int | None = None
@@ -124,6 +132,9 @@ class Metrics:
         self._lock = threading.Lock()
         self._pending: list[SaveHandle] = []
         self._f = _Figures()
+        self.persist_source: Callable[[], dict[str, Any]] | None = None
+        """The engine's persist figures (``Engine.persist_stats``), set by
+        the checkpointer while its engine is open."""
         with _live_lock:
             _live.add(self)
 
@@ -191,6 +202,14 @@ class Metrics:
                 self._f.failed += 1
             logger.error("acp: step %d failed: %s", s.step, s.error)
             return
+        if s.outcome in ("resident", "superseded"):
+            with self._lock:
+                if s.outcome == "resident":
+                    self._f.resident += 1
+                else:
+                    self._f.superseded += 1
+            logger.debug("acp: step %d %s in RAM, not persisted", s.step, s.outcome)
+            return
         with self._lock:
             f = self._f
             f.committed += 1
@@ -240,15 +259,28 @@ class Metrics:
 
     # --- output -----------------------------------------------------------
 
+    def _persist(self) -> dict[str, Any] | None:
+        source = self.persist_source
+        if source is None:
+            return None
+        try:
+            return source()
+        except AcpError:  # a closed engine has no figures
+            return None
+
     def summary(self) -> dict[str, Any]:
         """The aggregates, as ``Checkpointer.stats()["figures"]``."""
         self.collect()
+        persist = self._persist()
         with self._lock:
             f = self._f
             return {
                 "saves_committed": f.committed,
                 "saves_failed": f.failed,
                 "saves_skipped": f.skipped,
+                "saves_resident": f.resident,
+                "saves_superseded": f.superseded,
+                "persist": persist,
                 "saves_in_flight": len(self._pending),
                 "bytes_committed": f.bytes,
                 "last_committed_step": f.last_committed_step,
@@ -286,7 +318,18 @@ def _escape(v: str) -> str:
 
 
 _FAMILIES: list[tuple[str, str, str]] = [
-    ("acp_saves_total", "counter", "Saves by result (committed, failed, skipped)."),
+    (
+        "acp_saves_total",
+        "counter",
+        "Saves by result (committed, failed, skipped, resident, superseded).",
+    ),
+    ("acp_storage_bytes_written_total", "counter", "Bytes the engine wrote to storage."),
+    ("acp_persist_queue_depth", "gauge", "Persists queued, deferred or running."),
+    (
+        "acp_persist_lag_seconds",
+        "gauge",
+        "How much older the newest persisted step's snapshot is than the newest snapshot.",
+    ),
     ("acp_save_bytes_total", "counter", "Bytes of committed checkpoint files."),
     ("acp_save_stall_seconds", "summary", "What training waited for in save()."),
     ("acp_save_stall_seconds_max", "gauge", "The longest save() stall."),
@@ -320,8 +363,13 @@ def prometheus_text(metrics: Iterable[Metrics] | None = None) -> str:
             if value is not None:
                 samples[name].append(f"{name}{labels} {float(value)!r}")
 
-        for result in ("committed", "failed", "skipped"):
+        for result in ("committed", "failed", "skipped", "resident", "superseded"):
             put("acp_saves_total", s[f"saves_{result}"], _labels(m, result=result))
+        persist = s["persist"]
+        if persist is not None:
+            put("acp_storage_bytes_written_total", persist["bytes_written"])
+            put("acp_persist_queue_depth", persist["queue_depth"])
+            put("acp_persist_lag_seconds", persist["persisted_lag_secs"])
         put("acp_save_bytes_total", s["bytes_committed"])
         for fam, key in (
             ("acp_save_stall_seconds", "stall_secs"),

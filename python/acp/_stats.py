@@ -40,6 +40,13 @@ class SaveStats:
     io: str | None = None
     direct: bool | None = None
     error: str | None = None
+    outcome: str | None = None
+    """``"persisted"`` (committed in storage), ``"resident"`` (a RAM
+    snapshot: ``persist=False``, or the persist policy did not persist it),
+    ``"superseded"`` (it waited for the persist in flight and a newer save
+    took its place: never written) or ``"skipped"``; None until done."""
+    persisted: bool | None = None
+    """Whether the step was committed in storage; None until done."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,7 +130,12 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Blocks until the step is durable and committed; returns its
-        figures. Raises the save's error, or ``acp.AcpTimeout``."""
+        figures. Raises the save's error, or ``acp.AcpTimeout``. A save
+        that is not persisted does not block: it returns at once with
+        ``persisted=False`` and ``outcome="resident"`` (kept in RAM) or
+        ``"superseded"`` (with the coalescing policy, when a newer save
+        replaced it while it waited for the persist in flight; until then
+        it waits for that persist and its own)."""
         return self._with(self._handle.wait(timeout))
 
     @property
@@ -152,6 +164,8 @@ class SaveHandle:
                 "flush_bytes_per_sec": r["bytes"] / flush if flush > 0 else None,
                 "io": r["io"],
                 "direct": r["direct"],
+                "outcome": r["outcome"],
+                "persisted": r["outcome"] == "persisted",
             }
         )
 

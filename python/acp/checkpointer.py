@@ -124,6 +124,21 @@ class Checkpointer:
         shm_ttl: seconds after which opening removes the rings of other
             jobs of this user that no process holds and whose steps are all
             committed (default 24 h; 0 turns it off; see ``acp gc --shm``).
+        persist_every, persist_interval, persist_policy: which saves are
+            persisted (flushed to storage and committed) when ``save`` is
+            given ``persist=None``; the others stay RAM snapshots in the
+            ring. ``persist_every=N``: steps that are multiples of N;
+            ``persist_interval=s``: at most one persist per ``s`` seconds;
+            ``persist_policy="coalesce"``: the newest snapshot whenever the
+            previous persist has finished (at most one in flight; a newer
+            snapshot supersedes a waiting one, which is never written).
+            Default: every save (``persist_every=1``). With several ranks
+            only ``persist_every`` (the same steps on every rank). Give the
+            ring 3 slots or more when most saves are not persisted, so
+            snapshots keep cycling while a persist is in flight.
+        background_nice: the niceness (0-19) of the flush thread and its
+            I/O threads, which also get the lowest best-effort I/O priority
+            (default 10; 0 leaves priorities alone).
         The other keywords tune the engine; see ``acp._acp.Engine``.
     """
 
@@ -156,6 +171,10 @@ class Checkpointer:
         store: Store | None = None,
         release_on_close: bool = False,
         shm_ttl: float | None = None,
+        persist_every: int | None = None,
+        persist_interval: float | None = None,
+        persist_policy: str | None = None,
+        background_nice: int | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         detected_rank, detected_world = rank_and_world_size()
@@ -196,6 +215,10 @@ class Checkpointer:
             faults=faults,
             release_on_close=release_on_close,
             shm_ttl=shm_ttl,
+            persist_every=persist_every,
+            persist_interval=persist_interval,
+            persist_policy=persist_policy,
+            background_nice=background_nice,
         )
         self.root = self._engine.root
         self._coordinator: Coordinator | None = None
@@ -230,6 +253,7 @@ class Checkpointer:
         # Figures and log lines (acp._metrics).
         self._metrics = Metrics(os.fspath(self.root), job, self.rank)
         self._metrics.opened(self._engine.open_report())
+        self._metrics.persist_source = self._engine.persist_stats
         self._in = Internals(self._engine, self._adapters, self._metrics)
 
     # --- saving -----------------------------------------------------------
@@ -242,9 +266,19 @@ class Checkpointer:
         overwrite: bool = False,
         metadata: dict[str, str] | None = None,
         replicated: bool | Collection[str] = False,
+        persist: bool | None = None,
     ) -> SaveHandle:
         """Saves ``state`` as ``step``; returns once its tensors are copied
         into the ring (the stall), while the engine writes and commits it.
+
+        Every save is a RAM snapshot, resident in this node's shared memory
+        (it survives a crash of the process, not the loss of the node).
+        ``persist=True`` also writes and commits it to storage,
+        ``persist=False`` keeps it in RAM only, and None (default) lets the
+        persist policy decide (``persist_every``, ...; by default every save
+        is persisted). The newest snapshot is committed anyway by
+        ``close()``, the dying checkpoint, a restarted trainer on this node
+        and ``acp persist``.
 
         ``state`` nests dicts, lists, tuples, str, int, float, bool, bytes,
         None and tensors (torch, NumPy); its tensors are named by their key
@@ -263,7 +297,12 @@ class Checkpointer:
         self._check_open()
         with gc_paused():
             return self._save(
-                step, state, overwrite=overwrite, metadata=metadata, replicated=replicated
+                step,
+                state,
+                overwrite=overwrite,
+                metadata=metadata,
+                replicated=replicated,
+                persist=persist,
             )
 
     def reserve(self, state: object, *, replicated: bool | Collection[str] = False) -> int:
@@ -310,6 +349,7 @@ class Checkpointer:
         overwrite: bool,
         metadata: dict[str, str] | None,
         replicated: bool | Collection[str],
+        persist: bool | None,
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
@@ -322,7 +362,7 @@ class Checkpointer:
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
         t1 = perf_counter()
-        staging = self._engine.begin_save(step, specs, flat.json(), overwrite, extra)
+        staging = self._engine.begin_save(step, specs, flat.json(), overwrite, extra, persist)
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
@@ -483,9 +523,16 @@ class Checkpointer:
     # --- the rest ---------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """The committed steps, ascending."""
+        """The committed steps (persisted in storage), ascending; RAM
+        snapshots are ``snapshots()``."""
         self._check_open()
         return self._engine.steps()
+
+    def snapshots(self) -> list[int]:
+        """The RAM snapshots of this rank on this node: the steps resident
+        in its shared-memory ring (persisted or not), newest first."""
+        self._check_open()
+        return self._engine.snapshots()
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -532,6 +579,7 @@ class Checkpointer:
         out["last_save"] = None if last is None else last.stats.as_dict()
         out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
         out["engine"] = None if self._closed else self._engine.open_report()
+        out["persist"] = None if self._closed else self._engine.persist_stats()
         out["figures"] = self._metrics.summary()
         return out
 
@@ -569,7 +617,8 @@ class Checkpointer:
         return self._closed
 
     def close(self) -> None:
-        """Waits for the queued flushes, then stops the engine. Resident
+        """Commits the newest RAM snapshot when it is not persisted, waits
+        for the queued flushes, then stops the engine. Resident
         checkpoints stay in shared memory, unless ``release_on_close`` was
         set: then this rank's ring is removed, if every resident step is
         committed (a ring holding the only copy of a step is kept, and a

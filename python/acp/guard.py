@@ -11,9 +11,11 @@ Two pieces, used alone or together::
             if step % 100 == 0:
                 ckpt.save(step, state)
 
-What is persisted is what ``save()`` finished staging: its flush is already
-queued, so the dying checkpoint waits for the queue to drain (bounded by
-``timeout`` and by the engine's watchdog, ``stall_timeout``). A save that
+What is persisted is what ``save()`` finished staging: the flushes already
+queued, and the newest staged step whatever the persist policy chose for it
+(a RAM snapshot, ``persist=False`` included, is queued now); the dying
+checkpoint waits for the queue to drain (bounded by ``timeout`` and by the
+engine's watchdog, ``stall_timeout``). Older RAM snapshots are not written. A save that
 was interrupted while staging (an exception inside ``save`` itself, or a
 SIGTERM that arrives while tensors are being copied) is aborted, never
 finished: its slot is freed and the checkpoint before it is the one that
@@ -144,13 +146,22 @@ def dying_checkpoint(
         elif last is not None:
             error = f"step {staged}: engine closed before the flush finished"
     else:
+        newest = None
         try:
+            # The newest snapshot is committed whatever the persist policy
+            # chose for it at its save (a RAM-only step is queued now).
+            newest = engine.persist_newest()
             engine.wait_idle(timeout)
         except AcpError as e:
             error = str(e)
         if last is not None and error is None:
             try:
                 last.wait(0)
+            except AcpError as e:
+                error = str(e)
+        if newest is not None and error is None:
+            try:
+                newest.wait(0)
             except AcpError as e:
                 error = str(e)
         try:

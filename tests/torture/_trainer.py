@@ -178,6 +178,21 @@ def main() -> None:
             ckpt.save(2, state(2))
             raise RuntimeError("boom in training")
 
+    elif mode in ("sigterm-ram-only", "kill-ram-only"):
+        # Step 1 persisted, steps 2 and 3 RAM snapshots only: the dying
+        # checkpoint (SIGTERM) or the restart (SIGKILL) commits step 3.
+        if mode == "sigterm-ram-only":
+            ckpt.install_sigterm_handler()
+        ckpt.save(1, state(1)).wait()
+        for s in (2, 3):
+            stats = ckpt.save(s, state(s), persist=False).wait()
+            assert stats.outcome == "resident", stats
+        assert ckpt.steps() == [1], ckpt.steps()
+        if mode == "kill-ram-only":
+            os.kill(os.getpid(), signal.SIGKILL)
+        ready()
+        train_forever()
+
     elif mode == "oom-kill":
         # Staging of step 2 finished, its flush is held back: SIGKILL.
         ckpt.save(1, state(1)).wait()

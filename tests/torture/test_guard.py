@@ -202,3 +202,30 @@ def test_acp_persist_commits_what_an_oom_killed_trainer_left(tmp_path: Path, shm
         assert ckpt.steps() == [1, 2]
         assert ckpt.stats()["engine"]["persisting_steps"] == []
         assert_state(ckpt.load(storage_only=True), 2)
+
+
+def test_sigterm_commits_the_newest_ram_only_snapshot(tmp_path: Path, shm_dir: Path) -> None:
+    """Steps saved with persist=False: the dying checkpoint commits the
+    newest of them, never the older one."""
+    root, j = tmp_path / "ckpt", job()
+    p = run_trainer("sigterm-ram-only", root, shm_dir, j)
+    wait_line(p, "READY")
+    p.send_signal(signal.SIGTERM)
+    code, _, err = finish(p)
+    assert code == acp.EXIT_TERMINATED, err
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.steps() == [1, 3]
+        assert ckpt.stats()["engine"]["persisting_steps"] == []
+        assert_state(ckpt.load(storage_only=True), 3)
+
+
+def test_sigkill_with_ram_only_snapshots_commits_the_newest_on_restart(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    root, j = tmp_path / "ckpt", job()
+    code, _, err = finish(run_trainer("kill-ram-only", root, shm_dir, j))
+    assert code == -signal.SIGKILL, err
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.stats()["engine"]["persisting_steps"] == [3]
+        assert_state(ckpt.load(), 3)
+        assert ckpt.steps() == [1, 3]

@@ -48,58 +48,103 @@ pub(super) struct Job {
     pub(super) unwatched: bool,
 }
 
+impl Job {
+    /// The report of this save when it is not flushed (kept resident, or
+    /// superseded): its stall figures, no flush.
+    pub(super) fn unflushed(&self, outcome: super::Outcome) -> SaveReport {
+        SaveReport {
+            step: self.step,
+            skipped: false,
+            bytes: self.pin.image().len() as u64,
+            stall_secs: self.stall_secs,
+            slot_wait_secs: self.slot_wait_secs,
+            queue_secs: 0.0,
+            flush_secs: 0.0,
+            commit_secs: 0.0,
+            total_secs: self.started.elapsed().as_secs_f64(),
+            // No I/O engine wrote it; the report names the plain one.
+            io: crate::io::IoKind::Psync,
+            direct: false,
+            outcome,
+        }
+    }
+}
+
 /// The flush thread's loop: one job at a time, in order, until the queue
-/// closes.
+/// closes; after each, the snapshot deferred behind it (coalescing), if any.
 pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
     for job in rx {
-        let slot = job.pin.slot();
-        let generation = job.pin.generation();
-        let step = job.step;
-        let unwatched = job.unwatched;
-        let done = Arc::clone(&job.done);
-        // The watchdog times the flush from here: a storage call that hangs
-        // before the first chunk (creating the directory) is caught too.
-        shared.note_progress(format!(
-            "step {step}: starting the flush into {}",
-            shared.root.location().display()
-        ));
-        let result = flush_one(shared, job);
-        {
-            let mut st = shared.lock();
-            st.progress = None;
-            st.recovering.retain(|s| *s != step);
-            match &result {
-                Ok(_) => {
-                    // Older images whose flush failed are superseded now
-                    // (not the one just committed, which a recovered slot
-                    // persisted by `persist_resident` may have been), each
-                    // only while its slot still holds it.
-                    for f in std::mem::take(&mut st.failed_slots) {
-                        if (f.slot, f.generation) != (slot, generation) {
-                            shared.ring.release_generation(f.slot, f.generation);
-                        }
-                    }
-                }
-                Err(e) => {
-                    st.failed_slots.push(FailedSlot { slot, generation });
-                    if unwatched && st.unreported.is_none() {
-                        st.unreported = Some(e.duplicate());
+        let mut next = Some(job);
+        while let Some(job) = next {
+            next = run_one(shared, job);
+        }
+    }
+}
+
+/// Flushes and commits one job, completes its handle, and takes the
+/// deferred snapshot to run next (in the same lock as the job's own
+/// accounting, so a save deciding meanwhile sees either the job in flight
+/// or nothing in flight).
+fn run_one(shared: &Shared, job: Job) -> Option<Job> {
+    let slot = job.pin.slot();
+    let generation = job.pin.generation();
+    let step = job.step;
+    let unwatched = job.unwatched;
+    let staged_at = job.started;
+    let done = Arc::clone(&job.done);
+    // The watchdog times the flush from here: a storage call that hangs
+    // before the first chunk (creating the directory) is caught too.
+    shared.note_progress(format!(
+        "step {step}: starting the flush into {}",
+        shared.root.location().display()
+    ));
+    let result = flush_one(shared, job);
+    {
+        let mut st = shared.lock();
+        st.progress = None;
+        st.recovering.retain(|s| *s != step);
+        match &result {
+            Ok(rep) => {
+                st.counts.committed(step, staged_at, rep.bytes);
+                shared.release_superseded(&mut st, step);
+                // Older images whose flush failed are superseded now
+                // (not the one just committed, which a recovered slot
+                // persisted by `persist_resident` may have been), each
+                // only while its slot still holds it.
+                for f in std::mem::take(&mut st.failed_slots) {
+                    if (f.slot, f.generation) != (slot, generation) {
+                        shared.ring.release_generation(f.slot, f.generation);
                     }
                 }
             }
+            Err(e) => {
+                st.failed_slots.push(FailedSlot { slot, generation });
+                if unwatched && st.unreported.is_none() {
+                    st.unreported = Some(e.duplicate());
+                }
+            }
         }
-        if let Err(e) = &result {
-            tracing::error!(step, "acp: save failed: {e}");
-            // The image stays resident (restorable) until the ring needs room.
-            shared.ring.set_state(slot, SlotState::Resident);
-        }
-        shared.ring.notify();
-        done.complete(result);
-        let mut st = shared.lock();
-        st.in_flight -= 1;
-        drop(st);
-        shared.idle.notify_all();
     }
+    if let Err(e) = &result {
+        tracing::error!(step, "acp: save failed: {e}");
+        // The image stays resident (restorable) until the ring needs room.
+        shared.ring.set_state(slot, SlotState::Resident);
+    }
+    shared.ring.notify();
+    done.complete(result);
+    let mut st = shared.lock();
+    st.in_flight -= 1;
+    if let Some(i) = st.queued.iter().position(|s| *s == step) {
+        st.queued.swap_remove(i);
+    }
+    // The deferred snapshot stays counted in `in_flight`: it runs now.
+    let next = st.deferred.take();
+    if next.is_some() {
+        st.counts.last_queued = Some(Instant::now());
+    }
+    drop(st);
+    shared.idle.notify_all();
+    next
 }
 
 fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
@@ -238,6 +283,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             total_secs: job.started.elapsed().as_secs_f64(),
             io: stats.kind,
             direct: stats.direct,
+            outcome: super::Outcome::Persisted,
         })
     })();
     if result.is_err() {

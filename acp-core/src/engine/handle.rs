@@ -150,6 +150,7 @@ impl SaveHandle {
             total_secs: 0.0,
             io: IoKind::Psync,
             direct: false,
+            outcome: super::Outcome::Skipped,
         }));
         SaveHandle::from_completion(c)
     }

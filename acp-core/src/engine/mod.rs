@@ -87,6 +87,7 @@ mod flush;
 mod handle;
 mod load;
 mod open;
+mod policy;
 mod ranks;
 mod release;
 pub(crate) mod retention;
@@ -99,6 +100,7 @@ pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};
 pub use handle::SaveHandle;
 pub use load::LoadRequest;
 pub use open::OpenReport;
+pub use policy::{Outcome, Persist, PersistStats};
 pub use save::{HostTensor, OnWait, SaveOptions, SaveReport};
 pub use stage::Staging;
 
@@ -130,7 +132,12 @@ impl Engine {
 
     fn enqueue(&self, job: flush::Job) -> Result<()> {
         let shared = self.shared();
-        shared.lock().in_flight += 1;
+        let step = job.step;
+        {
+            let mut st = shared.lock();
+            st.in_flight += 1;
+            st.queued.push(step);
+        }
         let tx = self
             .inner
             .tx
@@ -143,7 +150,11 @@ impl Engine {
         if let Err(job) = sent {
             let mut st = shared.lock();
             st.in_flight -= 1;
+            if let Some(i) = st.queued.iter().position(|s| *s == step) {
+                st.queued.swap_remove(i);
+            }
             drop(st);
+            shared.idle.notify_all();
             let err = Error::Closed {
                 root: shared.root.location().to_path_buf(),
             };
@@ -198,6 +209,24 @@ impl Engine {
             .collect()
     }
 
+    /// The RAM snapshots of this rank on this node: the steps resident in
+    /// its ring (persisted or not), newest first. Same as
+    /// [`Engine::resident_steps`].
+    #[must_use]
+    pub fn snapshots(&self) -> Vec<u64> {
+        self.resident_steps()
+    }
+
+    /// What became of this engine's saves so far: staged, persisted, kept
+    /// resident, superseded and skipped counts, bytes written to storage,
+    /// the persist queue's depth, and how far the newest persisted step
+    /// lags the newest snapshot.
+    #[must_use]
+    pub fn persist_stats(&self) -> PersistStats {
+        let st = self.shared().lock();
+        st.counts.stats(st.in_flight)
+    }
+
     /// The index of committed `step`: its files (size, digests, rank) and
     /// which file holds each tensor.
     ///
@@ -218,7 +247,9 @@ impl Engine {
         Ok(ranks::read_header(self.shared(), step, rank)?.values)
     }
 
-    /// Drains the flush queue and stops the flush thread. Resident slots stay
+    /// Persists the newest resident step when it is not committed (a RAM
+    /// snapshot the policy did not persist: [`Engine::persist_newest`]),
+    /// drains the flush queue and stops the flush thread. Resident slots stay
     /// in shared memory, unless `release_on_close` is set and every
     /// resident step is committed: then this rank's ring files are removed. Further saves fail with [`Error::Closed`]. Never
     /// waits longer than the watchdog allows for a stuck flush.
@@ -227,7 +258,15 @@ impl Engine {
     /// A flush error that no handle reported, or the watchdog's timeout.
     pub fn close(&self) -> Result<()> {
         let shared = self.shared();
-        shared.lock().closed = true;
+        // Nothing protected is lost: the newest snapshot is committed
+        // whatever the policy chose for it. A failure is its flush's, raised
+        // below as an unreported error.
+        let closed = std::mem::replace(&mut shared.lock().closed, true);
+        let newest = if closed {
+            Ok(None)
+        } else {
+            self.persist_newest()
+        };
         let drained = self.wait_idle(None);
         drop(
             self.inner
@@ -250,6 +289,9 @@ impl Engine {
         drained?;
         if let Some(e) = shared.lock().unreported.take() {
             return Err(e);
+        }
+        if let Some(h) = newest? {
+            h.wait()?;
         }
         if shared.cfg.release_on_close {
             let kept = release::release_ring(shared);

@@ -206,10 +206,18 @@ impl Engine {
         let (tx, rx) = crossbeam_channel::unbounded();
         let worker = {
             let for_thread = Arc::clone(&shared);
+            let nice = shared.cfg.background_nice;
             std::thread::Builder::new()
                 .name(format!("acp-flush-r{}", shared.cfg.rank))
                 .spawn(move || {
                     crate::io::block_async_signals();
+                    // Hashing and writing yield to the training threads;
+                    // the pwrite threads the flush starts inherit it.
+                    if nice > 0 {
+                        if let Err(e) = crate::io::lower_thread_priority(nice) {
+                            tracing::info!("acp: flush thread priority not lowered: {e}");
+                        }
+                    }
                     flush::run(&for_thread, &rx);
                 })
                 .map_err(|e| Error::io("start flush thread", shared.root.location(), e))?
@@ -256,6 +264,57 @@ impl Engine {
             })?;
         let done = self.persist_slot(&info, false)?;
         Ok(SaveHandle::from_completion(done))
+    }
+
+    /// Queues the persist of the newest resident step of this rank's ring
+    /// when no persist of it is queued or running and it is newer than
+    /// every committed step, whatever the policy chose for it at its save
+    /// (the dying checkpoint, `close`, and a full ring use it). Returns its
+    /// handle, or `None` when there is nothing to persist: the newest
+    /// complete image is persisted, being persisted, older than the newest
+    /// committed step, or one whose flush failed.
+    ///
+    /// # Errors
+    /// [`Error::Closed`].
+    pub fn persist_newest(&self) -> Result<Option<SaveHandle>> {
+        let shared = self.shared();
+        let Some(info) = shared.ring.complete().into_iter().next() else {
+            return Ok(None);
+        };
+        if info.state != SlotState::Resident {
+            return Ok(None);
+        }
+        let generation = shared.ring.generation(info.slot);
+        {
+            let st = shared.lock();
+            let newer = st.committed.last().is_none_or(|l| info.step > *l);
+            let failed = st
+                .failed_slots
+                .iter()
+                .any(|f| Some(f.generation) == generation && f.slot == info.slot);
+            if !newer || failed || st.queued.contains(&info.step) {
+                return Ok(None);
+            }
+        }
+        // Being persisted, it is no longer a kept snapshot to release.
+        shared.lock().snapshots.retain(|s| s.slot != info.slot);
+        let pin = shared.ring.pin(info.slot)?;
+        tracing::info!(step = info.step, "acp: persisting the newest resident step");
+        let done = handle::Completion::new(info.step);
+        self.enqueue(flush::Job {
+            pin,
+            step: info.step,
+            overwrite: false,
+            done: Arc::clone(&done),
+            started: Instant::now(),
+            stall_secs: 0.0,
+            slot_wait_secs: 0.0,
+            unwatched: false,
+        })?;
+        Ok(Some(SaveHandle::watched(
+            done,
+            Arc::downgrade(&self.inner.shared),
+        )))
     }
 
     /// Queues a recovered slot for flush and commit; `unwatched` when no

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::wait::WATCH_TICK;
-use super::{Engine, SaveHandle, Staging};
+use super::{Engine, Persist, SaveHandle, Staging};
 use crate::config::WhenFull;
 use crate::error::{Error, Result};
 use crate::format::{check_values_json, Dtype, ImageMeta, Layout, TensorSpec};
@@ -26,6 +26,9 @@ pub struct SaveOptions {
     /// ends the wait and the save with that error. Bindings run their
     /// signal handlers here (a SIGTERM must not wait for a slot).
     pub on_wait: Option<OnWait>,
+    /// Whether this save is persisted (flushed to storage and committed)
+    /// or stays a RAM snapshot. Default [`Persist::Policy`].
+    pub persist: Persist,
 }
 
 /// The callback of [`SaveOptions::on_wait`].
@@ -77,6 +80,11 @@ pub struct SaveReport {
     pub io: IoKind,
     /// Whether `O_DIRECT` was used.
     pub direct: bool,
+    /// What became of the save: persisted (committed), resident (a RAM
+    /// snapshot the policy or the caller did not persist), superseded
+    /// (a newer save was persisted or queued first), or skipped. Only
+    /// `Persisted` has flush and commit figures.
+    pub outcome: super::Outcome,
 }
 
 impl Engine {
@@ -210,6 +218,7 @@ impl Engine {
                 step,
                 "acp: no free ring slot, save skipped (when_full = skip)"
             );
+            shared.lock().counts.skipped += 1;
             return Ok(None);
         };
         let header = layout.header_bytes();
@@ -218,6 +227,7 @@ impl Engine {
             engine: self.clone(),
             step,
             overwrite: opts.overwrite,
+            persist: opts.persist,
             layout,
             slot: Some(slot),
             started,
@@ -259,6 +269,19 @@ impl Engine {
                     );
                 }
                 continue;
+            }
+            // Every slot holds an image that is neither persisted nor
+            // superseded (RAM snapshots the policy kept) or is being
+            // flushed: persisting the newest resident step lets the ring
+            // reuse the others' slots, and its own once persisted. Never
+            // drop the only copy of the newest step instead.
+            if shared.lock().in_flight == 0 {
+                if let Err(e) = self.persist_newest() {
+                    tracing::warn!(
+                        step,
+                        "acp: persisting the newest resident step to make room: {e}"
+                    );
+                }
             }
             let limit = match shared.cfg.when_full {
                 WhenFull::Skip => return Ok(None),

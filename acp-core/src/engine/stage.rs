@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{copy, flush, handle, to_usize, Engine, SaveHandle};
+use super::policy::{self, Decision};
+use super::state::{Shared, Snapshot};
+use super::{copy, flush, handle, to_usize, Engine, Outcome, Persist, SaveHandle};
 use crate::error::{Error, Result};
 use crate::format::{Entry, Layout};
 use crate::staging::StagingSlot;
@@ -18,6 +20,7 @@ pub struct Staging {
     pub(super) engine: Engine,
     pub(super) step: u64,
     pub(super) overwrite: bool,
+    pub(super) persist: Persist,
     pub(super) layout: Layout,
     pub(super) slot: Option<StagingSlot>,
     pub(super) started: Instant,
@@ -146,7 +149,14 @@ impl Staging {
         self.layout.total_len
     }
 
-    /// Ends the stall: seals the slot and queues its flush.
+    /// Ends the stall: seals the slot, then queues its persist, defers it
+    /// behind the persist in flight, or keeps it resident only, as the
+    /// save's [`Persist`](super::Persist) and the engine's
+    /// [`PersistPolicy`](crate::PersistPolicy) decide. The handle of a
+    /// save kept resident is complete at once (outcome
+    /// [`Outcome::Resident`](super::Outcome)); a deferred one completes
+    /// when persisted, or as [`Outcome::Superseded`](super::Outcome) when
+    /// a newer save takes its place first.
     #[must_use]
     pub fn finish(mut self) -> SaveHandle {
         let done = handle::Completion::new(self.step);
@@ -168,8 +178,53 @@ impl Staging {
             slot_wait_secs: self.slot_wait.as_secs_f64(),
             unwatched: false,
         };
-        // An enqueue failure (engine closed) completes `done` with the error.
-        let _ = self.engine.enqueue(job);
+        let engine = &self.engine;
+        let shared = engine.shared();
+        let now = Instant::now();
+        let mut st = shared.lock();
+        st.counts.sealed(self.step, self.started);
+        let decision = policy::decide(
+            shared.cfg.persist_policy,
+            self.persist,
+            self.step,
+            now,
+            st.counts.last_queued,
+            st.in_flight,
+        );
+        match decision {
+            Decision::Queue => {
+                // A newer step is being persisted: the one waiting is
+                // superseded (never the newest: this one is newer).
+                Shared::supersede_deferred(&mut st);
+                shared.release_superseded(&mut st, self.step);
+                st.counts.last_queued = Some(now);
+                drop(st);
+                // An enqueue failure (engine closed) completes `done`.
+                let _ = engine.enqueue(job);
+            }
+            Decision::Defer => {
+                Shared::supersede_deferred(&mut st);
+                shared.release_superseded(&mut st, self.step);
+                st.in_flight += 1;
+                st.queued.push(self.step);
+                st.deferred = Some(job);
+            }
+            Decision::Keep => {
+                st.counts.resident += 1;
+                st.snapshots.push(Snapshot {
+                    slot: job.pin.slot(),
+                    generation: job.pin.generation(),
+                    step: self.step,
+                });
+                shared.release_superseded(&mut st, self.step);
+                drop(st);
+                let report = job.unflushed(Outcome::Resident);
+                // The pin drops with the job: the slot stays resident,
+                // reused once a newer complete image supersedes it.
+                drop(job);
+                done.complete(Ok(report));
+            }
+        }
         SaveHandle::watched(done, Arc::downgrade(&self.engine.inner.shared))
     }
 }

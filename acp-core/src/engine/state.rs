@@ -55,6 +55,30 @@ pub(super) struct EngineState {
     pub(super) stall_logged: bool,
     /// A flush error that no handle has reported yet (recovery flushes).
     pub(super) unreported: Option<Error>,
+    /// The newest snapshot waiting for the persist in flight
+    /// ([`PersistPolicy::Coalesce`](crate::PersistPolicy)); counted in
+    /// `in_flight` and `queued`. The flush thread runs it next, unless a
+    /// newer save supersedes it first.
+    pub(super) deferred: Option<super::flush::Job>,
+    /// The steps of the persists counted in `in_flight` (queued, deferred
+    /// or running), so the newest resident step is never queued twice.
+    pub(super) queued: Vec<u64>,
+    /// What became of the saves so far.
+    pub(super) counts: super::policy::Counts,
+    /// RAM snapshots kept resident and unpinned (not persisted by the
+    /// policy, or superseded while deferred), each named by its slot's
+    /// generation. All but the newest are released when a newer image is
+    /// sealed or persisted: superseded, they are no step's only copy worth
+    /// a slot, and the ring only reuses `Persisted` slots by itself.
+    pub(super) snapshots: Vec<Snapshot>,
+}
+
+/// A RAM snapshot kept resident: its slot, the slot's generation, its step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Snapshot {
+    pub(super) slot: usize,
+    pub(super) generation: u64,
+    pub(super) step: u64,
 }
 
 impl Shared {
@@ -67,8 +91,50 @@ impl Shared {
     /// Forgets the failures recorded for a slot just acquired again: they
     /// named its previous image.
     pub(super) fn reused(&self, slot: StagingSlot) -> StagingSlot {
-        self.lock().failed_slots.retain(|f| f.slot != slot.slot());
+        let mut st = self.lock();
+        st.failed_slots.retain(|f| f.slot != slot.slot());
+        st.snapshots.retain(|s| s.slot != slot.slot());
+        drop(st);
         slot
+    }
+
+    /// Completes the deferred snapshot, if any, as superseded (its pin
+    /// drops: the slot stays resident until a newer save reuses it).
+    /// Called with the state locked, by whoever queues a newer persist.
+    pub(super) fn supersede_deferred(st: &mut EngineState) {
+        if let Some(job) = st.deferred.take() {
+            st.in_flight -= 1;
+            if let Some(i) = st.queued.iter().position(|s| *s == job.step) {
+                st.queued.swap_remove(i);
+            }
+            st.counts.superseded += 1;
+            st.snapshots.push(Snapshot {
+                slot: job.pin.slot(),
+                generation: job.pin.generation(),
+                step: job.step,
+            });
+            let report = job.unflushed(super::Outcome::Superseded);
+            job.done.complete(Ok(report));
+        }
+    }
+
+    /// Releases the kept snapshots older than `newest` (a step just sealed
+    /// or persisted), each only while its slot still holds it. Called with
+    /// the state locked.
+    pub(super) fn release_superseded(&self, st: &mut EngineState, newest: u64) {
+        let newest = st
+            .snapshots
+            .iter()
+            .map(|s| s.step)
+            .max()
+            .map_or(newest, |m| m.max(newest));
+        st.snapshots.retain(|s| {
+            if s.step >= newest {
+                return true;
+            }
+            self.ring.release_generation(s.slot, s.generation);
+            false
+        });
     }
 
     pub(super) fn note_progress(&self, what: impl Into<String>) {

@@ -47,7 +47,7 @@ use crate::storage::Probe;
 
 pub(crate) use pool::run_on_threads;
 pub use regular::{open_listed, open_regular};
-pub(crate) use sys::block_async_signals;
+pub(crate) use sys::{block_async_signals, lower_thread_priority};
 
 mod file;
 mod pool;

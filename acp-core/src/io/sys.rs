@@ -1,9 +1,10 @@
 //! The system calls acp needs that `std` does not wrap: `fallocate(2)`,
-//! `fcntl(2)` `F_SETFL`, and `pthread_sigmask(3)` for acp's own threads.
+//! `fcntl(2)` `F_SETFL`, and `pthread_sigmask(3)`, `setpriority(2)` and
+//! `ioprio_set(2)` for acp's own threads.
 
 #![allow(
     unsafe_code,
-    reason = "fallocate(2), fcntl(2) and pthread_sigmask(3) have no safe std wrapper; each call only passes an owned, open fd, integers or a sigset on our stack"
+    reason = "fallocate(2), fcntl(2), pthread_sigmask(3), setpriority(2) and ioprio_set(2) have no safe std wrapper; each call only passes an owned, open fd, integers or a sigset on our stack"
 )]
 
 use std::fs::File;
@@ -165,6 +166,96 @@ pub(crate) fn block_async_signals() {
             libc::sigdelset(&mut set, sig);
         }
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+/// `IOPRIO_WHO_PROCESS`: `ioprio_set`'s `who` names one thread (by tid).
+const IOPRIO_WHO_PROCESS: libc::c_int = 1;
+/// `IOPRIO_CLASS_BE << IOPRIO_CLASS_SHIFT | 7`: best effort, its lowest level.
+const IOPRIO_BE_LOWEST: libc::c_int = (2 << 13) | 7;
+
+/// The calling thread's kernel id.
+fn gettid() -> libc::c_long {
+    // SAFETY: gettid takes no argument and touches no memory of ours.
+    unsafe { libc::syscall(libc::SYS_gettid) }
+}
+
+/// Lowers the calling thread's CPU priority to niceness `nice` and its I/O
+/// priority to the lowest best-effort level; threads it starts later
+/// inherit both (Linux keeps them per thread). Lowering a priority needs
+/// no privilege. Returns what was refused, for the caller to log: the
+/// thread keeps running either way.
+pub(crate) fn lower_thread_priority(nice: i32) -> Result<(), String> {
+    let tid = gettid();
+    let mut refused = Vec::new();
+    let Ok(id) = libc::id_t::try_from(tid) else {
+        return Err(format!("thread id {tid} out of range"));
+    };
+    // SAFETY: setpriority takes only integers and touches no memory of ours.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, id, nice) };
+    if rc != 0 {
+        refused.push(format!(
+            "setpriority({nice}): {}",
+            io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: ioprio_set takes only integers and touches no memory of ours.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_ioprio_set,
+            IOPRIO_WHO_PROCESS,
+            tid,
+            IOPRIO_BE_LOWEST,
+        )
+    };
+    if rc != 0 {
+        refused.push(format!(
+            "ioprio_set(best effort, 7): {}",
+            io::Error::last_os_error()
+        ));
+    }
+    if refused.is_empty() {
+        Ok(())
+    } else {
+        Err(refused.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod priority_tests {
+    #[test]
+    fn a_background_thread_and_its_children_run_at_the_lower_priority() {
+        let got = std::thread::Builder::new()
+            .name("acp-test-nice".into())
+            .spawn(|| {
+                super::lower_thread_priority(7).expect("lowering needs no privilege");
+                let read = || {
+                    let tid = super::gettid();
+                    // SAFETY: integers only; errno is cleared first so a
+                    // niceness of -1 is told from an error.
+                    let nice = unsafe {
+                        *libc::__errno_location() = 0;
+                        libc::getpriority(libc::PRIO_PROCESS, libc::id_t::try_from(tid).unwrap())
+                    };
+                    // SAFETY: integers only (IOPRIO_WHO_PROCESS, the tid).
+                    let io = unsafe { libc::syscall(libc::SYS_ioprio_get, 1, tid) };
+                    (nice, io)
+                };
+                let own = read();
+                let child = std::thread::Builder::new()
+                    .name("acp-test-nice-child".into())
+                    .spawn(read)
+                    .unwrap()
+                    .join()
+                    .unwrap();
+                (own, child)
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        let want = (7, i64::from(super::IOPRIO_BE_LOWEST));
+        assert_eq!(got.0, want);
+        assert_eq!(got.1, want);
     }
 }
 

@@ -1,0 +1,274 @@
+//! The persist policy: which saves reach storage and which stay RAM
+//! snapshots; a snapshot that is superseded is never written; the newest
+//! resident step is committed by `close` and by the next open whatever the
+//! policy chose for it; the ring never drops the only copy of the newest
+//! step to make room.
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+mod torture_util;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use acp_core::storage::faults::FaultInjector;
+use acp_core::{
+    Dtype, Engine, EngineConfig, HostTensor, LoadRequest, Outcome, Persist, PersistPolicy,
+    SaveHandle, SaveOptions, WhenFull,
+};
+use serde_json::json;
+use torture_util::{check, dirs, payload, sigkill_self, SIZES};
+
+fn config(root: &Path, shm: &Path, slots: usize, policy: PersistPolicy) -> EngineConfig {
+    EngineConfig::new(root)
+        .with_shm_dir(shm)
+        .with_job("persist-policy")
+        .with_ring_slots(slots)
+        .with_ring_bytes(slots as u64 * (4 << 20))
+        .with_chunk_bytes(64 << 10)
+        .with_mlock(false)
+        // A ring that never frees a slot fails the test instead of hanging.
+        .with_when_full(WhenFull::Wait(Duration::from_secs(60)))
+        .with_persist_policy(policy)
+}
+
+/// Saves step `step` (the torture payload) with `persist`.
+fn save(engine: &Engine, step: u64, persist: Persist) -> SaveHandle {
+    let a = payload(step, 1, SIZES[0]);
+    let b = payload(step, 2, SIZES[1]);
+    let (sa, sb) = ([a.len() as u64], [b.len() as u64]);
+    engine
+        .save(
+            step,
+            &[
+                HostTensor {
+                    name: "a",
+                    dtype: Dtype::U8,
+                    shape: &sa,
+                    data: &a,
+                },
+                HostTensor {
+                    name: "b",
+                    dtype: Dtype::U8,
+                    shape: &sb,
+                    data: &b,
+                },
+            ],
+            &json!({ "step": step }),
+            &SaveOptions {
+                persist,
+                ..SaveOptions::default()
+            },
+        )
+        .unwrap()
+}
+
+/// The names under the checkpoint root that mention `step`'s directory
+/// (committed or pending).
+fn written(root: &Path, step: u64) -> Vec<String> {
+    let tag = format!("{step:012}");
+    let pending = format!("pending-{step}-");
+    std::fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&tag) || n.contains(&pending))
+        .collect()
+}
+
+#[test]
+fn every_n_persists_the_multiples_and_keeps_the_rest_resident() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 3, PersistPolicy::Every(3))).unwrap();
+    for step in 1..=7 {
+        let rep = save(&engine, step, Persist::Policy).wait().unwrap();
+        let want = if step % 3 == 0 {
+            Outcome::Persisted
+        } else {
+            Outcome::Resident
+        };
+        assert_eq!(rep.outcome, want, "step {step}");
+    }
+    assert_eq!(engine.steps().unwrap(), [3, 6]);
+    for step in [1, 2, 4, 5, 7] {
+        assert!(written(&root, step).is_empty(), "step {step} was written");
+    }
+    assert_eq!(engine.snapshots()[0], 7);
+    let stats = engine.persist_stats();
+    assert_eq!(
+        (stats.staged, stats.persisted, stats.resident),
+        (7, 2, 5),
+        "{stats:?}"
+    );
+    assert_eq!(
+        (stats.newest_snapshot, stats.newest_persisted),
+        (Some(7), Some(6))
+    );
+    // Closing commits the newest resident step, not the older snapshots.
+    engine.close().unwrap();
+    assert_eq!(engine.steps().unwrap(), [3, 6, 7]);
+    assert!(written(&root, 5).is_empty());
+}
+
+#[test]
+fn an_explicit_persist_overrides_the_policy() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 3, PersistPolicy::Every(1))).unwrap();
+    let kept = save(&engine, 1, Persist::Never).wait().unwrap();
+    assert_eq!(kept.outcome, Outcome::Resident);
+    assert!(!kept.skipped);
+    assert_eq!(engine.steps().unwrap(), Vec::<u64>::new());
+    let forced = save(&engine, 2, Persist::Always).wait().unwrap();
+    assert_eq!(forced.outcome, Outcome::Persisted);
+    assert_eq!(engine.steps().unwrap(), [2]);
+    assert!(written(&root, 1).is_empty());
+    let by_policy = save(&engine, 3, Persist::Policy).wait().unwrap();
+    assert_eq!(by_policy.outcome, Outcome::Persisted);
+    assert_eq!(engine.steps().unwrap(), [2, 3]);
+    engine.close().unwrap();
+}
+
+#[test]
+fn interval_persists_the_first_save_then_waits_for_the_interval() {
+    let (_t, root, shm) = dirs();
+    let policy = PersistPolicy::Interval(Duration::from_secs(3600));
+    let engine = Engine::open(config(&root, &shm, 3, policy)).unwrap();
+    let outcomes: Vec<Outcome> = (1..=4)
+        .map(|s| save(&engine, s, Persist::Policy).wait().unwrap().outcome)
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Persisted,
+            Outcome::Resident,
+            Outcome::Resident,
+            Outcome::Resident
+        ]
+    );
+    assert_eq!(engine.steps().unwrap(), [1]);
+    assert!(written(&root, 2).is_empty() && written(&root, 3).is_empty());
+}
+
+#[test]
+fn coalescing_persists_the_newest_and_never_writes_a_superseded_snapshot() {
+    let (_t, root, shm) = dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(
+        config(&root, &shm, 4, PersistPolicy::Coalesce).with_faults(Arc::clone(&faults)),
+    )
+    .unwrap();
+    // Step 1's flush hangs on its first storage operation until healed:
+    // steps 2 and 3 are sealed while it is in flight.
+    faults.arm_stall(0, Duration::from_secs(600));
+    let first = save(&engine, 1, Persist::Policy);
+    let second = save(&engine, 2, Persist::Policy);
+    let third = save(&engine, 3, Persist::Policy);
+    // Step 2 waited behind step 1 and was superseded by step 3: its handle
+    // is complete without any flush.
+    let rep2 = second.wait().unwrap();
+    assert_eq!(rep2.outcome, Outcome::Superseded);
+    assert!(!first.is_done());
+    assert_eq!(engine.persist_stats().queue_depth, 2);
+    faults.heal();
+    assert_eq!(first.wait().unwrap().outcome, Outcome::Persisted);
+    assert_eq!(third.wait().unwrap().outcome, Outcome::Persisted);
+    assert_eq!(engine.steps().unwrap(), [1, 3]);
+    assert!(written(&root, 2).is_empty(), "{:?}", written(&root, 2));
+    let stats = engine.persist_stats();
+    assert_eq!(
+        (stats.staged, stats.persisted, stats.superseded),
+        (3, 2, 1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.persisted_lag_secs, Some(0.0));
+    assert!(stats.bytes_written > 0);
+    // With nothing in flight, the next save is persisted at once.
+    assert_eq!(
+        save(&engine, 4, Persist::Policy).wait().unwrap().outcome,
+        Outcome::Persisted
+    );
+    check(&engine.load(&LoadRequest::default()).unwrap()).unwrap();
+    engine.close().unwrap();
+}
+
+#[test]
+fn snapshots_that_are_never_persisted_cycle_through_a_small_ring() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 2, PersistPolicy::Every(1))).unwrap();
+    for step in 1..=10 {
+        let rep = save(&engine, step, Persist::Never).wait().unwrap();
+        assert_eq!(rep.outcome, Outcome::Resident, "step {step}");
+    }
+    // Each newer snapshot superseded the older one; the newest stays.
+    assert_eq!(engine.snapshots(), [10]);
+    assert_eq!(engine.steps().unwrap(), Vec::<u64>::new());
+    engine.close().unwrap();
+    assert_eq!(engine.steps().unwrap(), [10]);
+    for step in 1..10 {
+        assert!(written(&root, step).is_empty(), "step {step} was written");
+    }
+}
+
+#[test]
+fn a_full_ring_persists_the_only_copy_of_the_newest_step_instead_of_dropping_it() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 1, PersistPolicy::Every(1))).unwrap();
+    save(&engine, 1, Persist::Never).wait().unwrap();
+    // One slot, holding step 1's only copy: step 2 needs it, so step 1 is
+    // persisted first.
+    let rep = save(&engine, 2, Persist::Never).wait().unwrap();
+    assert_eq!(rep.outcome, Outcome::Resident);
+    assert_eq!(engine.steps().unwrap(), [1]);
+    assert_eq!(engine.snapshots(), [2]);
+}
+
+/// The child side of the SIGKILL test: saves step 100 persisted and
+/// steps 101 and 102 as RAM snapshots, then kills itself. Does nothing
+/// unless `ACP_PERSIST_CHILD` is set.
+#[test]
+fn child() {
+    let (Ok(root), Ok(shm)) = (
+        std::env::var("ACP_PERSIST_CHILD"),
+        std::env::var("ACP_PERSIST_SHM"),
+    ) else {
+        return;
+    };
+    let cfg = config(
+        Path::new(&root),
+        Path::new(&shm),
+        3,
+        PersistPolicy::Every(100),
+    );
+    let engine = Engine::open(cfg).unwrap();
+    for step in [100, 101, 102] {
+        save(&engine, step, Persist::Policy).wait().unwrap();
+    }
+    assert_eq!(engine.steps().unwrap(), [100]);
+    sigkill_self();
+}
+
+#[test]
+fn a_process_killed_with_ram_only_snapshots_has_the_newest_committed_on_reopen() {
+    if std::env::var("ACP_PERSIST_CHILD").is_ok() {
+        return;
+    }
+    let (_t, root, shm) = dirs();
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
+        .env("ACP_PERSIST_CHILD", &root)
+        .env("ACP_PERSIST_SHM", &shm)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let engine = Engine::open(config(&root, &shm, 3, PersistPolicy::Every(100))).unwrap();
+    assert_eq!(engine.open_report().persisting_steps, [102]);
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), 102);
+    check(&ck).unwrap();
+    drop(ck);
+    assert!(written(&root, 101).is_empty());
+    engine.close().unwrap();
+}
