@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import selectors
@@ -100,7 +101,8 @@ class Supervisor:
             sys.executable, WORKER, f"--kind={mode.kind}",
             f"--fd={w}", f"--every={mode.every}", f"--root={paths['root']}",
             f"--job={paths['job']}", f"--shm-dir={paths['shm']}",
-            f"--acp-on-full={mode.on_full}", *self.model.flags(),
+            f"--acp-on-full={mode.on_full}", f"--acp-persist={mode.persist}",
+            *self.model.flags(),
         ]  # fmt: skip
         if probe:
             cmd.append("--probe")
@@ -252,19 +254,27 @@ def modes(a: argparse.Namespace) -> list[Mode]:
     out = []
     for kind in a.modes:
         if kind == "acp":
-            for n in a.acp_every:
-                for on_full in a.acp_on_full:
-                    label = f"acp, save every {'step' if n == 1 else f'{n} steps'}"
-                    name = "acp" if n == 1 else f"acp-{n}"
-                    if on_full != "wait":
-                        label += f" (on_full={on_full})"
-                        name += f"-{on_full}"
-                    out.append(Mode(name, "acp", n, label, on_full))
+            for n, on_full, persist in itertools.product(a.acp_every, a.acp_on_full, a.acp_persist):
+                label = f"acp, save every {'step' if n == 1 else f'{n} steps'}"
+                name = "acp" if n == 1 else f"acp-{n}"
+                if on_full != "wait":
+                    label += f" (on_full={on_full})"
+                    name += f"-{on_full}"
+                if persist != "all":
+                    label += f", persist {persist.replace(':', ' ')}"
+                    name += f"-persist-{persist.replace(':', '')}"
+                out.append(Mode(name, "acp", n, label, on_full, persist))
         else:
             for n in a.every:
                 call = "torch.save" if kind == "torch" else "dcp.async_save"
                 out.append(Mode(f"{kind}-{n}", kind, n, f"{call} every {n} steps"))
     return out
+
+
+def _persist(text: str) -> str:
+    if text in ("all", "coalesce") or (text.startswith("every:") and text[6:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: give all, coalesce or every:N")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -284,6 +294,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--acp-on-full", choices=["wait", "skip"], nargs="+", default=["wait"],
                     help="acp's on_full (what a save does when no ring slot is free); "
                     "both: two acp modes")  # fmt: skip
+    ap.add_argument("--acp-persist", nargs="+", default=["all"], type=_persist,
+                    help="acp's persist policies: all (every save written to storage), "
+                    "coalesce, every:N; several give several acp modes")  # fmt: skip
     ap.add_argument("--modes", nargs="+", choices=["acp", "torch", "dcp"],
                     default=["acp", "torch", "dcp"])  # fmt: skip
     for name, value in asdict(Model()).items():
@@ -411,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget": a.budget, "rounds": a.rounds, "mtbf": a.mtbf, "seed": a.seed,
             "min_gap": a.min_gap, "kills": a.kills, "bare": a.bare, "clean": a.clean,
             "every": a.every, "acp_every": a.acp_every, "acp_on_full": a.acp_on_full,
+            "acp_persist": a.acp_persist,
             "model": asdict(model), "checksum_stride": STRIDE, "schedule": describe(a),
         },
         "machine": machine(),

@@ -24,6 +24,9 @@ class Mode:
     label: str
     on_full: str = "wait"
     """acp's ``on_full``."""
+    persist: str = "all"
+    """acp's persist policy: ``all`` (every save is written to storage), ``coalesce``
+    (the newest snapshot whenever the previous persist finished) or ``every:N``."""
 
 
 @dataclass

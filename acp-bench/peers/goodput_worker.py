@@ -143,14 +143,23 @@ class AcpStore:
 
         self.acp, self.tr, self.fd, self.every = acp, tr, fd, a.every
         slot = tr.state_bytes() + (4 << 20)
+        policy: dict[str, Any] = {}
+        if a.acp_persist == "coalesce":
+            policy["persist_policy"] = "coalesce"
+        elif a.acp_persist.startswith("every:"):
+            policy["persist_every"] = int(a.acp_persist[6:])
+        # Snapshots that stay in RAM keep cycling through the ring while a
+        # persist is in flight only with a third slot.
+        slots = 2 if a.acp_persist == "all" else 3
         self.ckpt = acp.Checkpointer(
             a.root,
             job=a.job,
             shm_dir=a.shm_dir,
-            ring_slots=2,
-            ring_bytes=2 * slot,
+            ring_slots=slots,
+            ring_bytes=slots * slot,
             keep_last=2,
             on_full=a.acp_on_full,
+            **policy,
         )
         self.pending: list[Any] = []
 
@@ -189,8 +198,8 @@ class AcpStore:
                 still.append(h)
                 continue
             try:
-                h.wait()
-                _emit(self.fd, "committed", step=h.step)
+                if h.wait().persisted:
+                    _emit(self.fd, "committed", step=h.step)
             except self.acp.AcpError as e:
                 _emit(self.fd, "error", step=h.step, error=str(e))
         self.pending = still
@@ -364,6 +373,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job", help="acp's job name (names its shared-memory slots)")
     ap.add_argument("--shm-dir", help="acp's shared-memory directory")
     ap.add_argument("--acp-on-full", choices=["wait", "skip"], default="wait")
+    ap.add_argument("--acp-persist", default="all", help="all, coalesce or every:N")
     ap.add_argument("--probe", action="store_true", help="restore, report and exit")
     for name, value in asdict(Model()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
