@@ -59,6 +59,7 @@ pub mod format;
 pub mod io;
 pub mod ops;
 mod read;
+pub mod replica;
 pub mod staging;
 pub mod storage;
 
@@ -72,6 +73,7 @@ pub use engine::{
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};
 pub use io::IoKind;
+pub use replica::{ReplicaHandle, ReplicaMeta, Transport};
 
 /// The README's Rust examples, compiled and run as doctests.
 #[cfg(doctest)]

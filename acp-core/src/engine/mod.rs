@@ -18,6 +18,9 @@
 //! - `flush.rs`: the flush thread: writes a sealed slot to storage, hashes
 //!   it, commits the step (the protocol is in its docs), then applies
 //!   retention.
+//! - `replicate.rs`: peer replicas ([`crate::replica`]): sending this
+//!   rank's resident image to its holders, receiving and serving other
+//!   ranks' images, and the RAM sources of a load past this rank's ring.
 //! - `handle.rs`: [`SaveHandle`], a save's completion, blocking or as a
 //!   `Future`.
 //! - `wait.rs`: waiting for the flush, and the watchdog: a flush that makes
@@ -50,6 +53,7 @@ mod load;
 mod open;
 mod ranks;
 mod release;
+mod replicate;
 pub(crate) mod retention;
 mod save;
 mod stage;
@@ -63,6 +67,7 @@ pub use open::OpenReport;
 pub use save::{HostTensor, OnWait, SaveOptions, SaveReport};
 pub use stage::Staging;
 
+pub(crate) use replicate::WeakEngine;
 use state::Shared;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share
