@@ -11,10 +11,10 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp
-from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
+from acp._acp import AcpError, CheckpointNotFound, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
@@ -30,6 +30,11 @@ from acp.distributed import (
     with_other_ranks,
 )
 from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from acp.replica import TorchReplicas
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
 
@@ -130,6 +135,13 @@ class SaveHandle:
     def __init__(self, handle: _acp.SaveHandle, stats: SaveStats) -> None:
         self._handle = handle
         self._stall = stats
+        self._replicated: Future[list[int]] | None = None
+
+    def wait_replicated(self, timeout: float | None = None) -> list[int]:
+        """Blocks until this rank's image of the step is complete in the RAM
+        of its holders on other nodes (``Checkpointer(replicas=N)``);
+        returns their ranks (none without replicas)."""
+        return [] if self._replicated is None else self._replicated.result(timeout)
 
     @property
     def step(self) -> int:
@@ -304,8 +316,16 @@ class Checkpointer:
         store: Store | None = None,
         release_on_close: bool = False,
         shm_ttl: float | None = None,
+        replicas: int | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
+        if replicas is None and os.environ.get("ACP_REPLICAS"):
+            replicas = int(os.environ["ACP_REPLICAS"])
+        self._replicas: TorchReplicas | None = None
+        if replicas:
+            from .replica import TorchReplicas
+
+            self._replicas = TorchReplicas(replicas)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -344,7 +364,10 @@ class Checkpointer:
             faults=faults,
             release_on_close=release_on_close,
             shm_ttl=shm_ttl,
+            replicas_held=None if self._replicas is None else len(self._replicas.sources),
         )
+        if self._replicas is not None:
+            self._replicas.attach(self._engine)
         self.root = self._engine.root
         self._coordinator: Coordinator | None = None
         self._recovering: list[_acp.SaveHandle] = []
@@ -410,9 +433,14 @@ class Checkpointer:
         """
         self._check_open()
         with gc_paused():
-            return self._save(
+            handle = self._save(
                 step, state, overwrite=overwrite, metadata=metadata, replicated=replicated
             )
+        if self._replicas is not None:
+            # Every rank queues every step, skipped or not: the exchange is
+            # collective (a rank with no image says so).
+            handle._replicated = self._replicas.replicate(handle.step)
+        return handle
 
     def reserve(self, state: object, *, replicated: bool | Collection[str] = False) -> int:
         """Creates the shared memory of the ring's free slots for checkpoints
@@ -557,6 +585,13 @@ class Checkpointer:
         if step is not None:
             step = _step(step)
         self._reap_recovery()
+        if self._replicas is not None and step is None and rank is None:
+            # Collective: the newest step every rank has somewhere, replicas
+            # sent to the ranks that need them.
+            step = self._replicas.restore()
+            if step is None:
+                raise CheckpointNotFound(f"no step restorable on every rank of {self.root}")
+            agree = False
         if agree is None:
             agree = self._coordinator is not None and step is None and rank is None
         if not agree:
@@ -729,6 +764,8 @@ class Checkpointer:
             self._closed = True
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
+        if self._replicas is not None:
+            self._replicas.close()
         try:
             self._adapters.close()
         finally:
