@@ -121,6 +121,8 @@ pub struct EngineConfig {
     pub(crate) commit_timeout: Duration,
     pub(crate) persist_policy: PersistPolicy,
     pub(crate) background_nice: i32,
+    pub(crate) replicas_held: u32,
+    pub(crate) transport: Option<Arc<dyn crate::replica::Transport>>,
     #[cfg(feature = "test-util")]
     pub(crate) faults: Option<Arc<FaultInjector>>,
 }
@@ -166,6 +168,8 @@ impl EngineConfig {
             commit_timeout: Duration::from_secs(600),
             persist_policy: PersistPolicy::default(),
             background_nice: DEFAULT_BACKGROUND_NICE,
+            replicas_held: 0,
+            transport: None,
             #[cfg(feature = "test-util")]
             faults: None,
         }
@@ -399,6 +403,41 @@ impl EngineConfig {
     #[must_use]
     pub fn root(&self) -> &std::path::Path {
         &self.root
+    }
+
+    /// How many other ranks' images this rank keeps replicas of (peer
+    /// replicas, [`crate::replica`]), each in 2 slots. Default 0. Those
+    /// slots share the ring budget with this rank's own: each of the
+    /// `ring_slots + 2 × n` slots may use `ring_bytes / (ring_slots + 2 × n)`.
+    #[must_use]
+    pub fn with_replicas_held(mut self, n: u32) -> Self {
+        self.replicas_held = n;
+        self
+    }
+
+    /// The transport that sends this rank's images to their holders and
+    /// fetches them back for a restore ([`crate::replica::Transport`]).
+    /// Default none: no replicas are sent, and a restore never asks a peer.
+    #[must_use]
+    pub fn with_transport(mut self, transport: Arc<dyn crate::replica::Transport>) -> Self {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// The share of the ring budget of one slot, own or replica.
+    pub(crate) fn slot_share(&self) -> u64 {
+        let slots = self.ring_slots as u64
+            + crate::replica::SLOTS_PER_SOURCE as u64 * u64::from(self.replicas_held);
+        self.ring_bytes / slots.max(1)
+    }
+
+    /// The budget of this rank's own ring: its slots' share.
+    pub(crate) fn own_ring_bytes(&self) -> u64 {
+        if self.replicas_held == 0 {
+            self.ring_bytes
+        } else {
+            self.slot_share() * self.ring_slots as u64
+        }
     }
 
     /// Rejects impossible combinations.

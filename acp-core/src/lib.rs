@@ -86,6 +86,7 @@ pub mod format;
 pub mod io;
 pub mod ops;
 mod read;
+pub mod replica;
 pub mod staging;
 pub mod storage;
 
@@ -99,6 +100,7 @@ pub use engine::{
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};
 pub use io::IoKind;
+pub use replica::{ReplicaHandle, ReplicaMeta, Transport};
 
 /// The README's Rust examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -15,7 +15,9 @@ use pyo3::types::PyDict;
 
 use crate::errors::{err, invalid};
 use crate::load::Loaded;
+use crate::replica::{meta_from, meta_tuple, Mailbox, MetaOut, MetaTuple, ReplicaImage};
 use crate::save::{SaveHandle, Staging};
+use crate::tensors::{host_slices, HostRange};
 
 /// A checkpoint engine: a shared-memory ring, flush threads and the
 /// checkpoint directory of one job and rank.
@@ -28,6 +30,8 @@ use crate::save::{SaveHandle, Staging};
 pub(crate) struct Engine {
     inner: RwLock<Option<acp_core::Engine>>,
     root: PathBuf,
+    /// Images fetched from peers by `acp.replica`, for the next load.
+    mailbox: Arc<Mailbox>,
 }
 
 impl Engine {
@@ -109,6 +113,7 @@ impl Engine {
         keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
         commit_timeout=None, faults=None, release_on_close=None, shm_ttl=None,
         persist_every=None, persist_interval=None, persist_policy=None, background_nice=None,
+        replicas_held=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -144,6 +149,7 @@ impl Engine {
         persist_interval: Option<f64>,
         persist_policy: Option<&str>,
         background_nice: Option<i32>,
+        replicas_held: Option<u32>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
             .with_rank(rank)
@@ -246,11 +252,92 @@ impl Engine {
         if let Some(v) = shm_ttl {
             c = c.with_shm_ttl(seconds("shm_ttl", v)?);
         }
+        if let Some(v) = replicas_held {
+            c = c.with_replicas_held(v);
+        }
+        let mailbox = Arc::new(Mailbox::default());
+        c = c.with_transport(Arc::clone(&mailbox) as Arc<dyn acp_core::Transport>);
         let inner = py.detach(|| acp_core::Engine::open(c)).map_err(err)?;
         Ok(Engine {
             root: inner.root().to_path_buf(),
             inner: RwLock::new(Some(inner)),
+            mailbox,
         })
+    }
+
+    /// The steps resident in this rank's ring, newest first.
+    fn resident_steps(&self) -> PyResult<Vec<u64>> {
+        Ok(self.get()?.resident_steps())
+    }
+
+    /// This rank's resident image of `step`, pinned, with its digests
+    /// (computed now when the flush has not recorded them).
+    fn resident_replica(&self, py: Python<'_>, step: u64) -> PyResult<ReplicaImage> {
+        let engine = self.get()?;
+        let (meta, pin) = py.detach(|| engine.resident_replica(step)).map_err(err)?;
+        Ok(ReplicaImage::new(meta, pin))
+    }
+
+    /// This rank's replica of `rank`'s `step`, pinned, if it holds one.
+    fn pin_replica(&self, py: Python<'_>, rank: u32, step: u64) -> PyResult<Option<ReplicaImage>> {
+        let engine = self.get()?;
+        Ok(py
+            .detach(|| engine.pin_replica(rank, step))
+            .map(|(meta, pin, _)| ReplicaImage::new(meta, pin)))
+    }
+
+    /// The replicas this rank holds: (rank, step, len, chunk_bytes, digests).
+    fn replicas<'py>(&self, py: Python<'py>) -> PyResult<Vec<MetaOut<'py>>> {
+        let engine = self.get()?;
+        let held = py.detach(|| engine.replicas());
+        Ok(held.iter().map(|m| meta_tuple(py, m)).collect())
+    }
+
+    /// Receives another rank's image (`nbytes` at `addr`) into a replica slot.
+    fn receive_replica(
+        &self,
+        py: Python<'_>,
+        meta: MetaTuple,
+        addr: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
+        let engine = self.get()?;
+        let meta = meta_from(meta)?;
+        let range = [HostRange::new("replica image", 0, addr, nbytes)?];
+        py.detach(|| {
+            let src = host_slices("replica image", &range, &[])?;
+            engine.receive_replica(&meta, |dst| {
+                if dst.len() != src[0].len() {
+                    return Err(Error::invalid(
+                        meta.what(),
+                        format!("{} bytes for an image of {}", src[0].len(), dst.len()),
+                    ));
+                }
+                dst.copy_from_slice(src[0]);
+                Ok(())
+            })
+        })
+        .map_err(err)
+    }
+
+    /// Keeps an image fetched from rank `peer` (`nbytes` at `addr`) for the
+    /// next load, which verifies it and reports it as from a peer.
+    fn offer_peer_image(
+        &self,
+        py: Python<'_>,
+        peer: u32,
+        meta: MetaTuple,
+        addr: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
+        let meta = meta_from(meta)?;
+        let range = [HostRange::new("peer image", 0, addr, nbytes)?];
+        let mailbox = Arc::clone(&self.mailbox);
+        py.detach(|| {
+            let src = host_slices("peer image", &range, &[])?;
+            mailbox.offer(peer, meta, src[0])
+        })
+        .map_err(err)
     }
 
     /// The checkpoint root.

@@ -11,6 +11,7 @@ mod errors;
 mod faults;
 mod load;
 mod ops;
+mod replica;
 mod save;
 mod tensors;
 
@@ -26,6 +27,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::Staging>()?;
     m.add_class::<save::SaveHandle>()?;
     m.add_class::<load::Loaded>()?;
+    m.add_class::<replica::ReplicaImage>()?;
     #[cfg(feature = "test-util")]
     m.add_class::<faults::FaultInjector>()?;
     ops::register(m)?;

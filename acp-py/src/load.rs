@@ -23,6 +23,7 @@ fn source_name(s: Source) -> &'static str {
     match s {
         Source::Ram => "ram",
         Source::Storage => "storage",
+        Source::Peer => "peer",
     }
 }
 

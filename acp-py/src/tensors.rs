@@ -217,7 +217,7 @@ pub(crate) fn slice_span(index: usize, bytes: &[u8]) -> (usize, usize, usize) {
 /// # Safety
 /// The `len` bytes at `ptr` must stay allocated, and writable when
 /// `writable`, for as long as `owner` lives.
-unsafe fn memoryview_owned_by<'py>(
+pub(crate) unsafe fn memoryview_owned_by<'py>(
     owner: &Bound<'py, PyAny>,
     ptr: *mut u8,
     len: usize,

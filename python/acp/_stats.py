@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acp import _acp
 from acp._acp import AcpError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 __all__ = ["LoadStats", "SaveHandle", "SaveStats", "load_stats"]
 
@@ -114,6 +117,13 @@ class SaveHandle:
     def __init__(self, handle: _acp.SaveHandle, stats: SaveStats) -> None:
         self._handle = handle
         self._stall = stats
+        self._replicated: Future[list[int]] | None = None
+
+    def wait_replicated(self, timeout: float | None = None) -> list[int]:
+        """Blocks until this rank's image of the step is complete in the RAM
+        of its holders on other nodes (``Checkpointer(replicas=N)``);
+        returns their ranks (none without replicas)."""
+        return [] if self._replicated is None else self._replicated.result(timeout)
 
     @property
     def step(self) -> int:

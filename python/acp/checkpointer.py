@@ -10,10 +10,10 @@ import threading
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from time import perf_counter
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp
-from acp._acp import AcpError, ConfigError, EngineClosed, InvalidInput
+from acp._acp import AcpError, CheckpointNotFound, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
@@ -30,6 +30,9 @@ from acp.distributed import (
     with_other_ranks,
 )
 from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
+
+if TYPE_CHECKING:
+    from acp.replica import TorchReplicas
 
 __all__ = ["Checkpointer", "LoadStats", "SaveHandle", "SaveStats", "rank_and_world_size"]
 
@@ -175,8 +178,16 @@ class Checkpointer:
         persist_interval: float | None = None,
         persist_policy: str | None = None,
         background_nice: int | None = None,
+        replicas: int | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
+        if replicas is None and os.environ.get("ACP_REPLICAS"):
+            replicas = int(os.environ["ACP_REPLICAS"])
+        self._replicas: TorchReplicas | None = None
+        if replicas:
+            from .replica import TorchReplicas
+
+            self._replicas = TorchReplicas(replicas)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -219,7 +230,10 @@ class Checkpointer:
             persist_interval=persist_interval,
             persist_policy=persist_policy,
             background_nice=background_nice,
+            replicas_held=None if self._replicas is None else len(self._replicas.sources),
         )
+        if self._replicas is not None:
+            self._replicas.attach(self._engine)
         self.root = self._engine.root
         self._coordinator: Coordinator | None = None
         self._recovering: list[_acp.SaveHandle] = []
@@ -296,7 +310,7 @@ class Checkpointer:
         """
         self._check_open()
         with gc_paused():
-            return self._save(
+            handle = self._save(
                 step,
                 state,
                 overwrite=overwrite,
@@ -304,6 +318,11 @@ class Checkpointer:
                 replicated=replicated,
                 persist=persist,
             )
+        if self._replicas is not None:
+            # Every rank queues every step, skipped or not: the exchange is
+            # collective (a rank with no image says so).
+            handle._replicated = self._replicas.replicate(handle.step)
+        return handle
 
     def reserve(self, state: object, *, replicated: bool | Collection[str] = False) -> int:
         """Creates the shared memory of the ring's free slots for checkpoints
@@ -449,6 +468,13 @@ class Checkpointer:
         if step is not None:
             step = _step(step)
         self._reap_recovery()
+        if self._replicas is not None and step is None and rank is None:
+            # Collective: the newest step every rank has somewhere, replicas
+            # sent to the ranks that need them.
+            step = self._replicas.restore()
+            if step is None:
+                raise CheckpointNotFound(f"no step restorable on every rank of {self.root}")
+            agree = False
         if agree is None:
             agree = self._coordinator is not None and step is None and rank is None
         if not agree:
@@ -630,6 +656,8 @@ class Checkpointer:
             self._closed = True
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
+        if self._replicas is not None:
+            self._replicas.close()
         try:
             self._adapters.close()
         finally:

@@ -14,6 +14,9 @@ pub enum Source {
     /// The storage files (now resident in a slot, or in private memory
     /// when no slot was free).
     Storage,
+    /// A replica held by a rank on another node, fetched through the
+    /// engine's transport ([`crate::replica`]).
+    Peer,
 }
 
 /// The figures of a load.

@@ -1,5 +1,6 @@
-//! Loading a committed step: from a resident slot when one holds it, else
-//! from storage into a slot (or private memory when the ring has no room).
+//! Loading a step: from a resident slot when one holds it, else from a
+//! replica (this node's, then a peer's, `replicate.rs`), else from storage
+//! into a slot (or private memory when the ring has no room).
 
 use std::fs::File;
 use std::path::Path;
@@ -9,7 +10,7 @@ use super::checkpoint::Backing;
 use super::state::Shared;
 use super::to_usize;
 use super::wait::wait_for;
-use super::{ranks, Checkpoint, Engine, LoadReport, Source};
+use super::{ranks, replicate, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
@@ -39,8 +40,14 @@ pub struct LoadRequest {
 }
 
 impl Engine {
-    /// Loads a committed step: from its resident slot when one holds it,
-    /// else from storage (into a slot, which becomes resident).
+    /// Loads a step from the best source that has it, each verified
+    /// before use: this rank's resident slot, another slot on this node
+    /// (another rank's own, or a replica kept here), a replica on another
+    /// node through the transport ([`Source::Peer`]), then storage (into
+    /// a slot, which becomes resident). A source that is missing or fails
+    /// verification is logged, naming it, and the next one is used. An
+    /// explicit `step` that is not committed is loaded from RAM only,
+    /// checked against the digests recorded with the image.
     ///
     /// # Errors
     /// [`Error::NotFound`], [`Error::Corrupt`] naming the file and tensor,
@@ -126,7 +133,15 @@ fn load_step(
 ) -> Result<Checkpoint> {
     let own = shared.cfg.rank;
     let rank = rank.unwrap_or(own);
-    let index = shared.root.read_index(step)?;
+    let index = match shared.root.read_index(step) {
+        Ok(index) => index,
+        // Not committed: only RAM copies (own, this node's, a peer's) can
+        // have it, each checked against the digests recorded with it.
+        Err(e) if e.kind() == ErrorKind::NotFound && !storage_only => {
+            return load_uncommitted(shared, step, rank, t0).map_err(|_| e);
+        }
+        Err(e) => return Err(e),
+    };
     let file_name = data_file_name(rank);
     let Some(entry) = index.files.get(&file_name) else {
         return Err(Error::NotFound {
@@ -220,6 +235,18 @@ fn load_step(
             .map(|c| c.with_rejected(rejected));
         }
     }
+    if !storage_only {
+        // This node's replica slots of the rank, then its holders on
+        // other nodes, before the storage.
+        let found = replicate::node_replica(shared, step, rank, Some(entry))
+            .or_else(|| replicate::from_peers(shared, step, rank, Some(entry)));
+        if let Some(f) = found {
+            return finish(
+                shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
+            )
+            .map(|c| c.with_rejected(rejected));
+        }
+    }
     let path = shared.root.describe(step, &file_name);
     // The file's true size before any memory is sized by the index's.
     let opened = shared.root.open_file(step, &file_name);
@@ -266,6 +293,41 @@ fn load_step(
         &expected,
     )
     .map(|c| c.with_rejected(rejected))
+}
+
+/// Loads `rank`'s image of `step`, which is not committed, from RAM: this
+/// rank's own slot, another slot on this node, then a peer's replica,
+/// each verified against the digests recorded with it. The tensors and
+/// rank the verified header lists are what it is checked against.
+fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Result<Checkpoint> {
+    let own = shared.cfg.rank;
+    let found = (if rank == own {
+        replicate::own_uncommitted(shared, step)
+    } else {
+        None
+    })
+    .or_else(|| replicate::node_replica(shared, step, rank, None))
+    .or_else(|| replicate::from_peers(shared, step, rank, None));
+    let Some(f) = found else {
+        return Err(Error::NotFound {
+            what: format!(
+                "rank {rank}'s image of step {step}: not committed in {}, and no verified copy in RAM",
+                shared.root.location().display()
+            ),
+        });
+    };
+    let image = f.backing.image();
+    let header = parse_header(&f.origin, image, image.len() as u64)?;
+    let mut tensors: Vec<String> = header.entries.into_iter().map(|e| e.name).collect();
+    tensors.sort_unstable();
+    let expected = Expected {
+        tensors: tensors.iter().map(String::as_str).collect(),
+        rank,
+        world_size: shared.cfg.world_size,
+    };
+    finish(
+        shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
+    )
 }
 
 /// Checks `image`, which came from the file at `path`, in place against

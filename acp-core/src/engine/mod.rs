@@ -55,6 +55,9 @@
 //! - `flush.rs`: the flush thread: writes a sealed slot to storage, hashes
 //!   it, commits the step (the protocol is in its docs), then applies
 //!   retention.
+//! - `replicate.rs`: peer replicas ([`crate::replica`]): sending this
+//!   rank's resident image to its holders, receiving and serving other
+//!   ranks' images, and the RAM sources of a load past this rank's ring.
 //! - `handle.rs`: [`SaveHandle`], a save's completion, blocking or as a
 //!   `Future`.
 //! - `wait.rs`: waiting for the flush, and the watchdog: a flush that makes
@@ -90,6 +93,7 @@ mod open;
 mod policy;
 mod ranks;
 mod release;
+mod replicate;
 pub(crate) mod retention;
 mod save;
 mod stage;
@@ -104,6 +108,7 @@ pub use policy::{Outcome, Persist, PersistStats};
 pub use save::{HostTensor, OnWait, SaveOptions, SaveReport};
 pub use stage::Staging;
 
+pub(crate) use replicate::WeakEngine;
 use state::Shared;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share

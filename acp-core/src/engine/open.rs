@@ -146,7 +146,7 @@ impl Engine {
             job_tag,
             rank: config.rank,
             slots: config.ring_slots,
-            budget: config.ring_bytes,
+            budget: config.own_ring_bytes(),
             chunk_bytes: config.chunk_bytes as u64,
             mlock: config.mlock,
         })?;
@@ -180,9 +180,24 @@ impl Engine {
             direct: config.direct,
             faults: config.probe(),
         };
+        let replicas = crate::replica::Store::open(
+            crate::replica::StoreOptions {
+                shm_dir: config.shm_dir.clone(),
+                job: job_id(&config, &*root),
+                job_tag,
+                holder: config.rank,
+                max_sources: config.replicas_held,
+                ring_budget: config.slot_share() * crate::replica::SLOTS_PER_SOURCE as u64,
+                chunk_bytes: config.chunk_bytes as u64,
+                mlock: config.mlock,
+                root: root.location().to_path_buf(),
+            },
+            config.transport.clone(),
+        );
         let shared = Arc::new(Shared {
             cfg: config,
             root,
+            replicas,
             ring,
             io,
             io_opts,

@@ -22,6 +22,8 @@ pub(super) struct Shared {
     pub(super) io: Arc<dyn IoEngine>,
     pub(super) io_opts: IoOpts,
     pub(super) report: OpenReport,
+    /// Other ranks' images kept here, and the transport to peers.
+    pub(super) replicas: crate::replica::Store,
     pub(super) state: Mutex<EngineState>,
     pub(super) idle: Condvar,
 }

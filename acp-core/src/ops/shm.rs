@@ -33,8 +33,12 @@ pub struct ShmRing {
     pub ring: String,
     /// The job id, when its slot files record it.
     pub job: Option<String>,
-    /// The rank.
+    /// The rank whose images it holds.
     pub rank: u32,
+    /// For a replica ring (a copy of `rank`'s images kept for another
+    /// node), the rank that keeps it; `None` for `rank`'s own ring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_held_by: Option<u32>,
     /// The checkpoint root it belongs to, when recorded.
     pub root: Option<String>,
     /// Slot files.
@@ -193,6 +197,7 @@ fn judge(ring: &RingFiles, slots: &[SlotSeen], live: bool) -> Judged {
             ring: ring.prefix.clone(),
             job: origin.job,
             rank: ring.rank,
+            replica_held_by: ring.held_by,
             root: origin.root,
             slots: slots.len(),
             resident_steps: images.iter().map(|i| i.0).collect(),
@@ -379,7 +384,7 @@ pub fn list_text(r: &ShmListReport) -> String {
         return format!("no ring in {}\n", r.dir);
     }
     let mut s = format!(
-        "{} ring(s) in {}, {} (steps: * committed in its root, ! the only copy)\n",
+        "{} ring(s) in {}, {} (steps: * committed in its root, ! the only copy; rank r@h: a replica of rank r's images kept by rank h)\n",
         r.rings.len(),
         r.dir,
         text::bytes(r.bytes)
@@ -415,11 +420,15 @@ pub fn list_text(r: &ShmListReport) -> String {
             (Some(r), _) => r.clone(),
             (None, _) => "unknown".to_owned(),
         };
+        let rank = match g.replica_held_by {
+            Some(h) => format!("{}@{h}", g.rank),
+            None => g.rank.to_string(),
+        };
         let _ = writeln!(
             s,
             "{:<27} {:>5} {:<10} {:>6} {:>10}  {:<24} {root}",
             g.ring,
-            g.rank,
+            rank,
             holder,
             age(g.age_secs),
             text::bytes(g.bytes),

@@ -73,6 +73,31 @@ fn job_stem(job: &str) -> String {
     format!("acp-{}-", &hex(&job_tag(job))[..16])
 }
 
+/// The prefix of the replica ring that rank `holder` keeps of rank
+/// `rank`'s images of `job`: `acp-{16 hex of blake3(job)}-replica-r{rank:05}-on-r{holder:05}`.
+/// Its slots are `{prefix}-s{i}`, like a rank's own; an own-slot parser
+/// never takes them for `rank`'s own (the part after the job's stem does
+/// not start with `r` and digits), and [`parse_replica_name`] reads them.
+/// Their control blocks record `rank` (the image's rank), so a reader of
+/// another slot on this node ([`PeerSlot`](super::PeerSlot)) can use
+/// them as it uses `rank`'s own.
+#[must_use]
+pub fn replica_prefix(job: &str, rank: u32, holder: u32) -> String {
+    format!("{}replica-r{rank:05}-on-r{holder:05}", job_stem(job))
+}
+
+/// `{stem}replica-r{rank:05}-on-r{holder:05}-s{slot}` → (rank, holder, slot).
+fn parse_replica_name(name: &str, stem: &str) -> Option<(u32, u32, usize)> {
+    let rest = name.strip_prefix(stem)?.strip_prefix("replica-r")?;
+    let (rank, rest) = rest.split_once("-on-r")?;
+    let (holder, slot) = rest.split_once("-s")?;
+    let digits = |s: &str, min: usize| s.len() >= min && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(rank, 5) || !digits(holder, 5) || !digits(slot, 1) {
+        return None;
+    }
+    Some((rank.parse().ok()?, holder.parse().ok()?, slot.parse().ok()?))
+}
+
 /// The file name of slot `slot` of the ring named `prefix`: `{prefix}-s{slot}`.
 #[must_use]
 pub fn slot_file_name(prefix: &str, slot: usize) -> String {
@@ -98,9 +123,23 @@ fn parse_slot_name(name: &str, stem: &str) -> Option<(u32, usize)> {
     Some((rank.parse().ok()?, slot.parse().ok()?))
 }
 
-/// `acp-{16 hex}-r{rank:05}-s{slot}` → (`acp-{16 hex}-r{rank:05}`, rank,
-/// slot): any ring's slot file, whatever its job.
-pub(super) fn parse_ring_name(name: &str) -> Option<(String, u32, usize)> {
+/// A ring's slot file name, parsed ([`parse_ring_name`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct RingName {
+    /// The ring's prefix (the name without `-s{slot}`).
+    pub(super) prefix: String,
+    /// The rank whose images it holds.
+    pub(super) rank: u32,
+    /// For a replica ring, the rank that holds it ([`replica_prefix`]).
+    pub(super) holder: Option<u32>,
+    /// The slot index.
+    pub(super) slot: usize,
+}
+
+/// `acp-{16 hex}-r{rank:05}-s{slot}` (a rank's own ring) or
+/// `acp-{16 hex}-replica-r{rank:05}-on-r{holder:05}-s{slot}` (a replica
+/// ring): any ring's slot file, whatever its job.
+pub(super) fn parse_ring_name(name: &str) -> Option<RingName> {
     let hex = name.strip_prefix("acp-")?.get(..16)?;
     if !hex
         .bytes()
@@ -109,9 +148,20 @@ pub(super) fn parse_ring_name(name: &str) -> Option<(String, u32, usize)> {
         return None;
     }
     let stem = format!("acp-{hex}-");
-    let (rank, slot) = parse_slot_name(name, &stem)?;
+    let (rank, holder, slot) = match parse_slot_name(name, &stem) {
+        Some((rank, slot)) => (rank, None, slot),
+        None => {
+            let (rank, holder, slot) = parse_replica_name(name, &stem)?;
+            (rank, Some(holder), slot)
+        }
+    };
     let prefix = name.rsplit_once("-s")?.0.to_owned();
-    Some((prefix, rank, slot))
+    Some(RingName {
+        prefix,
+        rank,
+        holder,
+        slot,
+    })
 }
 
 /// The trusted per-user slot directory, held open.
@@ -348,11 +398,42 @@ impl SlotDir {
                     dir: Arc::clone(self),
                     name,
                     rank: r,
+                    holder: None,
                     slot,
                 })
             })
             .collect();
         out.sort_by_key(|s| (s.rank, s.slot));
+        Ok(out)
+    }
+
+    /// The replica slot names of `job` in this directory ([`replica_prefix`]:
+    /// other ranks' images kept for `rank`, every rank or only `rank`),
+    /// by rank, holder, then slot.
+    ///
+    /// # Errors
+    /// [`Error::Io`] listing the directory.
+    pub fn replicas_of(self: &Arc<Self>, job: &str, rank: Option<u32>) -> Result<Vec<SlotFile>> {
+        let stem = job_stem(job);
+        let rd = std::fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
+        let mut out: Vec<SlotFile> = rd
+            .flatten()
+            .filter_map(|ent| {
+                let name = ent.file_name().to_str()?.to_owned();
+                let (r, holder, slot) = parse_replica_name(&name, &stem)?;
+                if rank.is_some_and(|want| want != r) {
+                    return None;
+                }
+                Some(SlotFile {
+                    dir: Arc::clone(self),
+                    name,
+                    rank: r,
+                    holder: Some(holder),
+                    slot,
+                })
+            })
+            .collect();
+        out.sort_by_key(|s| (s.rank, s.holder, s.slot));
         Ok(out)
     }
 }
@@ -362,8 +443,11 @@ impl SlotDir {
 pub struct SlotFile {
     dir: Arc<SlotDir>,
     name: String,
-    /// The rank its name says.
+    /// The rank its name says: whose images it holds.
     pub rank: u32,
+    /// For a replica slot, the rank that keeps it ([`replica_prefix`]);
+    /// `None` for `rank`'s own slot.
+    pub holder: Option<u32>,
     /// The slot index its name says.
     pub slot: usize,
 }
@@ -393,6 +477,19 @@ impl SlotFile {
 pub fn slot_files(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<SlotFile>> {
     match SlotDir::open(shm_dir)? {
         Some(dir) => Arc::new(dir).slots_of(job, rank),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// The replica slot files of `job` under `shm_dir` (of every rank's
+/// images, or only `rank`'s), by rank, holder, then slot; none when the
+/// per-user directory does not exist.
+///
+/// # Errors
+/// As [`SlotDir::open`]; [`Error::Io`] listing it.
+pub fn replica_files(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<SlotFile>> {
+    match SlotDir::open(shm_dir)? {
+        Some(dir) => Arc::new(dir).replicas_of(job, rank),
         None => Ok(Vec::new()),
     }
 }
@@ -478,11 +575,45 @@ mod tests {
     }
 
     #[test]
+    fn replica_names_are_not_own_slots() {
+        let stem = job_stem("j");
+        let prefix = replica_prefix("j", 3, 7);
+        let name = slot_file_name(&prefix, 1);
+        assert!(name.contains("-replica-r00003-on-r00007-s1"), "{name}");
+        assert_eq!(parse_slot_name(&name, &stem), None);
+        assert_eq!(parse_replica_name(&name, &stem), Some((3, 7, 1)));
+        assert_eq!(
+            parse_ring_name(&name),
+            Some(RingName {
+                prefix: prefix.clone(),
+                rank: 3,
+                holder: Some(7),
+                slot: 1
+            })
+        );
+        let own = slot_file_name(&ring_prefix("j", 3), 1);
+        assert_eq!(parse_replica_name(&own, &stem), None);
+        for bad in [
+            format!("{stem}replica-r3-on-r00007-s1"),
+            format!("{stem}replica-r00003-on-r00007-s"),
+            format!("{stem}replica-r00003-on-r7-s1"),
+            format!("{stem}replica-r00003-s1"),
+        ] {
+            assert_eq!(parse_ring_name(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
     fn any_ring_name_parses() {
         let prefix = ring_prefix("some job", 12);
         assert_eq!(
             parse_ring_name(&slot_file_name(&prefix, 3)),
-            Some((prefix.clone(), 12, 3))
+            Some(RingName {
+                prefix: prefix.clone(),
+                rank: 12,
+                holder: None,
+                slot: 3
+            })
         );
         assert_eq!(parse_ring_name(&prefix), None);
         assert_eq!(parse_ring_name("acp-0123456789ABCDEF-r00000-s0"), None);

@@ -22,6 +22,13 @@
 //! directory once it is empty and no other ring holds it. A normal close keeps the slot files,
 //! and with them the directory.
 //!
+//! Another node's images kept here (peer replicas, [`crate::replica`])
+//! live in rings of their own in the same directory:
+//! `acp-{16 hex of blake3(j)}-replica-r{r:05}-on-r{h:05}-s{i}` is slot
+//! `i` of rank `h`'s copy of rank `r`'s images ([`replica_prefix`]). Their
+//! control blocks record rank `r`, so they follow every rule below, and
+//! their slots come out of rank `h`'s ring budget.
+//!
 //! # Slot files
 //!
 //! - Created with `O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW` relative to
@@ -182,8 +189,8 @@ use std::path::PathBuf;
 use crate::format::Digest;
 
 pub use dir::{
-    job_id, job_tag, ring_prefix, slot_file_name, slot_files, slot_path, user_dir, user_dir_name,
-    SlotDir, SlotFile,
+    job_id, job_tag, replica_files, replica_prefix, ring_prefix, slot_file_name, slot_files,
+    slot_path, user_dir, user_dir_name, SlotDir, SlotFile,
 };
 pub use handles::{PinnedSlot, StagingSlot};
 pub use origin::{read_origin, Origin};

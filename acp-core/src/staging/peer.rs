@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::format::Digest;
 
-use super::control::{off, Header};
+use super::control::{off, Header, HEADER_PAGE};
 use super::{SlotFile, SlotState};
 
 /// The image a caller wants from another rank's slot.
@@ -96,6 +96,36 @@ impl PeerSlot {
         self.file
             .read_exact_at(dst, self.before.image_offset + start)
             .map_err(|e| Error::io("read", &self.path, e))
+    }
+
+    /// The chunk digests the slot records for its image, and their chunk
+    /// size; `None` when none are recorded (not yet hashed, or being
+    /// rewritten). Like the bytes, they are the image's only if
+    /// [`PeerSlot::unchanged`] holds afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Io`] reading the control block or the digest area.
+    pub fn digests(&self) -> Result<Option<(u64, Vec<Digest>)>> {
+        let Some(now) = control_block(&self.file, &self.path)? else {
+            return Ok(None);
+        };
+        if now.digests_valid != 1 || now.chunk_bytes == 0 || !now.digests_usable(now.chunk_bytes) {
+            return Ok(None);
+        }
+        let count = usize::try_from(now.digest_count).unwrap_or(usize::MAX);
+        let mut area = vec![0u8; count.saturating_mul(32)];
+        self.file
+            .read_exact_at(&mut area, HEADER_PAGE)
+            .map_err(|e| Error::io("read", &self.path, e))?;
+        let digests = area
+            .chunks_exact(32)
+            .map(|c| {
+                let mut d = [0u8; 32];
+                d.copy_from_slice(c);
+                d
+            })
+            .collect();
+        Ok(Some((now.chunk_bytes, digests)))
     }
 
     /// Whether the slot still holds the same image, not reacquired since

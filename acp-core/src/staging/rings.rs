@@ -30,10 +30,14 @@ use super::peek::{peek_file, SlotPeek};
 #[derive(Debug, Clone)]
 pub struct RingFiles {
     dir: Arc<SlotDir>,
-    /// The ring's name prefix, `acp-{16 hex}-r{rank:05}`.
+    /// The ring's name prefix, `acp-{16 hex}-r{rank:05}` (or a replica
+    /// ring's, [`replica_prefix`](super::replica_prefix)).
     pub prefix: String,
-    /// The rank its names say.
+    /// The rank its names say: whose images it holds.
     pub rank: u32,
+    /// For a replica ring (another node's copy of `rank`'s images), the
+    /// rank that keeps it; `None` for `rank`'s own ring.
+    pub held_by: Option<u32>,
     /// Its slot files, by slot index: (index, file name).
     slots: Vec<(usize, String)>,
 }
@@ -85,19 +89,20 @@ pub fn rings(shm_dir: &Path) -> Result<Vec<RingFiles>> {
         let Some(name) = ent.file_name().to_str().map(str::to_owned) else {
             continue;
         };
-        let Some((prefix, rank, slot)) = parse_ring_name(&name) else {
+        let Some(parsed) = parse_ring_name(&name) else {
             continue;
         };
         by_prefix
-            .entry(prefix.clone())
+            .entry(parsed.prefix.clone())
             .or_insert_with(|| RingFiles {
                 dir: Arc::clone(&dir),
-                prefix,
-                rank,
+                prefix: parsed.prefix,
+                rank: parsed.rank,
+                held_by: parsed.holder,
                 slots: Vec::new(),
             })
             .slots
-            .push((slot, name));
+            .push((parsed.slot, name));
     }
     let mut out: Vec<RingFiles> = by_prefix.into_values().collect();
     for r in &mut out {

@@ -1,0 +1,376 @@
+//! Peer replicas, the engine side ([`crate::replica`] has the design):
+//! handing this rank's resident image to a transport, receiving and
+//! serving other ranks' images, and the RAM sources of a restore beyond
+//! this rank's own ring: another slot on this node, then a replica on
+//! another node. Every image found is checked by the one verified reader
+//! before it is used; one that fails is logged, naming it, and skipped.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+
+use super::checkpoint::Backing;
+use super::state::Shared;
+use super::{Engine, Inner, Source};
+use crate::error::{Error, Result};
+use crate::format::{unhex, Digest, FileEntry};
+use crate::read::{ChunkReader, MemSource};
+use crate::replica::{ReplicaHandle, ReplicaMeta};
+use crate::staging::{peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, SlotFile};
+
+/// An engine reachable without keeping it open ([`crate::replica::Loopback`]).
+#[derive(Debug, Clone)]
+pub(crate) struct WeakEngine(Weak<Inner>);
+
+impl WeakEngine {
+    pub(crate) fn upgrade(&self) -> Option<Engine> {
+        self.0.upgrade().map(|inner| Engine { inner })
+    }
+}
+
+impl Engine {
+    pub(crate) fn downgrade(&self) -> WeakEngine {
+        WeakEngine(Arc::downgrade(&self.inner))
+    }
+
+    /// Pins this rank's resident image of `step` and describes it for a
+    /// replica: the chunk digests the flush recorded, else computed now
+    /// (and recorded in the slot, so a restore of the step from this
+    /// node's RAM can be verified before it is committed). The image stays
+    /// in its slot while the pin lives. Never call it in the stall.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when no slot of this rank holds `step`.
+    pub fn resident_replica(&self, step: u64) -> Result<(ReplicaMeta, PinnedSlot)> {
+        let shared = self.shared();
+        let not_found = || Error::NotFound {
+            what: format!(
+                "resident image of step {step} in rank {}'s ring",
+                shared.cfg.rank
+            ),
+        };
+        let info = shared
+            .ring
+            .complete()
+            .into_iter()
+            .find(|i| i.step == step)
+            .ok_or_else(not_found)?;
+        let pin = shared.ring.pin(info.slot).map_err(|_| not_found())?;
+        let chunk = shared.cfg.chunk_bytes as u64;
+        let recorded = shared
+            .ring
+            .digests(info.slot)
+            .filter(|d| d.len() as u64 == info.len.div_ceil(chunk));
+        let meta = match recorded {
+            Some(digests) => ReplicaMeta {
+                rank: shared.cfg.rank,
+                step,
+                len: info.len,
+                chunk_bytes: chunk,
+                digests,
+            },
+            None => {
+                let meta = ReplicaMeta::of_image(shared.cfg.rank, step, pin.image(), chunk);
+                shared.ring.set_digests(info.slot, &meta.digests);
+                meta
+            }
+        };
+        Ok((meta, pin))
+    }
+
+    /// Sends this rank's resident image of `step` to its holders (the
+    /// transport's [`holders`](crate::replica::Transport::holders)) on a
+    /// background thread; returns at once. The image stays pinned in its
+    /// slot until every send is done, so a ring that saves faster than it
+    /// replicates waits for a slot like one that saves faster than it
+    /// flushes.
+    ///
+    /// # Errors
+    /// [`Error::Config`] without a transport; [`Error::NotFound`] when no
+    /// slot holds `step`; [`Error::Io`] starting the thread.
+    pub fn replicate(&self, step: u64) -> Result<ReplicaHandle> {
+        let shared = self.shared();
+        let Some(transport) = shared.replicas.transport().cloned() else {
+            return Err(Error::Config {
+                field: "transport",
+                reason: "replicas need a transport (EngineConfig::with_transport)".to_owned(),
+            });
+        };
+        let info = shared
+            .ring
+            .complete()
+            .into_iter()
+            .find(|i| i.step == step)
+            .ok_or_else(|| Error::NotFound {
+                what: format!(
+                    "resident image of step {step} in rank {}'s ring",
+                    shared.cfg.rank
+                ),
+            })?;
+        // Pinned now, so the image sent is the one resident at the call.
+        let early = shared.ring.pin(info.slot)?;
+        let handle = ReplicaHandle::new(step);
+        let done = handle.clone();
+        let engine = self.clone();
+        let rank = shared.cfg.rank;
+        std::thread::Builder::new()
+            .name(format!("acp-replicate-r{rank}"))
+            .spawn(move || {
+                crate::io::block_async_signals();
+                let result = (|| {
+                    let (meta, pin) = engine.resident_replica(step)?;
+                    drop(early);
+                    let mut sent = Vec::new();
+                    for to in transport.holders(rank) {
+                        transport.send(to, &meta, pin.image()).map_err(|e| {
+                            tracing::warn!("acp: {} to rank {to} failed: {e}", meta.what());
+                            e
+                        })?;
+                        sent.push(to);
+                    }
+                    Ok(sent)
+                })();
+                done.complete(result);
+            })
+            .map_err(|e| Error::io("start replica thread", self.root(), e))?;
+        Ok(handle)
+    }
+
+    /// Receives another rank's image into a replica slot of this rank:
+    /// `fill` writes exactly `meta.len` bytes into the slot (a transport
+    /// reads the network straight into it); the slot is then sealed with
+    /// `meta.digests`, and this rank's older replicas of that rank are
+    /// freed. A `fill` error leaves the slot free and the older replica
+    /// in place.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for metadata that does not fit (another chunk
+    /// size, a digest count that is not the length's, an image past the
+    /// slot size, more source ranks than `replicas_held`); [`Error::Busy`]
+    /// when every slot is pinned; `fill`'s error; [`Error::Io`].
+    pub fn receive_replica(
+        &self,
+        meta: &ReplicaMeta,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.shared().replicas.receive(meta, fill)
+    }
+
+    /// The other ranks' images this rank holds complete, with the digests
+    /// they came with.
+    #[must_use]
+    pub fn replicas(&self) -> Vec<ReplicaMeta> {
+        self.shared().replicas.held()
+    }
+
+    /// Pins this rank's replica of `rank`'s `step`, if it holds one: what
+    /// a transport serves to a restore. Returns its metadata, the pin and
+    /// the slot file (for messages).
+    #[must_use]
+    pub fn pin_replica(&self, rank: u32, step: u64) -> Option<(ReplicaMeta, PinnedSlot, PathBuf)> {
+        self.shared().replicas.pin(rank, step)
+    }
+}
+
+/// An image of one rank's file found in RAM outside this rank's ring,
+/// verified.
+pub(super) struct Found {
+    pub(super) backing: Backing,
+    /// Where it came from, for messages.
+    pub(super) origin: PathBuf,
+    pub(super) source: Source,
+}
+
+/// Checks `image`, from `origin`, against `entry` with the one verified
+/// reader; logs and returns `false` when it does not match.
+fn verified(image: &[u8], origin: &Path, entry: &FileEntry, threads: usize, step: u64) -> bool {
+    match ChunkReader::new(MemSource::new(image, origin), entry)
+        .and_then(|mut r| r.verify_in_place(threads))
+    {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(
+                "acp: rank {}'s image of step {step} in {} rejected, trying the next source: {e}",
+                entry.rank,
+                origin.display()
+            );
+            false
+        }
+    }
+}
+
+fn to_entry(rank: u32, len: u64, chunk_bytes: u64, digests: Vec<Digest>) -> FileEntry {
+    ReplicaMeta {
+        rank,
+        step: 0,
+        len,
+        chunk_bytes,
+        digests,
+    }
+    .entry()
+}
+
+/// Whether `digests` are the ones `entry` records (the image a replica
+/// holds is the committed one), compared without hashing.
+fn same_digests(entry: &FileEntry, chunk_bytes: u64, digests: &[Digest]) -> bool {
+    entry.chunk_bytes == chunk_bytes
+        && entry.chunks.len() == digests.len()
+        && entry
+            .chunks
+            .iter()
+            .zip(digests)
+            .all(|(h, d)| unhex(h).as_ref() == Some(d))
+}
+
+/// This rank's own image of uncommitted `step` in its ring, checked
+/// against the digests recorded in its slot (by the flush, or by
+/// [`Engine::resident_replica`]); a slot without digests cannot be checked
+/// and is skipped.
+pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
+    let info = shared
+        .ring
+        .complete()
+        .into_iter()
+        .find(|i| i.step == step)?;
+    let pin = shared.ring.pin(info.slot).ok()?;
+    let origin = shared.ring.slot_path(info.slot);
+    let Some(digests) = shared.ring.digests(info.slot) else {
+        tracing::warn!(
+            "acp: resident image of step {step} in {} has no digests (never hashed), trying the next source",
+            origin.display()
+        );
+        return None;
+    };
+    let entry = to_entry(
+        shared.cfg.rank,
+        info.len,
+        shared.cfg.chunk_bytes as u64,
+        digests,
+    );
+    verified(pin.image(), &origin, &entry, shared.cfg.copy_threads, step).then(|| Found {
+        backing: Backing::Slot(pin),
+        origin,
+        source: Source::Ram,
+    })
+}
+
+/// `rank`'s image of `step` from a replica slot on this node (kept by any
+/// rank here), checked against `committed` (the index's entry) when the
+/// step is committed, else against the digests recorded with the replica.
+pub(super) fn node_replica(
+    shared: &Shared,
+    step: u64,
+    rank: u32,
+    committed: Option<&FileEntry>,
+) -> Option<Found> {
+    let job = super::open::job_id(&shared.cfg, &*shared.root);
+    let files = replica_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
+        tracing::debug!("acp: replica slots of rank {rank}: {e}");
+        Vec::new()
+    });
+    let (_, job_tag) = super::open::job_names(&shared.cfg, &*shared.root, rank);
+    files
+        .iter()
+        .find_map(|f| copy_node_replica(shared, f, job_tag, step, committed))
+}
+
+fn copy_node_replica(
+    shared: &Shared,
+    file: &SlotFile,
+    job_tag: Digest,
+    step: u64,
+    committed: Option<&FileEntry>,
+) -> Option<Found> {
+    let path = file.path();
+    let opened = file.open().ok()??;
+    let peek = peek_file(&opened, &path).ok()??;
+    if !peek.is_complete() || peek.step != step || peek.rank != file.rank {
+        return None;
+    }
+    if committed.is_some_and(|e| e.size != peek.image_len) {
+        return None;
+    }
+    let want = PeerImage {
+        job_tag,
+        rank: file.rank,
+        step,
+        len: peek.image_len,
+    };
+    let slot = PeerSlot::open(file, want).ok()??;
+    let (chunk, digests) = slot.digests().ok()??;
+    let entry = match committed {
+        Some(e) if same_digests(e, chunk, &digests) => e.clone(),
+        Some(_) => {
+            tracing::warn!(
+                "acp: {} holds another image of step {step} than the committed one, trying the next source",
+                path.display()
+            );
+            return None;
+        }
+        None => to_entry(file.rank, peek.image_len, chunk, digests),
+    };
+    let mut buf = super::load::heap(peek.image_len, &path).ok()?;
+    let len = super::to_usize(peek.image_len);
+    slot.read_at(0, &mut buf[..len]).ok()?;
+    if !slot.unchanged().ok()? {
+        tracing::debug!("acp: {} was reused during the copy", path.display());
+        return None;
+    }
+    verified(&buf[..len], &path, &entry, shared.cfg.copy_threads, step).then(|| Found {
+        backing: Backing::Heap(buf, len),
+        origin: path,
+        source: Source::Ram,
+    })
+}
+
+/// `rank`'s image of `step` fetched from the first holder that has it,
+/// through the engine's transport, checked against `committed` when the
+/// step is committed, else against the digests the holder recorded.
+pub(super) fn from_peers(
+    shared: &Shared,
+    step: u64,
+    rank: u32,
+    committed: Option<&FileEntry>,
+) -> Option<Found> {
+    let transport = shared.replicas.transport()?;
+    for peer in transport.holders(rank) {
+        let fetched = match transport.fetch(peer, rank, step) {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(
+                    "acp: rank {rank}'s replica of step {step} on rank {peer} not fetched, trying the next source: {e}"
+                );
+                continue;
+            }
+        };
+        let origin = PathBuf::from(&fetched.origin);
+        let meta = &fetched.meta;
+        if meta.rank != rank || meta.step != step || meta.len != fetched.image.len() as u64 {
+            tracing::warn!(
+                "acp: {} is not rank {rank}'s image of step {step} ({}), trying the next source",
+                origin.display(),
+                meta.what()
+            );
+            continue;
+        }
+        let entry = match committed {
+            Some(e) => e.clone(),
+            None => meta.entry(),
+        };
+        if verified(
+            fetched.image.as_slice(),
+            &origin,
+            &entry,
+            shared.cfg.copy_threads,
+            step,
+        ) {
+            let (map, len) = fetched.image.into_parts();
+            return Some(Found {
+                backing: Backing::Heap(map, len),
+                origin,
+                source: Source::Peer,
+            });
+        }
+    }
+    None
+}

@@ -1,0 +1,238 @@
+//! Peer replicas: a copy of each rank's resident image in the RAM of ranks
+//! on other nodes, so a replaced node restores from a peer's memory rather
+//! than from storage, and a step that was only resident survives the loss
+//! of one node.
+//!
+//! # Pieces
+//!
+//! - [`Transport`]: what moves images between ranks: send an image to a
+//!   peer (which receives it into a replica slot), list the replicas a
+//!   peer holds, fetch one for a restore, and say which peers hold a
+//!   rank's replicas. [`Loopback`] is the in-process one (tests, and
+//!   several engines in one process); the PyTorch binding drives its own
+//!   exchange over a dedicated `torch.distributed` gloo group with the
+//!   same engine calls a transport uses
+//!   ([`Engine::resident_replica`](crate::Engine::resident_replica),
+//!   [`Engine::receive_replica`](crate::Engine::receive_replica),
+//!   [`Engine::pin_replica`](crate::Engine::pin_replica)).
+//! - The replica store of an engine: rank `h`'s copies of rank `r`'s
+//!   images live in a ring of their own in `h`'s shared-memory directory,
+//!   named by [`replica_prefix`](crate::staging::replica_prefix)
+//!   (`acp-{job}-replica-r{r}-on-r{h}-s{i}`), two slots per source rank
+//!   (the newest complete replica stays while the next one is received).
+//!   Their memory comes out of `h`'s ring budget
+//!   ([`EngineConfig::with_replicas_held`](crate::EngineConfig::with_replicas_held)),
+//!   they are listed by `acp ls --shm`, and they outlive the holder's
+//!   process like its own slots.
+//!
+//! # What a replica carries, and how it is checked
+//!
+//! An image travels with its [`ReplicaMeta`]: the rank, step, length and
+//! the blake3 digest of each chunk, computed by the sender off the stall
+//! (or taken from the flush when it already hashed the slot). The holder
+//! records the digests in the replica slot's digest area. Nothing of a
+//! replica reaches a caller before the one verified reader
+//! ([`crate::read`]) matched every chunk: against the committed index's
+//! digests when the step is committed, else against the digests shipped
+//! with the image. A replica that is missing, of another length, or that
+//! fails verification is skipped with a log line naming it, and the
+//! restore takes the next source.
+//!
+//! # Guarantees
+//!
+//! A step is *replicated* once every holder of this rank's image has it
+//! complete in a replica slot ([`ReplicaHandle::wait`]). Losing one node
+//! then loses no replicated step: each of its ranks' images is in another
+//! node's RAM. Two nodes lost together lose the steps whose only RAM
+//! copies were on them (an image and its replicas); committed steps stay
+//! in storage. A replica in flight when its holder dies is never used: a
+//! slot is complete only once sealed, and a restore checks every chunk.
+
+mod handle;
+mod loopback;
+mod store;
+
+use std::fmt;
+use std::path::Path;
+
+pub use handle::ReplicaHandle;
+pub use loopback::Loopback;
+pub(crate) use store::{Store, StoreOptions, SLOTS_PER_SOURCE};
+
+use crate::error::{Error, Result};
+use crate::format::{chunk_digests, hex, root_digest, Digest, FileEntry};
+
+/// What travels with a replica's image: whose it is and its chunk digests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaMeta {
+    /// The rank whose image it is.
+    pub rank: u32,
+    /// Its step.
+    pub step: u64,
+    /// The image length in bytes.
+    pub len: u64,
+    /// The digest chunk size in bytes.
+    pub chunk_bytes: u64,
+    /// blake3 of each `chunk_bytes` piece of the image (the last may be
+    /// shorter).
+    pub digests: Vec<Digest>,
+}
+
+impl ReplicaMeta {
+    /// The metadata of `image` (rank `rank`'s image of `step`), hashing it
+    /// in chunks of `chunk_bytes`.
+    #[must_use]
+    pub fn of_image(rank: u32, step: u64, image: &[u8], chunk_bytes: u64) -> ReplicaMeta {
+        let chunk = usize::try_from(chunk_bytes).unwrap_or(usize::MAX);
+        ReplicaMeta {
+            rank,
+            step,
+            len: image.len() as u64,
+            chunk_bytes,
+            digests: chunk_digests(image, chunk),
+        }
+    }
+
+    /// The index entry these digests make: what the verified reader checks
+    /// a replica's bytes against when its step is not committed.
+    #[must_use]
+    pub fn entry(&self) -> FileEntry {
+        FileEntry {
+            rank: self.rank,
+            size: self.len,
+            chunk_bytes: self.chunk_bytes,
+            chunks: self.digests.iter().map(hex).collect(),
+            root: hex(&root_digest(&self.digests)),
+        }
+    }
+
+    /// Checks that the fields describe an image a replica slot may take:
+    /// a chunk size of `chunk_bytes` (the receiver's) and one digest per
+    /// chunk.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the replica.
+    pub fn check(&self, chunk_bytes: u64) -> Result<()> {
+        if self.chunk_bytes != chunk_bytes {
+            return Err(Error::invalid(
+                self.what(),
+                format!(
+                    "digest chunks of {} bytes, this engine's are {chunk_bytes}",
+                    self.chunk_bytes
+                ),
+            ));
+        }
+        let want = self.len.div_ceil(chunk_bytes.max(1));
+        if self.digests.len() as u64 != want {
+            return Err(Error::invalid(
+                self.what(),
+                format!(
+                    "{} digests for {} bytes in chunks of {chunk_bytes} ({want} expected)",
+                    self.digests.len(),
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// "replica of rank R's step S", for messages.
+    #[must_use]
+    pub fn what(&self) -> String {
+        format!("replica of rank {}'s step {}", self.rank, self.step)
+    }
+}
+
+/// Private page-aligned memory for one image, as a restore reads into.
+#[derive(Debug)]
+pub struct ImageBuf {
+    map: memmap2::MmapMut,
+    len: usize,
+}
+
+impl ImageBuf {
+    /// Zeroed memory for an image of `len` bytes (padded to a page).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the memory cannot be mapped.
+    pub fn new(len: u64) -> Result<ImageBuf> {
+        let n = usize::try_from(len).map_err(|_| {
+            Error::invalid(format!("image of {len} bytes"), "exceeds the address space")
+        })?;
+        let padded = n.div_ceil(4096).max(1) * 4096;
+        let map = memmap2::MmapMut::map_anon(padded)
+            .map_err(|e| Error::io("allocate", Path::new("replica image"), e))?;
+        Ok(ImageBuf { map, len: n })
+    }
+
+    /// The image bytes.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+
+    /// The image bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
+    }
+
+    /// The image length.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the image is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn into_parts(self) -> (memmap2::MmapMut, usize) {
+        (self.map, self.len)
+    }
+}
+
+/// A replica fetched from a peer: its metadata as the holder recorded it,
+/// the bytes (not yet verified) and where they came from, for messages.
+#[derive(Debug)]
+pub struct Fetched {
+    /// What the holder says the image is.
+    pub meta: ReplicaMeta,
+    /// The bytes, exactly `meta.len` of them.
+    pub image: ImageBuf,
+    /// Where they came from (e.g. "rank 2: /dev/shm/acp-u1000/…-s0").
+    pub origin: String,
+}
+
+/// Moves resident images between ranks (see the [module docs](self)).
+///
+/// An implementation must not block or reorder the training's own
+/// communication (use a channel of its own), and must give up with an
+/// error rather than wait for ever on a peer that is gone.
+pub trait Transport: Send + Sync + fmt::Debug {
+    /// Sends `image`, described by `meta`, to rank `to`, which receives it
+    /// into a replica slot ([`Engine::receive_replica`](crate::Engine::receive_replica));
+    /// returns once `to` holds it complete.
+    ///
+    /// # Errors
+    /// The peer's refusal (no room, a bad image), or a transport failure.
+    fn send(&self, to: u32, meta: &ReplicaMeta, image: &[u8]) -> Result<()>;
+
+    /// The complete replicas rank `peer` holds.
+    ///
+    /// # Errors
+    /// A transport failure.
+    fn list(&self, peer: u32) -> Result<Vec<ReplicaMeta>>;
+
+    /// Rank `rank`'s image of `step` from rank `peer`'s replicas;
+    /// `Ok(None)` when `peer` holds none.
+    ///
+    /// # Errors
+    /// A transport failure.
+    fn fetch(&self, peer: u32, rank: u32, step: u64) -> Result<Option<Fetched>>;
+
+    /// The ranks that hold (or are sent) `rank`'s replicas, in the order a
+    /// restore asks them.
+    fn holders(&self, rank: u32) -> Vec<u32>;
+}

@@ -1,0 +1,208 @@
+//! The replica store of one engine: the rings in which this rank keeps
+//! other ranks' images (one ring of [`SLOTS_PER_SOURCE`] slots per source
+//! rank, opened at the first image received from it, or at open when a
+//! previous process of this rank left one).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use super::{ReplicaMeta, Transport};
+use crate::error::{Error, Result};
+use crate::format::Digest;
+use crate::staging::{replica_files, replica_prefix, PinnedSlot, Ring, RingOptions};
+
+/// Slots of a replica ring: the newest complete replica stays while the
+/// next is received.
+pub(crate) const SLOTS_PER_SOURCE: usize = 2;
+
+/// Where and how a store keeps its rings.
+#[derive(Debug, Clone)]
+pub(crate) struct StoreOptions {
+    pub(crate) shm_dir: PathBuf,
+    pub(crate) job: String,
+    pub(crate) job_tag: Digest,
+    /// This rank: the holder of every ring of the store.
+    pub(crate) holder: u32,
+    /// How many source ranks it may hold images of.
+    pub(crate) max_sources: u32,
+    /// Budget of one replica ring (its share of the ring budget).
+    pub(crate) ring_budget: u64,
+    pub(crate) chunk_bytes: u64,
+    pub(crate) mlock: bool,
+    /// The checkpoint root, recorded in each ring's slots.
+    pub(crate) root: PathBuf,
+}
+
+/// Replica rings by source rank, and the transport, if any.
+#[derive(Debug)]
+pub(crate) struct Store {
+    opts: StoreOptions,
+    rings: Mutex<BTreeMap<u32, Ring>>,
+    transport: Option<Arc<dyn Transport>>,
+}
+
+impl Store {
+    /// Opens the replica rings a previous process of this rank left (their
+    /// complete images are kept: the newest of each, the others freed).
+    /// A ring that cannot be opened is logged and left alone.
+    pub(crate) fn open(opts: StoreOptions, transport: Option<Arc<dyn Transport>>) -> Store {
+        let store = Store {
+            opts,
+            rings: Mutex::new(BTreeMap::new()),
+            transport,
+        };
+        if store.opts.max_sources > 0 {
+            let found =
+                replica_files(&store.opts.shm_dir, &store.opts.job, None).unwrap_or_else(|e| {
+                    tracing::debug!("acp: replica slots: {e}");
+                    Vec::new()
+                });
+            let mut sources: Vec<u32> = found
+                .iter()
+                .filter(|f| f.holder == Some(store.opts.holder))
+                .map(|f| f.rank)
+                .collect();
+            sources.dedup();
+            for rank in sources {
+                if let Err(e) = store.ring_for(rank) {
+                    tracing::warn!(
+                        "acp: rank {}'s replicas of rank {rank} left by a previous process not opened: {e}",
+                        store.opts.holder
+                    );
+                }
+            }
+        }
+        store
+    }
+
+    pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
+        self.transport.as_ref()
+    }
+
+    fn rings(&self) -> MutexGuard<'_, BTreeMap<u32, Ring>> {
+        self.rings.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The ring holding `rank`'s replicas, opened when first needed.
+    fn ring_for(&self, rank: u32) -> Result<Ring> {
+        let mut rings = self.rings();
+        if let Some(r) = rings.get(&rank) {
+            return Ok(r.clone());
+        }
+        let o = &self.opts;
+        if rank == o.holder {
+            return Err(Error::invalid(
+                format!("replica of rank {rank}"),
+                "a rank does not hold replicas of its own images",
+            ));
+        }
+        if rings.len() as u64 >= u64::from(o.max_sources) {
+            return Err(Error::invalid(
+                format!("replica of rank {rank}"),
+                format!(
+                    "rank {} already holds replicas of {} rank(s) {:?}, its `replicas_held`",
+                    o.holder,
+                    rings.len(),
+                    rings.keys().collect::<Vec<_>>()
+                ),
+            ));
+        }
+        let (ring, report) = Ring::open(RingOptions {
+            dir: o.shm_dir.clone(),
+            prefix: replica_prefix(&o.job, rank, o.holder),
+            job_tag: o.job_tag,
+            rank,
+            slots: SLOTS_PER_SOURCE,
+            budget: o.ring_budget,
+            chunk_bytes: o.chunk_bytes,
+            mlock: o.mlock,
+        })?;
+        ring.record_origin(&o.root, &o.job);
+        // Of what a previous holder left, only the newest complete replica
+        // is worth keeping; the digests it recorded come with it.
+        for old in report.recovered.iter().skip(1) {
+            ring.release(old.slot);
+        }
+        rings.insert(rank, ring.clone());
+        Ok(ring)
+    }
+
+    /// Receives `meta`'s image into a replica slot: `fill` writes exactly
+    /// `meta.len` bytes; the slot is sealed with the shipped digests, and
+    /// older replicas of the same rank are freed.
+    pub(crate) fn receive(
+        &self,
+        meta: &ReplicaMeta,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        meta.check(self.opts.chunk_bytes)?;
+        let ring = self.ring_for(meta.rank)?;
+        let mut staging = match ring.acquire(meta.len, None)? {
+            Some(s) => s,
+            None => {
+                // Both slots hold complete replicas: keep the newest.
+                for old in ring.complete().iter().skip(1) {
+                    ring.release(old.slot);
+                }
+                ring.acquire(meta.len, None)?.ok_or_else(|| Error::Busy {
+                    what: format!(
+                        "rank {}'s replica slots of rank {}",
+                        self.opts.holder, meta.rank
+                    ),
+                    reason: "every slot is pinned by a reader".to_owned(),
+                })?
+            }
+        };
+        let len = usize::try_from(meta.len).unwrap_or(usize::MAX);
+        fill(&mut staging.image_mut()[..len])?;
+        let pin = staging.seal(meta.step, meta.len);
+        ring.set_digests(pin.slot(), &meta.digests);
+        drop(pin);
+        // Keep the newest step only (a late older replica frees itself).
+        for old in ring.complete().iter().skip(1) {
+            ring.release(old.slot);
+        }
+        Ok(())
+    }
+
+    /// The complete replicas held, with the digests they were received
+    /// with, by rank then newest step first.
+    pub(crate) fn held(&self) -> Vec<ReplicaMeta> {
+        let rings: Vec<(u32, Ring)> = self.rings().iter().map(|(r, g)| (*r, g.clone())).collect();
+        let mut out = Vec::new();
+        for (rank, ring) in rings {
+            for info in ring.complete() {
+                let Some(digests) = ring.digests(info.slot) else {
+                    continue;
+                };
+                out.push(ReplicaMeta {
+                    rank,
+                    step: info.step,
+                    len: info.len,
+                    chunk_bytes: self.opts.chunk_bytes,
+                    digests,
+                });
+            }
+        }
+        out
+    }
+
+    /// Pins the replica of `rank`'s `step`, if held: its metadata, the pin
+    /// (the image stays while it lives) and the slot file.
+    pub(crate) fn pin(&self, rank: u32, step: u64) -> Option<(ReplicaMeta, PinnedSlot, PathBuf)> {
+        let ring = self.rings().get(&rank)?.clone();
+        let info = ring.complete().into_iter().find(|i| i.step == step)?;
+        let pin = ring.pin(info.slot).ok()?;
+        // Read after the pin: the digests then belong to the pinned image.
+        let digests = ring.digests(info.slot)?;
+        let meta = ReplicaMeta {
+            rank,
+            step,
+            len: info.len,
+            chunk_bytes: self.opts.chunk_bytes,
+            digests,
+        };
+        Some((meta, pin, ring.slot_path(info.slot)))
+    }
+}

@@ -1,0 +1,270 @@
+//! Peer replicas over the in-process transport: 2 nodes × 2 ranks, each
+//! node with its own shared-memory directory. Losing node B (its engines
+//! gone, its directory deleted) and starting it again empty, B's ranks
+//! restore from A's replicas, bit-exact, whether or not the step is in
+//! storage; a replica that fails verification is skipped for the next
+//! source.
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use acp_core::replica::Loopback;
+use acp_core::staging::{peek_slot, user_dir};
+use acp_core::{
+    Dtype, Engine, EngineConfig, ErrorKind, HostTensor, LoadRequest, SaveOptions, Source,
+};
+use serde_json::json;
+
+const WORLD: u32 = 4;
+
+/// Ranks 0 and 1 on node A, 2 and 3 on node B; rank r's replica goes to
+/// the same local rank on the other node.
+fn placement() -> BTreeMap<u32, Vec<u32>> {
+    (0..WORLD).map(|r| (r, vec![(r + 2) % WORLD])).collect()
+}
+
+struct Cluster {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    shm: [PathBuf; 2],
+    transport: Arc<Loopback>,
+    engines: Vec<Option<Engine>>,
+}
+
+fn node_of(rank: u32) -> usize {
+    (rank / 2) as usize
+}
+
+impl Cluster {
+    fn new() -> Cluster {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ckpt");
+        let shm = [tmp.path().join("shm-a"), tmp.path().join("shm-b")];
+        for d in &shm {
+            std::fs::create_dir(d).unwrap();
+        }
+        let mut c = Cluster {
+            _tmp: tmp,
+            root,
+            shm,
+            transport: Arc::new(Loopback::new(placement())),
+            engines: Vec::new(),
+        };
+        c.engines = (0..WORLD).map(|r| Some(c.open(r))).collect();
+        c
+    }
+
+    fn open(&self, rank: u32) -> Engine {
+        let e = Engine::open(
+            EngineConfig::new(&self.root)
+                .with_shm_dir(&self.shm[node_of(rank)])
+                .with_job("replicas")
+                .with_rank(rank)
+                .with_world_size(WORLD)
+                .with_ring_bytes(16 << 20)
+                .with_replicas_held(1)
+                .with_transport(Arc::clone(&self.transport) as Arc<dyn acp_core::Transport>)
+                .with_commit_timeout(Duration::from_secs(20)),
+        )
+        .unwrap();
+        self.transport.register(&e);
+        e
+    }
+
+    fn engine(&self, rank: u32) -> &Engine {
+        self.engines[rank as usize].as_ref().unwrap()
+    }
+
+    /// Every rank saves `step` (committed) and replicates it.
+    fn save_and_replicate(&self, step: u64) {
+        let handles: Vec<_> = (0..WORLD).map(|r| save(self.engine(r), r, step)).collect();
+        for h in handles {
+            h.wait().unwrap();
+        }
+        let reps: Vec<_> = (0..WORLD)
+            .map(|r| self.engine(r).replicate(step).unwrap())
+            .collect();
+        for (r, h) in reps.iter().enumerate() {
+            assert_eq!(h.wait(None).unwrap(), vec![(r as u32 + 2) % WORLD]);
+        }
+    }
+
+    /// Node B is lost (its processes and its shared memory) and replaced
+    /// by an empty one.
+    fn lose_node_b(&mut self) {
+        for r in [2, 3] {
+            self.engines[r as usize].take().unwrap().close().unwrap();
+            self.transport.unregister(r);
+        }
+        std::fs::remove_dir_all(&self.shm[1]).unwrap();
+        std::fs::create_dir(&self.shm[1]).unwrap();
+        for r in [2, 3] {
+            self.engines[r as usize] = Some(self.open(r));
+        }
+    }
+}
+
+fn shard(rank: u32, step: u64) -> Vec<u8> {
+    (0..300_000u32)
+        .map(|i| (i as u8) ^ (rank as u8 * 17) ^ (step as u8).wrapping_mul(3))
+        .collect()
+}
+
+fn save(e: &Engine, rank: u32, step: u64) -> acp_core::SaveHandle {
+    let data = shard(rank, step);
+    let name = format!("layer.{rank}.w");
+    e.save(
+        step,
+        &[HostTensor {
+            name: &name,
+            dtype: Dtype::U8,
+            shape: &[data.len() as u64],
+            data: &data,
+        }],
+        &json!({"rank": rank, "step": step}),
+        &SaveOptions::default(),
+    )
+    .unwrap()
+}
+
+fn load(e: &Engine, rank: u32, step: u64) -> (Source, bool) {
+    let ck = e
+        .load(&LoadRequest {
+            step: Some(step),
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    let name = format!("layer.{rank}.w");
+    let exact = ck.tensor(&name).unwrap().data == shard(rank, step).as_slice()
+        && ck.values()["step"] == json!(step);
+    (ck.report().source, exact)
+}
+
+#[test]
+fn a_replaced_node_restores_from_peer_replicas() {
+    let mut c = Cluster::new();
+    c.save_and_replicate(10);
+    c.save_and_replicate(20);
+    // Each rank of A holds one replica: its peer on B's newest step.
+    assert_eq!(
+        c.engine(0)
+            .replicas()
+            .iter()
+            .map(|m| (m.rank, m.step))
+            .collect::<Vec<_>>(),
+        vec![(2, 20)]
+    );
+    c.lose_node_b();
+    for r in [2, 3] {
+        assert_eq!(load(c.engine(r), r, 20), (Source::Peer, true), "rank {r}");
+    }
+    for r in [0, 1] {
+        assert_eq!(load(c.engine(r), r, 20), (Source::Ram, true), "rank {r}");
+    }
+}
+
+#[test]
+fn replicas_alone_restore_a_step_missing_from_storage() {
+    let mut c = Cluster::new();
+    c.save_and_replicate(10);
+    c.save_and_replicate(20);
+    std::fs::remove_dir_all(c.root.join("step-000000000020")).unwrap();
+    c.lose_node_b();
+    for r in [2, 3] {
+        assert_eq!(load(c.engine(r), r, 20), (Source::Peer, true), "rank {r}");
+    }
+    // A's ranks restore their own images, verified against the digests
+    // their slots recorded.
+    for r in [0, 1] {
+        assert_eq!(load(c.engine(r), r, 20), (Source::Ram, true), "rank {r}");
+    }
+}
+
+/// Flips one byte of the image in `holder`'s replica slot of `rank`'s `step`.
+fn corrupt_replica(shm: &Path, rank: u32, holder: u32, step: u64) {
+    let tag = format!("-replica-r{rank:05}-on-r{holder:05}-s");
+    let dir = user_dir(shm);
+    for ent in std::fs::read_dir(&dir).unwrap() {
+        let path = ent.unwrap().path();
+        if !path.file_name().unwrap().to_str().unwrap().contains(&tag) {
+            continue;
+        }
+        let Some(p) = peek_slot(&path).unwrap() else {
+            continue;
+        };
+        if p.is_complete() && p.step == step {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            let at = p.image_offset + p.image_len - 100;
+            let mut b = [0u8];
+            f.read_exact_at(&mut b, at).unwrap();
+            f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+            return;
+        }
+    }
+    panic!(
+        "no replica of rank {rank}'s step {step} held by rank {holder} in {}",
+        dir.display()
+    );
+}
+
+#[test]
+fn a_replica_failing_verification_is_skipped_for_the_next_source() {
+    let mut c = Cluster::new();
+    c.save_and_replicate(10);
+    corrupt_replica(&c.shm[0], 2, 0, 10);
+    c.lose_node_b();
+    // Rank 2's replica is bad: storage restores it; rank 3's is good.
+    assert_eq!(load(c.engine(2), 2, 10), (Source::Storage, true));
+    assert_eq!(load(c.engine(3), 3, 10), (Source::Peer, true));
+}
+
+#[test]
+fn a_bad_replica_of_an_uncommitted_step_is_never_returned() {
+    let mut c = Cluster::new();
+    c.save_and_replicate(10);
+    std::fs::remove_dir_all(c.root.join("step-000000000010")).unwrap();
+    corrupt_replica(&c.shm[0], 2, 0, 10);
+    c.lose_node_b();
+    let err = c
+        .engine(2)
+        .load(&LoadRequest {
+            step: Some(10),
+            ..LoadRequest::default()
+        })
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert_eq!(load(c.engine(3), 3, 10), (Source::Peer, true));
+}
+
+#[test]
+fn replica_rings_are_listed_apart_from_own_rings() {
+    let c = Cluster::new();
+    c.save_and_replicate(10);
+    let report = acp_core::ops::shm_list(&c.shm[0]).unwrap();
+    let mut rows: Vec<(u32, Option<u32>, Vec<u64>)> = report
+        .rings
+        .iter()
+        .map(|g| (g.rank, g.replica_held_by, g.resident_steps.clone()))
+        .collect();
+    rows.sort();
+    assert_eq!(
+        rows,
+        vec![
+            (0, None, vec![10]),
+            (1, None, vec![10]),
+            (2, Some(0), vec![10]),
+            (3, Some(1), vec![10]),
+        ]
+    );
+    let text = acp_core::ops::shm_list_text(&report);
+    assert!(text.contains("2@0"), "{text}");
+}

@@ -1,0 +1,229 @@
+"""Peer replicas over torch.distributed: each rank's resident image is kept
+in the shared memory of ranks on other nodes, so a replaced node restores
+from a peer's RAM (``LoadStats.source == "peer"``) rather than from storage.
+
+The images travel on a gloo process group of their own
+(``torch.distributed.new_group(backend="gloo")``), never the training's,
+from one background thread per rank that handles the steps in the order
+they were saved: every rank takes part in every step's exchange (a rank
+with nothing to send says so), so the group's point-to-point messages pair
+up on every rank. Node identity comes from ``ACP_NODE_ID``, else the host
+name. Rank r's image goes to ``replicas`` ranks: the same local rank on
+each of the next ``replicas`` nodes (wrapping around).
+
+Every image is checked chunk by chunk against the blake3 digests sent with
+it before ``load`` uses it (``acp-core``'s one verified reader); a replica
+that fails is skipped with a log line naming it, and the next source is
+used.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import warnings
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _acp
+
+__all__ = ["TorchReplicas", "node_id", "placement"]
+
+
+def node_id() -> str:
+    """This process's node: ``ACP_NODE_ID`` when set, else the host name."""
+    return os.environ.get("ACP_NODE_ID") or socket.gethostname()
+
+
+def placement(nodes: list[str], replicas: int) -> dict[int, list[int]]:
+    """The holders of each rank's replicas, given each rank's node: the
+    same local rank (modulo that node's size) on the next ``replicas``
+    nodes, in node order of first appearance; never a rank of its own
+    node. Fewer holders than ``replicas`` when there are not enough nodes."""
+    order = list(dict.fromkeys(nodes))
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    out: dict[int, list[int]] = {}
+    for r, n in enumerate(nodes):
+        i = order.index(n)
+        local = members[n].index(r)
+        holders = []
+        for k in range(1, min(replicas, len(order) - 1) + 1):
+            other = members[order[(i + k) % len(order)]]
+            holders.append(other[local % len(other)])
+        out[r] = holders
+    return out
+
+
+def _frombuffer(view: memoryview) -> torch.Tensor:
+    # A read-only slot view: gloo only reads what it sends.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class TorchReplicas:
+    """The replica exchange of one rank. Collective to create (every rank
+    of the default group, in the same order as its other collectives)."""
+
+    def __init__(self, replicas: int, timeout: float = 600.0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("replicas need torch.distributed to be initialised")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        if not isinstance(group, dist.ProcessGroup):
+            raise RuntimeError("this rank is not in the replica group")
+        self.group: dist.ProcessGroup = group
+        nodes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(nodes, node_id(), group=self.group)
+        self.nodes: list[str] = [str(n) for n in nodes]
+        self.holders = placement(self.nodes, replicas)
+        self.sources = sorted(r for r, hs in self.holders.items() if self.rank in hs)
+        self._engine: _acp.Engine | None = None
+        self._jobs: queue.Queue[tuple[int, Future[list[int]]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def attach(self, engine: _acp.Engine) -> None:
+        """Starts the background exchange for ``engine``."""
+        self._engine = engine
+        self._thread = threading.Thread(
+            target=self._run, name=f"acp-replicas-r{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def replicate(self, step: int) -> Future[list[int]]:
+        """Queues the exchange of ``step``: sends this rank's image to its
+        holders and receives its sources' images. The future's result is
+        the ranks that now hold this rank's image."""
+        fut: Future[list[int]] = Future()
+        self._jobs.put((step, fut))
+        return fut
+
+    def close(self) -> None:
+        """Finishes the queued exchanges and stops the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            step, fut = job
+            try:
+                fut.set_result(self._exchange(step))
+            except BaseException as e:  # reported through the future
+                fut.set_exception(e)
+
+    # --- the wire: a header of 5 int64 (rank, step, len, chunk_bytes,
+    # digests), len -1 for "nothing", then the digests, then the image.
+
+    def _isend(self, to: int, image: _acp.ReplicaImage | None, rank: int, step: int) -> list[Any]:
+        if image is None:
+            header = torch.tensor([rank, step, -1, 0, 0], dtype=torch.int64)
+            return [dist.isend(header, dst=to, group=self.group)]
+        r, s, n, chunk, digests = image.meta()
+        header = torch.tensor([r, s, n, chunk, len(digests) // 32], dtype=torch.int64)
+        d = torch.frombuffer(bytearray(digests), dtype=torch.uint8)
+        data = _frombuffer(image.buffer())
+        works: list[Any] = [
+            dist.isend(header, dst=to, group=self.group),
+            dist.isend(d, dst=to, group=self.group),
+            dist.isend(data, dst=to, group=self.group),
+        ]
+        # Keep the tensors (and the pinned slot) alive until sent.
+        works.append((header, d, data, image))
+        return works
+
+    def _recv(self, src: int) -> tuple[tuple[int, int, int, int, bytes], torch.Tensor] | None:
+        header = torch.empty(5, dtype=torch.int64)
+        dist.recv(header, src=src, group=self.group)
+        r, s, n, chunk, nd = (int(v) for v in header.tolist())
+        if n < 0:
+            return None
+        d = torch.empty(nd * 32, dtype=torch.uint8)
+        dist.recv(d, src=src, group=self.group)
+        data = torch.empty(n, dtype=torch.uint8)
+        dist.recv(data, src=src, group=self.group)
+        return (r, s, n, chunk, bytes(d.numpy().tobytes())), data
+
+    @staticmethod
+    def _wait(works: list[Any]) -> None:
+        for w in works:
+            if hasattr(w, "wait"):
+                w.wait()
+
+    def _exchange(self, step: int) -> list[int]:
+        assert self._engine is not None
+        try:
+            image: _acp.ReplicaImage | None = self._engine.resident_replica(step)
+        except _acp.CheckpointNotFound:
+            image = None
+        works: list[Any] = []
+        for h in self.holders[self.rank]:
+            works += self._isend(h, image, self.rank, step)
+        for src in self.sources:
+            got = self._recv(src)
+            if got is not None:
+                meta, data = got
+                self._engine.receive_replica(meta, data.data_ptr(), data.numel())
+        self._wait(works)
+        return [] if image is None else list(self.holders[self.rank])
+
+    # --- restore
+
+    def restore(self) -> int | None:
+        """Collective: agrees on the newest step every rank can restore
+        (from its own RAM, storage, or a replica), has each replica a rank
+        needs sent to it (offered to its engine, verified by the load), and
+        returns the step; None when there is none. Call ``load(step)`` on
+        every rank next."""
+        assert self._engine is not None
+        self.close()  # no exchange may interleave with the restore's messages
+        e = self._engine
+        inv = {
+            "local": e.resident_steps(),
+            "held": [(r, s) for r, s, *_ in e.replicas()],
+            "committed": e.steps(),
+        }
+        all_inv: list[Any] = [None] * self.world_size
+        dist.all_gather_object(all_inv, inv, group=self.group)
+        committed = {s for i in all_inv for s in i["committed"]}
+        held: dict[tuple[int, int], list[int]] = {}
+        for h, i in enumerate(all_inv):
+            for r, s in i["held"]:
+                held.setdefault((r, s), []).append(h)
+        steps = committed | {s for i in all_inv for s in i["local"]} | {s for _, s in held}
+
+        def has(r: int, s: int) -> bool:
+            return s in committed or s in all_inv[r]["local"] or (r, s) in held
+
+        step = max(
+            (s for s in steps if all(has(r, s) for r in range(self.world_size))), default=None
+        )
+        if step is None:
+            self.attach(e)
+            return None
+        transfers = [
+            (held[(r, step)][0], r)
+            for r in range(self.world_size)
+            if step not in all_inv[r]["local"] and (r, step) in held
+        ]
+        works: list[Any] = []
+        for h, r in transfers:
+            if self.rank == h:
+                works += self._isend(r, e.pin_replica(r, step), r, step)
+        for h, r in transfers:
+            if self.rank == r:
+                got = self._recv(h)
+                if got is not None:
+                    meta, data = got
+                    e.offer_peer_image(h, meta, data.data_ptr(), data.numel())
+        self._wait(works)
+        self.attach(e)
+        return step
