@@ -181,19 +181,26 @@ def run_floors(b: Bench) -> None:
 # ----------------------------------------------------------------------------- acp
 
 
-def run_acp(b: Bench) -> None:
+def _checkpointer(b: Bench, root: str) -> tuple[str, Any]:
+    """A checkpointer on ``root`` whose ring (in a private shm directory,
+    returned for removal) holds two images of the state."""
     import acp
 
-    root = os.path.join(b.work, "acp")
     shm = tempfile.mkdtemp(prefix="acp-cuda-", dir="/dev/shm")
     ckpt = acp.Checkpointer(
         root,
-        job=f"cuda-{os.getpid()}",
+        job=f"cuda-{os.getpid()}-{os.path.basename(root)}",
         ring_slots=RING_SLOTS,
         ring_bytes=RING_SLOTS * (b.bytes + 64 * MiB),
         keep_last=2,
         shm_dir=shm,
     )
+    return shm, ckpt
+
+
+def run_acp(b: Bench) -> None:
+    root = os.path.join(b.work, "acp")
+    shm, ckpt = _checkpointer(b, root)
     steps = iter(range(1, 1 << 30))
     saves: list[Any] = []
     loads: list[Any] = []
@@ -334,15 +341,7 @@ def run_dcp(b: Bench) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
     root = os.path.join(b.work, "acp-dcp")
-    shm = tempfile.mkdtemp(prefix="acp-cuda-", dir="/dev/shm")
-    ckpt = acp.Checkpointer(
-        root,
-        job=f"cuda-dcp-{os.getpid()}",
-        ring_slots=RING_SLOTS,
-        ring_bytes=RING_SLOTS * (b.bytes + 64 * MiB),
-        keep_last=2,
-        shm_dir=shm,
-    )
+    shm, ckpt = _checkpointer(b, root)
     writer = acp.dcp.StorageWriter(ckpt)
     steps = iter(range(1, 1 << 30))
 

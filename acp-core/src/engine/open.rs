@@ -313,19 +313,8 @@ impl Engine {
         }
         // Being persisted, it is no longer a kept snapshot to release.
         shared.lock().snapshots.retain(|s| s.slot != info.slot);
-        let pin = shared.ring.pin(info.slot)?;
         tracing::info!(step = info.step, "acp: persisting the newest resident step");
-        let done = handle::Completion::new(info.step);
-        self.enqueue(flush::Job {
-            pin,
-            step: info.step,
-            overwrite: false,
-            done: Arc::clone(&done),
-            started: Instant::now(),
-            stall_secs: 0.0,
-            slot_wait_secs: 0.0,
-            unwatched: false,
-        })?;
+        let done = self.enqueue_resident(&info, false)?;
         Ok(Some(SaveHandle::watched(
             done,
             Arc::downgrade(&self.inner.shared),
@@ -336,7 +325,6 @@ impl Engine {
     /// caller gets the handle (its failure is then raised by `close`).
     fn persist_slot(&self, info: &SlotInfo, unwatched: bool) -> Result<Arc<handle::Completion>> {
         let shared = self.shared();
-        let pin = shared.ring.pin(info.slot)?;
         tracing::info!(
             step = info.step,
             "acp: persisting a resident checkpoint left by a previous process"
@@ -346,6 +334,17 @@ impl Engine {
         // Open set it aside as reclaimable; being persisted, it is not.
         st.failed_slots.retain(|f| f.slot != info.slot);
         drop(st);
+        self.enqueue_resident(info, unwatched)
+    }
+
+    /// Pins resident slot `info` and queues it for flush and commit as it
+    /// is (no stall, no slot wait to report).
+    fn enqueue_resident(
+        &self,
+        info: &SlotInfo,
+        unwatched: bool,
+    ) -> Result<Arc<handle::Completion>> {
+        let pin = self.shared().ring.pin(info.slot)?;
         let done = handle::Completion::new(info.step);
         self.enqueue(flush::Job {
             pin,

@@ -383,28 +383,10 @@ impl SlotDir {
     /// [`Error::Io`] listing the directory.
     pub fn slots_of(self: &Arc<Self>, job: &str, rank: Option<u32>) -> Result<Vec<SlotFile>> {
         let stem = job_stem(job);
-        // Listed by path: only names come from it, and each is then opened
-        // relative to the checked descriptor.
-        let rd = std::fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
-        let mut out: Vec<SlotFile> = rd
-            .flatten()
-            .filter_map(|ent| {
-                let name = ent.file_name().to_str()?.to_owned();
-                let (r, slot) = parse_slot_name(&name, &stem)?;
-                if rank.is_some_and(|want| want != r) {
-                    return None;
-                }
-                Some(SlotFile {
-                    dir: Arc::clone(self),
-                    name,
-                    rank: r,
-                    holder: None,
-                    slot,
-                })
-            })
-            .collect();
-        out.sort_by_key(|s| (s.rank, s.slot));
-        Ok(out)
+        self.list(|name| {
+            let (r, slot) = parse_slot_name(name, &stem)?;
+            rank.is_none_or(|want| want == r).then_some((r, None, slot))
+        })
     }
 
     /// The replica slot names of `job` in this directory ([`replica_prefix`]:
@@ -415,20 +397,32 @@ impl SlotDir {
     /// [`Error::Io`] listing the directory.
     pub fn replicas_of(self: &Arc<Self>, job: &str, rank: Option<u32>) -> Result<Vec<SlotFile>> {
         let stem = job_stem(job);
+        self.list(|name| {
+            let (r, holder, slot) = parse_replica_name(name, &stem)?;
+            rank.is_none_or(|want| want == r)
+                .then_some((r, Some(holder), slot))
+        })
+    }
+
+    /// The files of this directory that `pick` recognises from their name
+    /// (rank, holder, slot), by rank, holder, then slot.
+    fn list(
+        self: &Arc<Self>,
+        pick: impl Fn(&str) -> Option<(u32, Option<u32>, usize)>,
+    ) -> Result<Vec<SlotFile>> {
+        // Listed by path: only names come from it, and each is then opened
+        // relative to the checked descriptor.
         let rd = std::fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
         let mut out: Vec<SlotFile> = rd
             .flatten()
             .filter_map(|ent| {
                 let name = ent.file_name().to_str()?.to_owned();
-                let (r, holder, slot) = parse_replica_name(&name, &stem)?;
-                if rank.is_some_and(|want| want != r) {
-                    return None;
-                }
+                let (rank, holder, slot) = pick(&name)?;
                 Some(SlotFile {
                     dir: Arc::clone(self),
                     name,
-                    rank: r,
-                    holder: Some(holder),
+                    rank,
+                    holder,
                     slot,
                 })
             })
