@@ -35,7 +35,7 @@ def _state(step: int) -> dict[str, object]:
     return {"w": np.full(1000, step, dtype=np.float32), "step": step}
 
 
-def _outcomes(ckpt: acp.Checkpointer, steps: range) -> list[str]:
+def _outcomes(ckpt: acp.Checkpointer, steps: range) -> list[str | None]:
     return [ckpt.save(s, _state(s)).wait().outcome for s in steps]
 
 
