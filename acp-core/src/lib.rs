@@ -15,24 +15,28 @@
 //!
 //! # Layers
 //!
-//! Each module uses only the ones below it; nothing imports upwards:
+//! Each module uses only the ones below it (or beside it, on its own
+//! line); nothing imports upwards, and `tests/layering.rs` checks every
+//! `crate::` path in the source against this table:
 //!
 //! ```text
 //! bin/acp.rs      the `acp` binary: argv in, exit code out
 //! cli             the command line (clap), shared with the wheel's `acp`
 //! ops             list, inspect, verify, export, import, diff, gc, persist, shm
-//! engine          Engine: save, flush, load, recovery at open, retention
+//! engine          Engine: save, flush, load, recovery at open, retention,
+//!                 the reclaim of expired rings (which `acp gc --shm` reports)
+//! replica         the Transport seam: replica slots and what peers hold
 //! read            the one verified reader of committed data files
 //! io              IoEngine: io_uring / psync bulk reads and writes
-//! staging, storage   the shared-memory ring; the Storage seam (LocalStorage)
+//! staging, storage   the shared-memory ring; the Storage seam (LocalStorage,
+//!                 and the opener of regular files that `io` re-exports)
 //! format          the on-disk format: header, index, digests, dtypes
 //! error           Error, ErrorKind, Result
 //! ```
 //!
-//! Two calls still cross upwards: `engine`'s open reclaims other jobs'
-//! expired rings through `ops` (`acp shm gc`'s judgement, which needs a
-//! root's committed steps), and `storage::local` opens files with
-//! [`io::open_regular`] (while `io` takes `storage`'s fault probe).
+//! One file is let through upwards, by name in the check: `replica`'s
+//! in-process transport (`Loopback`) holds engines, because it delivers
+//! images into their replica slots.
 //!
 //! `config` (the engine's settings) sits beside `engine` and is read by
 //! the layers it configures. The seams are documented where they are

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from acp import _acp
 from acp._acp import AcpError, CheckpointNotFound, ConfigError, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
+from acp._env import settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp._rank import rank_and_world_size
@@ -121,9 +122,10 @@ class Checkpointer:
             ``Checkpointer`` is collective and ``load`` agrees on the step;
             see ``acp.distributed``.
         release_on_close: ``close()`` removes this rank's ring from shared
-            memory once every resident step is committed (default False:
-            the newest step stays resident for a fast restart and for
-            ``acp persist``). A ring holding the only copy of a step is kept.
+            memory once every resident step is committed (default False, or
+            ``ACP_RELEASE_ON_CLOSE``: the newest step stays resident for a
+            fast restart and for ``acp persist``). A ring holding the only
+            copy of a step is kept.
         shm_ttl: seconds after which opening removes the rings of other
             jobs of this user that no process holds and whose steps are all
             committed (default 24 h; 0 turns it off; see ``acp gc --shm``).
@@ -135,14 +137,19 @@ class Checkpointer:
             ``persist_policy="coalesce"``: the newest snapshot whenever the
             previous persist has finished (at most one in flight; a newer
             snapshot supersedes a waiting one, which is never written).
-            Default: every save (``persist_every=1``). With several ranks
+            Default: every save (``persist_every=1``), unless the
+            environment gives a policy (``ACP_PERSIST_EVERY``,
+            ``ACP_PERSIST_INTERVAL``, ``ACP_PERSIST_POLICY``; read only when
+            none of the three keywords is given). With several ranks
             only ``persist_every`` (the same steps on every rank). Give the
             ring 3 slots or more when most saves are not persisted, so
             snapshots keep cycling while a persist is in flight.
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
-        The other keywords tune the engine; see ``acp._acp.Engine``.
+        The other keywords tune the engine; see ``acp._acp.Engine``. A keyword
+        always wins over its ``ACP_*`` variable; a variable whose value cannot
+        be read raises ``acp.ConfigError`` naming it.
     """
 
     def __init__(
@@ -172,7 +179,7 @@ class Checkpointer:
         faults: _acp.FaultInjector | None = None,
         replica_group: Sequence[int] | None = None,
         store: Store | None = None,
-        release_on_close: bool = False,
+        release_on_close: bool | None = None,
         shm_ttl: float | None = None,
         persist_every: int | None = None,
         persist_interval: float | None = None,
@@ -181,8 +188,15 @@ class Checkpointer:
         replicas: int | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
-        if replicas is None and os.environ.get("ACP_REPLICAS"):
-            replicas = int(os.environ["ACP_REPLICAS"])
+        # The environment fills in what the keywords leave out (acp._env).
+        env = settings(
+            replicas=replicas,
+            release_on_close=release_on_close,
+            persist_every=persist_every,
+            persist_interval=persist_interval,
+            persist_policy=persist_policy,
+        )
+        replicas = env.replicas
         self._replicas: TorchReplicas | None = None
         if replicas:
             from .replica import TorchReplicas
@@ -201,37 +215,38 @@ class Checkpointer:
         recover_together = coordinated and persist_on_open is None
         if recover_together:
             persist_on_open = False
-        self._engine = _acp.Engine(
-            os.fspath(root),
-            job=job,
-            rank=self.rank,
-            world_size=self.world_size,
-            ring_bytes=ring_bytes,
-            ring_slots=ring_slots,
-            shm_dir=None if shm_dir is None else os.fspath(shm_dir),
-            mlock=mlock,
-            copy_threads=copy_threads,
-            chunk_bytes=chunk_bytes,
-            queue_depth=queue_depth,
-            io=io,
-            direct_io=direct_io,
-            on_full=on_full,
-            full_timeout=full_timeout,
-            verify=verify,
-            keep_last=keep_last,
-            keep_every=keep_every,
-            persist_on_open=persist_on_open,
-            stall_timeout=stall_timeout,
-            commit_timeout=commit_timeout,
-            faults=faults,
-            release_on_close=release_on_close,
-            shm_ttl=shm_ttl,
-            persist_every=persist_every,
-            persist_interval=persist_interval,
-            persist_policy=persist_policy,
-            background_nice=background_nice,
-            replicas_held=None if self._replicas is None else len(self._replicas.sources),
-        )
+        with env.naming_persist_vars():
+            self._engine = _acp.Engine(
+                os.fspath(root),
+                job=job,
+                rank=self.rank,
+                world_size=self.world_size,
+                ring_bytes=ring_bytes,
+                ring_slots=ring_slots,
+                shm_dir=None if shm_dir is None else os.fspath(shm_dir),
+                mlock=mlock,
+                copy_threads=copy_threads,
+                chunk_bytes=chunk_bytes,
+                queue_depth=queue_depth,
+                io=io,
+                direct_io=direct_io,
+                on_full=on_full,
+                full_timeout=full_timeout,
+                verify=verify,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                persist_on_open=persist_on_open,
+                stall_timeout=stall_timeout,
+                commit_timeout=commit_timeout,
+                faults=faults,
+                release_on_close=env.release_on_close,
+                shm_ttl=shm_ttl,
+                persist_every=env.persist.every,
+                persist_interval=env.persist.interval,
+                persist_policy=env.persist.policy,
+                background_nice=background_nice,
+                replicas_held=None if self._replicas is None else len(self._replicas.sources),
+            )
         if self._replicas is not None:
             self._replicas.attach(self._engine)
         self.root = self._engine.root

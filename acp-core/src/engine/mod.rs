@@ -92,6 +92,7 @@ mod load;
 mod open;
 mod policy;
 mod ranks;
+pub(crate) mod reclaim;
 mod release;
 mod replicate;
 pub(crate) mod retention;

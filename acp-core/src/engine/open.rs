@@ -152,7 +152,7 @@ impl Engine {
         })?;
         ring.record_origin(root.location(), &job_id(&config, &*root));
         if !config.shm_ttl.is_zero() {
-            crate::ops::reclaim_expired(&config.shm_dir, config.shm_ttl, &job_tag);
+            super::reclaim::reclaim_expired(&config.shm_dir, config.shm_ttl, &job_tag);
         }
         // We hold this rank's ring lock: whatever pending directories this
         // rank left are from a dead process.

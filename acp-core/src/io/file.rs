@@ -139,7 +139,7 @@ fn apply_flags(file: &File, policy: DirectIo, want: bool, path: &Path) -> Result
     if !want {
         return Ok(false);
     }
-    match sys::set_flags(file, true, false) {
+    match sys::set_direct(file) {
         Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) && policy == DirectIo::Auto => {
             tracing::debug!(path = %path.display(), "file system refuses O_DIRECT; buffered I/O");

@@ -45,14 +45,13 @@ use crate::config::{DirectIo, IoChoice};
 use crate::error::{Error, Result};
 use crate::storage::Probe;
 
+pub use crate::storage::{open_listed, open_regular};
 pub(crate) use pool::run_on_threads;
-pub use regular::{open_listed, open_regular};
 pub(crate) use sys::{block_async_signals, lower_thread_priority};
 
 mod file;
 mod pool;
 mod psync;
-mod regular;
 mod sys;
 mod uring;
 

@@ -38,8 +38,7 @@ pub(super) fn fallocate(file: &File, len: u64) -> io::Result<()> {
     }
 }
 
-/// Sets `O_DIRECT` on `file` (when `direct`) and clears `O_NONBLOCK` (when
-/// `clear_nonblock`) in one `F_SETFL`.
+/// Sets `O_DIRECT` on `file` with `F_SETFL`.
 ///
 /// Setting `O_DIRECT` after the open, rather than passing it to `open`, is
 /// deliberate: a file system that refuses `O_DIRECT` fails the open with
@@ -49,9 +48,9 @@ pub(super) fn fallocate(file: &File, len: u64) -> io::Result<()> {
 ///
 /// # Errors
 /// EINVAL when the file system refuses `O_DIRECT`; any other OS error.
-pub(super) fn set_flags(file: &File, direct: bool, clear_nonblock: bool) -> io::Result<()> {
+pub(super) fn set_direct(file: &File) -> io::Result<()> {
     #[cfg(test)]
-    if direct && tests::REFUSE_DIRECT.with(std::cell::Cell::get) {
+    if tests::REFUSE_DIRECT.with(std::cell::Cell::get) {
         return Err(io::Error::from_raw_os_error(libc::EINVAL));
     }
     let fd = file.as_raw_fd();
@@ -61,13 +60,7 @@ pub(super) fn set_flags(file: &File, direct: bool, clear_nonblock: bool) -> io::
     if old < 0 {
         return Err(io::Error::last_os_error());
     }
-    let mut new = old;
-    if direct {
-        new |= libc::O_DIRECT;
-    }
-    if clear_nonblock {
-        new &= !libc::O_NONBLOCK;
-    }
+    let new = old | libc::O_DIRECT;
     if new == old {
         return Ok(());
     }
@@ -113,7 +106,7 @@ pub(super) mod tests {
     use super::*;
 
     thread_local! {
-        /// Makes `set_flags` refuse `O_DIRECT` with EINVAL on this thread, as
+        /// Makes `set_direct` refuse `O_DIRECT` with EINVAL on this thread, as
         /// a file system without direct I/O does (tmpfs accepts it since
         /// Linux 6.6, so no such file system is at hand in tests).
         pub(in crate::io) static REFUSE_DIRECT: Cell<bool> = const { Cell::new(false) };
@@ -125,7 +118,7 @@ pub(super) mod tests {
         let path = dir.path().join("f");
         let mut f = File::create(&path).unwrap();
         f.write_all(&[0u8; 8192]).unwrap();
-        set_flags(&f, true, false).unwrap();
+        set_direct(&f).unwrap();
         // Under O_DIRECT an unaligned length is refused; buffered it is not.
         let e = f.write_at(&[1u8; 100], 0).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");

@@ -710,7 +710,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut f = File::create(dir.path().join("f")).unwrap();
         f.write_all(&[0u8; 8192]).unwrap();
-        sys::set_flags(&f, true, false).unwrap();
+        sys::set_direct(&f).unwrap();
         let buf = MmapMut::map_anon(3 * 4096).unwrap();
         let span = Span {
             index: 0,

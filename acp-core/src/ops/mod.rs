@@ -55,7 +55,6 @@ pub use list::{list, ListReport, StepRow};
 pub use persist::{persist, PersistOptions, PersistReport, RankPersist};
 pub use plain::{plain_values, plain_values_with, Leaves};
 pub use resident::{job_id, resident, shm_prefix, ResidentSlot, DEFAULT_SHM_DIR};
-pub(crate) use shm::reclaim_expired;
 pub use shm::{
     gc_text as shm_gc_text, list_text as shm_list_text, shm_gc, shm_list, ShmGcOptions,
     ShmGcReport, ShmGcRow, ShmListReport, ShmRing,
@@ -109,20 +108,7 @@ pub fn exit_code_of(kind: ErrorKind) -> u8 {
     }
 }
 
-/// Opens an existing checkpoint root (never creates one).
-///
-/// # Errors
-/// [`Error::NotFound`]; [`Error::Invalid`] when it is not a directory.
-pub(crate) fn open_root(path: &Path) -> Result<LocalStorage> {
-    let root = LocalStorage::open_existing(path)?;
-    if !root.path().is_dir() {
-        return Err(Error::invalid(
-            path.display(),
-            "is not a directory (a checkpoint root is a directory of step-… directories)",
-        ));
-    }
-    Ok(root)
-}
+pub(crate) use crate::storage::open_root;
 
 /// The steps to work on: `step` when given (it must be committed), else
 /// the newest committed one.

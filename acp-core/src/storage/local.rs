@@ -483,13 +483,13 @@ impl Storage for LocalStorage {
 
     fn open_file(&self, step: u64, name: &str) -> Result<FileHandle> {
         let path = self.file_path(step, name)?;
-        let file = crate::io::open_regular(&path)?;
+        let file = super::open_regular(&path)?;
         Ok(FileHandle::new(file, path))
     }
 
     fn open_listed(&self, step: u64, name: &str, size: u64) -> Result<FileHandle> {
         let path = self.file_path(step, name)?;
-        let file = crate::io::open_listed(&path, size)?;
+        let file = super::open_listed(&path, size)?;
         Ok(FileHandle::new(file, path))
     }
 
@@ -584,8 +584,23 @@ fn dir_bytes(dir: &Path) -> u64 {
     })
 }
 
+/// Opens an existing checkpoint root (never creates one).
+///
+/// # Errors
+/// [`Error::NotFound`]; [`Error::Invalid`] when it is not a directory.
+pub(crate) fn open_root(path: &Path) -> Result<LocalStorage> {
+    let root = LocalStorage::open_existing(path)?;
+    if !root.path().is_dir() {
+        return Err(Error::invalid(
+            path.display(),
+            "is not a directory (a checkpoint root is a directory of step-… directories)",
+        ));
+    }
+    Ok(root)
+}
+
 /// Reads a small file whole (at most `limit` bytes), opened by
-/// [`crate::io::open_regular`]: a symlink, a FIFO or any other non-regular
+/// [`super::open_regular`]: a symlink, a FIFO or any other non-regular
 /// file is refused without blocking.
 ///
 /// # Errors
@@ -593,7 +608,7 @@ fn dir_bytes(dir: &Path) -> u64 {
 /// larger than `limit`.
 pub fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>> {
     use std::io::Read;
-    let f = crate::io::open_regular(path)?;
+    let f = super::open_regular(path)?;
     let meta = f.metadata().map_err(|e| Error::io("stat", path, e))?;
     if meta.len() > limit {
         return Err(Error::corrupt(

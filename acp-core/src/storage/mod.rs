@@ -108,8 +108,11 @@ use crate::format::Index;
 #[cfg(feature = "test-util")]
 pub mod faults;
 pub mod local;
+mod regular;
 
+pub(crate) use local::open_root;
 pub use local::LocalStorage;
+pub use regular::{open_listed, open_regular};
 
 /// Sees each primitive storage operation before it runs, and may fail it
 /// (or stall, or act, e.g. kill the process at that exact point). `op` is
@@ -336,7 +339,7 @@ pub trait Storage: Send + Sync + Debug {
 
     /// Opens file `name` of committed `step` for reading: only a regular
     /// file inside the step, never through a symlink, never blocking (see
-    /// [`crate::io::open_regular`]).
+    /// [`open_regular`]).
     ///
     /// # Errors
     /// [`Error::Corrupt`](crate::Error::Corrupt) for a name that would
@@ -348,7 +351,7 @@ pub trait Storage: Send + Sync + Debug {
     /// As [`Storage::open_file`], for a data file the index lists with
     /// `size` bytes: a missing file or one of another size is
     /// [`Error::Corrupt`](crate::Error::Corrupt) (see
-    /// [`crate::io::open_listed`]).
+    /// [`open_listed`]).
     ///
     /// # Errors
     /// As [`Storage::open_file`].

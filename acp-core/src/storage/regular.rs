@@ -9,12 +9,11 @@
 //! to be regular, so reads behave as usual.
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::error::{Error, Result};
-
-use super::sys;
 
 /// Opens `path` read-only (`O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`), checks
 /// with `fstat` that it is a regular file, then clears `O_NONBLOCK`.
@@ -59,7 +58,7 @@ pub fn open_regular(path: &Path) -> Result<File> {
         };
         return Err(not_regular(path, what));
     }
-    sys::set_flags(&file, false, true).map_err(|e| Error::io("fcntl", path, e))?;
+    clear_nonblock(&file).map_err(|e| Error::io("fcntl", path, e))?;
     Ok(file)
 }
 
@@ -98,6 +97,34 @@ pub fn open_listed(path: &Path, size: u64) -> Result<File> {
 
 fn not_regular(path: &Path, what: &str) -> Error {
     Error::corrupt(path, None, format!("a {what}, not a regular file"))
+}
+
+/// Clears `O_NONBLOCK` on `file`'s open file description (`F_GETFL`, then
+/// `F_SETFL` when it is set).
+///
+/// # Errors
+/// Any OS error of `fcntl`.
+#[expect(
+    unsafe_code,
+    reason = "fcntl(2) has no std wrapper; the calls pass only an fd that `file` keeps open and integers"
+)]
+fn clear_nonblock(file: &File) -> std::io::Result<()> {
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is open for the whole call (`file` is borrowed);
+    // F_GETFL takes no argument and reads no memory of ours.
+    let old = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if old < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if old & libc::O_NONBLOCK == 0 {
+        return Ok(());
+    }
+    // SAFETY: as above; F_SETFL takes an integer flag word.
+    let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, old & !libc::O_NONBLOCK) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

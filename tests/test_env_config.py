@@ -1,0 +1,133 @@
+"""``ACP_*`` environment variables of the ``Checkpointer``: the persist
+policy (``ACP_PERSIST_EVERY``, ``ACP_PERSIST_INTERVAL``,
+``ACP_PERSIST_POLICY``), ``ACP_RELEASE_ON_CLOSE`` and ``ACP_REPLICAS``.
+Keywords win over variables; a bad value is a ``ConfigError`` naming its
+variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import acp
+from tests.conftest import MakeCkpt, slot_dir
+
+VARIABLES = (
+    "ACP_PERSIST_EVERY",
+    "ACP_PERSIST_INTERVAL",
+    "ACP_PERSIST_POLICY",
+    "ACP_RELEASE_ON_CLOSE",
+    "ACP_REPLICAS",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees only the variables it sets."""
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _state(step: int) -> dict[str, object]:
+    import numpy as np
+
+    return {"w": np.full(1000, step, dtype=np.float32), "step": step}
+
+
+def _outcomes(ckpt: acp.Checkpointer, steps: range) -> list[str | None]:
+    return [ckpt.save(s, _state(s)).wait().outcome for s in steps]
+
+
+def _ring_files(shm_dir: Path) -> list[str]:
+    d = slot_dir(shm_dir)
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def test_persist_every_from_the_environment(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_PERSIST_EVERY", "2")
+    ckpt = make_ckpt(ring_slots=3)
+    assert _outcomes(ckpt, range(1, 5)) == ["resident", "persisted", "resident", "persisted"]
+    assert ckpt.steps() == [2, 4]
+
+
+def test_persist_interval_from_the_environment(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An hour: the first save persists, the next ones fall inside the interval.
+    monkeypatch.setenv("ACP_PERSIST_INTERVAL", "3600")
+    monkeypatch.setenv("ACP_PERSIST_POLICY", "interval")
+    ckpt = make_ckpt(ring_slots=3)
+    assert _outcomes(ckpt, range(1, 4)) == ["persisted", "resident", "resident"]
+    assert ckpt.steps() == [1]
+
+
+def test_persist_policy_from_the_environment(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_PERSIST_POLICY", "coalesce")
+    ckpt = make_ckpt(ring_slots=3)
+    assert _outcomes(ckpt, range(1, 2)) == ["persisted"]  # nothing was in flight
+    # The engine refuses coalescing with several ranks: the error says
+    # where the policy came from.
+    with pytest.raises(acp.ConfigError, match=r"persist_policy.*ACP_PERSIST_POLICY"):
+        make_ckpt(world_size=2, rank=0)
+
+
+def test_a_persist_keyword_overrides_every_persist_variable(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_PERSIST_INTERVAL", "3600")
+    monkeypatch.setenv("ACP_PERSIST_EVERY", "not read")
+    ckpt = make_ckpt(ring_slots=3, persist_every=1)
+    assert _outcomes(ckpt, range(1, 4)) == ["persisted"] * 3
+
+
+def test_release_on_close_from_the_environment(
+    make_ckpt: MakeCkpt, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_RELEASE_ON_CLOSE", "true")
+    kept = make_ckpt(release_on_close=False)
+    kept.save(1, _state(1)).wait()
+    kept.close()
+    left = _ring_files(shm_dir)
+    assert left  # the keyword won: the ring stays
+    released = make_ckpt(job="released", root=tmp_path / "other")
+    released.save(1, _state(1)).wait()
+    assert len(_ring_files(shm_dir)) > len(left)
+    released.close()
+    assert _ring_files(shm_dir) == left  # the variable: its ring is gone
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("ACP_PERSIST_EVERY", "two"),
+        ("ACP_PERSIST_EVERY", "0"),
+        ("ACP_PERSIST_INTERVAL", "soon"),
+        ("ACP_PERSIST_INTERVAL", "0"),
+        ("ACP_PERSIST_INTERVAL", "-5"),
+        ("ACP_PERSIST_INTERVAL", "nan"),
+        ("ACP_PERSIST_POLICY", "sometimes"),
+        ("ACP_RELEASE_ON_CLOSE", "maybe"),
+        ("ACP_REPLICAS", "many"),
+        ("ACP_REPLICAS", "-1"),
+    ],
+)
+def test_a_bad_value_names_its_variable(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(acp.ConfigError, match=rf"{name}='{value}'"):
+        make_ckpt()
+
+
+def test_two_policies_from_the_environment_are_refused(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_PERSIST_EVERY", "2")
+    monkeypatch.setenv("ACP_PERSIST_POLICY", "coalesce")
+    with pytest.raises(acp.ConfigError, match=r"ACP_PERSIST_EVERY.*ACP_PERSIST_POLICY"):
+        make_ckpt()
