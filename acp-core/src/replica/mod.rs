@@ -32,7 +32,7 @@
 //! (or taken from the flush when it already hashed the slot). The holder
 //! records the digests in the replica slot's digest area. Nothing of a
 //! replica reaches a caller before the one verified reader
-//! ([`crate::read`]) matched every chunk: against the committed index's
+//! (`crate::read`) matched every chunk: against the committed index's
 //! digests when the step is committed, else against the digests shipped
 //! with the image. A replica that is missing, of another length, or that
 //! fails verification is skipped with a log line naming it, and the

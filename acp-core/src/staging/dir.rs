@@ -77,7 +77,7 @@ fn job_stem(job: &str) -> String {
 /// `rank`'s images of `job`: `acp-{16 hex of blake3(job)}-replica-r{rank:05}-on-r{holder:05}`.
 /// Its slots are `{prefix}-s{i}`, like a rank's own; an own-slot parser
 /// never takes them for `rank`'s own (the part after the job's stem does
-/// not start with `r` and digits), and [`parse_replica_name`] reads them.
+/// not start with `r` and digits), and `parse_replica_name` reads them.
 /// Their control blocks record `rank` (the image's rank), so a reader of
 /// another slot on this node ([`PeerSlot`](super::PeerSlot)) can use
 /// them as it uses `rank`'s own.
