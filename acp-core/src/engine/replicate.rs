@@ -181,18 +181,28 @@ pub(super) struct Found {
 }
 
 /// Checks `image`, from `origin`, against `entry` with the one verified
-/// reader; logs and returns `false` when it does not match.
-fn verified(image: &[u8], origin: &Path, entry: &FileEntry, threads: usize, step: u64) -> bool {
+/// reader; when it does not match, logs it, records why in `rejected` (the
+/// load's report) and returns `false`.
+fn verified(
+    image: &[u8],
+    origin: &Path,
+    entry: &FileEntry,
+    threads: usize,
+    step: u64,
+    rejected: &mut Option<String>,
+) -> bool {
     match ChunkReader::new(MemSource::new(image, origin), entry)
         .and_then(|mut r| r.verify_in_place(threads))
     {
         Ok(_) => true,
         Err(e) => {
-            tracing::warn!(
-                "acp: rank {}'s image of step {step} in {} rejected, trying the next source: {e}",
+            let why = format!(
+                "rank {}'s image of step {step} in {} rejected: {e}",
                 entry.rank,
                 origin.display()
             );
+            tracing::warn!("acp: {why}; trying the next source");
+            *rejected = Some(why);
             false
         }
     }
@@ -225,7 +235,11 @@ fn same_digests(entry: &FileEntry, chunk_bytes: u64, digests: &[Digest]) -> bool
 /// against the digests recorded in its slot (by the flush, or by
 /// [`Engine::resident_replica`]); a slot without digests cannot be checked
 /// and is skipped.
-pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
+pub(super) fn own_uncommitted(
+    shared: &Shared,
+    step: u64,
+    rejected: &mut Option<String>,
+) -> Option<Found> {
     let info = shared
         .ring
         .complete()
@@ -246,7 +260,15 @@ pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
         shared.cfg.chunk_bytes as u64,
         digests,
     );
-    verified(pin.image(), &origin, &entry, shared.cfg.copy_threads, step).then(|| Found {
+    verified(
+        pin.image(),
+        &origin,
+        &entry,
+        shared.cfg.copy_threads,
+        step,
+        rejected,
+    )
+    .then(|| Found {
         backing: Backing::Slot(pin),
         origin,
         source: Source::Ram,
@@ -256,11 +278,13 @@ pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
 /// `rank`'s image of `step` from a replica slot on this node (kept by any
 /// rank here), checked against `committed` (the index's entry) when the
 /// step is committed, else against the digests recorded with the replica.
+/// Why one was rejected goes to `rejected`.
 pub(super) fn node_replica(
     shared: &Shared,
     step: u64,
     rank: u32,
     committed: Option<&FileEntry>,
+    rejected: &mut Option<String>,
 ) -> Option<Found> {
     let job = super::open::job_id(&shared.cfg, &*shared.root);
     let files = replica_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
@@ -270,7 +294,7 @@ pub(super) fn node_replica(
     let (_, job_tag) = super::open::job_names(&shared.cfg, &*shared.root, rank);
     files
         .iter()
-        .find_map(|f| copy_node_replica(shared, f, job_tag, step, committed))
+        .find_map(|f| copy_node_replica(shared, f, job_tag, step, committed, rejected))
 }
 
 fn copy_node_replica(
@@ -279,6 +303,7 @@ fn copy_node_replica(
     job_tag: Digest,
     step: u64,
     committed: Option<&FileEntry>,
+    rejected: &mut Option<String>,
 ) -> Option<Found> {
     let path = file.path();
     let opened = file.open().ok()??;
@@ -315,7 +340,15 @@ fn copy_node_replica(
         tracing::debug!("acp: {} was reused during the copy", path.display());
         return None;
     }
-    verified(&buf[..len], &path, &entry, shared.cfg.copy_threads, step).then(|| Found {
+    verified(
+        &buf[..len],
+        &path,
+        &entry,
+        shared.cfg.copy_threads,
+        step,
+        rejected,
+    )
+    .then(|| Found {
         backing: Backing::Heap(buf, len),
         origin: path,
         source: Source::Ram,
@@ -324,12 +357,14 @@ fn copy_node_replica(
 
 /// `rank`'s image of `step` fetched from the first holder that has it,
 /// through the engine's transport, checked against `committed` when the
-/// step is committed, else against the digests the holder recorded.
+/// step is committed, else against the digests the holder recorded. Why
+/// one was rejected goes to `rejected`.
 pub(super) fn from_peers(
     shared: &Shared,
     step: u64,
     rank: u32,
     committed: Option<&FileEntry>,
+    rejected: &mut Option<String>,
 ) -> Option<Found> {
     let transport = shared.replicas.transport()?;
     for peer in transport.holders(rank) {
@@ -363,6 +398,7 @@ pub(super) fn from_peers(
             &entry,
             shared.cfg.copy_threads,
             step,
+            rejected,
         ) {
             let (map, len) = fetched.image.into_parts();
             return Some(Found {
