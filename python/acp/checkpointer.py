@@ -142,6 +142,14 @@ class Checkpointer:
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
+        replicas: keep a copy of each save's resident image in the shared
+            memory of this many ranks on other nodes (default
+            ``ACP_REPLICAS``, else 0); needs torch.distributed. Collective.
+            See ``acp.replica`` and docs/distributed.md.
+        replica_timeout: seconds one replica exchange may wait for a peer
+            (default ``ACP_REPLICA_TIMEOUT``, else 60); past it that step's
+            replication fails (logged, ``wait_replicated`` raises), and
+            replication stays off until the next ``Checkpointer``.
         The other keywords tune the engine; see ``acp._acp.Engine``.
     """
 
@@ -179,15 +187,10 @@ class Checkpointer:
         persist_policy: str | None = None,
         background_nice: int | None = None,
         replicas: int | None = None,
+        replica_timeout: float | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
-        if replicas is None and os.environ.get("ACP_REPLICAS"):
-            replicas = int(os.environ["ACP_REPLICAS"])
-        self._replicas: TorchReplicas | None = None
-        if replicas:
-            from .replica import TorchReplicas
-
-            self._replicas = TorchReplicas(replicas)
+        self._replicas = _torch_replicas(replicas, replica_timeout)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -606,6 +609,7 @@ class Checkpointer:
         out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
         out["engine"] = None if self._closed else self._engine.open_report()
         out["persist"] = None if self._closed else self._engine.persist_stats()
+        out["replicas"] = None if self._closed else _replicas_held(self._engine.replicas())
         out["figures"] = self._metrics.summary()
         return out
 
@@ -715,6 +719,35 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _torch_replicas(replicas: int | None, timeout: float | None) -> TorchReplicas | None:
+    """The replica exchange ``replicas=`` (else ``ACP_REPLICAS``) asks for,
+    with ``timeout`` (else ``ACP_REPLICA_TIMEOUT``, else the default)."""
+    if replicas is None and os.environ.get("ACP_REPLICAS"):
+        replicas = int(os.environ["ACP_REPLICAS"])
+    if not replicas:
+        return None
+    from .replica import DEFAULT_TIMEOUT, TorchReplicas
+
+    if timeout is None:
+        env = os.environ.get("ACP_REPLICA_TIMEOUT")
+        timeout = float(env) if env else DEFAULT_TIMEOUT
+    return TorchReplicas(replicas, timeout)
+
+
+def _replicas_held(held: Sequence[tuple[int, int, int, int, bytes]]) -> dict[str, Any]:
+    """``stats()["replicas"]``: the other ranks' images this rank holds
+    (complete replica slots): how many, their bytes, and the steps held
+    by source rank."""
+    steps: dict[int, list[int]] = {}
+    for rank, step, *_ in held:
+        steps.setdefault(rank, []).append(step)
+    return {
+        "held": len(held),
+        "bytes": sum(n for _, _, n, *_ in held),
+        "steps": {r: sorted(s) for r, s in sorted(steps.items())},
+    }
 
 
 def _replica_group(group: Sequence[int] | None, rank: int, world_size: int) -> list[int]:
