@@ -651,9 +651,10 @@ class Checkpointer:
         for the queued flushes, then stops the engine. Resident
         checkpoints stay in shared memory, unless ``release_on_close`` was
         set: then this rank's ring is removed, if every resident step is
-        committed (a ring holding the only copy of a step is kept, and a
-        warning logged). Raises the first flush error no handle reported.
-        Idempotent."""
+        committed, and so are the replica rings it holds for other ranks
+        (``replicas=``), if every step they hold is (a ring holding the
+        only copy of a step is kept, and a warning logged). Raises the
+        first flush error no handle reported. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -669,9 +670,9 @@ class Checkpointer:
                 kept = self._engine.close()
                 if kept:
                     logger.warning(
-                        "acp: release_on_close: the ring of %s rank %d is kept in shared "
-                        "memory: it holds the only copy of step(s) %s (not committed; "
-                        "`acp persist` commits it, `acp gc --shm --force` drops it)",
+                        "acp: release_on_close: the ring (or replica rings) of %s rank %d "
+                        "is kept in shared memory: it holds the only copy of step(s) %s (not "
+                        "committed; `acp persist` commits it, `acp gc --shm --force` drops it)",
                         self.root,
                         self.rank,
                         kept,

@@ -188,6 +188,14 @@ impl Store {
         out
     }
 
+    /// Removes the files of every replica ring of the store (their open
+    /// mappings stay valid: a reader of a pinned replica is unaffected).
+    pub(crate) fn unlink_all(&self) {
+        for ring in self.rings().values() {
+            ring.unlink_all();
+        }
+    }
+
     /// Pins the replica of `rank`'s `step`, if held: its metadata, the pin
     /// (the image stays while it lives) and the slot file.
     pub(crate) fn pin(&self, rank: u32, step: u64) -> Option<(ReplicaMeta, PinnedSlot, PathBuf)> {
