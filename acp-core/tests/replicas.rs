@@ -333,3 +333,28 @@ fn release_on_close_keeps_a_replica_ring_holding_the_only_copy() {
     acp_core::ops::shm_gc(&c.shm[1], &forced).unwrap();
     assert!(acp_core::ops::shm_list(&c.shm[0]).unwrap().rings.is_empty());
 }
+
+#[test]
+fn close_finishes_the_queued_replica_sends() {
+    let mut c = Cluster::new();
+    let saves: Vec<_> = (0..WORLD).map(|r| save(c.engine(r), r, 10)).collect();
+    for h in saves {
+        h.wait().unwrap();
+    }
+    // Queued without waiting: rank 0's one replica thread sends them in
+    // order, and its close waits for both.
+    let queued: Vec<_> = (0..3).map(|_| c.engine(0).replicate(10).unwrap()).collect();
+    c.engines[0].take().unwrap().close().unwrap();
+    for h in &queued {
+        assert!(h.is_done());
+        assert_eq!(h.wait(None).unwrap(), vec![2]);
+    }
+    assert_eq!(
+        c.engine(2)
+            .replicas()
+            .iter()
+            .map(|m| (m.rank, m.step))
+            .collect::<Vec<_>>(),
+        vec![(0, 10)]
+    );
+}

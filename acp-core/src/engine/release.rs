@@ -20,9 +20,14 @@ pub(super) fn release_ring(shared: &Shared) -> Vec<u64> {
     let resident: Vec<u64> = shared.ring.complete().iter().map(|s| s.step).collect();
     let mut kept = release(shared, "the ring", &resident, || shared.ring.unlink_all());
     let held: Vec<u64> = shared.replicas.held().iter().map(|m| m.step).collect();
-    kept.extend(release(shared, "the replica rings", &held, || {
+    if held.is_empty() {
+        // No complete replica: nothing to lose, and no root to list.
         shared.replicas.unlink_all();
-    }));
+    } else {
+        kept.extend(release(shared, "the replica rings", &held, || {
+            shared.replicas.unlink_all();
+        }));
+    }
     kept.sort_unstable();
     kept.dedup();
     kept

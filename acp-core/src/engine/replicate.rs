@@ -78,11 +78,12 @@ impl Engine {
     }
 
     /// Sends this rank's resident image of `step` to its holders (the
-    /// transport's [`holders`](crate::replica::Transport::holders)) on a
-    /// background thread; returns at once. The image stays pinned in its
-    /// slot until every send is done, so a ring that saves faster than it
-    /// replicates waits for a slot like one that saves faster than it
-    /// flushes.
+    /// transport's [`holders`](crate::replica::Transport::holders)) on the
+    /// engine's replica thread (one per engine, sending in the order of
+    /// the calls, joined by [`Engine::close`]); returns at once. The image
+    /// stays pinned in its slot until every send is done, so a ring that
+    /// saves faster than it replicates waits for a slot like one that
+    /// saves faster than it flushes.
     ///
     /// # Errors
     /// [`Error::Config`] without a transport; [`Error::NotFound`] when no
@@ -110,28 +111,25 @@ impl Engine {
         let early = shared.ring.pin(info.slot)?;
         let handle = ReplicaHandle::new(step);
         let done = handle.clone();
+        // Dropped once the job ran: no reference cycle outlives it.
         let engine = self.clone();
         let rank = shared.cfg.rank;
-        std::thread::Builder::new()
-            .name(format!("acp-replicate-r{rank}"))
-            .spawn(move || {
-                crate::io::block_async_signals();
-                let result = (|| {
-                    let (meta, pin) = engine.resident_replica(step)?;
-                    drop(early);
-                    let mut sent = Vec::new();
-                    for to in transport.holders(rank) {
-                        transport.send(to, &meta, pin.image()).map_err(|e| {
-                            tracing::warn!("acp: {} to rank {to} failed: {e}", meta.what());
-                            e
-                        })?;
-                        sent.push(to);
-                    }
-                    Ok(sent)
-                })();
-                done.complete(result);
-            })
-            .map_err(|e| Error::io("start replica thread", self.root(), e))?;
+        shared.replicas.send_in_background(Box::new(move || {
+            let result = (|| {
+                let (meta, pin) = engine.resident_replica(step)?;
+                drop(early);
+                let mut sent = Vec::new();
+                for to in transport.holders(rank) {
+                    transport.send(to, &meta, pin.image()).map_err(|e| {
+                        tracing::warn!("acp: {} to rank {to} failed: {e}", meta.what());
+                        e
+                    })?;
+                    sent.push(to);
+                }
+                Ok(sent)
+            })();
+            done.complete(result);
+        }))?;
         Ok(handle)
     }
 
