@@ -1,6 +1,7 @@
 """``ACP_*`` environment variables of the ``Checkpointer``: the persist
 policy (``ACP_PERSIST_EVERY``, ``ACP_PERSIST_INTERVAL``,
-``ACP_PERSIST_POLICY``), ``ACP_RELEASE_ON_CLOSE`` and ``ACP_REPLICAS``.
+``ACP_PERSIST_POLICY``), ``ACP_RELEASE_ON_CLOSE``, ``ACP_REPLICAS`` and
+``ACP_REPLICA_TIMEOUT``.
 Keywords win over variables; a bad value is a ``ConfigError`` naming its
 variable."""
 
@@ -19,6 +20,7 @@ VARIABLES = (
     "ACP_PERSIST_POLICY",
     "ACP_RELEASE_ON_CLOSE",
     "ACP_REPLICAS",
+    "ACP_REPLICA_TIMEOUT",
 )
 
 
@@ -114,6 +116,8 @@ def test_release_on_close_from_the_environment(
         ("ACP_RELEASE_ON_CLOSE", "maybe"),
         ("ACP_REPLICAS", "many"),
         ("ACP_REPLICAS", "-1"),
+        ("ACP_REPLICA_TIMEOUT", "0"),
+        ("ACP_REPLICA_TIMEOUT", "later"),
     ],
 )
 def test_a_bad_value_names_its_variable(
@@ -131,3 +135,19 @@ def test_two_policies_from_the_environment_are_refused(
     monkeypatch.setenv("ACP_PERSIST_POLICY", "coalesce")
     with pytest.raises(acp.ConfigError, match=r"ACP_PERSIST_EVERY.*ACP_PERSIST_POLICY"):
         make_ckpt()
+
+
+def test_replica_timeout_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from acp._env import settings
+
+    keywords = {
+        "replicas": None,
+        "release_on_close": None,
+        "persist_every": None,
+        "persist_interval": None,
+        "persist_policy": None,
+    }
+    assert settings(replica_timeout=None, **keywords).replica_timeout is None
+    monkeypatch.setenv("ACP_REPLICA_TIMEOUT", "7.5")
+    assert settings(replica_timeout=None, **keywords).replica_timeout == 7.5
+    assert settings(replica_timeout=2.0, **keywords).replica_timeout == 2.0

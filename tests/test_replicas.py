@@ -1,7 +1,10 @@
 """Peer replicas (``Checkpointer(replicas=1)``): 2 nodes x 2 ranks on this
 machine, node B lost (its processes gone, its shared memory deleted) and
 replaced by an empty one: every rank resumes from the newest step, B's
-ranks from A's replicas, bit-exact, also when storage lost that step."""
+ranks from A's replicas, bit-exact, also when storage lost that step; a
+replica that fails verification is skipped, naming it, for storage; a node
+lost while a replica is in flight leaves the newest step complete
+everywhere, never a torn one."""
 
 from __future__ import annotations
 
@@ -14,8 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("torch")
+import torch
 
 from acp.replica import placement
 
@@ -35,6 +37,7 @@ def free_port() -> int:
 
 
 def run(root: Path, out: Path, shm: list[Path], phase: str) -> None:
+    """Runs one phase of tests/dist/replicas.py (its docs say what each does)."""
     cmd = [sys.executable, str(SCRIPT), root, out, *shm, free_port(), phase]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(
@@ -60,3 +63,85 @@ def test_a_replaced_node_resumes_from_peer_replicas(tmp_path: Path, storage_lost
         assert got[r]["step"] == 2, got
         assert got[r]["exact"], got
     assert [got[r]["source"] for r in range(4)] == ["ram", "ram", "peer", "peer"]
+
+
+def lose_node_b(shm: list[Path]) -> None:
+    shutil.rmtree(shm[1])
+    shm[1].mkdir()
+
+
+def test_a_replica_that_fails_verification_is_skipped_for_storage(tmp_path: Path) -> None:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
+    for d in (out, *shm):
+        d.mkdir()
+    run(root, out, shm, "train")
+    # One byte of each of B's images of step 2 changes in A's replica slots.
+    hit = 0
+    for r in (2, 3):
+        g = torch.Generator().manual_seed(r * 1000 + 2)
+        needle = torch.randn(64, 1024, generator=g).numpy().tobytes()[:4096]
+        for slot in shm[0].rglob(f"*-replica-r{r:05}-on-r*"):
+            data = bytearray(slot.read_bytes())
+            at = data.find(needle)
+            if at >= 0:
+                data[at + 100] ^= 0xFF
+                slot.write_bytes(bytes(data))
+                hit += 1
+    assert hit == 2
+    lose_node_b(shm)
+    run(root, out, shm, "resume")
+    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
+    for r in range(4):
+        assert got[r]["step"] == 2, got
+        assert got[r]["exact"], got
+    assert [got[r]["source"] for r in range(4)] == ["ram", "ram", "storage", "storage"]
+    for r in (2, 3):
+        holder = r - 2
+        named = f"rank {r}'s image of step 2 in rank {holder}'s replica"
+        assert named in got[r]["rejected"], got[r]
+        assert "digest mismatch" in got[r]["rejected"], got[r]
+        assert any(named in line for line in got[r]["warnings"]), got[r]
+    for r in (0, 1):
+        assert got[r]["rejected"] is None, got[r]
+
+
+def test_a_node_lost_while_a_replica_is_in_flight_restores_a_complete_step(
+    tmp_path: Path,
+) -> None:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
+    for d in (out, *shm):
+        d.mkdir()
+    run(root, out, shm, "inflight")
+    for r in (0, 1):
+        # A's exchange of step 3 broke off with B: step 3 is not replicated.
+        inflight = json.loads((out / f"inflight-{r}.json").read_text())
+        assert not isinstance(inflight["replicated"], list), inflight
+    assert not (out / "inflight-2.json").exists()
+    lose_node_b(shm)
+    run(root, out, shm, "resume")
+    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
+    # Step 3 is in A's RAM only (B's image of it never landed anywhere):
+    # every rank resumes from step 2, B's ranks from A's replicas.
+    for r in range(4):
+        assert got[r]["step"] == 2, got
+        assert got[r]["exact"], got
+        assert got[r]["rejected"] is None, got
+    assert [got[r]["source"] for r in range(4)] == ["ram", "ram", "peer", "peer"]
+
+
+def test_a_silent_peer_fails_replication_after_the_timeout(tmp_path: Path) -> None:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
+    for d in (out, *shm):
+        d.mkdir()
+    run(root, out, shm, "silent")
+    for r in (0, 1):
+        got = json.loads((out / f"silent-{r}.json").read_text())
+        # Step 3's exchange waited replica_timeout for B, then failed...
+        assert isinstance(got["3"], str), got
+        assert "timed out" in got["3"].lower() or "timeout" in got["3"].lower(), got
+        # ... and replication is off after it, naming that failure.
+        assert isinstance(got["4"], str), got
+        assert "off after step 3's exchange failed" in got["4"], got

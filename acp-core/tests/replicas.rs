@@ -34,6 +34,7 @@ struct Cluster {
     shm: [PathBuf; 2],
     transport: Arc<Loopback>,
     engines: Vec<Option<Engine>>,
+    release_on_close: bool,
 }
 
 fn node_of(rank: u32) -> usize {
@@ -42,6 +43,10 @@ fn node_of(rank: u32) -> usize {
 
 impl Cluster {
     fn new() -> Cluster {
+        Cluster::build(false)
+    }
+
+    fn build(release_on_close: bool) -> Cluster {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("ckpt");
         let shm = [tmp.path().join("shm-a"), tmp.path().join("shm-b")];
@@ -54,6 +59,7 @@ impl Cluster {
             shm,
             transport: Arc::new(Loopback::new(placement())),
             engines: Vec::new(),
+            release_on_close,
         };
         c.engines = (0..WORLD).map(|r| Some(c.open(r))).collect();
         c
@@ -69,7 +75,8 @@ impl Cluster {
                 .with_ring_bytes(16 << 20)
                 .with_replicas_held(1)
                 .with_transport(Arc::clone(&self.transport) as Arc<dyn acp_core::Transport>)
-                .with_commit_timeout(Duration::from_secs(20)),
+                .with_commit_timeout(Duration::from_secs(20))
+                .with_release_on_close(self.release_on_close),
         )
         .unwrap();
         self.transport.register(&e);
@@ -267,4 +274,87 @@ fn replica_rings_are_listed_apart_from_own_rings() {
     );
     let text = acp_core::ops::shm_list_text(&report);
     assert!(text.contains("2@0"), "{text}");
+}
+
+/// A ring left in shared memory: its rank, the rank holding it (a replica
+/// ring) and the steps of which it holds the only copy.
+type Left = (u32, Option<u32>, Vec<u64>);
+
+/// Closes every engine; returns, per node, the rings left.
+fn close_all(c: &mut Cluster) -> [Vec<Left>; 2] {
+    for e in &mut c.engines {
+        e.take().unwrap().close().unwrap();
+    }
+    c.shm.clone().map(|dir| {
+        let mut rows: Vec<_> = acp_core::ops::shm_list(&dir)
+            .unwrap()
+            .rings
+            .into_iter()
+            .map(|g| (g.rank, g.replica_held_by, g.only_copy_steps))
+            .collect();
+        rows.sort();
+        rows
+    })
+}
+
+#[test]
+fn release_on_close_removes_replica_rings_of_committed_steps() {
+    let mut c = Cluster::build(true);
+    c.save_and_replicate(10);
+    assert_eq!(close_all(&mut c), [vec![], vec![]]);
+}
+
+#[test]
+fn release_on_close_keeps_a_replica_ring_holding_the_only_copy() {
+    let mut c = Cluster::build(true);
+    c.save_and_replicate(10);
+    // Step 10 is then only in RAM: every ring holding it stays, the
+    // replica rings included.
+    std::fs::remove_dir_all(c.root.join("step-000000000010")).unwrap();
+    let left = close_all(&mut c);
+    assert_eq!(
+        left[0],
+        vec![
+            (0, None, vec![10]),
+            (1, None, vec![10]),
+            (2, Some(0), vec![10]),
+            (3, Some(1), vec![10]),
+        ]
+    );
+    // `acp gc --shm` applies the same rule: nothing goes without --force.
+    let gc = acp_core::ops::shm_gc(&c.shm[0], &acp_core::ops::ShmGcOptions::default()).unwrap();
+    assert_eq!(gc.rings.len(), 4, "{gc:?}");
+    assert!(gc.rings.iter().all(|g| !g.removed), "{gc:?}");
+    let forced = acp_core::ops::ShmGcOptions {
+        force: true,
+        ..acp_core::ops::ShmGcOptions::default()
+    };
+    acp_core::ops::shm_gc(&c.shm[0], &forced).unwrap();
+    acp_core::ops::shm_gc(&c.shm[1], &forced).unwrap();
+    assert!(acp_core::ops::shm_list(&c.shm[0]).unwrap().rings.is_empty());
+}
+
+#[test]
+fn close_finishes_the_queued_replica_sends() {
+    let mut c = Cluster::new();
+    let saves: Vec<_> = (0..WORLD).map(|r| save(c.engine(r), r, 10)).collect();
+    for h in saves {
+        h.wait().unwrap();
+    }
+    // Queued without waiting: rank 0's one replica thread sends them in
+    // order, and its close waits for both.
+    let queued: Vec<_> = (0..3).map(|_| c.engine(0).replicate(10).unwrap()).collect();
+    c.engines[0].take().unwrap().close().unwrap();
+    for h in &queued {
+        assert!(h.is_done());
+        assert_eq!(h.wait(None).unwrap(), vec![2]);
+    }
+    assert_eq!(
+        c.engine(2)
+            .replicas()
+            .iter()
+            .map(|m| (m.rank, m.step))
+            .collect::<Vec<_>>(),
+        vec![(0, 10)]
+    );
 }

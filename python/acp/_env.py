@@ -21,6 +21,7 @@ PERSIST_INTERVAL = "ACP_PERSIST_INTERVAL"
 PERSIST_POLICY = "ACP_PERSIST_POLICY"
 RELEASE_ON_CLOSE = "ACP_RELEASE_ON_CLOSE"
 REPLICAS = "ACP_REPLICAS"
+REPLICA_TIMEOUT = "ACP_REPLICA_TIMEOUT"
 
 POLICIES = ("every", "interval", "coalesce")
 _TRUE = ("1", "true", "yes", "on")
@@ -146,6 +147,7 @@ class Settings:
     keywords where given, else the variables."""
 
     replicas: int | None
+    replica_timeout: float | None
     release_on_close: bool
     persist: PersistEnv
     """The persist policy; its ``names`` are empty when keywords gave it."""
@@ -167,13 +169,15 @@ class Settings:
 def settings(
     *,
     replicas: int | None,
+    replica_timeout: float | None,
     release_on_close: bool | None,
     persist_every: int | None,
     persist_interval: float | None,
     persist_policy: str | None,
     environ: Mapping[str, str] = os.environ,
 ) -> Settings:
-    """Fills in from ``ACP_REPLICAS``, ``ACP_RELEASE_ON_CLOSE`` and
+    """Fills in from ``ACP_REPLICAS``, ``ACP_REPLICA_TIMEOUT``,
+    ``ACP_RELEASE_ON_CLOSE`` and
     ``ACP_PERSIST_*`` what the keywords leave as None. The persist policy is
     one setting: a keyword for any part of it ignores every ``ACP_PERSIST_*``.
 
@@ -182,10 +186,12 @@ def settings(
     """
     if replicas is None:
         replicas = env_int(REPLICAS, minimum=0, environ=environ)
+    if replica_timeout is None:
+        replica_timeout = env_seconds(REPLICA_TIMEOUT, environ=environ)
     if release_on_close is None:
         release_on_close = bool(env_bool(RELEASE_ON_CLOSE, environ=environ))
     if persist_every is None and persist_interval is None and persist_policy is None:
         persist = persist_from_env(environ)
     else:
         persist = PersistEnv(persist_every, persist_interval, persist_policy)
-    return Settings(replicas, release_on_close, persist)
+    return Settings(replicas, replica_timeout, release_on_close, persist)

@@ -250,6 +250,13 @@ class Metrics:
             _mib(s.bytes_per_sec),
             "" if s.verified else " (not re-verified)",
         )
+        if s.rejected is not None:
+            logger.warning(
+                "acp: step %d: a copy was skipped, loaded from %s instead: %s",
+                s.step,
+                s.source,
+                s.rejected,
+            )
         self.collect()
 
     def close(self) -> None:

@@ -77,8 +77,9 @@ class LoadStats:
     """When tensors came from other ranks' files too: where each file came
     from (``"ram"`` or ``"storage"``), by the rank that wrote it."""
     rejected: str | None = None
-    """Why a resident copy was found but not used: it failed verification
-    (the error names the slot file and tensor); the load read storage."""
+    """Why a copy in RAM was found but not used: it failed verification
+    (the error names the slot file, or the peer's replica, and the
+    tensor); the load took the next source (logged on the ``acp`` logger)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -147,9 +147,16 @@ class Checkpointer:
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
-        The other keywords tune the engine; see ``acp._acp.Engine``. A keyword
-        always wins over its ``ACP_*`` variable; a variable whose value cannot
-        be read raises ``acp.ConfigError`` naming it.
+        # The environment fills in what the keywords leave out (acp._env).
+        env = settings(
+            replicas=replicas,
+            replica_timeout=replica_timeout,
+            release_on_close=release_on_close,
+            persist_every=persist_every,
+            persist_interval=persist_interval,
+            persist_policy=persist_policy,
+        )
+        self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
     """
 
     def __init__(
@@ -186,22 +193,19 @@ class Checkpointer:
         persist_policy: str | None = None,
         background_nice: int | None = None,
         replicas: int | None = None,
+        replica_timeout: float | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         # The environment fills in what the keywords leave out (acp._env).
         env = settings(
             replicas=replicas,
+            replica_timeout=replica_timeout,
             release_on_close=release_on_close,
             persist_every=persist_every,
             persist_interval=persist_interval,
             persist_policy=persist_policy,
         )
-        replicas = env.replicas
-        self._replicas: TorchReplicas | None = None
-        if replicas:
-            from .replica import TorchReplicas
-
-            self._replicas = TorchReplicas(replicas)
+        self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -621,6 +625,7 @@ class Checkpointer:
         out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
         out["engine"] = None if self._closed else self._engine.open_report()
         out["persist"] = None if self._closed else self._engine.persist_stats()
+        out["replicas"] = None if self._closed else _replicas_held(self._engine.replicas())
         out["figures"] = self._metrics.summary()
         return out
 
@@ -662,9 +667,10 @@ class Checkpointer:
         for the queued flushes, then stops the engine. Resident
         checkpoints stay in shared memory, unless ``release_on_close`` was
         set: then this rank's ring is removed, if every resident step is
-        committed (a ring holding the only copy of a step is kept, and a
-        warning logged). Raises the first flush error no handle reported.
-        Idempotent."""
+        committed, and so are the replica rings it holds for other ranks
+        (``replicas=``), if every step they hold is (a ring holding the
+        only copy of a step is kept, and a warning logged). Raises the
+        first flush error no handle reported. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -680,9 +686,9 @@ class Checkpointer:
                 kept = self._engine.close()
                 if kept:
                     logger.warning(
-                        "acp: release_on_close: the ring of %s rank %d is kept in shared "
-                        "memory: it holds the only copy of step(s) %s (not committed; "
-                        "`acp persist` commits it, `acp gc --shm --force` drops it)",
+                        "acp: release_on_close: the ring (or replica rings) of %s rank %d "
+                        "is kept in shared memory: it holds the only copy of step(s) %s (not "
+                        "committed; `acp persist` commits it, `acp gc --shm --force` drops it)",
                         self.root,
                         self.rank,
                         kept,
@@ -730,6 +736,30 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _torch_replicas(replicas: int | None, timeout: float | None) -> TorchReplicas | None:
+    """The replica exchange ``replicas`` asks for, with ``timeout`` seconds
+    (None: the default); both already filled in from the environment."""
+    if not replicas:
+        return None
+    from .replica import DEFAULT_TIMEOUT, TorchReplicas
+
+    return TorchReplicas(replicas, DEFAULT_TIMEOUT if timeout is None else timeout)
+
+
+def _replicas_held(held: Sequence[tuple[int, int, int, int, bytes]]) -> dict[str, Any]:
+    """``stats()["replicas"]``: the other ranks' images this rank holds
+    (complete replica slots): how many, their bytes, and the steps held
+    by source rank."""
+    steps: dict[int, list[int]] = {}
+    for rank, step, *_ in held:
+        steps.setdefault(rank, []).append(step)
+    return {
+        "held": len(held),
+        "bytes": sum(n for _, _, n, *_ in held),
+        "steps": {r: sorted(s) for r, s in sorted(steps.items())},
+    }
 
 
 def _replica_group(group: Sequence[int] | None, rank: int, world_size: int) -> list[int]:

@@ -15,10 +15,20 @@ Every image is checked chunk by chunk against the blake3 digests sent with
 it before ``load`` uses it (``acp-core``'s one verified reader); a replica
 that fails is skipped with a log line naming it, and the next source is
 used.
+
+Every wait of the exchange is bounded by the group's timeout
+(``Checkpointer(replica_timeout=)``, ``ACP_REPLICA_TIMEOUT``, default
+60 s): a peer that died or stopped answering fails that step's
+replication (logged on the ``acp`` logger; ``wait_replicated`` raises),
+never the training. A failed exchange may leave half a message in the
+group, so replication then stays off (later steps fail at once, naming
+the first failure) until the next ``Checkpointer``; the steps stay
+protected by storage as their persist policy says.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -33,7 +43,12 @@ import torch.distributed as dist
 
 from . import _acp
 
-__all__ = ["TorchReplicas", "node_id", "placement"]
+__all__ = ["DEFAULT_TIMEOUT", "TorchReplicas", "node_id", "placement"]
+
+logger = logging.getLogger("acp")
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds one replica exchange waits for a peer, by default."""
 
 
 def node_id() -> str:
@@ -71,7 +86,7 @@ class TorchReplicas:
     """The replica exchange of one rank. Collective to create (every rank
     of the default group, in the same order as its other collectives)."""
 
-    def __init__(self, replicas: int, timeout: float = 600.0) -> None:
+    def __init__(self, replicas: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         if not dist.is_initialized():
             raise RuntimeError("replicas need torch.distributed to be initialised")
         self.rank = dist.get_rank()
@@ -88,6 +103,7 @@ class TorchReplicas:
         self._engine: _acp.Engine | None = None
         self._jobs: queue.Queue[tuple[int, Future[list[int]]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._broken: str | None = None  # the first failed exchange
 
     def attach(self, engine: _acp.Engine) -> None:
         """Starts the background exchange for ``engine``."""
@@ -115,9 +131,22 @@ class TorchReplicas:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             step, fut = job
+            if self._broken is not None:
+                fut.set_exception(
+                    RuntimeError(f"replication of step {step}: off after {self._broken}")
+                )
+                continue
             try:
                 fut.set_result(self._exchange(step))
             except BaseException as e:  # reported through the future
+                self._broken = f"step {step}'s exchange failed: {e}"
+                logger.warning(
+                    "acp: rank %d: replication of step %d failed, replicas are off until "
+                    "the next Checkpointer (the step is protected by storage only): %s",
+                    self.rank,
+                    step,
+                    e,
+                )
                 fut.set_exception(e)
 
     # --- the wire: a header of 5 int64 (rank, step, len, chunk_bytes,

@@ -9,22 +9,36 @@ node's id and directory.
 
 - ``train``: saves steps 1 and 2 with ``replicas=1``, waits for each step
   to be replicated and committed.
-- ``resume``: loads (collective), writes each rank's step, source and
-  whether the state is bit-exact to OUT/resume-RANK.json.
+- ``inflight``: ``train``, then step 3 as a RAM snapshot (``persist=False``)
+  during whose replication node B dies: B's ranks exit (no cleanup, as if
+  killed) after sending the header of their image and before its bytes.
+  A's ranks write OUT/inflight-RANK.json (whether step 3 was replicated,
+  and the error) and exit without closing: the launcher tears the job down.
+- ``silent``: ``train``, then node A saves steps 3 and 4 while B's ranks,
+  alive, never exchange them (``replica_timeout=3``): A's ranks write how
+  each step's replication ended to OUT/silent-RANK.json; every rank exits
+  without closing.
+- ``resume``: loads (collective), writes each rank's step, source, whether
+  the state is bit-exact, why a copy was rejected and the ``acp`` logger's
+  warnings to OUT/resume-RANK.json, then saves the next step as a resumed
+  trainer would.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import acp
+from acp.replica import TorchReplicas
 
 
 def state(rank: int, step: int) -> dict[str, object]:
@@ -32,29 +46,104 @@ def state(rank: int, step: int) -> dict[str, object]:
     return {"w": torch.randn(64, 1024, generator=g), "step": step}
 
 
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def die_mid_send(replicas: TorchReplicas) -> None:
+    """Makes this rank's next exchange send its image's header and digests,
+    then end the process before the image's bytes."""
+
+    def isend(to: int, image: Any, rank: int, step: int) -> list[Any]:
+        works = TorchReplicas._isend(replicas, to, image, rank, step)
+        works[0].wait()
+        works[1].wait()
+        os._exit(0)
+
+    replicas._isend = isend  # type: ignore[method-assign]
+
+
+def train(ckpt: acp.Checkpointer, rank: int) -> None:
+    for step in (1, 2):
+        h = ckpt.save(step, state(rank, step))
+        h.wait()
+        assert h.wait_replicated(120) == [(rank + 2) % 4]
+    # This rank's exchange of step 2 also received its source's image.
+    held = ckpt.stats()["replicas"]
+    assert held["held"] == 1, held
+    assert held["steps"] == {(rank + 2) % 4: [2]}, held
+    assert held["bytes"] > 64 * 1024 * 4, held
+
+
+def outcome(h: acp.SaveHandle) -> Any:
+    """The holders of ``h``'s step, or the error of its replication."""
+    try:
+        return h.wait_replicated(60)
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        return repr(e)
+
+
 def main(rank: int, root: str, out: str, shms: list[str], port: int, phase: str) -> None:
     node = rank // 2
     os.environ["ACP_NODE_ID"] = "ab"[node]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    warned = Warnings()
+    logging.getLogger("acp").addHandler(warned)
     ckpt = acp.Checkpointer(
-        root, job="replicas", shm_dir=shms[node], ring_bytes=64 << 20, replicas=1
+        root,
+        job="replicas",
+        shm_dir=shms[node],
+        ring_bytes=64 << 20,
+        replicas=1,
+        replica_timeout=3 if phase == "silent" else 30,
     )
     if phase == "train":
-        for step in (1, 2):
-            h = ckpt.save(step, state(rank, step))
-            h.wait()
-            assert h.wait_replicated(120) == [(rank + 2) % 4]
+        train(ckpt, rank)
+    elif phase == "inflight":
+        train(ckpt, rank)
+        if node == 1:
+            assert ckpt._replicas is not None
+            die_mid_send(ckpt._replicas)
+        h = ckpt.save(3, state(rank, 3), persist=False)
+        got = outcome(h)
+        Path(out, f"inflight-{rank}.json").write_text(json.dumps({"replicated": got}))
+        os._exit(0)
+    elif phase == "silent":
+        # Node B's ranks live on but never exchange step 3: A's exchange
+        # gives up after replica_timeout, and replication stays off.
+        train(ckpt, rank)
+        if node == 0:
+            h3 = ckpt.save(3, state(rank, 3), persist=False)
+            h4 = ckpt.save(4, state(rank, 4), persist=False)
+            got = {"3": outcome(h3), "4": outcome(h4)}
+            Path(out, f"silent-{rank}.json").write_text(json.dumps(got))
+        dist.barrier()  # B outlives A's wait
+        os._exit(0)
     else:
         got = ckpt.load()
         stats = ckpt.last_load
         assert stats is not None
         want = state(rank, got["step"])
         exact = bool(torch.equal(got["w"], want["w"]))  # type: ignore[arg-type]
-        Path(out, f"resume-{rank}.json").write_text(
-            json.dumps({"step": got["step"], "source": stats.source, "exact": exact})
-        )
+        result = {
+            "step": got["step"],
+            "source": stats.source,
+            "exact": exact,
+            "rejected": stats.rejected,
+            "warnings": warned.lines,
+        }
+        Path(out, f"resume-{rank}.json").write_text(json.dumps(result))
+        # Training goes on: the next step replaces any newer snapshot a
+        # rank still holds from before the restart.
+        nxt = int(got["step"]) + 1
+        h = ckpt.save(nxt, state(rank, nxt))
+        h.wait()
+        h.wait_replicated(120)
     ckpt.close()
     dist.destroy_process_group()
 

@@ -238,8 +238,8 @@ fn load_step(
     if !storage_only {
         // This node's replica slots of the rank, then its holders on
         // other nodes, before the storage.
-        let found = replicate::node_replica(shared, step, rank, Some(entry))
-            .or_else(|| replicate::from_peers(shared, step, rank, Some(entry)));
+        let found = replicate::node_replica(shared, step, rank, Some(entry), &mut rejected)
+            .or_else(|| replicate::from_peers(shared, step, rank, Some(entry), &mut rejected));
         if let Some(f) = found {
             return finish(
                 shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
@@ -301,17 +301,19 @@ fn load_step(
 /// rank the verified header lists are what it is checked against.
 fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Result<Checkpoint> {
     let own = shared.cfg.rank;
+    let mut rejected = None;
     let found = (if rank == own {
-        replicate::own_uncommitted(shared, step)
+        replicate::own_uncommitted(shared, step, &mut rejected)
     } else {
         None
     })
-    .or_else(|| replicate::node_replica(shared, step, rank, None))
-    .or_else(|| replicate::from_peers(shared, step, rank, None));
+    .or_else(|| replicate::node_replica(shared, step, rank, None, &mut rejected))
+    .or_else(|| replicate::from_peers(shared, step, rank, None, &mut rejected));
     let Some(f) = found else {
+        let last = rejected.map_or_else(String::new, |r| format!(" (last rejected: {r})"));
         return Err(Error::NotFound {
             what: format!(
-                "rank {rank}'s image of step {step}: not committed in {}, and no verified copy in RAM",
+                "rank {rank}'s image of step {step}: not committed in {}, and no verified copy in RAM{last}",
                 shared.root.location().display()
             ),
         });
@@ -328,6 +330,7 @@ fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Resul
     finish(
         shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
     )
+    .map(|c| c.with_rejected(rejected))
 }
 
 /// Checks `image`, which came from the file at `path`, in place against

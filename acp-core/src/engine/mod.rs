@@ -268,6 +268,9 @@ impl Engine {
         // whatever the policy chose for it. A failure is its flush's, raised
         // below as an unreported error.
         let closed = std::mem::replace(&mut shared.lock().closed, true);
+        // The queued replica sends finish (each gives up on a dead peer
+        // by the transport's contract) before the rings may be released.
+        shared.replicas.stop();
         let newest = if closed {
             Ok(None)
         } else {

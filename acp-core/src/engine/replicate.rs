@@ -78,11 +78,12 @@ impl Engine {
     }
 
     /// Sends this rank's resident image of `step` to its holders (the
-    /// transport's [`holders`](crate::replica::Transport::holders)) on a
-    /// background thread; returns at once. The image stays pinned in its
-    /// slot until every send is done, so a ring that saves faster than it
-    /// replicates waits for a slot like one that saves faster than it
-    /// flushes.
+    /// transport's [`holders`](crate::replica::Transport::holders)) on the
+    /// engine's replica thread (one per engine, sending in the order of
+    /// the calls, joined by [`Engine::close`]); returns at once. The image
+    /// stays pinned in its slot until every send is done, so a ring that
+    /// saves faster than it replicates waits for a slot like one that
+    /// saves faster than it flushes.
     ///
     /// # Errors
     /// [`Error::Config`] without a transport; [`Error::NotFound`] when no
@@ -110,28 +111,25 @@ impl Engine {
         let early = shared.ring.pin(info.slot)?;
         let handle = ReplicaHandle::new(step);
         let done = handle.clone();
+        // Dropped once the job ran: no reference cycle outlives it.
         let engine = self.clone();
         let rank = shared.cfg.rank;
-        std::thread::Builder::new()
-            .name(format!("acp-replicate-r{rank}"))
-            .spawn(move || {
-                crate::io::block_async_signals();
-                let result = (|| {
-                    let (meta, pin) = engine.resident_replica(step)?;
-                    drop(early);
-                    let mut sent = Vec::new();
-                    for to in transport.holders(rank) {
-                        transport.send(to, &meta, pin.image()).map_err(|e| {
-                            tracing::warn!("acp: {} to rank {to} failed: {e}", meta.what());
-                            e
-                        })?;
-                        sent.push(to);
-                    }
-                    Ok(sent)
-                })();
-                done.complete(result);
-            })
-            .map_err(|e| Error::io("start replica thread", self.root(), e))?;
+        shared.replicas.send_in_background(Box::new(move || {
+            let result = (|| {
+                let (meta, pin) = engine.resident_replica(step)?;
+                drop(early);
+                let mut sent = Vec::new();
+                for to in transport.holders(rank) {
+                    transport.send(to, &meta, pin.image()).map_err(|e| {
+                        tracing::warn!("acp: {} to rank {to} failed: {e}", meta.what());
+                        e
+                    })?;
+                    sent.push(to);
+                }
+                Ok(sent)
+            })();
+            done.complete(result);
+        }))?;
         Ok(handle)
     }
 
@@ -181,18 +179,28 @@ pub(super) struct Found {
 }
 
 /// Checks `image`, from `origin`, against `entry` with the one verified
-/// reader; logs and returns `false` when it does not match.
-fn verified(image: &[u8], origin: &Path, entry: &FileEntry, threads: usize, step: u64) -> bool {
+/// reader; when it does not match, logs it, records why in `rejected` (the
+/// load's report) and returns `false`.
+fn verified(
+    image: &[u8],
+    origin: &Path,
+    entry: &FileEntry,
+    threads: usize,
+    step: u64,
+    rejected: &mut Option<String>,
+) -> bool {
     match ChunkReader::new(MemSource::new(image, origin), entry)
         .and_then(|mut r| r.verify_in_place(threads))
     {
         Ok(_) => true,
         Err(e) => {
-            tracing::warn!(
-                "acp: rank {}'s image of step {step} in {} rejected, trying the next source: {e}",
+            let why = format!(
+                "rank {}'s image of step {step} in {} rejected: {e}",
                 entry.rank,
                 origin.display()
             );
+            tracing::warn!("acp: {why}; trying the next source");
+            *rejected = Some(why);
             false
         }
     }
@@ -225,7 +233,11 @@ fn same_digests(entry: &FileEntry, chunk_bytes: u64, digests: &[Digest]) -> bool
 /// against the digests recorded in its slot (by the flush, or by
 /// [`Engine::resident_replica`]); a slot without digests cannot be checked
 /// and is skipped.
-pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
+pub(super) fn own_uncommitted(
+    shared: &Shared,
+    step: u64,
+    rejected: &mut Option<String>,
+) -> Option<Found> {
     let info = shared
         .ring
         .complete()
@@ -246,7 +258,15 @@ pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
         shared.cfg.chunk_bytes as u64,
         digests,
     );
-    verified(pin.image(), &origin, &entry, shared.cfg.copy_threads, step).then(|| Found {
+    verified(
+        pin.image(),
+        &origin,
+        &entry,
+        shared.cfg.copy_threads,
+        step,
+        rejected,
+    )
+    .then(|| Found {
         backing: Backing::Slot(pin),
         origin,
         source: Source::Ram,
@@ -256,11 +276,13 @@ pub(super) fn own_uncommitted(shared: &Shared, step: u64) -> Option<Found> {
 /// `rank`'s image of `step` from a replica slot on this node (kept by any
 /// rank here), checked against `committed` (the index's entry) when the
 /// step is committed, else against the digests recorded with the replica.
+/// Why one was rejected goes to `rejected`.
 pub(super) fn node_replica(
     shared: &Shared,
     step: u64,
     rank: u32,
     committed: Option<&FileEntry>,
+    rejected: &mut Option<String>,
 ) -> Option<Found> {
     let job = super::open::job_id(&shared.cfg, &*shared.root);
     let files = replica_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
@@ -270,7 +292,7 @@ pub(super) fn node_replica(
     let (_, job_tag) = super::open::job_names(&shared.cfg, &*shared.root, rank);
     files
         .iter()
-        .find_map(|f| copy_node_replica(shared, f, job_tag, step, committed))
+        .find_map(|f| copy_node_replica(shared, f, job_tag, step, committed, rejected))
 }
 
 fn copy_node_replica(
@@ -279,6 +301,7 @@ fn copy_node_replica(
     job_tag: Digest,
     step: u64,
     committed: Option<&FileEntry>,
+    rejected: &mut Option<String>,
 ) -> Option<Found> {
     let path = file.path();
     let opened = file.open().ok()??;
@@ -315,7 +338,15 @@ fn copy_node_replica(
         tracing::debug!("acp: {} was reused during the copy", path.display());
         return None;
     }
-    verified(&buf[..len], &path, &entry, shared.cfg.copy_threads, step).then(|| Found {
+    verified(
+        &buf[..len],
+        &path,
+        &entry,
+        shared.cfg.copy_threads,
+        step,
+        rejected,
+    )
+    .then(|| Found {
         backing: Backing::Heap(buf, len),
         origin: path,
         source: Source::Ram,
@@ -324,12 +355,14 @@ fn copy_node_replica(
 
 /// `rank`'s image of `step` fetched from the first holder that has it,
 /// through the engine's transport, checked against `committed` when the
-/// step is committed, else against the digests the holder recorded.
+/// step is committed, else against the digests the holder recorded. Why
+/// one was rejected goes to `rejected`.
 pub(super) fn from_peers(
     shared: &Shared,
     step: u64,
     rank: u32,
     committed: Option<&FileEntry>,
+    rejected: &mut Option<String>,
 ) -> Option<Found> {
     let transport = shared.replicas.transport()?;
     for peer in transport.holders(rank) {
@@ -363,6 +396,7 @@ pub(super) fn from_peers(
             &entry,
             shared.cfg.copy_threads,
             step,
+            rejected,
         ) {
             let (map, len) = fetched.image.into_parts();
             return Some(Found {

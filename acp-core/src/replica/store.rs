@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 
 use super::{ReplicaMeta, Transport};
 use crate::error::{Error, Result};
@@ -40,6 +42,18 @@ pub(crate) struct Store {
     opts: StoreOptions,
     rings: Mutex<BTreeMap<u32, Ring>>,
     transport: Option<Arc<dyn Transport>>,
+    /// The one thread that sends this rank's images, in the order they
+    /// were queued; started by the first send, joined by [`Store::stop`].
+    sender: Mutex<Option<Worker>>,
+}
+
+/// A job of the sending thread.
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+#[derive(Debug)]
+struct Worker {
+    tx: Sender<Job>,
+    thread: JoinHandle<()>,
 }
 
 impl Store {
@@ -51,6 +65,7 @@ impl Store {
             opts,
             rings: Mutex::new(BTreeMap::new()),
             transport,
+            sender: Mutex::new(None),
         };
         if store.opts.max_sources > 0 {
             let found =
@@ -78,6 +93,52 @@ impl Store {
 
     pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
         self.transport.as_ref()
+    }
+
+    /// Queues `job` on the sending thread, starting it on first use.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the thread cannot be started; [`Error::Closed`]
+    /// after [`Store::stop`].
+    pub(crate) fn send_in_background(&self, job: Job) -> Result<()> {
+        let mut sender = self.sender.lock().unwrap_or_else(PoisonError::into_inner);
+        if sender.is_none() {
+            let (tx, rx) = channel::<Job>();
+            let thread = std::thread::Builder::new()
+                .name(format!("acp-replicate-r{}", self.opts.holder))
+                .spawn(move || {
+                    crate::io::block_async_signals();
+                    while let Ok(job) = rx.recv() {
+                        job();
+                    }
+                })
+                .map_err(|e| Error::io("start replica thread", &self.opts.root, e))?;
+            *sender = Some(Worker { tx, thread });
+        }
+        let Some(w) = sender.as_ref() else {
+            return Err(Error::Closed {
+                root: self.opts.root.clone(),
+            });
+        };
+        w.tx.send(job).map_err(|_| Error::Closed {
+            root: self.opts.root.clone(),
+        })
+    }
+
+    /// Lets the sending thread finish the queued sends, then joins it.
+    /// Called by close; a later send starts a new thread.
+    pub(crate) fn stop(&self) {
+        let worker = self
+            .sender
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(Worker { tx, thread }) = worker {
+            drop(tx);
+            if thread.join().is_err() {
+                tracing::warn!("acp: rank {}'s replica thread panicked", self.opts.holder);
+            }
+        }
     }
 
     fn rings(&self) -> MutexGuard<'_, BTreeMap<u32, Ring>> {
@@ -186,6 +247,14 @@ impl Store {
             }
         }
         out
+    }
+
+    /// Removes the files of every replica ring of the store (their open
+    /// mappings stay valid: a reader of a pinned replica is unaffected).
+    pub(crate) fn unlink_all(&self) {
+        for ring in self.rings().values() {
+            ring.unlink_all();
+        }
     }
 
     /// Pins the replica of `rank`'s `step`, if held: its metadata, the pin
