@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -182,3 +183,17 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         return f"SaveHandle(step={self.step}, done={self.done()})"
+
+
+def replicas_held(held: Sequence[tuple[int, int, int, int, bytes]]) -> dict[str, Any]:
+    """``stats()["replicas"]``: the other ranks' images this rank holds
+    (complete replica slots): how many, their bytes, and the steps held
+    by source rank."""
+    steps: dict[int, list[int]] = {}
+    for rank, step, *_ in held:
+        steps.setdefault(rank, []).append(step)
+    return {
+        "held": len(held),
+        "bytes": sum(n for _, _, n, *_ in held),
+        "steps": {r: sorted(s) for r, s in sorted(steps.items())},
+    }

@@ -13,13 +13,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp
-from acp._acp import AcpError, CheckpointNotFound, ConfigError, EngineClosed, InvalidInput
+from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp._rank import rank_and_world_size
-from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats
+from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
 from acp.distributed import (
     Coordinator,
     Sources,
@@ -28,6 +28,7 @@ from acp.distributed import (
     default_store,
     flatten_replicated,
     recover,
+    replica_group_of,
     with_other_ranks,
 )
 from acp.guard import DyingReport, Guard, SigtermHandler, dying_checkpoint, install_sigterm_handler
@@ -210,7 +211,7 @@ class Checkpointer:
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
         self.job = job
-        self.replica_group = _replica_group(replica_group, self.rank, self.world_size)
+        self.replica_group = replica_group_of(replica_group, self.rank, self.world_size)
         if store is None and self.world_size > 1:
             store = default_store()
         coordinated = store is not None and self.world_size > 1
@@ -625,7 +626,7 @@ class Checkpointer:
         out["last_load"] = None if self.last_load is None else self.last_load.as_dict()
         out["engine"] = None if self._closed else self._engine.open_report()
         out["persist"] = None if self._closed else self._engine.persist_stats()
-        out["replicas"] = None if self._closed else _replicas_held(self._engine.replicas())
+        out["replicas"] = None if self._closed else replicas_held(self._engine.replicas())
         out["figures"] = self._metrics.summary()
         return out
 
@@ -746,33 +747,6 @@ def _torch_replicas(replicas: int | None, timeout: float | None) -> TorchReplica
     from .replica import DEFAULT_TIMEOUT, TorchReplicas
 
     return TorchReplicas(replicas, DEFAULT_TIMEOUT if timeout is None else timeout)
-
-
-def _replicas_held(held: Sequence[tuple[int, int, int, int, bytes]]) -> dict[str, Any]:
-    """``stats()["replicas"]``: the other ranks' images this rank holds
-    (complete replica slots): how many, their bytes, and the steps held
-    by source rank."""
-    steps: dict[int, list[int]] = {}
-    for rank, step, *_ in held:
-        steps.setdefault(rank, []).append(step)
-    return {
-        "held": len(held),
-        "bytes": sum(n for _, _, n, *_ in held),
-        "steps": {r: sorted(s) for r, s in sorted(steps.items())},
-    }
-
-
-def _replica_group(group: Sequence[int] | None, rank: int, world_size: int) -> list[int]:
-    """The sorted replica group (every rank by default); it must hold ``rank``."""
-    if group is None:
-        return list(range(world_size))
-    ranks = sorted({operator.index(r) for r in group})
-    if rank not in ranks or not all(0 <= r < world_size for r in ranks):
-        raise ConfigError(
-            f"config `replica_group`: {ranks} must hold this rank ({rank}) and only ranks "
-            f"below the world size ({world_size})"
-        )
-    return ranks
 
 
 def _step(step: object) -> int:

@@ -52,13 +52,14 @@ import hashlib
 import heapq
 import json
 import logging
+import operator
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
-from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, InvalidInput
+from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, ConfigError, InvalidInput
 from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten, parse, tensor_refs
 
 __all__ = ["Coordinator", "Store", "assign", "default_store"]
@@ -490,3 +491,16 @@ def recover(coord: Coordinator, engine: Any) -> list[Any]:
             skipped,
         )
     return handles
+
+
+def replica_group_of(group: Sequence[int] | None, rank: int, world_size: int) -> list[int]:
+    """The sorted replica group (every rank by default); it must hold ``rank``."""
+    if group is None:
+        return list(range(world_size))
+    ranks = sorted({operator.index(r) for r in group})
+    if rank not in ranks or not all(0 <= r < world_size for r in ranks):
+        raise ConfigError(
+            f"config `replica_group`: {ranks} must hold this rank ({rank}) and only ranks "
+            f"below the world size ({world_size})"
+        )
+    return ranks
