@@ -24,6 +24,16 @@ from acp.replica import placement
 SCRIPT = Path(__file__).parent / "dist" / "replicas.py"
 
 
+def job_dirs(tmp_path: Path) -> tuple[Path, Path, list[Path]]:
+    """The job's checkpoint root, the processes' report directory and one
+    shared-memory directory per node (A, B), the last two created."""
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
+    for d in (out, *shm):
+        d.mkdir()
+    return root, out, shm
+
+
 def test_placement_puts_replicas_on_other_nodes() -> None:
     assert placement(["a", "a", "b", "b"], 1) == {0: [2], 1: [3], 2: [0], 3: [1]}
     assert placement(["a", "b", "c"], 2) == {0: [1, 2], 1: [2, 0], 2: [0, 1]}
@@ -48,10 +58,7 @@ def run(root: Path, out: Path, shm: list[Path], phase: str) -> None:
 
 @pytest.mark.parametrize("storage_lost", [False, True])
 def test_a_replaced_node_resumes_from_peer_replicas(tmp_path: Path, storage_lost: bool) -> None:
-    root, out = tmp_path / "ckpt", tmp_path / "out"
-    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
-    for d in (out, *shm):
-        d.mkdir()
+    root, out, shm = job_dirs(tmp_path)
     run(root, out, shm, "train")
     shutil.rmtree(shm[1])  # node B is lost with its RAM
     shm[1].mkdir()
@@ -71,10 +78,7 @@ def lose_node_b(shm: list[Path]) -> None:
 
 
 def test_a_replica_that_fails_verification_is_skipped_for_storage(tmp_path: Path) -> None:
-    root, out = tmp_path / "ckpt", tmp_path / "out"
-    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
-    for d in (out, *shm):
-        d.mkdir()
+    root, out, shm = job_dirs(tmp_path)
     run(root, out, shm, "train")
     # One byte of each of B's images of step 2 changes in A's replica slots.
     hit = 0
@@ -109,10 +113,7 @@ def test_a_replica_that_fails_verification_is_skipped_for_storage(tmp_path: Path
 def test_a_node_lost_while_a_replica_is_in_flight_restores_a_complete_step(
     tmp_path: Path,
 ) -> None:
-    root, out = tmp_path / "ckpt", tmp_path / "out"
-    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
-    for d in (out, *shm):
-        d.mkdir()
+    root, out, shm = job_dirs(tmp_path)
     run(root, out, shm, "inflight")
     for r in (0, 1):
         # A's exchange of step 3 broke off with B: step 3 is not replicated.
@@ -136,10 +137,7 @@ def test_a_node_lost_while_a_replica_is_in_flight_restores_a_complete_step(
 
 
 def test_a_silent_peer_fails_replication_after_the_timeout(tmp_path: Path) -> None:
-    root, out = tmp_path / "ckpt", tmp_path / "out"
-    shm = [tmp_path / "shm-a", tmp_path / "shm-b"]
-    for d in (out, *shm):
-        d.mkdir()
+    root, out, shm = job_dirs(tmp_path)
     run(root, out, shm, "silent")
     for r in (0, 1):
         got = json.loads((out / f"silent-{r}.json").read_text())

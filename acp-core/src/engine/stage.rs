@@ -191,20 +191,21 @@ impl Staging {
             st.counts.last_queued,
             st.in_flight,
         );
+        if decision != Decision::Keep {
+            // This step is to be persisted: one waiting for the persist in
+            // flight is superseded (never the newest: this one is newer).
+            Shared::supersede_deferred(&mut st);
+        }
+        // Kept snapshots older than this step go, whatever becomes of it.
+        shared.release_superseded(&mut st, self.step);
         match decision {
             Decision::Queue => {
-                // A newer step is being persisted: the one waiting is
-                // superseded (never the newest: this one is newer).
-                Shared::supersede_deferred(&mut st);
-                shared.release_superseded(&mut st, self.step);
                 st.counts.last_queued = Some(now);
                 drop(st);
                 // An enqueue failure (engine closed) completes `done`.
                 let _ = engine.enqueue(job);
             }
             Decision::Defer => {
-                Shared::supersede_deferred(&mut st);
-                shared.release_superseded(&mut st, self.step);
                 st.in_flight += 1;
                 st.queued.push(self.step);
                 st.deferred = Some(job);
@@ -216,7 +217,6 @@ impl Staging {
                     generation: job.pin.generation(),
                     step: self.step,
                 });
-                shared.release_superseded(&mut st, self.step);
                 drop(st);
                 let report = job.unflushed(Outcome::Resident);
                 // The pin drops with the job: the slot stays resident,
