@@ -104,7 +104,13 @@ class Checkpointer:
         job: names this job's shared-memory slots; default: from ``root``.
         rank, world_size: default: torch.distributed when initialised, else
             ``RANK``/``WORLD_SIZE``, else ``RANK_ID``/``RANK_SIZE``, else 0/1.
-        ring_bytes: the shared-memory budget over all slots (default 4 GiB).
+        ring_bytes: the shared-memory budget over all slots; default: sized
+            at open to 7/8 of the room ``/dev/shm`` (``shm_dir``) and
+            ``MemAvailable`` leave, slots taking memory only as checkpoints
+            need it. A ``/dev/shm`` with room for less than 4 MiB per slot is
+            refused at open, and a checkpoint that does not fit at save,
+            each naming the sizes and the fix (``docker run --shm-size``,
+            ``ACP_SHM_DIR``, or an explicit ``ring_bytes``, which always wins).
         ring_slots: slots in the ring (default 2).
         keep_last, keep_every: retention: keep the newest ``keep_last``
             committed steps and every multiple of ``keep_every``.
