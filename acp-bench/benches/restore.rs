@@ -13,7 +13,9 @@
 //! - `memcpy_1t`, `memcpy_nt`: the tensors copied from a pre-faulted buffer
 //!   into the destination;
 //! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
-//!   default: every chunk re-hashed) and `copy_into`;
+//!   default: every chunk checked against the xxh3 sums the flush recorded
+//!   beside its blake3 digests; a new process's first load hashes blake3)
+//!   and `copy_into`;
 //! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
 //!   engine; the resident slot is trusted, no hashing).
 //!
