@@ -1,7 +1,7 @@
 """``ACP_*`` environment variables of the ``Checkpointer``: the persist
 policy (``ACP_PERSIST_EVERY``, ``ACP_PERSIST_INTERVAL``,
-``ACP_PERSIST_POLICY``), ``ACP_RELEASE_ON_CLOSE``, ``ACP_REPLICAS`` and
-``ACP_REPLICA_TIMEOUT``.
+``ACP_PERSIST_POLICY``), ``ACP_RELEASE_ON_CLOSE``, ``ACP_REPLICAS``,
+``ACP_REPLICA_TIMEOUT``, ``ACP_RING_BYTES`` and ``ACP_SHM_DIR``.
 Keywords win over variables; a bad value is a ``ConfigError`` naming its
 variable."""
 
@@ -21,6 +21,8 @@ VARIABLES = (
     "ACP_RELEASE_ON_CLOSE",
     "ACP_REPLICAS",
     "ACP_REPLICA_TIMEOUT",
+    "ACP_RING_BYTES",
+    "ACP_SHM_DIR",
 )
 
 
@@ -151,3 +153,42 @@ def test_replica_timeout_from_the_environment_unless_given(monkeypatch: pytest.M
     monkeypatch.setenv("ACP_REPLICA_TIMEOUT", "7.5")
     assert settings(replica_timeout=None, **keywords).replica_timeout == 7.5
     assert settings(replica_timeout=2.0, **keywords).replica_timeout == 2.0
+
+
+def test_shm_dir_from_the_environment_unless_given(
+    make_ckpt: MakeCkpt, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_SHM_DIR", str(shm_dir))
+    ckpt = make_ckpt(shm_dir=None)
+    ckpt.save(1, _state(1)).wait()
+    assert _ring_files(shm_dir)  # the variable's directory holds the ring
+    ckpt.close()
+    other = tmp_path / "other-shm"
+    other.mkdir()
+    given = make_ckpt(job="given", root=tmp_path / "given", shm_dir=other)
+    given.save(1, _state(1)).wait()
+    assert _ring_files(other)  # the keyword won
+    given.close()
+
+
+def test_ring_bytes_from_the_environment_unless_given(
+    make_ckpt: MakeCkpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    monkeypatch.setenv("ACP_RING_BYTES", str(4 << 20))
+    big = {"w": np.zeros(3 << 20, dtype=np.uint8)}
+    small_ring = make_ckpt(ring_bytes=None)
+    with pytest.raises(acp.AcpError, match="ring_bytes \\(now 4194304"):
+        small_ring.save(1, big)
+    given = make_ckpt(job="given", root=tmp_path / "given", ring_bytes=16 << 20)
+    given.save(1, big).wait()  # the keyword won
+
+
+@pytest.mark.parametrize("value", ["lots", "1000"])
+def test_a_bad_ring_bytes_names_its_variable(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("ACP_RING_BYTES", value)
+    with pytest.raises(acp.ConfigError, match=rf"ACP_RING_BYTES='{value}'"):
+        make_ckpt(ring_bytes=None)

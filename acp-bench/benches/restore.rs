@@ -13,7 +13,9 @@
 //! - `memcpy_1t`, `memcpy_nt`: the tensors copied from a pre-faulted buffer
 //!   into the destination;
 //! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
-//!   default: every chunk re-hashed) and `copy_into`;
+//!   default: every chunk checked against the xxh3 sums the flush recorded
+//!   beside its blake3 digests; a new process's first load hashes blake3)
+//!   and `copy_into`;
 //! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
 //!   engine; the resident slot is trusted, no hashing).
 //!
@@ -289,5 +291,119 @@ fn restore(c: &mut Criterion) {
     notes.save();
 }
 
-criterion_group!(benches, restore);
+/// The ways a restore from RAM can check the image and copy it into the
+/// caller's memory, on the same bytes and threads, each paired with a
+/// plain `memcpy` of them run right before it: a check pass then a copy
+/// pass (blake3, as acp did; xxh3, as acp does), and each chunk checked
+/// then copied while it is in cache (the fused pass acp does not have),
+/// whole chunks or streamed in 256 KiB pieces (`streamed_xxh3_copy_nt`:
+/// a piece reaches the destination before its chunk's sum is known).
+/// 4 MiB chunks (acp's default), each thread a contiguous run of them.
+fn ram_check(c: &mut Criterion) {
+    use std::hash::Hasher;
+    const CHUNK: usize = 4 << 20;
+    const PIECE: usize = 256 << 10;
+    type Check = fn(&[u8]) -> u64;
+    fn blake3_sum(b: &[u8]) -> u64 {
+        u64::from(blake3::hash(b).as_bytes()[0])
+    }
+    fn xxh3_sum(b: &[u8]) -> u64 {
+        twox_hash::XxHash3_64::oneshot(b)
+    }
+    /// Copies `src` into `dst` on `n` threads; `check` runs over each
+    /// thread's run first (`fused`: over each chunk right before its copy).
+    fn run(dst: &mut [u8], src: &[u8], n: usize, check: Option<Check>, fused: bool) -> u64 {
+        let per = src.len().div_ceil(n).div_ceil(CHUNK) * CHUNK;
+        std::thread::scope(|s| {
+            let parts: Vec<_> = dst
+                .chunks_mut(per)
+                .zip(src.chunks(per))
+                .map(|(d, s_)| {
+                    s.spawn(move || {
+                        let mut acc = 0u64;
+                        match (check, fused) {
+                            // Streaming: each 256 KiB piece hashed, then
+                            // copied while in L2; the chunk's sum known
+                            // only after its last piece is copied.
+                            (None, true) => {
+                                for (dc, sc) in d.chunks_mut(CHUNK).zip(s_.chunks(CHUNK)) {
+                                    let mut h = twox_hash::XxHash3_64::new();
+                                    for (dp, sp) in dc.chunks_mut(PIECE).zip(sc.chunks(PIECE)) {
+                                        h.write(sp);
+                                        dp.copy_from_slice(sp);
+                                    }
+                                    acc ^= h.finish();
+                                }
+                            }
+                            (Some(f), true) => {
+                                for (dc, sc) in d.chunks_mut(CHUNK).zip(s_.chunks(CHUNK)) {
+                                    acc ^= f(sc);
+                                    dc.copy_from_slice(sc);
+                                }
+                            }
+                            (Some(f), false) => {
+                                for sc in s_.chunks(CHUNK) {
+                                    acc ^= f(sc);
+                                }
+                                d.copy_from_slice(s_);
+                            }
+                            (None, false) => d.copy_from_slice(s_),
+                        }
+                        acc
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .map(|h| h.join().expect("a copy thread panicked"))
+                .fold(0, |a, b| a ^ b)
+        })
+    }
+    let bytes = bench_bytes();
+    let n = threads();
+    let src = AlignedBuf::random(bytes, 3);
+    let mut dst = AlignedBuf::new(bytes);
+    let mut base = AlignedBuf::new(bytes);
+    let mut g = c.benchmark_group("restore_check");
+    g.sample_size(SAMPLES)
+        .warm_up_time(warm_up_time())
+        .measurement_time(measurement_time())
+        .throughput(Throughput::Bytes(bytes as u64));
+    let rows: [(&str, Option<Check>, bool); 6] = [
+        ("memcpy_nt", None, false),
+        ("blake3_then_copy_nt", Some(blake3_sum), false),
+        ("xxh3_then_copy_nt", Some(xxh3_sum), false),
+        ("fused_xxh3_copy_nt", Some(xxh3_sum), true),
+        ("fused_blake3_copy_nt", Some(blake3_sum), true),
+        ("streamed_xxh3_copy_nt", None, true),
+    ];
+    let mut notes = Notes::new("restore_check");
+    notes.set("bytes", human_bytes(bytes as u64));
+    notes.set("threads", n);
+    for (name, check, fused) in rows {
+        let mut paired = Paired::default();
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    black_box(run(&mut base, &src, n, None, false));
+                    let plain = t.elapsed();
+                    let t = Instant::now();
+                    black_box(run(&mut dst, &src, n, check, fused));
+                    let took = t.elapsed();
+                    timed += took;
+                    paired.push(plain, took);
+                }
+                timed
+            });
+        });
+        notes.set(&format!("paired {name}"), paired.summary("memcpy_nt", name));
+    }
+    g.finish();
+    assert!(dst[..] == src[..], "the copies differ");
+    notes.save();
+}
+
+criterion_group!(benches, restore, ram_check);
 criterion_main!(benches);

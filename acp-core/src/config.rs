@@ -102,6 +102,11 @@ pub struct EngineConfig {
     pub(crate) rank: u32,
     pub(crate) world_size: u32,
     pub(crate) ring_bytes: u64,
+    /// `ring_bytes` was not given: [`Engine::open`](crate::Engine::open)
+    /// sizes it from the room it finds ([`EngineConfig::sized_by`]).
+    pub(crate) ring_bytes_auto: bool,
+    /// Where a self-sized ring's budget came from, for messages.
+    pub(crate) ring_room: Option<String>,
     pub(crate) ring_slots: usize,
     pub(crate) shm_dir: PathBuf,
     pub(crate) mlock: bool,
@@ -127,8 +132,29 @@ pub struct EngineConfig {
     pub(crate) faults: Option<Arc<FaultInjector>>,
 }
 
-/// Default ring budget: 4 GiB.
+/// The ring budget a configuration reports before
+/// [`Engine::open`](crate::Engine::open) sizes it: 4 GiB. An opened engine
+/// without an explicit [`EngineConfig::with_ring_bytes`] uses
+/// [`auto_ring_bytes`] instead.
 pub const DEFAULT_RING_BYTES: u64 = 4 << 30;
+/// The smallest room per slot a self-sized ring accepts: 4 MiB. Less is a
+/// shared-memory directory too small to be of use, refused at open.
+pub const MIN_AUTO_SLOT_BYTES: u64 = 4 << 20;
+
+/// The budget of a ring whose `ring_bytes` is not given: 7/8 of the room
+/// left by the shared-memory directory's free space and by
+/// `MemAvailable`, whichever is less, each counting the ring's own files
+/// as room (they are reused). Slots take memory only as images need it
+/// (two slots of the checkpoint's size, in 2 MiB steps), so this is a cap,
+/// not an allocation; the 1/8 left over is for the rest of the node.
+#[must_use]
+pub fn auto_ring_bytes(room: &crate::staging::ShmRoom) -> u64 {
+    let shm = room.free.saturating_add(room.held);
+    let mem = room
+        .mem_available
+        .map_or(u64::MAX, |m| m.saturating_add(room.held));
+    shm.min(mem) / 8 * 7
+}
 /// Default age after which [`Engine::open`](crate::Engine::open) removes
 /// another job's dead, fully committed ring: 24 h.
 pub const DEFAULT_SHM_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -149,6 +175,8 @@ impl EngineConfig {
             rank: 0,
             world_size: 1,
             ring_bytes: DEFAULT_RING_BYTES,
+            ring_bytes_auto: true,
+            ring_room: None,
             ring_slots: 2,
             shm_dir: PathBuf::from("/dev/shm"),
             mlock: true,
@@ -198,12 +226,73 @@ impl EngineConfig {
     }
 
     /// The memory budget of the shared-memory ring, in bytes, over all its
-    /// slots. Default 4 GiB. A save larger than one slot's share fails with
-    /// [`Error::Invalid`].
+    /// slots. Default: sized when the engine opens from the shared-memory
+    /// directory's free space and `MemAvailable` ([`auto_ring_bytes`]); a
+    /// directory with less than [`MIN_AUTO_SLOT_BYTES`] per slot is refused
+    /// there with an error that names its size and the fix. A value given
+    /// here always wins. A save larger than one slot's share fails with
+    /// [`Error::Invalid`], naming the size needed.
     #[must_use]
     pub fn with_ring_bytes(mut self, bytes: u64) -> Self {
         self.ring_bytes = bytes;
+        self.ring_bytes_auto = false;
         self
+    }
+
+    /// Sizes the ring from `room` (measured by
+    /// [`shm_room`](crate::staging::shm_room) on this configuration's
+    /// `shm_dir`) when `ring_bytes` was not given: the budget is then set,
+    /// as if given. An explicit budget is kept as it is (with a warning
+    /// when `room` cannot hold it). [`Engine::open`](crate::Engine::open)
+    /// calls it with the room it measures.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `ring_bytes` when it was not given and the
+    /// room leaves less than [`MIN_AUTO_SLOT_BYTES`] per slot, or could not
+    /// be measured (the directory is missing).
+    pub fn sized_by(mut self, room: Result<crate::staging::ShmRoom>) -> Result<Self> {
+        let fix = "give the container a larger /dev/shm (`docker run --shm-size=16g`; \
+                   Kubernetes: an emptyDir with `medium: Memory`), point shm_dir \
+                   (ACP_SHM_DIR) at a larger tmpfs, or set ring_bytes";
+        if !self.ring_bytes_auto {
+            if let Ok(room) = &room {
+                let have = room.free.saturating_add(room.held);
+                if have < self.ring_bytes {
+                    tracing::warn!(
+                        "acp: ring_bytes {} is more than the room in {}; saves that need \
+                         it will fail with no space left; {fix}",
+                        crate::staging::human(self.ring_bytes),
+                        room.describe()
+                    );
+                }
+            }
+            return Ok(self);
+        }
+        let room = room.map_err(|e| Error::Config {
+            field: "ring_bytes",
+            reason: format!("not given, and the shared-memory directory cannot be measured ({e}); create it, or {fix}"),
+        })?;
+        let budget = auto_ring_bytes(&room);
+        let need = MIN_AUTO_SLOT_BYTES.saturating_mul(self.ring_slots as u64);
+        if budget < need {
+            return Err(Error::Config {
+                field: "ring_bytes",
+                reason: format!(
+                    "not given, and the shared-memory directory is too small for a ring: \
+                     {} leaves {} for it, {} needed at the least ({} slots of {}), and \
+                     a ring needs two slots the size of the checkpoint; {fix}",
+                    room.describe(),
+                    crate::staging::human(budget),
+                    crate::staging::human(need),
+                    self.ring_slots,
+                    crate::staging::human(MIN_AUTO_SLOT_BYTES)
+                ),
+            });
+        }
+        self.ring_bytes = budget;
+        self.ring_bytes_auto = false;
+        self.ring_room = Some(room.describe());
+        Ok(self)
     }
 
     /// The number of ring slots. Default 2: one holds the newest resident
@@ -399,6 +488,15 @@ impl EngineConfig {
         self.world_size
     }
 
+    /// The ring budget in bytes: the one given, or once the engine has
+    /// opened ([`Engine::config`](crate::Engine::config)) the one it sized
+    /// from the room; before that, [`DEFAULT_RING_BYTES`] for a budget not
+    /// given.
+    #[must_use]
+    pub fn ring_bytes(&self) -> u64 {
+        self.ring_bytes
+    }
+
     /// The checkpoint root.
     #[must_use]
     pub fn root(&self) -> &std::path::Path {
@@ -562,5 +660,88 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(e.to_string().contains("background_nice"), "{e}");
+    }
+
+    fn room(free: u64, held: u64, mem: Option<u64>) -> crate::staging::ShmRoom {
+        crate::staging::ShmRoom {
+            dir: PathBuf::from("/dev/shm"),
+            free,
+            size: free + held,
+            held,
+            mem_available: mem,
+        }
+    }
+
+    #[test]
+    fn a_ring_without_a_budget_takes_seven_eighths_of_the_smaller_room() {
+        const GIB: u64 = 1 << 30;
+        // This machine's kind: 24 GiB, /dev/shm half of it.
+        assert_eq!(
+            auto_ring_bytes(&room(12 * GIB, 0, Some(22 * GIB))),
+            12 * GIB / 8 * 7
+        );
+        // Memory is the smaller room.
+        assert_eq!(auto_ring_bytes(&room(12 * GIB, 0, Some(8 * GIB))), 7 * GIB);
+        // The ring's own files are room: they are reused.
+        assert_eq!(auto_ring_bytes(&room(4 * GIB, 4 * GIB, None)), 7 * GIB);
+        // Two slots of a 2 GiB state fit the budget of a default /dev/shm.
+        let c = EngineConfig::new("/r")
+            .sized_by(Ok(room(12 * GIB, 0, Some(22 * GIB))))
+            .unwrap();
+        assert!(
+            c.own_ring_bytes() / 2 > 2 * GIB + (64 << 20),
+            "{}",
+            c.ring_bytes
+        );
+        assert!(c
+            .ring_room
+            .as_deref()
+            .unwrap()
+            .contains("/dev/shm: 12.0 GiB free"));
+    }
+
+    #[test]
+    fn a_given_budget_wins_over_the_room() {
+        let c = EngineConfig::new("/r")
+            .with_ring_bytes(16 << 20)
+            .sized_by(Ok(room(1 << 40, 0, Some(1 << 40))))
+            .unwrap();
+        assert_eq!(c.ring_bytes, 16 << 20);
+        assert!(c.ring_room.is_none());
+        // Even past the room, and when the room cannot be measured.
+        let tiny = EngineConfig::new("/r").with_ring_bytes(1 << 30);
+        assert_eq!(
+            tiny.clone()
+                .sized_by(Ok(room(1 << 20, 0, None)))
+                .unwrap()
+                .ring_bytes,
+            1 << 30
+        );
+        let gone = Err(Error::invalid("x", "gone"));
+        assert_eq!(tiny.sized_by(gone).unwrap().ring_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn a_container_sized_shm_is_refused_at_open_naming_the_sizes_and_the_fix() {
+        // 64 MiB is room for a small ring, so only a smaller one is refused.
+        let ok = EngineConfig::new("/r").sized_by(Ok(room(64 << 20, 0, Some(1 << 34))));
+        assert_eq!(ok.unwrap().ring_bytes, 56 << 20);
+        let e = EngineConfig::new("/r")
+            .sized_by(Ok(room(6 << 20, 0, Some(1 << 34))))
+            .unwrap_err();
+        let text = e.to_string();
+        for want in [
+            "ring_bytes",
+            "/dev/shm: 6.0 MiB free",
+            "5.2 MiB for it",
+            "8.0 MiB needed",
+            "--shm-size",
+            "ACP_SHM_DIR",
+        ] {
+            assert!(text.contains(want), "`{want}` missing: {text}");
+        }
+        let gone = Err(Error::invalid("/nowhere", "no such directory"));
+        let e = EngineConfig::new("/r").sized_by(gone).unwrap_err();
+        assert!(e.to_string().contains("/nowhere"), "{e}");
     }
 }

@@ -96,7 +96,10 @@ pub mod storage;
 
 mod engine;
 
-pub use config::{DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull};
+pub use config::{
+    auto_ring_bytes, DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull,
+    MIN_AUTO_SLOT_BYTES,
+};
 pub use engine::{
     Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Outcome, Persist,
     PersistStats, SaveHandle, SaveOptions, SaveReport, Source, Staging, TensorView,

@@ -22,6 +22,8 @@ PERSIST_POLICY = "ACP_PERSIST_POLICY"
 RELEASE_ON_CLOSE = "ACP_RELEASE_ON_CLOSE"
 REPLICAS = "ACP_REPLICAS"
 REPLICA_TIMEOUT = "ACP_REPLICA_TIMEOUT"
+RING_BYTES = "ACP_RING_BYTES"
+SHM_DIR = "ACP_SHM_DIR"
 
 POLICIES = ("every", "interval", "coalesce")
 _TRUE = ("1", "true", "yes", "on")
@@ -151,6 +153,8 @@ class Settings:
     release_on_close: bool
     persist: PersistEnv
     """The persist policy; its ``names`` are empty when keywords gave it."""
+    ring_bytes: int | None = None
+    shm_dir: str | None = None
 
     @contextmanager
     def naming_persist_vars(self) -> Iterator[None]:
@@ -174,10 +178,14 @@ def settings(
     persist_every: int | None,
     persist_interval: float | None,
     persist_policy: str | None,
+    ring_bytes: int | None = None,
+    shm_dir: str | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> Settings:
     """Fills in from ``ACP_REPLICAS``, ``ACP_REPLICA_TIMEOUT``,
-    ``ACP_RELEASE_ON_CLOSE`` and
+    ``ACP_RELEASE_ON_CLOSE``, ``ACP_RING_BYTES`` (bytes), ``ACP_SHM_DIR``
+    (the ring's directory, e.g. a larger tmpfs than a container's
+    ``/dev/shm``) and
     ``ACP_PERSIST_*`` what the keywords leave as None. The persist policy is
     one setting: a keyword for any part of it ignores every ``ACP_PERSIST_*``.
 
@@ -190,8 +198,14 @@ def settings(
         replica_timeout = env_seconds(REPLICA_TIMEOUT, environ=environ)
     if release_on_close is None:
         release_on_close = bool(env_bool(RELEASE_ON_CLOSE, environ=environ))
+    if ring_bytes is None:
+        ring_bytes = env_int(RING_BYTES, minimum=1 << 20, environ=environ)
+    if shm_dir is None:
+        shm_dir = _get(SHM_DIR, environ)
     if persist_every is None and persist_interval is None and persist_policy is None:
         persist = persist_from_env(environ)
     else:
         persist = PersistEnv(persist_every, persist_interval, persist_policy)
-    return Settings(replicas, replica_timeout, release_on_close, persist)
+    return Settings(
+        replicas, replica_timeout, release_on_close, persist, ring_bytes=ring_bytes, shm_dir=shm_dir
+    )

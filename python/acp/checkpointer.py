@@ -104,8 +104,17 @@ class Checkpointer:
         job: names this job's shared-memory slots; default: from ``root``.
         rank, world_size: default: torch.distributed when initialised, else
             ``RANK``/``WORLD_SIZE``, else ``RANK_ID``/``RANK_SIZE``, else 0/1.
-        ring_bytes: the shared-memory budget over all slots (default 4 GiB).
+        ring_bytes: the shared-memory budget over all slots; default: sized
+            at open to 7/8 of the room ``/dev/shm`` (``shm_dir``) and
+            ``MemAvailable`` leave, slots taking memory only as checkpoints
+            need it. A ``/dev/shm`` with room for less than 4 MiB per slot is
+            refused at open, and a checkpoint that does not fit at save,
+            each naming the sizes and the fix (``docker run --shm-size``,
+            ``ACP_SHM_DIR``, or an explicit ``ring_bytes``, which always wins).
+            ``ACP_RING_BYTES`` gives it when the keyword does not.
         ring_slots: slots in the ring (default 2).
+        shm_dir: the directory of the ring's slot files (default
+            ``/dev/shm``; ``ACP_SHM_DIR`` gives it when the keyword does not).
         keep_last, keep_every: retention: keep the newest ``keep_last``
             committed steps and every multiple of ``keep_every``.
         on_full: when no slot is free, ``"wait"`` (at most ``full_timeout``
@@ -205,6 +214,8 @@ class Checkpointer:
             persist_every=persist_every,
             persist_interval=persist_interval,
             persist_policy=persist_policy,
+            ring_bytes=ring_bytes,
+            shm_dir=None if shm_dir is None else os.fspath(shm_dir),
         )
         self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
         detected_rank, detected_world = rank_and_world_size()
@@ -226,9 +237,9 @@ class Checkpointer:
                 job=job,
                 rank=self.rank,
                 world_size=self.world_size,
-                ring_bytes=ring_bytes,
+                ring_bytes=env.ring_bytes,
                 ring_slots=ring_slots,
-                shm_dir=None if shm_dir is None else os.fspath(shm_dir),
+                shm_dir=env.shm_dir,
                 mlock=mlock,
                 copy_threads=copy_threads,
                 chunk_bytes=chunk_bytes,

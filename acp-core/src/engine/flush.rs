@@ -173,6 +173,9 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let len = image.len() as u64;
         let chunk = shared.io_opts.chunk_bytes;
         let mut digests: Vec<Digest> = Vec::with_capacity(image.len().div_ceil(chunk.max(1)));
+        // The RAM tier's quick sums, from the same bytes as the digests
+        // (the sum first: `read/fast.rs` says why).
+        let mut sums: Vec<u64> = Vec::with_capacity(digests.capacity());
         shared.note_progress(format!("step {step}: writing {}", path.display()));
         let stats = shared.io.write_to(
             &file,
@@ -182,6 +185,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             &shared.io_opts,
             &mut |i, bytes| {
                 debug_assert_eq!(i, digests.len());
+                sums.push(crate::read::fast_sum(bytes));
                 digests.push(digest(bytes));
                 shared.note_progress(format!(
                     "step {step}: writing {} (chunk {i})",
@@ -192,6 +196,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         )?;
         let flush_secs = t_flush.elapsed().as_secs_f64();
         shared.ring.set_digests(slot, &digests);
+        shared.ring.record_quick_sums(slot, &digests, sums);
 
         let t_commit = Instant::now();
         shared.note_progress(format!(

@@ -14,7 +14,7 @@ use super::{ranks, replicate, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
-use crate::read::{ChunkReader, IoSource, MemSource};
+use crate::read::{sums_match, ChunkReader, IoSource, MemSource};
 use crate::staging::{Ring, SlotInfo, SlotState};
 use crate::storage::FileHandle;
 
@@ -210,7 +210,9 @@ fn load_step(
             }
             let verified = shared.cfg.verify == Verify::Always;
             if verified {
-                if let Err(e) = verify_in_place(pin.image(), &slot_path, entry, threads) {
+                if let Err(e) =
+                    check_resident(&shared.ring, &info, pin.image(), &slot_path, entry, threads)
+                {
                     // The resident copy is only a cache of the committed
                     // one: drop it and read storage.
                     tracing::warn!(
@@ -342,6 +344,41 @@ fn verify_in_place(
     threads: usize,
 ) -> Result<Vec<crate::format::Digest>> {
     ChunkReader::new(MemSource::new(image, path), entry)?.verify_in_place(threads)
+}
+
+/// Checks the image of this rank's resident slot `info` (whose recorded
+/// digests are `entry`'s: [`slot_matches_entry`]) before it is used: by the
+/// quick sums recorded beside those digests in this process when there are
+/// some and every chunk still gives its sum, else by the blake3 check
+/// against `entry` ([`verify_in_place`]), which records the quick sums for
+/// the next load. A quick sum that differs only sends the image to the
+/// blake3 check, whose error names the file and tensor.
+///
+/// # Errors
+/// As [`verify_in_place`].
+fn check_resident(
+    ring: &Ring,
+    info: &SlotInfo,
+    image: &[u8],
+    path: &Path,
+    entry: &FileEntry,
+    threads: usize,
+) -> Result<()> {
+    let chunk = to_usize(entry.chunk_bytes);
+    if let Some(sums) = ring.quick_sums(info.slot) {
+        if sums_match(image, chunk, &sums, threads) {
+            return Ok(());
+        }
+        tracing::warn!(
+            "acp: resident copy of step {} in {} differs from its quick sums; checking its digests",
+            info.step,
+            path.display()
+        );
+    }
+    let (digests, sums) =
+        ChunkReader::new(MemSource::new(image, path), entry)?.verify_in_place_with_sums(threads)?;
+    ring.record_quick_sums(info.slot, &digests, sums);
+    Ok(())
 }
 
 /// Whether ring slot `info` records, for its image, the length, the chunk

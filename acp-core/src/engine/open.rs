@@ -138,6 +138,9 @@ impl Engine {
         let root = LocalStorage::open(&config.root)?.with_probe(config.probe());
         let io = crate::io::open_engine(config.io)?;
         let (prefix, job_tag) = job_names(&config, &root, config.rank);
+        // A ring without a given budget is sized from the room it has.
+        let room = crate::staging::shm_room(&config.shm_dir, &prefix);
+        let config = config.sized_by(room)?;
         let root: Box<dyn Storage> =
             Box::new(root.owned_by(config.rank, &crate::format::hex(&job_tag)[..8]));
         let (ring, ring_report) = Ring::open(RingOptions {

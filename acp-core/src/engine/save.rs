@@ -166,13 +166,24 @@ impl Engine {
         let layout = Layout::plan_with_values(tensors, &meta, values_json)?;
         let max = shared.ring.max_image_bytes();
         if layout.total_len > max {
-            return Err(Error::invalid(
-                what,
-                format!(
-                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}) or lower ring_slots (now {})",
-                    layout.total_len, shared.cfg.ring_bytes, shared.cfg.ring_slots
+            let cfg = &shared.cfg;
+            let need = layout.total_len.saturating_mul(cfg.ring_slots as u64);
+            let reason = match &cfg.ring_room {
+                // Sized from the room at open: the room is what to raise.
+                Some(room) => format!(
+                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes: the ring \
+                     ({} slots) was sized from the room at open ({room}) to {} bytes, and needs \
+                     about {need}; give the container a larger /dev/shm (`docker run \
+                     --shm-size`; Kubernetes: an emptyDir with `medium: Memory`), point \
+                     shm_dir (ACP_SHM_DIR) at a larger tmpfs, or set ring_bytes",
+                    layout.total_len, cfg.ring_slots, cfg.ring_bytes
                 ),
-            ));
+                None => format!(
+                    "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}, about {need} needed) or lower ring_slots (now {})",
+                    layout.total_len, cfg.ring_bytes, cfg.ring_slots
+                ),
+            };
+            return Err(Error::invalid(what, reason));
         }
         Ok(layout)
     }

@@ -41,6 +41,13 @@
 //! lands, so a restore takes about `max(read, hash)` rather than their sum.
 //! Reads are cut along the digest chunks so each can be checked on its own.
 //!
+//! # The RAM tier's quick check
+//!
+//! A resident slot already proved against the index's digests may be
+//! checked again with a per-chunk xxh3 sum recorded in this process beside
+//! them ([`sums_match`]; what it proves is in `fast.rs`); a sum that
+//! differs sends the caller back to the blake3 check, never to an error.
+//!
 //! # Errors
 //!
 //! A chunk whose digest differs is [`Error::Corrupt`] naming the file, the
@@ -53,11 +60,13 @@
 //! acp's limits, are [`Error::Corrupt`] too; read failures are the
 //! source's [`Error::Io`].
 
+mod fast;
 mod source;
 mod whole;
 
 use std::path::Path;
 
+pub(crate) use fast::{fast_sum, sums_match};
 pub(crate) use source::{ChunkSource, FileSource, IoSource, MemSource};
 
 use crate::error::{Error, Result};

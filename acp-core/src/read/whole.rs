@@ -11,6 +11,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
+use super::fast::fast_sum;
 use super::{to_usize, ChunkReader, ChunkSource};
 use crate::error::{Error, Result};
 use crate::format::{digest, Digest};
@@ -38,6 +39,29 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             .ok_or_else(|| Error::invalid(self.src.name().display(), "not an image in memory"))?;
         let got = digests_of(image, to_usize(self.chunk), threads);
         self.check_digests(got, image.len() as u64)
+    }
+
+    /// [`ChunkReader::verify_in_place`], also computing each chunk's quick
+    /// sum ([`fast_sum`]) in the same pass, from the same bytes as its
+    /// digest while they are in cache. Returns the digests and the sums once
+    /// every digest matched.
+    ///
+    /// # Errors
+    /// As [`ChunkReader::verify_in_place`].
+    pub(crate) fn verify_in_place_with_sums(
+        &mut self,
+        threads: usize,
+    ) -> Result<(Vec<Digest>, Vec<u64>)> {
+        let image = self
+            .src
+            .in_memory()
+            .ok_or_else(|| Error::invalid(self.src.name().display(), "not an image in memory"))?;
+        let (digests, sums): (Vec<Digest>, Vec<u64>) =
+            hashes_of(image, to_usize(self.chunk), threads)
+                .into_iter()
+                .unzip();
+        let digests = self.check_digests(digests, image.len() as u64)?;
+        Ok((digests, sums))
     }
 
     /// Compares `got`, the digests of an image of `len` bytes, with the
@@ -292,6 +316,34 @@ fn digests_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Digest> {
     out
 }
 
+/// The digest and the quick sum of each `chunk`-byte piece of `data`, both
+/// from one read of the piece, over up to `threads` threads; the sum
+/// first (`fast.rs` says why).
+fn hashes_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Hashes> {
+    let chunk = chunk.max(1);
+    let n = data.len().div_ceil(chunk);
+    let both = |piece: &[u8]| {
+        let sum = fast_sum(piece);
+        (digest(piece), sum)
+    };
+    if threads <= 1 || data.len() < POOL_MIN_BYTES || n < 2 {
+        return data.chunks(chunk).map(both).collect();
+    }
+    let per = n.div_ceil(threads);
+    let mut out = vec![([0u8; 32], 0); n];
+    let work: Vec<(&mut [Hashes], &[u8])> =
+        out.chunks_mut(per).zip(data.chunks(per * chunk)).collect();
+    crate::io::run_on_threads("acp-hash", work, |(dst, src)| {
+        for (d, piece) in dst.iter_mut().zip(src.chunks(chunk)) {
+            *d = both(piece);
+        }
+    });
+    out
+}
+
+/// A chunk's digest and quick sum.
+type Hashes = (Digest, u64);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +367,15 @@ mod tests {
             assert_eq!(
                 digests_of(&data, 1 << 20, threads),
                 crate::format::chunk_digests(&data, 1 << 20),
+                "threads {threads}"
+            );
+            let serial: Vec<_> = data
+                .chunks(1 << 20)
+                .map(|p| (digest(p), fast_sum(p)))
+                .collect();
+            assert_eq!(
+                hashes_of(&data, 1 << 20, threads),
+                serial,
                 "threads {threads}"
             );
         }

@@ -181,6 +181,7 @@ mod peek;
 mod peer;
 mod ring;
 mod rings;
+mod room;
 mod slot;
 mod table;
 
@@ -198,6 +199,8 @@ pub use peek::{peek_file, peek_slot, SlotPeek};
 pub use peer::{PeerImage, PeerSlot};
 pub use ring::Ring;
 pub use rings::{rings, HeldRing, RingFiles, SlotSeen};
+pub(crate) use room::human;
+pub use room::{shm_room, ShmRoom};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]

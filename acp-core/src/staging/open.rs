@@ -214,6 +214,7 @@ impl Recovery<'_> {
             pins: 0,
             free_on_unpin: false,
             has_digests,
+            quick_sums: None,
             generation: h.generation,
         })
     }
@@ -273,6 +274,7 @@ impl Recovery<'_> {
             pins: 0,
             free_on_unpin: false,
             has_digests: false,
+            quick_sums: None,
             generation,
         })
     }

@@ -135,6 +135,7 @@ impl Ring {
         e.step = 0;
         e.len = 0;
         e.has_digests = false;
+        e.quick_sums = None;
         e.free_on_unpin = false;
         e.generation = e.generation.wrapping_add(1);
         let generation = e.generation;
@@ -268,6 +269,8 @@ impl Ring {
             );
             return;
         };
+        // New digests: sums taken beside the old ones no longer vouch.
+        e.quick_sums = None;
         let stored = e
             .mem
             .as_mut()
@@ -281,6 +284,42 @@ impl Ring {
                 digests.len()
             );
         }
+    }
+
+    /// Records the quick sum of each digest chunk of slot `slot`'s image,
+    /// computed from the same bytes, in the same pass, as `digests`. Kept
+    /// only while `digests` are the slot's recorded digests (checked here)
+    /// and until the slot's digests are set again, it is acquired, or
+    /// released; ignored otherwise. In this process's memory only.
+    pub fn record_quick_sums(&self, slot: usize, digests: &[Digest], sums: Vec<u64>) {
+        let mut t = self.inner.lock();
+        let Some(e) = t
+            .slots
+            .get_mut(slot)
+            .filter(|e| e.is_available() && e.has_digests)
+        else {
+            return;
+        };
+        let same = sums.len() == digests.len()
+            && e.mem
+                .as_ref()
+                .and_then(|m| m.ctrl.digests())
+                .is_some_and(|d| d == digests);
+        if same {
+            e.quick_sums = Some(sums);
+        }
+    }
+
+    /// The quick sums recorded for slot `slot` ([`Ring::record_quick_sums`]),
+    /// if any.
+    #[must_use]
+    pub fn quick_sums(&self, slot: usize) -> Option<Vec<u64>> {
+        let t = self.inner.lock();
+        t.slots
+            .get(slot)
+            .filter(|e| e.is_available() && e.has_digests)?
+            .quick_sums
+            .clone()
     }
 
     /// The recorded digests of slot `slot`, if any.
@@ -343,6 +382,7 @@ impl Ring {
             let released = !e.free_on_unpin;
             e.free_on_unpin = true;
             e.has_digests = false;
+            e.quick_sums = None;
             return released;
         }
         e.free();

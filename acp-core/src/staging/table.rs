@@ -50,6 +50,13 @@ pub(super) struct Entry {
     /// Released while pinned: freed when the last pin drops.
     pub(super) free_on_unpin: bool,
     pub(super) has_digests: bool,
+    /// The quick sum of each digest chunk ([`Ring::record_quick_sums`]),
+    /// computed in this process from the bytes the recorded digests
+    /// describe. Held here, not in the slot file, so that no other process
+    /// can change them; cleared with the digests and at every acquire.
+    ///
+    /// [`Ring::record_quick_sums`]: super::Ring::record_quick_sums
+    pub(super) quick_sums: Option<Vec<u64>>,
     pub(super) generation: u64,
 }
 
@@ -64,6 +71,7 @@ impl Entry {
         self.state = SlotState::Free;
         self.free_on_unpin = false;
         self.has_digests = false;
+        self.quick_sums = None;
         if let Some(m) = &mut self.mem {
             m.ctrl.clear_digests();
             m.ctrl.set_state(SlotState::Free);

@@ -1,0 +1,116 @@
+//! The RAM tier's quick check: an xxh3-64 sum per digest chunk, beside the
+//! blake3 digest of record.
+//!
+//! # What it proves, and what it does not
+//!
+//! A resident slot is a cache of a committed file: its bytes were hashed
+//! with blake3 by the flush (or by a verified read), and those digests are
+//! compared with the index's before the slot is used. The quick sums are
+//! computed from the same chunk bytes in the same pass as those digests,
+//! and kept in this process's ring table (never in shared memory, so no
+//! other process can change them). A chunk whose bytes still give its
+//! recorded sum is, but for a chance of 2⁻⁶⁴ per changed chunk, the chunk
+//! the blake3 digest describes: any accidental change (a stray write, a
+//! bit flip, another process reusing the file) is caught. xxh3 is not a
+//! cryptographic hash, so a writer who crafts bytes to collide could pass
+//! it; such a writer runs as the ring's owner (slots are mode `0600`) and
+//! could rewrite the index too, which blake3 does not stop either.
+//!
+//! Where a digest and a sum are taken from shared memory, the sum is
+//! taken first: a digest that still matches then vouches for bytes at
+//! least as new as those the sum describes, so a change made before the
+//! digest was taken either fails the digest or leaves a sum that the bytes
+//! no longer give.
+//!
+//! A chunk whose sum differs is not an error by itself: the caller falls
+//! back to the full blake3 check, which names the file and tensor when the
+//! bytes really changed.
+//!
+//! xxh3 runs at several times blake3's speed per core (tens of GB/s with
+//! AVX2, picked at run time), so a check over all copy threads costs about
+//! one read of the image.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use twox_hash::XxHash3_64;
+
+/// The quick sum of one chunk.
+pub(crate) fn fast_sum(bytes: &[u8]) -> u64 {
+    XxHash3_64::oneshot(bytes)
+}
+
+/// Below this many bytes, the check runs on the calling thread alone.
+const PARALLEL_MIN_BYTES: usize = 8 << 20;
+
+/// Whether every `chunk`-byte piece of `image` gives the sum `sums`
+/// records for it (and there is one sum per piece), checked over up to
+/// `threads` threads, each a contiguous run of chunks.
+pub(crate) fn sums_match(image: &[u8], chunk: usize, sums: &[u64], threads: usize) -> bool {
+    let chunk = chunk.max(1);
+    if image.len().div_ceil(chunk) != sums.len() {
+        return false;
+    }
+    let run = |(data, want): (&[u8], &[u64])| {
+        data.chunks(chunk)
+            .zip(want)
+            .all(|(piece, w)| fast_sum(piece) == *w)
+    };
+    if threads <= 1 || image.len() < PARALLEL_MIN_BYTES || sums.len() < 2 {
+        return run((image, sums));
+    }
+    let per = sums.len().div_ceil(threads);
+    let work: Vec<(&[u8], &[u64])> = image.chunks(per * chunk).zip(sums.chunks(per)).collect();
+    let differs = AtomicBool::new(false);
+    crate::io::run_on_threads("acp-check", work, |w| {
+        if !differs.load(Ordering::Relaxed) && !run(w) {
+            differs.store(true, Ordering::Relaxed);
+        }
+    });
+    !differs.into_inner()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 131 % 251) as u8).collect()
+    }
+
+    fn sums(data: &[u8], chunk: usize) -> Vec<u64> {
+        data.chunks(chunk).map(fast_sum).collect()
+    }
+
+    #[test]
+    fn matching_sums_pass_on_any_thread_count() {
+        let data = image((20 << 20) + 123);
+        let s = sums(&data, 1 << 20);
+        for threads in [1, 2, 3, 8] {
+            assert!(sums_match(&data, 1 << 20, &s, threads), "threads {threads}");
+        }
+    }
+
+    #[test]
+    fn any_changed_byte_fails_on_any_thread_count() {
+        let mut data = image((20 << 20) + 123);
+        let s = sums(&data, 1 << 20);
+        for at in [0, 1 << 20, (13 << 20) + 7, data.len() - 1] {
+            data[at] ^= 1;
+            for threads in [1, 2, 3, 8] {
+                assert!(
+                    !sums_match(&data, 1 << 20, &s, threads),
+                    "byte {at}, threads {threads}"
+                );
+            }
+            data[at] ^= 1;
+        }
+    }
+
+    #[test]
+    fn a_count_that_is_not_the_chunks_fails() {
+        let data = image(3 << 20);
+        let s = sums(&data, 1 << 20);
+        assert!(!sums_match(&data, 1 << 20, &s[..2], 2));
+        assert!(!sums_match(&data[..2 << 20], 1 << 20, &s, 2));
+    }
+}

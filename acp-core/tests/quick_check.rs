@@ -1,0 +1,162 @@
+//! The RAM tier's quick check: a resident image that was proved once (by
+//! the flush's digests, or by a load's full check) is checked again at
+//! every load, so a byte changed after any number of good loads is still
+//! caught, reported naming the slot file and tensor, and storage is read.
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use acp_core::{Dtype, Engine, EngineConfig, HostTensor, LoadRequest, SaveOptions, Source};
+use serde_json::json;
+
+/// Two tensors over several 64 KiB chunks, so the checks run on threads
+/// and a flip lands in one chunk of many.
+fn tensors() -> Vec<(String, Vec<u8>)> {
+    ["a.w", "b.w"]
+        .iter()
+        .enumerate()
+        .map(|(k, n)| {
+            let data = (0..(12u32 << 20))
+                .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ k as u8)
+                .collect();
+            ((*n).to_owned(), data)
+        })
+        .collect()
+}
+
+fn engine(root: &Path, shm: &Path) -> Engine {
+    Engine::open(
+        EngineConfig::new(root)
+            .with_shm_dir(shm)
+            .with_job("quick")
+            .with_ring_bytes(128 << 20)
+            .with_chunk_bytes(64 << 10)
+            .with_copy_threads(2),
+    )
+    .unwrap()
+}
+
+fn save(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) {
+    let shapes: Vec<[u64; 1]> = data.iter().map(|(_, d)| [d.len() as u64]).collect();
+    let host: Vec<HostTensor<'_>> = data
+        .iter()
+        .zip(&shapes)
+        .map(|((n, d), s)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: s,
+            data: d,
+        })
+        .collect();
+    e.save(step, &host, &json!({}), &SaveOptions::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+}
+
+fn load(e: &Engine, step: u64) -> acp_core::Checkpoint {
+    e.load(&LoadRequest {
+        step: Some(step),
+        ..LoadRequest::default()
+    })
+    .unwrap()
+}
+
+/// The slot file holding `step`, and where its image starts.
+fn slot_of(shm: &Path, step: u64) -> (PathBuf, u64) {
+    std::fs::read_dir(acp_core::staging::user_dir(shm))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find_map(|p| {
+            let peek = acp_core::staging::peek_slot(&p).ok()??;
+            (peek.is_complete() && peek.step == step).then_some((p, peek.image_offset))
+        })
+        .unwrap()
+}
+
+fn flip(file: &Path, at: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x10], at).unwrap();
+}
+
+fn assert_intact(ck: &acp_core::Checkpoint, data: &[(String, Vec<u8>)]) {
+    for (n, d) in data {
+        assert!(ck.tensor(n).unwrap().data == d.as_slice(), "tensor `{n}`");
+    }
+}
+
+#[test]
+fn a_byte_changed_after_good_loads_is_caught_at_the_next() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save(&e, 1, &data);
+    // Proved by the flush, then by loads: each one from RAM, verified.
+    for _ in 0..3 {
+        let ck = load(&e, 1);
+        assert_eq!(ck.report().source, Source::Ram);
+        assert!(ck.report().verified);
+        assert_intact(&ck, &data);
+    }
+    let (file, image) = slot_of(&shm, 1);
+    let b = e
+        .load(&LoadRequest::default())
+        .unwrap()
+        .entries()
+        .iter()
+        .find(|x| x.name == "b.w")
+        .unwrap()
+        .offset;
+    // A byte deep in `b.w`, changed by another process writing the file.
+    flip(&file, image + b + (5 << 20) + 3);
+    let ck = load(&e, 1);
+    assert_eq!(ck.report().source, Source::Storage);
+    let why = ck.report().rejected.clone().unwrap();
+    assert!(
+        why.contains(file.file_name().unwrap().to_str().unwrap()),
+        "{why}"
+    );
+    assert!(why.contains("`b.w`"), "{why}");
+    assert_intact(&ck, &data);
+    drop(ck);
+    // Read back into a slot, the step is proved again and served from RAM.
+    let ck = load(&e, 1);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert_intact(&ck, &data);
+    drop(ck);
+    e.close().unwrap();
+}
+
+#[test]
+fn a_new_process_proves_the_slot_before_trusting_it() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save(&e, 1, &data);
+    assert_eq!(load(&e, 1).report().source, Source::Ram);
+    e.close().unwrap();
+    drop(e);
+    // Changed while no process held the ring: the next one's first load
+    // has no sums of its own and checks the digests.
+    let (file, image) = slot_of(&shm, 1);
+    flip(&file, image + (20 << 20));
+    let e = engine(&root, &shm);
+    let ck = load(&e, 1);
+    assert_eq!(ck.report().source, Source::Storage);
+    assert!(ck.report().rejected.is_some());
+    assert_intact(&ck, &data);
+    drop(ck);
+    e.close().unwrap();
+}
