@@ -167,14 +167,14 @@ fn a_replaced_node_restores_from_peer_replicas() {
     let mut c = Cluster::new();
     c.save_and_replicate(10);
     c.save_and_replicate(20);
-    // Each rank of A holds one replica: its peer on B's newest step.
+    // Each rank of A holds its peer on B's newest two steps.
     assert_eq!(
         c.engine(0)
             .replicas()
             .iter()
             .map(|m| (m.rank, m.step))
             .collect::<Vec<_>>(),
-        vec![(2, 20)]
+        vec![(2, 20), (2, 10)]
     );
     c.lose_node_b();
     for r in [2, 3] {
@@ -488,4 +488,39 @@ fn acp_persist_names_the_ranks_it_lacks_and_commits_nothing_partial() {
         "{err}"
     );
     assert!(!c.root.join("step-000000000020").exists());
+}
+
+/// Rank 2's image of step 20 reached its holder, rank 3's did not (node B
+/// was lost during the exchange): step 20 is complete nowhere, so every
+/// rank restores step 10, and rank 2's holder must still have its replica
+/// of step 10 beside the newer one, also after the holder's restart.
+#[test]
+fn a_holder_keeps_the_previous_replica_while_the_newest_is_not_everywhere() {
+    let mut c = Cluster::new();
+    c.save_and_replicate(10);
+    let saves: Vec<_> = (0..WORLD).map(|r| save(c.engine(r), r, 20)).collect();
+    for h in saves {
+        h.wait().unwrap();
+    }
+    assert_eq!(c.engine(2).replicate(20).unwrap().wait(None).unwrap(), [0]);
+    // Only RAM holds either step now.
+    for step in [10, 20] {
+        std::fs::remove_dir_all(c.root.join(format!("step-{step:012}"))).unwrap();
+    }
+    c.lose_node_b();
+    let held = |c: &Cluster| -> Vec<(u32, u64)> {
+        c.engine(0)
+            .replicas()
+            .iter()
+            .map(|m| (m.rank, m.step))
+            .collect()
+    };
+    assert_eq!(held(&c), [(2, 20), (2, 10)]);
+    assert_eq!(load(c.engine(2), 2, 10), (Source::Peer, true));
+    assert_eq!(load(c.engine(3), 3, 10), (Source::Peer, true));
+    // The holder restarts on its node: it keeps both.
+    c.engines[0].take().unwrap().close().unwrap();
+    c.transport.unregister(0);
+    c.engines[0] = Some(c.open(0));
+    assert_eq!(held(&c), [(2, 20), (2, 10)]);
 }
