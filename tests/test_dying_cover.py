@@ -114,6 +114,14 @@ def test_survivors_write_a_dead_ranks_share_and_the_step_commits(tmp_path: Path)
         assert got["step"] == 2
 
 
+def test_with_every_rank_alive_nobody_is_covered(tmp_path: Path) -> None:
+    _, out, procs = start(tmp_path, 60)
+    codes = stop(tmp_path, procs, dead=[])
+    assert codes == {0: 143, 1: 143, 2: 143, 3: 143}, codes
+    for r in range(4):
+        assert pick(dying(out, r)) == (True, 2, [], []), r
+
+
 def test_a_dead_group_leaves_the_step_uncommitted(tmp_path: Path) -> None:
     _, out, procs = start(tmp_path, 8)
     root = tmp_path / "ckpt"

@@ -47,7 +47,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from acp import _acp
 from acp.distributed import flatten_replicated
@@ -64,7 +64,7 @@ ROLL_CALL = 5.0
 """Seconds a rank waits in the dying checkpoint for every rank to answer
 the roll call; a rank that has not answered by then is taken as dead."""
 
-_POLL = 0.02
+_POLL = 0.05
 
 Version = tuple[int, int]
 
@@ -129,14 +129,19 @@ class _Uncoverable(Exception):
     pass
 
 
-def roll_call(coord: Coordinator, step: int, wait: float) -> list[int]:
+def roll_call(
+    coord: Coordinator, step: int, wait: float, committed: Callable[[], bool]
+) -> list[int]:
     """Posts this rank alive for the dying checkpoint of ``step``; returns
-    the ranks that have not posted within ``wait`` seconds (dead)."""
+    the ranks that have not posted within ``wait`` seconds (dead), or none
+    as soon as the step is ``committed()`` (nothing is missing then)."""
     store = coord.store
     keys = [coord.key(f"dying/{step}/alive/{r}") for r in range(coord.world_size)]
     store.set(keys[coord.rank], "1")
     deadline = time.monotonic() + wait
     while True:
+        if committed():
+            return []
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing or time.monotonic() >= deadline:
             return missing
@@ -148,16 +153,18 @@ def cover_dead_ranks(
     coord: Coordinator,
     saved: Saved,
     adapters: Adapters,
+    *,
     timeout: float | None,
+    committed: Callable[[], bool],
 ) -> tuple[list[int], list[int], str | None]:
     """The dying checkpoint's part for dead ranks (module docs): returns
     the dead ranks, those this rank wrote the share of, and an error naming
     the dead ranks of this rank's group that it could not cover (None when
-    none). Never raises an ``AcpError`` or an ``OSError``."""
+    none, or when the step got ``committed()`` meanwhile). Never raises an
+    ``AcpError`` or an ``OSError``."""
     try:
-        dead = roll_call(
-            coord, saved.step, ROLL_CALL if timeout is None else min(ROLL_CALL, timeout)
-        )
+        wait = ROLL_CALL if timeout is None else min(ROLL_CALL, timeout)
+        dead = roll_call(coord, saved.step, wait, committed)
     except Exception as e:  # the store is gone with its host
         return [], [], f"step {saved.step}: the roll call of the dying checkpoint failed: {e}"
     if not dead:
@@ -176,7 +183,7 @@ def cover_dead_ranks(
         except (_Uncoverable, _acp.AcpError, OSError) as e:
             failed.append(f"rank {r}: {e}")
     error = None
-    if failed:
+    if failed and not committed():
         error = f"step {saved.step}: dead ranks not covered by rank {setup.rank}: " + "; ".join(
             failed
         )

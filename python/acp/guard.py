@@ -224,12 +224,19 @@ def _cover(
     saved, setup, coord = inner.saved, inner.cover_setup, inner.coordinator
     if saved is None or setup is None or coord is None or saved.step != step:
         return [], [], None
-    try:
-        if step in inner.engine.steps():
-            return [], [], None
-    except AcpError:
-        pass
-    return cover.cover_dead_ranks(setup, coord, saved, inner.adapters, timeout)
+    engine = inner.engine
+
+    def committed() -> bool:
+        try:
+            return step in engine.steps()
+        except AcpError:
+            return False
+
+    # Every rank posts to the roll call, even one that sees the step
+    # committed already: the others would take it for dead.
+    return cover.cover_dead_ranks(
+        setup, coord, saved, inner.adapters, timeout=timeout, committed=committed
+    )
 
 
 def _say(level: int, text: str) -> None:
