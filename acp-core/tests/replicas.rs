@@ -524,3 +524,36 @@ fn a_holder_keeps_the_previous_replica_while_the_newest_is_not_everywhere() {
     c.engines[0] = Some(c.open(0));
     assert_eq!(held(&c), [(2, 20), (2, 10)]);
 }
+
+/// With `--rank`, node A commits B's ranks from the replicas it keeps
+/// while A's own ranks are persisted by another run at the same time (as
+/// when they sit on a third node).
+#[test]
+fn acp_persist_with_named_ranks_takes_their_replicas() {
+    let c = a_job_dies_with_a_replicated_snapshot();
+    let run = |ranks: Vec<u32>| {
+        let opts = acp_core::ops::PersistOptions {
+            root: c.root.clone(),
+            job: Some("replicas".into()),
+            ranks: Some(ranks),
+            shm_dir: c.shm[0].clone(),
+            world_size: Some(WORLD),
+            commit_timeout: Duration::from_secs(20),
+        };
+        acp_core::ops::persist(&opts).unwrap()
+    };
+    let (own, replicas) = std::thread::scope(|s| {
+        let own = s.spawn(|| run(vec![0, 1]));
+        let replicas = s.spawn(|| run(vec![2, 3]));
+        (own.join().unwrap(), replicas.join().unwrap())
+    });
+    assert!(
+        own.ranks.iter().all(|k| k.persisted_steps == [20]),
+        "{own:#?}"
+    );
+    assert!(
+        replicas.ranks.iter().all(|k| k.from_replica == [20]),
+        "{replicas:#?}"
+    );
+    assert!(c.root.join("step-000000000020").exists());
+}

@@ -105,9 +105,11 @@ enum Work {
 ///
 /// With ranks named (`opts.ranks`) or a world of one rank: opens an
 /// engine for each with `persist_on_open`, so its complete resident
-/// images newer than the newest committed step are flushed and committed;
-/// ranks on other nodes must be persisted there meanwhile (rank 0 waits
-/// `commit_timeout` for them).
+/// images newer than the newest committed step are flushed and committed
+/// (a named rank with no slot of its own here but a replica kept here
+/// commits its newest replica newer than that step); ranks on other nodes
+/// must be persisted there meanwhile (rank 0 waits `commit_timeout` for
+/// them).
 ///
 /// Otherwise (every rank of a multi-rank job): the steps newer than the
 /// newest committed one whose every rank's image is on this node, in a
@@ -141,7 +143,12 @@ pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
     });
     let mut incomplete = Vec::new();
     let work: Vec<(u32, Work)> = match &opts.ranks {
-        Some(r) => r.iter().map(|&r| (r, Work::OnOpen)).collect(),
+        Some(r) => {
+            let latest = root.steps()?.last().copied();
+            r.iter()
+                .map(|&r| (r, named(r, &own, &held, latest)))
+                .collect()
+        }
         None if world_size <= 1 => own.iter().map(|&r| (r, Work::OnOpen)).collect(),
         None => {
             let latest = root.steps()?.last().copied();
@@ -211,6 +218,25 @@ pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
         incomplete,
         latest: root.steps()?.last().copied(),
     })
+}
+
+/// What a rank named by `--rank` does: persist its own images on open,
+/// or, with none of its own on this node, its newest replica kept here
+/// that is newer than `latest` (its node was lost).
+fn named(rank: u32, own: &BTreeSet<u32>, held: &[ResidentSlot], latest: Option<u64>) -> Work {
+    if own.contains(&rank) {
+        return Work::OnOpen;
+    }
+    let newest = held
+        .iter()
+        .filter(|s| s.rank == rank && s.complete)
+        .filter_map(|s| s.step)
+        .filter(|&s| latest.is_none_or(|l| s > l))
+        .max();
+    match newest {
+        Some(step) => Work::Steps(vec![(step, Origin::Replica)]),
+        None => Work::OnOpen,
+    }
 }
 
 /// Which steps each rank of `0..world` commits, and from where: the steps
