@@ -457,7 +457,12 @@ class Checkpointer:
         if staging is not None:
             self._in.last_staged = result
             if self._in.cover_setup is not None:
-                covers = replicated is True and len(self.replica_group) > 1
+                # Only the dying checkpoint after SIGTERM uses it.
+                covers = (
+                    replicated is True
+                    and len(self.replica_group) > 1
+                    and self._in.sigterm is not None
+                )
                 self._in.saved = (
                     cover.record(step, state, flat, values_json, extra) if covers else None
                 )
