@@ -333,8 +333,8 @@ pub enum Command {
             ranks' own slots or in replica slots kept here for the ranks of a lost node \
             (replicas=N), are committed; a newer step some ranks' images are missing from is \
             never committed partially, and the missing ranks are named. With --rank, only those \
-            ranks' own images, while their other ranks are persisted on their nodes at the same \
-            time. Refuses (exit 5) while a live trainer holds the slots: it persists its own."
+            ranks (their own images, or for a rank with none here its newest replica kept \
+            here), while the other ranks are persisted on their nodes at the same time. Refuses (exit 5) while a live trainer holds the slots: it persists its own."
     )]
     Persist {
         /// The checkpoint directory.
