@@ -149,3 +149,23 @@ def test_drop_caches_says_how(baselines, tmp_path: Path) -> None:
         "cold (fadvise)",
         "warm (could not drop caches)",
     )
+
+
+def test_replica_bench_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "replica.json"
+    cmd = [sys.executable, str(PEERS / "replica_bench.py"), "--mib", "1", "--saves", "1"]
+    cmd += ["--restores", "1", "--dir", str(tmp_path), "--json", str(out)]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(out.read_text())
+    assert got["bytes_per_rank"] == 1 << 20
+    assert got["sources"] == ["ram", "ram", "peer", "peer"]
+    for key in ("replicas", "none"):
+        assert got["stall_ms"][key] > 0
+    for key in ("replicate_gb_per_sec", "raw_gloo_gb_per_sec", "replicate_over_raw"):
+        assert got[key] > 0, key
+    for key in ("peer", "storage", "storage_throttled"):
+        assert got["restore_node_b_secs"][key] > 0, key
+    assert "restore node B from peer RAM" in proc.stdout
+    assert not list(tmp_path.glob("acp-replica-bench-*"))

@@ -35,6 +35,7 @@ struct Cluster {
     transport: Arc<Loopback>,
     engines: Vec<Option<Engine>>,
     release_on_close: bool,
+    commit_timeout: Duration,
 }
 
 fn node_of(rank: u32) -> usize {
@@ -47,6 +48,10 @@ impl Cluster {
     }
 
     fn build(release_on_close: bool) -> Cluster {
+        Cluster::build_with(release_on_close, Duration::from_secs(20))
+    }
+
+    fn build_with(release_on_close: bool, commit_timeout: Duration) -> Cluster {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().join("ckpt");
         let shm = [tmp.path().join("shm-a"), tmp.path().join("shm-b")];
@@ -60,6 +65,7 @@ impl Cluster {
             transport: Arc::new(Loopback::new(placement())),
             engines: Vec::new(),
             release_on_close,
+            commit_timeout,
         };
         c.engines = (0..WORLD).map(|r| Some(c.open(r))).collect();
         c
@@ -75,7 +81,7 @@ impl Cluster {
                 .with_ring_bytes(16 << 20)
                 .with_replicas_held(1)
                 .with_transport(Arc::clone(&self.transport) as Arc<dyn acp_core::Transport>)
-                .with_commit_timeout(Duration::from_secs(20))
+                .with_commit_timeout(self.commit_timeout)
                 .with_release_on_close(self.release_on_close),
         )
         .unwrap();
@@ -123,6 +129,10 @@ fn shard(rank: u32, step: u64) -> Vec<u8> {
 }
 
 fn save(e: &Engine, rank: u32, step: u64) -> acp_core::SaveHandle {
+    save_with(e, rank, step, &SaveOptions::default())
+}
+
+fn save_with(e: &Engine, rank: u32, step: u64, opts: &SaveOptions) -> acp_core::SaveHandle {
     let data = shard(rank, step);
     let name = format!("layer.{rank}.w");
     e.save(
@@ -134,7 +144,7 @@ fn save(e: &Engine, rank: u32, step: u64) -> acp_core::SaveHandle {
             data: &data,
         }],
         &json!({"rank": rank, "step": step}),
-        &SaveOptions::default(),
+        opts,
     )
     .unwrap()
 }
@@ -157,14 +167,14 @@ fn a_replaced_node_restores_from_peer_replicas() {
     let mut c = Cluster::new();
     c.save_and_replicate(10);
     c.save_and_replicate(20);
-    // Each rank of A holds one replica: its peer on B's newest step.
+    // Each rank of A holds its peer on B's newest two steps.
     assert_eq!(
         c.engine(0)
             .replicas()
             .iter()
             .map(|m| (m.rank, m.step))
             .collect::<Vec<_>>(),
-        vec![(2, 20)]
+        vec![(2, 20), (2, 10)]
     );
     c.lose_node_b();
     for r in [2, 3] {
@@ -357,4 +367,193 @@ fn close_finishes_the_queued_replica_sends() {
             .collect::<Vec<_>>(),
         vec![(0, 10)]
     );
+}
+
+/// Step 10 committed; step 20 a RAM snapshot on every rank, replicated to
+/// the other node; then the job dies: node B with its shared memory, node
+/// A's ranks with step 20 still only resident (their close could not
+/// commit it without B). Returns the cluster, A's engines closed.
+fn a_job_dies_with_a_replicated_snapshot() -> Cluster {
+    let mut c = Cluster::build_with(false, Duration::from_millis(300));
+    c.save_and_replicate(10);
+    let never = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    let saves: Vec<_> = (0..WORLD)
+        .map(|r| save_with(c.engine(r), r, 20, &never))
+        .collect();
+    for h in saves {
+        h.wait().unwrap();
+    }
+    let reps: Vec<_> = (0..WORLD)
+        .map(|r| c.engine(r).replicate(20).unwrap())
+        .collect();
+    for h in &reps {
+        h.wait(None).unwrap();
+    }
+    for r in [2, 3] {
+        drop(c.engines[r as usize].take());
+        c.transport.unregister(r);
+    }
+    std::fs::remove_dir_all(&c.shm[1]).unwrap();
+    std::thread::scope(|s| {
+        for r in [0, 1] {
+            let e = c.engines[r as usize].take().unwrap();
+            s.spawn(move || assert!(e.close().is_err(), "rank {r} committed without B"));
+        }
+    });
+    assert!(!c.root.join("step-000000000020").exists());
+    c
+}
+
+fn persist_node_a(c: &Cluster) -> acp_core::Result<acp_core::ops::PersistReport> {
+    acp_core::ops::persist(&acp_core::ops::PersistOptions {
+        root: c.root.clone(),
+        job: Some("replicas".into()),
+        ranks: None,
+        shm_dir: c.shm[0].clone(),
+        world_size: None,
+        commit_timeout: Duration::from_secs(20),
+    })
+}
+
+#[test]
+fn acp_persist_on_a_survivor_commits_a_dead_nodes_step_from_its_replicas() {
+    let c = a_job_dies_with_a_replicated_snapshot();
+    let report = persist_node_a(&c).unwrap();
+    assert_eq!(report.world_size, WORLD);
+    assert_eq!(report.latest, Some(20), "{report:#?}");
+    assert!(report.incomplete.is_empty(), "{report:#?}");
+    let got: Vec<(u32, Vec<u64>, Vec<u64>)> = report
+        .ranks
+        .iter()
+        .map(|k| (k.rank, k.persisted_steps.clone(), k.from_replica.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (0, vec![20], vec![]),
+            (1, vec![20], vec![]),
+            (2, vec![20], vec![20]),
+            (3, vec![20], vec![20]),
+        ]
+    );
+    // Committed, and every rank's file is the bytes it saved.
+    for r in 0..WORLD {
+        let reader = Engine::open(
+            EngineConfig::new(&c.root)
+                .with_shm_dir(c._tmp.path())
+                .with_job("reader")
+                .with_rank(r)
+                .with_world_size(WORLD)
+                .with_ring_bytes(16 << 20),
+        )
+        .unwrap();
+        assert_eq!(load(&reader, r, 20), (Source::Storage, true), "rank {r}");
+        reader.close().unwrap();
+    }
+    // The rings made to stage B's images went once they were committed.
+    let left: Vec<(u32, Option<u32>)> = acp_core::ops::shm_list(&c.shm[0])
+        .unwrap()
+        .rings
+        .iter()
+        .map(|g| (g.rank, g.replica_held_by))
+        .collect();
+    assert!(left.iter().all(|(r, h)| *r < 2 || h.is_some()), "{left:?}");
+}
+
+#[test]
+fn acp_persist_names_the_ranks_it_lacks_and_commits_nothing_partial() {
+    let c = a_job_dies_with_a_replicated_snapshot();
+    // Rank 3's replica (kept by rank 1) is gone too.
+    let dir = user_dir(&c.shm[0]);
+    for ent in std::fs::read_dir(&dir).unwrap() {
+        let path = ent.unwrap().path();
+        if path
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .contains("-replica-r00003-")
+        {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    let err = persist_node_a(&c).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert!(
+        err.to_string()
+            .contains("step 20 lacks the images of ranks [3]"),
+        "{err}"
+    );
+    assert!(!c.root.join("step-000000000020").exists());
+}
+
+/// Rank 2's image of step 20 reached its holder, rank 3's did not (node B
+/// was lost during the exchange): step 20 is complete nowhere, so every
+/// rank restores step 10, and rank 2's holder must still have its replica
+/// of step 10 beside the newer one, also after the holder's restart.
+#[test]
+fn a_holder_keeps_the_previous_replica_while_the_newest_is_not_everywhere() {
+    let mut c = Cluster::new();
+    c.save_and_replicate(10);
+    let saves: Vec<_> = (0..WORLD).map(|r| save(c.engine(r), r, 20)).collect();
+    for h in saves {
+        h.wait().unwrap();
+    }
+    assert_eq!(c.engine(2).replicate(20).unwrap().wait(None).unwrap(), [0]);
+    // Only RAM holds either step now.
+    for step in [10, 20] {
+        std::fs::remove_dir_all(c.root.join(format!("step-{step:012}"))).unwrap();
+    }
+    c.lose_node_b();
+    let held = |c: &Cluster| -> Vec<(u32, u64)> {
+        c.engine(0)
+            .replicas()
+            .iter()
+            .map(|m| (m.rank, m.step))
+            .collect()
+    };
+    assert_eq!(held(&c), [(2, 20), (2, 10)]);
+    assert_eq!(load(c.engine(2), 2, 10), (Source::Peer, true));
+    assert_eq!(load(c.engine(3), 3, 10), (Source::Peer, true));
+    // The holder restarts on its node: it keeps both.
+    c.engines[0].take().unwrap().close().unwrap();
+    c.transport.unregister(0);
+    c.engines[0] = Some(c.open(0));
+    assert_eq!(held(&c), [(2, 20), (2, 10)]);
+}
+
+/// With `--rank`, node A commits B's ranks from the replicas it keeps
+/// while A's own ranks are persisted by another run at the same time (as
+/// when they sit on a third node).
+#[test]
+fn acp_persist_with_named_ranks_takes_their_replicas() {
+    let c = a_job_dies_with_a_replicated_snapshot();
+    let run = |ranks: Vec<u32>| {
+        let opts = acp_core::ops::PersistOptions {
+            root: c.root.clone(),
+            job: Some("replicas".into()),
+            ranks: Some(ranks),
+            shm_dir: c.shm[0].clone(),
+            world_size: Some(WORLD),
+            commit_timeout: Duration::from_secs(20),
+        };
+        acp_core::ops::persist(&opts).unwrap()
+    };
+    let (own, replicas) = std::thread::scope(|s| {
+        let own = s.spawn(|| run(vec![0, 1]));
+        let replicas = s.spawn(|| run(vec![2, 3]));
+        (own.join().unwrap(), replicas.join().unwrap())
+    });
+    assert!(
+        own.ranks.iter().all(|k| k.persisted_steps == [20]),
+        "{own:#?}"
+    );
+    assert!(
+        replicas.ranks.iter().all(|k| k.from_replica == [20]),
+        "{replicas:#?}"
+    );
+    assert!(c.root.join("step-000000000020").exists());
 }

@@ -54,6 +54,13 @@ impl FaultInjector {
         Ok(())
     }
 
+    /// Caps chunk reads and writes at `bytes_per_sec` in all (0 lifts the
+    /// cap), each counted as `op_bytes` (the engine's chunk size): a slow
+    /// shared file system, for benchmarks.
+    fn throttle(&self, bytes_per_sec: u64, op_bytes: u64) {
+        self.inner.throttle(bytes_per_sec, op_bytes);
+    }
+
     /// Stops failing and stalling; a stalled operation goes on at once.
     fn heal(&self) {
         self.inner.heal();

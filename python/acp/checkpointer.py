@@ -12,7 +12,7 @@ from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from acp import _acp
+from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import settings
@@ -65,6 +65,12 @@ class Internals:
         self.last_staged: SaveHandle | None = None
         self.main_guards = 0
         self.sigterm: SigtermHandler | None = None
+        # The dying checkpoint's cover of dead ranks (acp.cover): the
+        # coordinator, how to open an engine as another rank, and the
+        # newest replicated save (None when it cannot be written again).
+        self.coordinator: Coordinator | None = None
+        self.cover_setup: cover.Setup | None = None
+        self.saved: cover.Saved | None = None
 
     def load(
         self, step: int | None, storage_only: bool, fallback: bool, rank: int | None
@@ -300,6 +306,22 @@ class Checkpointer:
         self._metrics.opened(self._engine.open_report())
         self._metrics.persist_source = self._engine.persist_stats
         self._in = Internals(self._engine, self._adapters, self._metrics)
+        if self._coordinator is not None:
+            self._in.coordinator = self._coordinator
+            self._in.cover_setup = cover.Setup(
+                os.fspath(self.root),
+                job,
+                self.rank,
+                self.world_size,
+                self.replica_group,
+                None if shm_dir is None else os.fspath(shm_dir),
+                {
+                    "chunk_bytes": chunk_bytes,
+                    "io": io,
+                    "direct_io": direct_io,
+                    "commit_timeout": commit_timeout,
+                },
+            )
 
     # --- saving -----------------------------------------------------------
 
@@ -412,7 +434,8 @@ class Checkpointer:
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
         t1 = perf_counter()
-        staging = self._engine.begin_save(step, specs, flat.json(), overwrite, extra, persist)
+        values_json = flat.json()
+        staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
@@ -444,6 +467,16 @@ class Checkpointer:
         result = SaveHandle(handle, stats)
         if staging is not None:
             self._in.last_staged = result
+            if self._in.cover_setup is not None:
+                # Only the dying checkpoint after SIGTERM uses it.
+                covers = (
+                    replicated is True
+                    and len(self.replica_group) > 1
+                    and self._in.sigterm is not None
+                )
+                self._in.saved = (
+                    cover.record(step, state, flat, values_json, extra) if covers else None
+                )
         with self._lock:
             self._saves += 1
             self._skipped += staging is None

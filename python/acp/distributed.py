@@ -324,6 +324,11 @@ class Coordinator:
         self._seq = 0
         self._written: dict[int, list[str]] = {}
 
+    def key(self, what: str) -> str:
+        """A key of this job's coordination named ``what`` (the same on every
+        rank), for exchanges outside :meth:`gather`."""
+        return f"{self._prefix}{what}"
+
     def _key(self, seq: int, what: str, rank: int | str) -> str:
         return f"{self._prefix}{seq}/{what}/{rank}"
 

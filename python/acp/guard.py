@@ -63,7 +63,7 @@ from time import perf_counter
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from acp import checkpointer
+from acp import checkpointer, cover
 from acp._acp import AcpError
 
 if TYPE_CHECKING:
@@ -119,6 +119,11 @@ class DyingReport:
     error: str | None
     """Why not, naming the path and cause (or what the watchdog found stuck)."""
     secs: float
+    dead: tuple[int, ...] = ()
+    """Ranks that did not answer the roll call of a dying checkpoint after
+    SIGTERM of a ``replicated=True`` save (``acp.cover``): taken as dead."""
+    covered: tuple[int, ...] = ()
+    """Of those, the ranks whose share of the staged step this rank wrote."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +143,8 @@ def dying_checkpoint(
     staged = None if last is None else last.step
     error: str | None = None
     committed: int | None = None
+    dead: list[int] = []
+    covered: list[int] = []
     engine = inner.engine
     if engine.closed:
         # close() already drained the queue; its error went to its caller.
@@ -151,9 +158,17 @@ def dying_checkpoint(
             # The newest snapshot is committed whatever the persist policy
             # chose for it at its save (a RAM-only step is queued now).
             newest = engine.persist_newest()
-            engine.wait_idle(timeout)
         except AcpError as e:
             error = str(e)
+        if cause == "signal" and last is not None:
+            # The job is being stopped: dead ranks' shares of the staged
+            # step are written by their groups' survivors (acp.cover).
+            dead, covered, error_cover = _cover(ckpt, last.step, timeout)
+            error = error or error_cover
+        try:
+            engine.wait_idle(timeout)
+        except AcpError as e:
+            error = error or str(e)
         if last is not None and error is None:
             try:
                 last.wait(0)
@@ -175,13 +190,18 @@ def dying_checkpoint(
         ok=error is None,
         error=error,
         secs=perf_counter() - t0,
+        dead=tuple(dead),
+        covered=tuple(covered),
     )
     ckpt.last_dying = report
     if report.ok:
+        dead_note = (
+            f"; dead ranks {list(dead)}, covered by this rank: {list(covered)}" if dead else ""
+        )
         _say(
             logging.WARNING,
             f"acp: dying checkpoint ({cause}): newest committed step {committed} "
-            f"(newest staged {staged}), {report.secs:.2f} s",
+            f"(newest staged {staged}), {report.secs:.2f} s{dead_note}",
         )
     else:
         persist = f"acp persist {ckpt.root}" + (f" --job {ckpt.job}" if ckpt.job else "")
@@ -191,6 +211,32 @@ def dying_checkpoint(
             f"in shared memory: restart on this node or run `{persist}`",
         )
     return report
+
+
+def _cover(
+    ckpt: Checkpointer, step: int, timeout: float | None
+) -> tuple[list[int], list[int], str | None]:
+    """The dead ranks, those whose share of ``step`` this rank wrote, and
+    an error naming the ones it could not (``acp.cover``); nothing to do
+    unless ``step`` was saved ``replicated=True`` by coordinated ranks and
+    is not committed yet."""
+    inner = checkpointer.internals(ckpt)
+    saved, setup, coord = inner.saved, inner.cover_setup, inner.coordinator
+    if saved is None or setup is None or coord is None or saved.step != step:
+        return [], [], None
+    engine = inner.engine
+
+    def committed() -> bool:
+        try:
+            return step in engine.steps()
+        except AcpError:
+            return False
+
+    # Every rank posts to the roll call, even one that sees the step
+    # committed already: the others would take it for dead.
+    return cover.cover_dead_ranks(
+        setup, coord, saved, inner.adapters, timeout=timeout, committed=committed
+    )
 
 
 def _say(level: int, text: str) -> None:

@@ -328,8 +328,13 @@ pub enum Command {
     #[command(
         after_help = EXIT_CODES,
         long_about = "Flush and commit the checkpoints a dead process left resident in this \
-            node's shared memory that are newer than the newest committed step. Refuses (exit \
-            5) while a live trainer holds the slots: it persists its own."
+            node's shared memory that are newer than the newest committed step. Of a multi-rank \
+            job, without --rank: the steps whose every rank's image is on this node, in the \
+            ranks' own slots or in replica slots kept here for the ranks of a lost node \
+            (replicas=N), are committed; a newer step some ranks' images are missing from is \
+            never committed partially, and the missing ranks are named. With --rank, only those \
+            ranks (their own images, or for a rank with none here its newest replica kept \
+            here), while the other ranks are persisted on their nodes at the same time. Refuses (exit 5) while a live trainer holds the slots: it persists its own."
     )]
     Persist {
         /// The checkpoint directory.

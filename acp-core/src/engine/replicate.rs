@@ -160,6 +160,58 @@ impl Engine {
         self.shared().replicas.held()
     }
 
+    /// Persists this rank's image of `step` from a replica slot on this
+    /// node (kept by another rank here: this rank's own node was lost, or
+    /// its process is gone): the replica is copied out and verified
+    /// against the digests it was received with, staged into a slot of
+    /// this rank's ring, and flushed and committed like a save of this
+    /// rank (with several ranks, rank 0 commits the step once every rank's
+    /// file is durable). How a survivor commits a dead node's step.
+    ///
+    /// # Errors
+    /// [`Error::Exists`] when `step` is committed; [`Error::NotFound`]
+    /// when no replica slot on this node holds a verified image of this
+    /// rank's `step` (naming the one rejected, if any); [`Error::Busy`]
+    /// when no slot of the ring is free; [`Error::Closed`].
+    pub fn persist_replica(&self, step: u64) -> Result<crate::SaveHandle> {
+        let shared = self.shared();
+        let rank = shared.cfg.rank;
+        if shared.lock().committed.contains(&step) || shared.root.is_committed(step) {
+            return Err(Error::Exists {
+                step,
+                root: shared.root.location().to_path_buf(),
+            });
+        }
+        let mut rejected = None;
+        let found = node_replica(shared, step, rank, None, &mut rejected).ok_or_else(|| {
+            Error::NotFound {
+                what: format!(
+                    "rank {rank}'s replica of step {step} on this node{}",
+                    rejected.map(|r| format!(" ({r})")).unwrap_or_default()
+                ),
+            }
+        })?;
+        let image = found.backing.image();
+        let len = image.len() as u64;
+        let mut slot = shared.ring.acquire(len, None)?.ok_or_else(|| Error::Busy {
+            what: format!("rank {rank}'s ring"),
+            reason: format!(
+                "no free slot for the replica of step {step} from {}",
+                found.origin.display()
+            ),
+        })?;
+        slot.image_mut()[..image.len()].copy_from_slice(image);
+        // Sealed `Resident`, as a save leaves it: the persist below takes
+        // it from there, hashing it again as it writes.
+        drop(slot.seal(step, len));
+        tracing::info!(
+            step,
+            "acp: persisting rank {rank}'s image from the replica in {}",
+            found.origin.display()
+        );
+        self.persist_resident(step)
+    }
+
     /// Pins this rank's replica of `rank`'s `step`, if it holds one: what
     /// a transport serves to a restore. Returns its metadata, the pin and
     /// the slot file (for messages).

@@ -52,7 +52,7 @@ pub use export::{
 pub use gc::{gc, retention_plan, GcOptions, GcReport};
 pub use inspect::{inspect, FileInfo, InspectReport, TensorInfo};
 pub use list::{list, ListReport, StepRow};
-pub use persist::{persist, PersistOptions, PersistReport, RankPersist};
+pub use persist::{persist, IncompleteStep, PersistOptions, PersistReport, RankPersist};
 pub use plain::{plain_values, plain_values_with, Leaves};
 pub use resident::{job_id, resident, shm_prefix, ResidentSlot, DEFAULT_SHM_DIR};
 pub use shm::{

@@ -82,8 +82,22 @@ fn state_name(s: Option<SlotState>) -> &'static str {
 /// An untrustworthy per-user directory (see [`crate::staging::SlotDir`]);
 /// [`Error::Io`](crate::Error::Io) listing it (a missing directory is no slot).
 pub fn resident(shm_dir: &Path, job: &str, rank: Option<u32>) -> Result<Vec<ResidentSlot>> {
+    described(slot_files(shm_dir, job, rank)?, job)
+}
+
+/// The replica slots of `job` kept in this user's directory under
+/// `shm_dir` (by any holder on this node), described as [`resident`] does
+/// (`rank` is the rank whose image a slot holds; `locked` says whether its
+/// holder is alive).
+///
+/// # Errors
+/// As [`resident`].
+pub(crate) fn replicas(shm_dir: &Path, job: &str) -> Result<Vec<ResidentSlot>> {
+    described(crate::staging::replica_files(shm_dir, job, None)?, job)
+}
+
+fn described(files: Vec<crate::staging::SlotFile>, job: &str) -> Result<Vec<ResidentSlot>> {
     let tag = job_tag(job);
-    let files = slot_files(shm_dir, job, rank)?;
     let locks = if files.is_empty() {
         HashSet::new()
     } else {

@@ -377,11 +377,17 @@ pub fn persist(r: &PersistReport) -> String {
                 "rank {}: nothing to persist (resident: {:?}; none newer than the latest committed step)",
                 k.rank, k.resident_steps
             );
-        } else {
+        } else if k.from_replica.is_empty() {
             let _ = writeln!(
                 s,
                 "rank {}: persisted step(s) {:?}",
                 k.rank, k.persisted_steps
+            );
+        } else {
+            let _ = writeln!(
+                s,
+                "rank {}: persisted step(s) {:?} ({:?} from a replica kept on this node)",
+                k.rank, k.persisted_steps, k.from_replica
             );
         }
         if k.discarded_half_staged > 0 {
@@ -391,6 +397,13 @@ pub fn persist(r: &PersistReport) -> String {
                 k.rank, k.discarded_half_staged
             );
         }
+    }
+    for i in &r.incomplete {
+        let _ = writeln!(
+            s,
+            "step {}: not committed, this node lacks the images of ranks {:?}",
+            i.step, i.missing
+        );
     }
     let _ = writeln!(
         s,

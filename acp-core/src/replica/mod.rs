@@ -18,8 +18,11 @@
 //! - The replica store of an engine: rank `h`'s copies of rank `r`'s
 //!   images live in a ring of their own in `h`'s shared-memory directory,
 //!   named by [`replica_prefix`](crate::staging::replica_prefix)
-//!   (`acp-{job}-replica-r{r}-on-r{h}-s{i}`), two slots per source rank
-//!   (the newest complete replica stays while the next one is received).
+//!   (`acp-{job}-replica-r{r}-on-r{h}-s{i}`), two slots per source rank:
+//!   the two newest complete replicas are kept, and the older one's slot
+//!   takes the next one, so the newest stays while it is received and the
+//!   previous step stays while the newest may not have reached every
+//!   holder (an exchange broken off by a lost node).
 //!   Their memory comes out of `h`'s ring budget
 //!   ([`EngineConfig::with_replicas_held`](crate::EngineConfig::with_replicas_held)),
 //!   they are listed by `acp ls --shm`, and they outlive the holder's

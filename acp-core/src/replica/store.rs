@@ -18,6 +18,27 @@ use crate::staging::{replica_files, replica_prefix, PinnedSlot, Ring, RingOption
 /// next is received.
 pub(crate) const SLOTS_PER_SOURCE: usize = 2;
 
+/// Frees the complete replicas of a source's ring but two: the newest,
+/// and the newest of an older step (kept until a newer replica needs its
+/// slot), so that every holder still has the previous step when the
+/// newest did not reach every holder (its exchange broke off with a node).
+/// A second copy of the newest step goes.
+fn trim(ring: &Ring) {
+    let complete = ring.complete();
+    let Some(newest) = complete.first() else {
+        return;
+    };
+    let previous = complete
+        .iter()
+        .find(|i| i.step < newest.step)
+        .map(|i| i.slot);
+    for old in complete.iter().skip(1) {
+        if Some(old.slot) != previous {
+            ring.release(old.slot);
+        }
+    }
+}
+
 /// Where and how a store keeps its rings.
 #[derive(Debug, Clone)]
 pub(crate) struct StoreOptions {
@@ -169,7 +190,7 @@ impl Store {
                 ),
             ));
         }
-        let (ring, report) = Ring::open(RingOptions {
+        let (ring, _) = Ring::open(RingOptions {
             dir: o.shm_dir.clone(),
             prefix: replica_prefix(&o.job, rank, o.holder),
             job_tag: o.job_tag,
@@ -180,11 +201,9 @@ impl Store {
             mlock: o.mlock,
         })?;
         ring.record_origin(&o.root, &o.job);
-        // Of what a previous holder left, only the newest complete replica
-        // is worth keeping; the digests it recorded come with it.
-        for old in report.recovered.iter().skip(1) {
-            ring.release(old.slot);
-        }
+        // What a previous holder left is kept as `receive` keeps it, with
+        // the digests it recorded.
+        trim(&ring);
         rings.insert(rank, ring.clone());
         Ok(ring)
     }
@@ -220,10 +239,11 @@ impl Store {
         let pin = staging.seal(meta.step, meta.len);
         ring.set_digests(pin.slot(), &meta.digests);
         drop(pin);
-        // Keep the newest step only (a late older replica frees itself).
-        for old in ring.complete().iter().skip(1) {
-            ring.release(old.slot);
-        }
+        // The previous replica stays beside the new one: the new step may
+        // not be replicated everywhere (a node lost during its exchange
+        // leaves other ranks' images of it nowhere), and a restore then
+        // needs the previous step, which every holder must still have.
+        trim(&ring);
         Ok(())
     }
 

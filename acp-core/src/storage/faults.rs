@@ -29,6 +29,17 @@ pub struct FaultInjector {
     healed: Condvar,
     hook: Mutex<Option<Hook>>,
     log: Mutex<Vec<String>>,
+    /// A bandwidth cap on chunk reads and writes ([`FaultInjector::throttle`]).
+    pace: Mutex<Option<Pace>>,
+}
+
+/// A storage of limited bandwidth: each chunk read or write of `op_bytes`
+/// takes `per_op` of a shared pipe, one after the other.
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    per_op: Duration,
+    /// When the pipe is free again.
+    free_at: Instant,
 }
 
 impl std::fmt::Debug for FaultInjector {
@@ -65,6 +76,7 @@ impl FaultInjector {
             healed: Condvar::new(),
             hook: Mutex::new(None),
             log: Mutex::new(Vec::new()),
+            pace: Mutex::new(None),
         }
     }
 
@@ -121,6 +133,44 @@ impl FaultInjector {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
+    /// Caps chunk reads and writes at `bytes_per_sec` in all, as a shared
+    /// file system's per-node share would (benchmarks): each `read` or
+    /// `write` operation counts as `op_bytes` (the engine's chunk size: a
+    /// file's last chunk may be shorter) and returns once the pipe would
+    /// have carried it; operations of several threads share the pipe.
+    /// `bytes_per_sec == 0` lifts the cap.
+    pub fn throttle(&self, bytes_per_sec: u64, op_bytes: u64) {
+        let pace = (bytes_per_sec > 0).then(|| Pace {
+            per_op: Duration::from_secs_f64(op_bytes as f64 / bytes_per_sec as f64),
+            free_at: Instant::now(),
+        });
+        *self
+            .pace
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = pace;
+    }
+
+    /// Waits for the throttled pipe to carry one chunk (none unthrottled).
+    fn paced(&self, op: &str) {
+        if op != "read" && op != "write" {
+            return;
+        }
+        let done = {
+            let mut pace = self
+                .pace
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(p) = pace.as_mut() else { return };
+            let done = p.free_at.max(Instant::now()) + p.per_op;
+            p.free_at = done;
+            done
+        };
+        let now = Instant::now();
+        if done > now {
+            std::thread::sleep(done - now);
+        }
+    }
+
     /// Called before each storage operation.
     ///
     /// # Errors
@@ -141,6 +191,7 @@ impl FaultInjector {
         if n == self.stall_at.load(Ordering::SeqCst) {
             self.stall();
         }
+        self.paced(op);
         let at = self.fail_at.load(Ordering::SeqCst);
         if n == at || (self.sticky.load(Ordering::SeqCst) && n > at) {
             return Err(std::io::Error::from_raw_os_error(
@@ -199,6 +250,25 @@ mod tests {
         assert!(!t.is_finished());
         f.heal();
         t.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_throttle_spaces_chunk_operations_only() {
+        let f = FaultInjector::counting();
+        // 1 MiB chunks at 100 MiB/s: 10 ms a chunk.
+        f.throttle(100 << 20, 1 << 20);
+        let t = Instant::now();
+        let free_at = || f.pace.lock().unwrap().unwrap().free_at;
+        for _ in 0..5 {
+            f.check("read", Path::new("x")).unwrap();
+        }
+        // The pipe is booked for five chunks in a row, back to back.
+        let booked = free_at();
+        assert!(booked >= t + Duration::from_millis(50), "{booked:?}");
+        f.check("rename", Path::new("x")).unwrap();
+        assert_eq!(free_at(), booked);
+        f.throttle(0, 1 << 20);
+        assert!(f.pace.lock().unwrap().is_none());
     }
 
     #[test]

@@ -1,0 +1,287 @@
+"""Peer replicas, figures: 2 nodes x 2 ranks on this machine (4 processes,
+gloo on 127.0.0.1, each node its own ``ACP_NODE_ID`` and shared-memory
+directory), ``--mib`` MiB of fp32 tensors per rank (default 256).
+
+One run measures, side by side:
+
+- **the stall** of ``save`` with ``replicas=1`` and without (two
+  checkpointers on two roots in the same processes, saves alternating);
+- **replication throughput**: bytes of a rank's image over the time from
+  ``save`` returning to ``wait_replicated`` returning (hashing the image
+  and the gloo exchange: every rank sends its image and receives its
+  source's), against a **raw gloo send** of the same bytes in the same
+  processes (every rank ``isend``s a buffer of the image's size to its
+  holder and ``recv``s its source's, on a gloo group of its own);
+- **restore of a replaced node**: node B is lost (its processes end, its
+  shared memory is deleted) and the job restarts with an empty B; B's ranks
+  restore the newest step from A's replicas (``load()``, source "peer"),
+  then read the same step from storage (``load(step, storage_only=True)``:
+  O_DIRECT reads where the file system takes them, so from the device,
+  not the page cache; on tmpfs they are page-cache reads), unthrottled and
+  with storage capped at ``--throttle-mbps`` per node (default 500 MB/s,
+  a shared file system's per-node share), shared by the node's ranks.
+
+The throttle is ``acp._acp.FaultInjector.throttle`` (the fault-injecting probe
+of test-util builds, which ``make build-dev`` builds): each chunk read or
+write of the engine waits for its share of the capped pipe. Each rank caps
+its engine at ``throttle / ranks per node``.
+
+    python acp-bench/peers/replica_bench.py --mib 256 --dir /path/on/disk --json out.json
+
+Prints a table; ``--json`` writes every figure. Medians over ``--saves``
+saves (after one unmeasured) and ``--restores`` restores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import acp
+from acp.replica import placement
+
+RANKS = 4
+PER_NODE = 2
+CHUNK = 4 << 20
+"""The engine's chunk: the unit of its storage I/O, and of the throttle."""
+
+
+def state(rank: int, step: int, mib: int) -> dict[str, object]:
+    """``mib`` MiB of fp32 in 4 tensors, different per rank and step."""
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    n = (mib << 20) // 4 // 4
+    return {f"w{i}": torch.randn(n, generator=g) for i in range(4)} | {"step": step}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def raw_gloo(group: Any, rank: int, nbytes: int, repeats: int) -> list[float]:
+    """Seconds of each raw exchange: isend ``nbytes`` to the holder, recv
+    the source's, as the replica exchange does."""
+    holders = placement(["a"] * PER_NODE + ["b"] * PER_NODE, 1)
+    to = holders[rank][0]
+    src = next(r for r, hs in holders.items() if rank in hs)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    data = torch.ones(nbytes, dtype=torch.uint8)
+    secs = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        w = dist.isend(data, dst=to, group=group)
+        dist.recv(out, src=src, group=group)
+        w.wait()
+        secs.append(time.perf_counter() - t)
+    return secs
+
+
+def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
+    node = rank // PER_NODE
+    os.environ["ACP_NODE_ID"] = "ab"[node]
+    shm = Path(a.work, f"shm-{'ab'[node]}")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=RANKS,
+        timeout=timedelta(seconds=600),
+    )
+    common: dict[str, Any] = {
+        "shm_dir": shm,
+        "ring_bytes": (a.mib << 20) * 8 + (64 << 20),
+        "mlock": False,
+        "commit_timeout": 600,
+        "chunk_bytes": CHUNK,
+    }
+    with_rep = acp.Checkpointer(
+        Path(a.work, "root"), job="bench", replicas=1, replica_timeout=600, **common
+    )
+    without = acp.Checkpointer(Path(a.work, "root-plain"), job="bench-plain", **common)
+    stall: dict[str, list[float]] = {"replicas": [], "none": []}
+    repl: list[float] = []
+    nbytes = 0
+    for step in range(a.saves + 1):
+        s = state(rank, step, a.mib)
+        dist.barrier()
+        h = with_rep.save(step, s)
+        t = time.perf_counter()
+        h.wait_replicated(600)
+        secs = time.perf_counter() - t
+        h.wait()
+        nbytes = int(h.stats.tensor_bytes)
+        dist.barrier()
+        h0 = without.save(step, s)
+        h0.wait()
+        if step > 0:  # the first save of each ring faults its memory in
+            stall["replicas"].append(h.stats.stall_secs)
+            stall["none"].append(h0.stats.stall_secs)
+            repl.append(secs)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+    raw = raw_gloo(group, rank, nbytes, a.saves)
+    result = {"stall": stall, "replicate_secs": repl, "raw_gloo_secs": raw, "bytes": nbytes}
+    Path(out, f"train-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    # The job ends without closing (as if killed): node B's RAM is then lost.
+    os._exit(0)
+
+
+def restore(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
+    node = rank // PER_NODE
+    os.environ["ACP_NODE_ID"] = "ab"[node]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=RANKS,
+        timeout=timedelta(seconds=600),
+    )
+    faults = acp._acp.FaultInjector()
+    ckpt = acp.Checkpointer(
+        Path(a.work, "root"),
+        job="bench",
+        shm_dir=Path(a.work, f"shm-{'ab'[node]}"),
+        ring_bytes=(a.mib << 20) * 8 + (64 << 20),
+        mlock=False,
+        commit_timeout=600,
+        chunk_bytes=CHUNK,
+        replicas=1,
+        replica_timeout=600,
+        faults=faults,
+    )
+    dist.barrier()
+    t = time.perf_counter()
+    got = ckpt.load()
+    peer = time.perf_counter() - t
+    stats = ckpt.last_load
+    assert stats is not None
+    step = int(got["step"])
+    del got
+    result: dict[str, Any] = {"step": step, "source": stats.source, "peer_secs": peer}
+    chunk = CHUNK
+    for name, cap in (("storage_secs", 0), ("storage_throttled_secs", a.throttle_mbps)):
+        faults.throttle(int(cap * 1e6) // PER_NODE, chunk)
+        secs = []
+        for _ in range(a.restores):
+            dist.barrier()
+            t = time.perf_counter()
+            ckpt.load(step=step, storage_only=True, agree=False)
+            secs.append(time.perf_counter() - t)
+        result[name] = secs
+    faults.throttle(0, chunk)
+    Path(out, f"restore-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def worker(rank: int, phase: str, a: argparse.Namespace, port: int, out: Path) -> None:
+    torch.set_num_threads(1)
+    (train if phase == "train" else restore)(rank, a, port, out)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, default=256, help="MiB per rank (default 256)")
+    p.add_argument("--saves", type=int, default=3, help="measured saves (default 3)")
+    p.add_argument("--restores", type=int, default=2, help="storage reads (default 2)")
+    p.add_argument("--throttle-mbps", type=float, default=500.0, help="storage cap per node, MB/s")
+    p.add_argument("--dir", default=None, help="where the roots go (a disk, not tmpfs)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    a = p.parse_args(argv)
+    a.work = tempfile.mkdtemp(prefix="acp-replica-bench-", dir=a.dir)
+    try:
+        out = Path(a.work, "out")
+        out.mkdir()
+        for n in "ab":
+            Path(a.work, f"shm-{n}").mkdir()
+        mp.spawn(worker, args=("train", a, free_port(), out), nprocs=RANKS)
+        shutil.rmtree(Path(a.work, "shm-b"))  # node B is lost with its RAM
+        Path(a.work, "shm-b").mkdir()
+        mp.spawn(worker, args=("restore", a, free_port(), out), nprocs=RANKS)
+        report = summarise(a, out)
+    finally:
+        shutil.rmtree(a.work, ignore_errors=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    print_table(report)
+    return report
+
+
+def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    train = [json.loads(Path(out, f"train-{r}.json").read_text()) for r in range(RANKS)]
+    rest = [json.loads(Path(out, f"restore-{r}.json").read_text()) for r in range(RANKS)]
+    nbytes = train[0]["bytes"]
+    b = range(PER_NODE, RANKS)  # node B's ranks
+    repl = median([s for t in train for s in t["replicate_secs"]])
+    raw = median([s for t in train for s in t["raw_gloo_secs"]])
+    # A node's restore ends when its slowest rank has its state.
+    peer = max(rest[r]["peer_secs"] for r in b)
+    cold = max(median(rest[r]["storage_secs"]) for r in b)
+    slow = max(median(rest[r]["storage_throttled_secs"]) for r in b)
+    return {
+        "args": {k: v for k, v in vars(a).items() if k != "work"},
+        "bytes_per_rank": nbytes,
+        "sources": [r["source"] for r in rest],
+        "stall_ms": {
+            "replicas": 1e3 * median([s for t in train for s in t["stall"]["replicas"]]),
+            "none": 1e3 * median([s for t in train for s in t["stall"]["none"]]),
+        },
+        "replicate_gb_per_sec": nbytes / repl / 1e9,
+        "raw_gloo_gb_per_sec": nbytes / raw / 1e9,
+        "replicate_over_raw": raw / repl,
+        "restore_node_b_secs": {
+            "peer": peer,
+            "storage": cold,
+            "storage_throttled": slow,
+        },
+        "storage_over_peer": cold / peer,
+        "throttled_over_peer": slow / peer,
+        "ranks": {"train": train, "restore": rest},
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    mib = r["bytes_per_rank"] / (1 << 20)
+    cap = r["args"]["throttle_mbps"]
+    print(f"2 nodes x 2 ranks, {mib:.0f} MiB per rank; B's ranks restored from {r['sources'][2:]}")
+    print(f"{'figure':<44} {'value':>12}")
+    restore = r["restore_node_b_secs"]
+    rows = [
+        ("stall with replicas=1 (ms, median)", r["stall_ms"]["replicas"]),
+        ("stall without replicas (ms, median)", r["stall_ms"]["none"]),
+        ("replication (GB/s, save -> replicated)", r["replicate_gb_per_sec"]),
+        ("raw gloo send of the same bytes (GB/s)", r["raw_gloo_gb_per_sec"]),
+        ("replication / raw gloo", r["replicate_over_raw"]),
+        ("restore node B from peer RAM (s)", restore["peer"]),
+        ("restore node B from storage (s)", restore["storage"]),
+        (f"restore node B, storage at {cap:g} MB/s/node (s)", restore["storage_throttled"]),
+        ("storage / peer", r["storage_over_peer"]),
+        (f"storage at {cap:g} MB/s / peer", r["throttled_over_peer"]),
+    ]  # fmt: skip
+    for name, v in rows:
+        print(f"{name:<44} {v:>12.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,79 @@
+"""One rank of a 4-rank job whose replica groups are {0, 1} and {2, 3},
+saving ``replicated=True``: ``python dying_cover.py RANK ROOT OUT SHM PORT
+TIMEOUT`` (TIMEOUT bounds the dying checkpoint, in seconds).
+
+Joins a gloo group rendezvousing on 127.0.0.1:PORT (rank 0 hosts the
+store), installs acp's SIGTERM handler, commits step 1, then saves step 2
+as a RAM snapshot (``persist=False``: nothing of it reaches storage before
+the dying checkpoint), touches OUT/staged-RANK and waits for a signal. The
+test SIGKILLs one rank and SIGTERMs the others; each survivor writes its
+``DyingReport`` to OUT/dying-RANK.json before exiting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import acp
+
+
+def state(group: int, step: int) -> dict[str, object]:
+    """The state every rank of replica group ``group`` (its lowest rank)
+    holds at ``step``: identical bytes within the group."""
+    g = torch.Generator().manual_seed(group * 1000 + step)
+    return {
+        "w": torch.randn(256, 1024, generator=g),
+        "b": torch.randn(4096, generator=g),
+        "n": torch.arange(1000, dtype=torch.int64) * (step + group),
+        "step": step,
+    }
+
+
+def main(argv: list[str]) -> None:
+    rank, port, timeout = int(argv[0]), int(argv[4]), float(argv[5])
+    root, out, shm = argv[1:4]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=4,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    group = [0, 1] if rank < 2 else [2, 3]
+    ckpt = acp.Checkpointer(
+        root,
+        job="cover",
+        shm_dir=shm,
+        ring_bytes=32 << 20,
+        mlock=False,
+        replica_group=group,
+        commit_timeout=60,
+    )
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def report(signum: int, frame: object) -> None:
+        dying = ckpt.last_dying
+        assert dying is not None
+        Path(out, f"dying-{rank}.json").write_text(json.dumps(dying.as_dict()))
+        if callable(previous):
+            previous(signum, frame)  # type: ignore[arg-type]
+
+    # acp's handler chains this one after the dying checkpoint.
+    signal.signal(signal.SIGTERM, report)
+    ckpt.install_sigterm_handler(timeout=timeout)
+    ckpt.save(1, state(group[0], 1), replicated=True).wait()
+    ckpt.save(2, state(group[0], 2), replicated=True, persist=False)
+    Path(out, f"staged-{rank}").touch()
+    while True:
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:7])
