@@ -168,12 +168,8 @@ pub fn encode(
         scratch.reserve(plane.len().saturating_sub(1));
         let packed = match plane.len() {
             0 => None,
-            n => zstd::bulk::compress_to_buffer(
-                plane,
-                scratch_slice(&mut scratch, n - 1),
-                level,
-            )
-            .ok(),
+            n => zstd::bulk::compress_to_buffer(plane, scratch_slice(&mut scratch, n - 1), level)
+                .ok(),
         };
         let (mode, stored) = match packed {
             Some(m) if m < plane.len() => {

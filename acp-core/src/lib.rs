@@ -98,7 +98,7 @@ pub mod storage;
 
 mod engine;
 
-pub use config::{DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull};
+pub use config::{Compress, DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull};
 pub use engine::{
     Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Outcome, Persist,
     PersistStats, SaveHandle, SaveOptions, SaveReport, Source, Staging, TensorView,

@@ -53,12 +53,14 @@
 //! acp's limits, are [`Error::Corrupt`] too; read failures are the
 //! source's [`Error::Io`].
 
+mod packed;
 mod source;
 mod whole;
 
 use std::path::Path;
 
-pub(crate) use source::{ChunkSource, FileSource, IoSource, MemSource};
+pub(crate) use packed::StoredSource;
+pub(crate) use source::{ChunkSource, IoSource, MemSource};
 
 use crate::error::{Error, Result};
 use crate::format::{
