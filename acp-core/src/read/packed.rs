@@ -136,6 +136,10 @@ impl<S: ChunkSource> ChunkSource for PackedSource<S> {
     fn name(&self) -> &Path {
         self.inner.name()
     }
+
+    fn decodes(&self) -> bool {
+        true
+    }
 }
 
 /// A committed data file as its index entry describes it: plain, or
@@ -193,6 +197,10 @@ impl ChunkSource for StoredSource {
             StoredSource::Plain(s) => s.name(),
             StoredSource::Packed(s) => s.name(),
         }
+    }
+
+    fn decodes(&self) -> bool {
+        matches!(self, StoredSource::Packed(_))
     }
 }
 
