@@ -55,6 +55,19 @@ fn tensors() -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
     out
 }
 
+type Tensors = [(String, Dtype, Vec<u64>, Vec<u8>)];
+
+fn host(ts: &Tensors) -> Vec<HostTensor<'_>> {
+    ts.iter()
+        .map(|(name, dtype, shape, data)| HostTensor {
+            name,
+            dtype: *dtype,
+            shape,
+            data,
+        })
+        .collect()
+}
+
 struct Setup {
     _dir: tempfile::TempDir,
     root: PathBuf,
@@ -89,20 +102,15 @@ fn engine(s: &Setup, root: &Path, compress: Compress) -> Engine {
 }
 
 fn save(s: &Setup, e: &Engine) {
-    let host: Vec<HostTensor<'_>> = s
-        .tensors
-        .iter()
-        .map(|(name, dtype, shape, data)| HostTensor {
-            name,
-            dtype: *dtype,
-            shape,
-            data,
-        })
-        .collect();
-    e.save(7, &host, &json!({"lr": 0.5}), &SaveOptions::default())
-        .unwrap()
-        .wait()
-        .unwrap();
+    e.save(
+        7,
+        &host(&s.tensors),
+        &json!({"lr": 0.5}),
+        &SaveOptions::default(),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
 }
 
 fn load_storage(e: &Engine) -> Result<acp_core::Checkpoint, Error> {
@@ -284,4 +292,62 @@ fn a_newer_compressed_file_is_unsupported() {
     let err = load_storage(&e).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
     e.close().unwrap();
+}
+
+#[test]
+fn ranks_commit_compressed_files_under_a_version_2_index() {
+    let s = setup();
+    let open = |rank| {
+        Engine::open(
+            EngineConfig::new(&s.root)
+                .with_shm_dir(&s.shm)
+                .with_job("compressed-ranks")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(16 << 20)
+                .with_chunk_bytes(CHUNK)
+                .with_compress(Compress::Zstd)
+                .with_release_on_close(true)
+                .with_commit_timeout(std::time::Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let (e0, e1) = (open(0), open(1));
+    let (a, b) = s.tensors.split_at(1);
+    let h0 = e0
+        .save(7, &host(a), &json!(null), &SaveOptions::default())
+        .unwrap();
+    let h1 = e1
+        .save(7, &host(b), &json!(null), &SaveOptions::default())
+        .unwrap();
+    h0.wait().unwrap();
+    h1.wait().unwrap();
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            s.root
+                .join("step-000000000007/model.safetensors.index.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let acp = &index["metadata"]["acp"];
+    assert_eq!(acp["format_version"], json!(2));
+    for f in ["rank-00000.safetensors", "rank-00001.safetensors"] {
+        assert!(acp["files"][f]["stored_size"].is_u64(), "{f}");
+    }
+    let ck = e0
+        .load(&LoadRequest {
+            step: Some(7),
+            rank: Some(1),
+            storage_only: true,
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    for (name, _, _, data) in b {
+        assert_eq!(ck.tensor(name).unwrap().data, &data[..], "{name}");
+    }
+    drop(ck);
+    assert!(verify(&s.root, Some(7), false, &Quiet).unwrap().ok);
+    e0.close().unwrap();
+    e1.close().unwrap();
 }
