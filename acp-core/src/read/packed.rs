@@ -11,6 +11,9 @@ use crate::format::{
     chunk_span, decode_frame, read_header, read_packed_table, FileEntry, PackedTable,
 };
 
+/// The most threads a whole-file read decodes on.
+const DECODE_THREADS: usize = 8;
+
 /// At most this much of the decoded header is read to name the tensors of
 /// a bad frame: it is an error path.
 const GUESS_HEADER_BYTES: u64 = 1 << 20;
@@ -124,9 +127,72 @@ impl<S: ChunkSource> PackedSource<S> {
     }
 }
 
-impl<S: ChunkSource> ChunkSource for PackedSource<S> {
+impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.decode_at(buf, offset, &|s, e| self.guess_tensors(s, e))
+    }
+
+    /// Decodes the pieces on up to [`DECODE_THREADS`] named threads, each
+    /// piece handed to `on_piece` (on the calling thread) as soon as it is
+    /// decoded, so the caller hashes while later pieces decode.
+    fn read_all<'a>(
+        &self,
+        dst: &'a mut [u8],
+        piece: usize,
+        on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
+    ) -> Result<u64> {
+        let len = usize::try_from(self.len())
+            .ok()
+            .filter(|&l| l <= dst.len())
+            .ok_or_else(|| Error::invalid(self.name().display(), "image larger than its buffer"))?;
+        let piece = piece.max(1);
+        let pieces: Vec<(usize, &'a mut [u8])> = dst[..len].chunks_mut(piece).enumerate().collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, std::num::NonZero::get)
+            .clamp(1, DECODE_THREADS)
+            .min(pieces.len().max(1));
+        let mut shares: Vec<Vec<(usize, &'a mut [u8])>> =
+            (0..threads).map(|_| Vec::new()).collect();
+        for (n, p) in pieces.into_iter().enumerate() {
+            shares[n % threads].push(p);
+        }
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (tx, rx) = crossbeam_channel::unbounded::<Result<(usize, &'a [u8])>>();
+        std::thread::scope(|s| -> Result<()> {
+            for (w, share) in shares.into_iter().enumerate() {
+                let (tx, stop) = (tx.clone(), &stop);
+                std::thread::Builder::new()
+                    .name(format!("acp-decode-{w}"))
+                    .spawn_scoped(s, move || {
+                        for (i, buf) in share {
+                            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                return;
+                            }
+                            let got = self.read_at(buf, (i * piece) as u64);
+                            let failed = got.is_err();
+                            // The receiver outlives the workers (same scope).
+                            let _ = tx.send(got.map(|()| (i, &*buf)));
+                            if failed {
+                                return;
+                            }
+                        }
+                    })
+                    .map_err(|e| Error::io("start a decoding thread for", self.name(), e))?;
+            }
+            drop(tx);
+            let mut first_err = None;
+            for got in &rx {
+                match got.and_then(|(i, bytes)| on_piece(i, bytes)) {
+                    Ok(()) => {}
+                    Err(e) => {
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            first_err.map_or(Ok(()), Err)
+        })?;
+        Ok(len as u64)
     }
 
     fn len(&self) -> u64 {
