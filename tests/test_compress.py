@@ -4,6 +4,8 @@ compressed data files that load back bit-exact from storage."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,32 @@ def test_bad_compress_values_are_config_errors(make_ckpt: MakeCkpt) -> None:
         make_ckpt(compress="lz4")
     with pytest.raises(acp.ConfigError, match="compress_level"):
         make_ckpt(compress="zstd", compress_level=99)
+
+
+def acp_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "acp.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+
+
+def test_inspect_shows_the_codec_and_export_writes_a_plain_file(
+    make_ckpt: MakeCkpt, tmp_path: Path
+) -> None:
+    ckpt = make_ckpt(compress="zstd")
+    ckpt.save(5, state()).wait()
+    root = tmp_path / "ckpt"
+    (f,) = json.loads(acp_cli("inspect", root, "--json").stdout)["files"]
+    assert f["codec"] == "zstd"
+    assert 0 < f["stored_size"] < f["size"]
+    text = acp_cli("inspect", root).stdout
+    assert "codec: zstd" in text, text
+    assert "ratio" in text, text
+    out = tmp_path / "plain.safetensors"
+    acp_cli("export", root, out, "--to", "safetensors")
+    data = out.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    assert json.loads(data[8 : 8 + header_len])["__metadata__"]["acp.version"] == "1"

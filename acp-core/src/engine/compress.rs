@@ -89,7 +89,8 @@ type Encoded = Vec<(usize, Digest, Vec<u8>, FrameCodec)>;
 
 /// Writes `image` (a sealed slot's plain image) to `file` (fresh, at
 /// `path`) as a compressed data file in `chunk`-byte chunks, and fsyncs
-/// it. `note(i)` is told as chunk `i` is encoded, for the watchdog.
+/// it. Each encoded chunk is noted as the flush's progress, for the
+/// watchdog.
 ///
 /// # Errors
 /// [`Error::Corrupt`] for an image whose header does not parse; the
@@ -123,6 +124,8 @@ pub(super) fn write_packed(
                         let runs = chunk_runs(header, start as u64, (start + bytes.len()) as u64);
                         let (frame, codec) = encode_frame(what, bytes, &runs, level)?;
                         out.push((i, digest(bytes), frame, codec));
+                        // The watchdog sees the encoding progress.
+                        shared.note_progress(format!("compressing {what} (chunk {i})"));
                     }
                     Ok(out)
                 })
