@@ -7,12 +7,14 @@
 //!
 //! Rows:
 //! - `encode_bf16_4m` / `encode_fp32_adam_4m`: one 4 MiB chunk encoded
-//!   (byte grouping + zstd level 3) on one thread: compression throughput
+//!   (byte grouping + zstd at the level below) on one thread: compression throughput
 //!   per core;
 //! - `decode_bf16_4m`: the same chunk decoded;
 //! - `flush_plain` / `flush_zstd`: `save` untimed, then until the step is
 //!   committed (`SaveHandle::wait`), for a mixed state (half bf16 weights,
 //!   half fp32 Adam state) at `ACP_BENCH_BYTES` (default 256 MiB).
+//!
+//! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
 //!
 //! The notes give the compressed size over the plain size for each state
 //! (bf16 weights, fp32 Adam state, the mixed flush file).
@@ -26,6 +28,15 @@ use acp_core::{Compress, Dtype, Engine, HostTensor, SaveOptions};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 
 const CHUNK: usize = 4 << 20;
+
+/// The zstd level of every row: `ACP_BENCH_COMPRESS_LEVEL`, else the
+/// engine's default.
+fn level() -> i32 {
+    std::env::var("ACP_BENCH_COMPRESS_LEVEL")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(acp_core::config::DEFAULT_COMPRESS_LEVEL)
+}
 
 /// A small, fast generator of normal draws (Box-Muller over xorshift).
 struct Normal(u64);
@@ -80,7 +91,7 @@ fn ratio(bytes: &[u8], width: u8) -> f64 {
             width,
             len: c.len() as u32,
         }];
-        let (f, _) = encode_frame("bench", c, &runs, 3).expect("runs tile the chunk");
+        let (f, _) = encode_frame("bench", c, &runs, level()).expect("runs tile the chunk");
         stored += f.len();
     }
     stored as f64 / bytes.len() as f64
@@ -103,12 +114,12 @@ fn codec(c: &mut Criterion, notes: &mut Notes) {
         }]
     };
     g.bench_function("encode_bf16_4m", |b| {
-        b.iter(|| encode_frame("bench", &bf16, &run(2), 3).expect("encodes"));
+        b.iter(|| encode_frame("bench", &bf16, &run(2), level()).expect("encodes"));
     });
     g.bench_function("encode_fp32_adam_4m", |b| {
-        b.iter(|| encode_frame("bench", &adam, &run(4), 3).expect("encodes"));
+        b.iter(|| encode_frame("bench", &adam, &run(4), level()).expect("encodes"));
     });
-    let (frame, kind) = encode_frame("bench", &bf16, &run(2), 3).expect("encodes");
+    let (frame, kind) = encode_frame("bench", &bf16, &run(2), level()).expect("encodes");
     assert_eq!(
         kind,
         FrameCodec::GroupedZstd,
@@ -155,6 +166,7 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
         let engine = Engine::open(
             engine_config(&scratch, total, 2)
                 .with_compress(mode)
+                .with_compress_level(level().max(1))
                 .with_release_on_close(true),
         )
         .unwrap_or_else(|e| panic!("opening the engine: {e}"));

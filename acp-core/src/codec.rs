@@ -168,6 +168,7 @@ pub fn encode(
         scratch.reserve(plane.len().saturating_sub(1));
         let packed = match plane.len() {
             0 => None,
+            _ if looks_random(plane) => None,
             n => zstd::bulk::compress_to_buffer(plane, scratch_slice(&mut scratch, n - 1), level)
                 .ok(),
         };
@@ -189,6 +190,36 @@ pub fn encode(
         out[e + 1..e + 5].copy_from_slice(&(stored as u32).to_le_bytes());
     }
     Ok(stats)
+}
+
+/// The order-0 entropy, in bits per byte, above which a plane is stored
+/// raw without trying zstd.
+const RANDOM_BITS: f64 = 7.9;
+
+/// Whether `plane` (at least 64 KiB) has so even a byte histogram that
+/// zstd could not shrink it by more than about 1%: the low mantissa bytes
+/// of floats look so. Skipping zstd on them is most of the codec's speed
+/// on trained weights. A plane whose bytes are all equally frequent but
+/// repeat in long runs (rare in tensors) is then stored raw too: still
+/// correct, only larger.
+fn looks_random(plane: &[u8]) -> bool {
+    if plane.len() < 64 << 10 {
+        return false;
+    }
+    let mut counts = [0u64; 256];
+    for &b in plane {
+        counts[usize::from(b)] += 1;
+    }
+    let n = plane.len() as f64;
+    let bits: f64 = counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.log2()
+        })
+        .sum();
+    bits > RANDOM_BITS
 }
 
 /// `v` resized to `n` zeroed bytes, for zstd to write into.
@@ -404,6 +435,26 @@ mod tests {
             }
         );
         assert_eq!(frame.len(), 4 + 5 + 5 + 4096);
+    }
+
+    #[test]
+    fn a_random_plane_skips_zstd_and_a_skewed_one_does_not() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let random: Vec<u8> = (0..1 << 17)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        assert!(looks_random(&random));
+        let skewed: Vec<u8> = random.iter().map(|b| b & 0x1F).collect();
+        assert!(!looks_random(&skewed));
+        assert!(
+            !looks_random(&random[..1000]),
+            "small planes are always tried"
+        );
     }
 
     #[test]

@@ -351,3 +351,47 @@ fn ranks_commit_compressed_files_under_a_version_2_index() {
     e0.close().unwrap();
     e1.close().unwrap();
 }
+
+#[test]
+fn auto_writes_the_first_flush_plain_and_the_second_compressed() {
+    let s = setup();
+    let e = engine(&s, &s.root, Compress::Auto);
+    for step in [1, 2] {
+        e.save(
+            step,
+            &host(&s.tensors),
+            &json!(null),
+            &SaveOptions::default(),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+    }
+    let version = |step: u64| {
+        let index: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(
+                s.root
+                    .join(format!("step-{step:012}/model.safetensors.index.json")),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        index["metadata"]["acp"]["format_version"].clone()
+    };
+    // The first measures the storage, the second the codec.
+    assert_eq!(version(1), json!(1));
+    assert_eq!(version(2), json!(2));
+    for step in [1, 2] {
+        let ck = e
+            .load(&LoadRequest {
+                step: Some(step),
+                storage_only: true,
+                ..LoadRequest::default()
+            })
+            .unwrap();
+        for (name, _, _, data) in &s.tensors {
+            assert_eq!(ck.tensor(name).unwrap().data, &data[..], "{name}");
+        }
+    }
+    e.close().unwrap();
+}

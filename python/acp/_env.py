@@ -100,7 +100,7 @@ def compress_settings(
 ) -> tuple[str | None, int | None]:
     """``compress`` and ``compress_level``, each from ``ACP_COMPRESS`` /
     ``ACP_COMPRESS_LEVEL`` when its keyword is None (None: the engine's
-    default, plain files at level 3)."""
+    default, plain files, level 1)."""
     if compress is None:
         compress = env_choice(COMPRESS, COMPRESS_MODES, environ=environ)
     if compress_level is None:

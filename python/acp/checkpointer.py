@@ -155,7 +155,7 @@ class Checkpointer:
             compressing makes the flush finish sooner). Default from
             ``ACP_COMPRESS``. The RAM image stays plain; ``acp export``
             writes a plain file.
-        compress_level: the zstd level, 1-19 (default 3, or
+        compress_level: the zstd level, 1-19 (default 1, or
             ``ACP_COMPRESS_LEVEL``).
         # The environment fills in what the keywords leave out (acp._env).
         env = settings(
