@@ -12,7 +12,9 @@
 //! - `decode_bf16_4m`: the same chunk decoded;
 //! - `flush_plain` / `flush_zstd`: `save` untimed, then until the step is
 //!   committed (`SaveHandle::wait`), for a mixed state (half bf16 weights,
-//!   half fp32 Adam state) at `ACP_BENCH_BYTES` (default 256 MiB).
+//!   half fp32 Adam state) at `ACP_BENCH_BYTES` (at most 256 MiB);
+//! - `restore_plain` / `restore_zstd`: that step loaded from storage
+//!   (`storage_only`, every chunk verified; the page cache is warm).
 //!
 //! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
 //!
@@ -192,6 +194,18 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
                         .unwrap_or_else(|e| panic!("retain: {e}"));
                 }
                 spent
+            });
+        });
+        let restore = name.replace("flush", "restore");
+        g.bench_function(restore.as_str(), |b| {
+            b.iter(|| {
+                engine
+                    .load(&acp_core::LoadRequest {
+                        step: Some(step),
+                        storage_only: true,
+                        ..acp_core::LoadRequest::default()
+                    })
+                    .unwrap_or_else(|e| panic!("restore: {e}"))
             });
         });
         let file = scratch

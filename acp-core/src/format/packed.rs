@@ -350,17 +350,19 @@ pub fn read_packed_table(
 ///
 /// # Errors
 /// [`Error::Corrupt`] naming `path` and the frame when its check differs
-/// or it does not decode to its chunk (`tensors` names what the chunk
-/// holds, for the message; the first is the error's tensor).
+/// or it does not decode to its chunk (`tensors()`, called only then,
+/// names what the chunk holds, for the message; the first is the error's
+/// tensor).
 pub fn decode_frame(
     path: &Path,
     i: u64,
     frame: &Frame,
     frame_bytes: &[u8],
     dst: &mut [u8],
-    tensors: &[String],
+    tensors: &dyn Fn() -> Vec<String>,
 ) -> Result<()> {
     let fail = |reason: String| {
+        let tensors = tensors();
         let mut reason = format!(
             "compressed frame {i} (bytes {}+{}): {reason}",
             frame.offset, frame.stored

@@ -80,7 +80,9 @@ fn unpack(file: &[u8], image_len: usize, t: &PackedTable) -> Result<Vec<u8>> {
         let bytes =
             &file[usize::try_from(f.offset).unwrap()..][..usize::try_from(f.stored).unwrap()];
         let dst = &mut out[s..s + usize::try_from(f.raw).unwrap()];
-        decode_frame(Path::new(PATH), i as u64, f, bytes, dst, &["t".to_owned()])?;
+        decode_frame(Path::new(PATH), i as u64, f, bytes, dst, &|| {
+            vec!["t".to_owned()]
+        })?;
     }
     Ok(out)
 }

@@ -98,7 +98,9 @@ impl<S: ChunkSource> PackedSource<S> {
                 chunk.resize(to_usize(ce - cs), 0);
                 &mut chunk[..]
             };
-            decode_frame(self.inner.name(), i, frame, &stored, dst, &tensors(cs, ce))?;
+            decode_frame(self.inner.name(), i, frame, &stored, dst, &|| {
+                tensors(cs, ce)
+            })?;
             if !whole {
                 buf[at..at + to_usize(to - from)]
                     .copy_from_slice(&chunk[to_usize(from - cs)..to_usize(to - cs)]);
