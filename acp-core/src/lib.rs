@@ -30,7 +30,8 @@
 //! io              IoEngine: io_uring / psync bulk reads and writes
 //! staging, storage   the shared-memory ring; the Storage seam (LocalStorage,
 //!                 and the opener of regular files that `io` re-exports)
-//! format          the on-disk format: header, index, digests, dtypes
+//! format, codec   the on-disk format: header, index, digests, dtypes;
+//!                 the chunk codec of compressed files (byte planes, zstd)
 //! error           Error, ErrorKind, Result
 //! ```
 //!
@@ -84,6 +85,7 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod codec;
 pub mod config;
 pub mod error;
 pub mod format;
@@ -97,7 +99,7 @@ pub mod storage;
 mod engine;
 
 pub use config::{
-    auto_ring_bytes, DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull,
+    auto_ring_bytes, Compress, DirectIo, EngineConfig, IoChoice, PersistPolicy, Verify, WhenFull,
     MIN_AUTO_SLOT_BYTES,
 };
 pub use engine::{

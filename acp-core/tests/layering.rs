@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, u32)] = &[
     ("error", 0),
     ("format", 1),
+    ("codec", 1),
     ("staging", 2),
     ("storage", 2),
     ("io", 3),

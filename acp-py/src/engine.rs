@@ -113,7 +113,7 @@ impl Engine {
         keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
         commit_timeout=None, faults=None, release_on_close=None, shm_ttl=None,
         persist_every=None, persist_interval=None, persist_policy=None, background_nice=None,
-        replicas_held=None,
+        replicas_held=None, compress=None, compress_level=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -150,6 +150,8 @@ impl Engine {
         persist_policy: Option<&str>,
         background_nice: Option<i32>,
         replicas_held: Option<u32>,
+        compress: Option<&str>,
+        compress_level: Option<i32>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
             .with_rank(rank)
@@ -254,6 +256,12 @@ impl Engine {
         }
         if let Some(v) = replicas_held {
             c = c.with_replicas_held(v);
+        }
+        if let Some(v) = compress {
+            c = c.with_compress(acp_core::Compress::parse(v).map_err(err)?);
+        }
+        if let Some(v) = compress_level {
+            c = c.with_compress_level(v);
         }
         let mailbox = Arc::new(Mailbox::default());
         c = c.with_transport(Arc::clone(&mailbox) as Arc<dyn acp_core::Transport>);

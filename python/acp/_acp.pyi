@@ -104,6 +104,8 @@ class Engine:
         persist_policy: str | None = None,
         background_nice: int | None = None,
         replicas_held: int | None = None,
+        compress: str | None = None,
+        compress_level: int | None = None,
     ) -> Engine: ...
     @property
     def root(self) -> pathlib.Path: ...

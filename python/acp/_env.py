@@ -24,6 +24,9 @@ REPLICAS = "ACP_REPLICAS"
 REPLICA_TIMEOUT = "ACP_REPLICA_TIMEOUT"
 RING_BYTES = "ACP_RING_BYTES"
 SHM_DIR = "ACP_SHM_DIR"
+COMPRESS = "ACP_COMPRESS"
+COMPRESS_LEVEL = "ACP_COMPRESS_LEVEL"
+COMPRESS_MODES = ("none", "zstd", "auto")
 
 POLICIES = ("every", "interval", "coalesce")
 _TRUE = ("1", "true", "yes", "on")
@@ -89,6 +92,22 @@ def env_choice(
     if value not in choices:
         raise _bad(name, value, f"not one of {', '.join(choices)}")
     return value
+
+
+def compress_settings(
+    compress: str | None,
+    compress_level: int | None,
+    *,
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[str | None, int | None]:
+    """``compress`` and ``compress_level``, each from ``ACP_COMPRESS`` /
+    ``ACP_COMPRESS_LEVEL`` when its keyword is None (None: the engine's
+    default, plain files, level 1)."""
+    if compress is None:
+        compress = env_choice(COMPRESS, COMPRESS_MODES, environ=environ)
+    if compress_level is None:
+        compress_level = env_int(COMPRESS_LEVEL, minimum=1, environ=environ)
+    return compress, compress_level
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
-from acp._env import settings
+from acp._env import compress_settings, settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp._rank import rank_and_world_size
@@ -163,6 +163,15 @@ class Checkpointer:
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
+        compress: how persisted files are stored: ``"none"`` (plain
+            safetensors, the default), ``"zstd"`` (each chunk's bytes grouped
+            by dtype and zstd-compressed, by the flush threads, never in the
+            stall), or ``"auto"`` (compressed when this engine measured that
+            compressing makes the flush finish sooner). Default from
+            ``ACP_COMPRESS``. The RAM image stays plain; ``acp export``
+            writes a plain file.
+        compress_level: the zstd level, 1-19 (default 1, or
+            ``ACP_COMPRESS_LEVEL``).
         # The environment fills in what the keywords leave out (acp._env).
         env = settings(
             replicas=replicas,
@@ -210,6 +219,8 @@ class Checkpointer:
         background_nice: int | None = None,
         replicas: int | None = None,
         replica_timeout: float | None = None,
+        compress: str | None = None,
+        compress_level: int | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         # The environment fills in what the keywords leave out (acp._env).
@@ -224,6 +235,7 @@ class Checkpointer:
             shm_dir=None if shm_dir is None else os.fspath(shm_dir),
         )
         self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
+        compress, compress_level = compress_settings(compress, compress_level)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -268,6 +280,8 @@ class Checkpointer:
                 persist_policy=env.persist.policy,
                 background_nice=background_nice,
                 replicas_held=None if self._replicas is None else len(self._replicas.sources),
+                compress=compress,
+                compress_level=compress_level,
             )
         if self._replicas is not None:
             self._replicas.attach(self._engine)

@@ -28,7 +28,7 @@ use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, digest, hex, parse_header, root_digest, Digest, FileEntry, Index, Manifest,
-    FORMAT_VERSION, INDEX_FILE_NAME,
+    COMPRESSED_VERSION, INDEX_FILE_NAME, PLAIN_VERSION,
 };
 use crate::staging::{PinnedSlot, SlotState};
 use crate::storage::Pending;
@@ -177,23 +177,39 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         // (the sum first: `read/fast.rs` says why).
         let mut sums: Vec<u64> = Vec::with_capacity(digests.capacity());
         shared.note_progress(format!("step {step}: writing {}", path.display()));
-        let stats = shared.io.write_to(
-            &file,
-            &path,
-            job.pin.padded(),
-            len,
-            &shared.io_opts,
-            &mut |i, bytes| {
-                debug_assert_eq!(i, digests.len());
-                sums.push(crate::read::fast_sum(bytes));
-                digests.push(digest(bytes));
-                shared.note_progress(format!(
-                    "step {step}: writing {} (chunk {i})",
-                    path.display()
-                ));
-                Ok(())
-            },
-        )?;
+        let compress = shared.lock().rates.choose(shared.cfg.compress);
+        let mut stored_size = None;
+        let stats = if compress {
+            let packed = super::compress::write_packed(shared, &file, &path, image, chunk)?;
+            digests = packed.digests;
+            sums = packed.sums;
+            stored_size = Some(packed.stored);
+            packed.stats
+        } else {
+            let t_write = Instant::now();
+            let stats = shared.io.write_to(
+                &file,
+                &path,
+                job.pin.padded(),
+                len,
+                &shared.io_opts,
+                &mut |i, bytes| {
+                    debug_assert_eq!(i, digests.len());
+                    sums.push(crate::read::fast_sum(bytes));
+                    digests.push(digest(bytes));
+                    shared.note_progress(format!(
+                        "step {step}: writing {} (chunk {i})",
+                        path.display()
+                    ));
+                    Ok(())
+                },
+            )?;
+            shared
+                .lock()
+                .rates
+                .plain(len, t_write.elapsed().as_secs_f64());
+            stats
+        };
         let flush_secs = t_flush.elapsed().as_secs_f64();
         shared.ring.set_digests(slot, &digests);
         shared.ring.record_quick_sums(slot, &digests, sums);
@@ -223,13 +239,14 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             chunk_bytes: chunk as u64,
             chunks: digests.iter().map(hex).collect(),
             root: hex(&root_digest(&digests)),
+            stored_size,
         };
         let tensors: Vec<String> = header.entries.into_iter().map(|e| e.name).collect();
         if shared.cfg.world_size == 1 {
             let index = Index {
                 step,
                 world_size: 1,
-                format_version: FORMAT_VERSION,
+                format_version: version_of([&entry]),
                 weight_map: tensors
                     .into_iter()
                     .map(|t| (t, file_name.clone()))
@@ -241,7 +258,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             root.publish(&pending, job.overwrite)?;
         } else {
             let manifest = Manifest {
-                format_version: FORMAT_VERSION,
+                format_version: version_of([&entry]),
                 step,
                 rank,
                 world_size: shared.cfg.world_size,
@@ -295,6 +312,17 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         root.discard(&pending);
     }
     result.map_err(|e: Error| e)
+}
+
+/// The format version of an index (or manifest) of these files: a step
+/// with a compressed file needs a reader that knows them; an all-plain
+/// step stays readable by readers that predate compression.
+fn version_of<'a>(files: impl IntoIterator<Item = &'a FileEntry>) -> u32 {
+    if files.into_iter().any(|f| f.stored_size.is_some()) {
+        COMPRESSED_VERSION
+    } else {
+        PLAIN_VERSION
+    }
 }
 
 /// How often the ranks look for each other's progress on storage.
@@ -364,7 +392,7 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
         let mut index = Index {
             step,
             world_size: world,
-            format_version: FORMAT_VERSION,
+            format_version: version_of(manifests.iter().map(|(_, m)| &m.entry)),
             files: std::collections::BTreeMap::new(),
             weight_map: std::collections::BTreeMap::new(),
         };

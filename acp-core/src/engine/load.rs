@@ -14,7 +14,7 @@ use super::{ranks, replicate, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
-use crate::read::{sums_match, ChunkReader, IoSource, MemSource};
+use crate::read::{sums_match, ChunkReader, IoSource, MemSource, StoredSource};
 use crate::staging::{Ring, SlotInfo, SlotState};
 use crate::storage::FileHandle;
 
@@ -252,7 +252,7 @@ fn load_step(
     let path = shared.root.describe(step, &file_name);
     // The file's true size before any memory is sized by the index's.
     let opened = shared.root.open_file(step, &file_name);
-    let file = check_file_size(opened, &path, entry.size, &expected.tensors)?;
+    let file = check_file_size(opened, &path, entry.file_len(), &expected.tensors)?;
     // Another rank's file is read into private memory: the ring holds this
     // rank's own checkpoints only.
     let fits = rank == own && entry.size <= shared.ring.max_image_bytes();
@@ -264,6 +264,17 @@ fn load_step(
     // Each chunk is verified as it lands; nothing is sealed or handed out
     // before every digest matched.
     let read = |dst: &mut [u8]| {
+        if entry.stored_size.is_some() {
+            // A compressed file: its frames are read and decoded on this
+            // thread, each chunk then checked like a plain one.
+            let file = file.try_clone().map_err(|e| Error::io("open", &path, e))?;
+            let src = StoredSource::new(file, path.clone(), entry)?;
+            return ChunkReader::new(src, entry)?.read_verified(
+                dst,
+                threads,
+                shared.io_opts.chunk_bytes,
+            );
+        }
         let src = IoSource {
             io: &*shared.io,
             opts: &shared.io_opts,

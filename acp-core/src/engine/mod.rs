@@ -85,6 +85,7 @@ use crate::config::EngineConfig;
 use crate::error::{Error, Result};
 
 mod checkpoint;
+mod compress;
 mod copy;
 mod flush;
 mod handle;

@@ -21,7 +21,7 @@ use super::state::Shared;
 use super::{Checkpoint, LoadReport, Source};
 use crate::error::{Error, Result};
 use crate::format::{data_file_name, FileEntry, ParsedHeader};
-use crate::read::{ChunkReader, ChunkSource, FileSource};
+use crate::read::{ChunkReader, ChunkSource, StoredSource};
 use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
 use crate::storage::Storage;
 
@@ -87,11 +87,12 @@ fn open_peer_slot(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> O
 }
 
 /// Opens data file `name` of committed `step`, which the index says has
-/// `size` bytes ([`Storage::open_listed`]: refused when its real size
-/// differs, so no memory is sized by an index that disagrees with the file).
-fn storage(root: &dyn Storage, step: u64, name: &str, size: u64) -> Result<FileSource> {
-    let (file, path) = root.open_listed(step, name, size)?.into_parts();
-    Ok(FileSource::new(file, path, size))
+/// `entry` ([`Storage::open_listed`]: refused when its real size differs,
+/// so no memory is sized by an index that disagrees with the file); a
+/// compressed file is decoded as it is read.
+fn storage(root: &dyn Storage, step: u64, name: &str, entry: &FileEntry) -> Result<StoredSource> {
+    let (file, path) = root.open_listed(step, name, entry.file_len())?.into_parts();
+    StoredSource::new(file, path, entry)
 }
 
 /// An image read chunk by chunk into memory of its full size (untouched
@@ -150,7 +151,7 @@ impl<S: ChunkSource> Partial<S> {
 /// that hold it, each checked against the index's digests.
 pub(super) fn read_header(shared: &Shared, step: u64, rank: u32) -> Result<ParsedHeader> {
     let (name, entry) = file_of(shared, step, rank)?;
-    Partial::new(&entry, storage(&*shared.root, step, &name, entry.size)?)?.header()
+    Partial::new(&entry, storage(&*shared.root, step, &name, &entry)?)?.header()
 }
 
 fn file_of(shared: &Shared, step: u64, rank: u32) -> Result<(String, FileEntry)> {
@@ -202,7 +203,7 @@ pub(super) fn load_tensors(
             }
         }
     }
-    let source = storage(&*shared.root, step, &name, entry.size)?;
+    let source = storage(&*shared.root, step, &name, &entry)?;
     let (p, h) = read_tensors(source, &entry, names, step)?;
     Ok(checkpoint(shared, step, p, h, Source::Storage, t0))
 }

@@ -73,6 +73,9 @@ pub(super) struct EngineState {
     /// sealed or persisted: superseded, they are no step's only copy worth
     /// a slot, and the ring only reuses `Persisted` slots by itself.
     pub(super) snapshots: Vec<Snapshot>,
+    /// The measured write and compression rates that
+    /// [`Compress::Auto`](crate::Compress::Auto) decides by.
+    pub(super) rates: super::compress::Rates,
 }
 
 /// A RAM snapshot kept resident: its slot, the slot's generation, its step.

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::digest::{root_digest, unhex, Digest};
 use super::json::{escaped, shown, unique_map};
 use super::layout::name_problem;
-use super::FORMAT_VERSION;
+use super::{COMPRESSED_VERSION, FORMAT_VERSION};
 use crate::error::{Error, Result};
 
 /// The index's file name in a step directory.
@@ -30,6 +30,21 @@ pub struct FileEntry {
     pub chunks: Vec<String>,
     /// Lowercase hex root digest (blake3 over the chunk digests).
     pub root: String,
+    /// The file's length on storage when it is a compressed data file
+    /// (`stored_size` in the index, format version 2); absent for a plain
+    /// safetensors file, whose length is `size`. `size` and the digests
+    /// are the plain image's either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_size: Option<u64>,
+}
+
+impl FileEntry {
+    /// The file's length on storage: [`FileEntry::stored_size`] for a
+    /// compressed file, else `size`.
+    #[must_use]
+    pub fn file_len(&self) -> u64 {
+        self.stored_size.unwrap_or(self.size)
+    }
 }
 
 /// The index: `{"metadata": {"total_size": .., "acp": {..}}, "weight_map": {..}}`.
@@ -201,6 +216,13 @@ impl Index {
                 corrupt("the file sizes add up to more than a u64 holds".to_owned())
             })?;
         }
+        if format_version < COMPRESSED_VERSION {
+            if let Some((name, _)) = files.iter().find(|(_, f)| f.stored_size.is_some()) {
+                return Err(corrupt(format!(
+                    "`metadata.acp.files.{name}` is compressed in an index of format version {format_version}"
+                )));
+            }
+        }
         if sum != total_size {
             return Err(corrupt(format!(
                 "`metadata.total_size` is {total_size}, but the files add up to {sum} bytes"
@@ -329,6 +351,7 @@ mod tests {
             chunk_bytes: chunk as u64,
             chunks: digests.iter().map(hex).collect(),
             root: hex(&root_digest(&digests)),
+            stored_size: None,
         }
     }
 

@@ -7,7 +7,7 @@ use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
 use super::json::{shown, too_deep};
-use super::{Dtype, FORMAT_VERSION, MAX_HEADER_BYTES};
+use super::{Dtype, MAX_HEADER_BYTES, PLAIN_VERSION};
 use crate::error::{Error, Result};
 
 /// The data section starts at a multiple of this (for `O_DIRECT`).
@@ -327,7 +327,7 @@ fn check_values_depth(values_json: &str) -> Result<()> {
 /// The `__metadata__` map of an image.
 fn metadata(meta: &ImageMeta, values: &str) -> Result<BTreeMap<String, String>> {
     let mut map = BTreeMap::from([
-        (KEY_VERSION.to_owned(), FORMAT_VERSION.to_string()),
+        (KEY_VERSION.to_owned(), PLAIN_VERSION.to_string()),
         (KEY_STEP.to_owned(), meta.step.to_string()),
         (KEY_RANK.to_owned(), meta.rank.to_string()),
         (KEY_WORLD_SIZE.to_owned(), meta.world_size.to_string()),
@@ -459,7 +459,7 @@ mod tests {
         assert_eq!(h.last(), Some(&b' '));
         let json = header_json(&l);
         let m = &json["__metadata__"];
-        assert_eq!(m["acp.version"], FORMAT_VERSION.to_string());
+        assert_eq!(m["acp.version"], super::super::PLAIN_VERSION.to_string());
         assert_eq!(m["acp.step"], "1200");
         assert_eq!(m["acp.rank"], "3");
         assert_eq!(m["acp.world_size"], "8");

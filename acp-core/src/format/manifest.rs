@@ -110,6 +110,7 @@ mod tests {
                 chunk_bytes: 4096,
                 chunks: d.iter().map(hex).collect(),
                 root: hex(&root_digest(&d)),
+                stored_size: None,
             },
             tensors: vec!["a".into(), "b.c".into()],
         }

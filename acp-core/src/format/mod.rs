@@ -1,8 +1,12 @@
 //! The on-disk and in-RAM format of an acp checkpoint.
 //!
-//! This module's docs are the format's specification. Version 1 is
-//! described here ([`FORMAT_VERSION`]). All integers on disk are
-//! little-endian; all text is UTF-8.
+//! This module's docs are the format's specification. Version 2
+//! ([`FORMAT_VERSION`]) is described here: version 1 ([`PLAIN_VERSION`])
+//! with compressed data files added. A step whose files are all plain is
+//! written as version 1, so a build that predates compression still reads
+//! it; a step with a compressed file is version 2, which such a build
+//! refuses as [`Unsupported`](crate::Error::Unsupported). All integers on
+//! disk are little-endian; all text is UTF-8.
 //!
 //! # Directory layout
 //!
@@ -79,6 +83,49 @@
 //! than this build's is [`Unsupported`](crate::Error::Unsupported), not
 //! corrupt.
 //!
+//! # Compressed data file
+//!
+//! Under `compress` (see [`EngineConfig`](crate::EngineConfig)) a rank's
+//! file holds its plain image compressed chunk by chunk; it keeps the data
+//! file's name, and its index entry says it is compressed
+//! (`stored_size`). The image it decodes to is exactly the plain file
+//! above, byte for byte: the index's `size`, `chunk_bytes`, `chunks` and
+//! `root` are the plain image's, so verification means what it means for
+//! a plain file, and `acp export` writes the plain file back.
+//!
+//! ```text
+//! offset 0   magic  "ACPZ\r\n\x1a\n" (8 bytes; as a safetensors prefix, far past any header)
+//!        8   u32    container version (2)
+//!        12  u32    n, the number of frames = ceil(image_len / chunk_bytes)
+//!        16  u64    image_len (the index's size)
+//!        24  u64    chunk_bytes (the index's chunk_bytes)
+//!        32  [32]   blake3 of the frame table
+//!        64  n × 64 frame table, one entry per chunk, in order:
+//!                   u64 offset, u64 stored length, u64 decoded length,
+//!                   u8 codec (0 stored, 1 byte-grouped zstd), 7 zero bytes,
+//!                   [32] blake3 of the frame's bytes
+//!        64 + 64n   the frames, back to back, to the end of the file
+//! ```
+//!
+//! Frame `i` decodes, on its own, to chunk `i` of the plain image
+//! ([`chunk_span`]). Codec 0 stores the chunk as it is (compression did not
+//! shrink it); codec 1 is [`crate::codec`]'s frame: the chunk's bytes
+//! grouped into planes by element width (1-byte dtypes and header bytes
+//! one plane, bf16/fp16 two, fp32 four, fp64 eight), each plane
+//! zstd-compressed or stored raw when that does not shrink it.
+//!
+//! A reader ([`read_packed_table`]) refuses a newer container version as
+//! unsupported, checks that the head agrees with the index, checks the
+//! table's digest before it uses an entry, and that the frames tile the
+//! file exactly: the first starts where the table ends, each where the
+//! previous ends, the last ends the file, and each decodes to its chunk's
+//! length (a stored frame is exactly its chunk). Before a frame is decoded
+//! its bytes are checked against its blake3 ([`decode_frame`]), and the
+//! decoder writes into a buffer of the chunk's length and fails rather
+//! than grow it, so a hostile frame can neither reach the decoder unchecked
+//! nor expand past its chunk. The decoded chunk is then checked against
+//! the index's digest like any plain chunk.
+//!
 //! # Index
 //!
 //! `model.safetensors.index.json` has the shape of a sharded safetensors
@@ -98,7 +145,8 @@
 //!           "size": 10000,                         exact file length
 //!           "chunk_bytes": 4096,                   digest chunk, > 0
 //!           "chunks": ["<64 hex>", "<64 hex>", "<64 hex>"],
-//!           "root": "<64 hex>"
+//!           "root": "<64 hex>",
+//!           "stored_size": 4711                    only for a compressed file (v2)
 //!         }, ...
 //!       }
 //!     }
@@ -107,6 +155,8 @@
 //! }
 //! ```
 //!
+//! `size` is the plain image's length; a compressed file's length on storage
+//! is `stored_size`, which an index of version 1 may not hold.
 //! `chunks` holds the blake3 digest of each `chunk_bytes` piece of the whole
 //! file, header included (the last piece may be shorter; an empty file has
 //! none), so there are `ceil(size / chunk_bytes)` of them. `root` is blake3
@@ -148,6 +198,9 @@ mod index;
 mod json;
 mod layout;
 mod manifest;
+mod packed;
+#[cfg(test)]
+mod packed_tests;
 #[cfg(test)]
 mod tests;
 
@@ -162,6 +215,19 @@ pub use layout::{
     MAX_NAME_BYTES, MAX_VALUES_DEPTH,
 };
 pub use manifest::{manifest_file_name, Manifest};
+pub use packed::{
+    chunk_runs, decode_frame, encode_frame, is_packed, pack_image, packed_head, read_packed_table,
+    Frame, FrameCodec, PackedTable, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
+};
 
-/// The format version this build writes and the newest it reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest format version this build reads, and the one it writes for a
+/// step with a compressed data file (and in the compressed file's head).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The first version with compressed data files.
+pub const COMPRESSED_VERSION: u32 = 2;
+
+/// The version of plain data files (their `acp.version`) and of the index
+/// of a step whose files are all plain: readers that predate compression
+/// read them.
+pub const PLAIN_VERSION: u32 = 1;

@@ -9,6 +9,7 @@ use serde_json::Value;
 use super::read;
 use super::{open_root, pick_step, shown};
 use crate::error::Result;
+use crate::format::FrameCodec;
 use crate::storage::Storage;
 
 /// One data file of a step.
@@ -28,11 +29,26 @@ pub struct FileInfo {
     pub root: String,
     /// Start of the data section (the header's end).
     pub data_start: u64,
+    /// How the file is stored: `"none"` (plain safetensors) or `"zstd"`
+    /// (a compressed data file).
+    #[serde(default = "plain_codec")]
+    pub codec: String,
+    /// Its length on storage (`size` for a plain file).
+    #[serde(default)]
+    pub stored_size: u64,
+    /// For a compressed file, how many of its chunks were stored
+    /// compressed (the others did not shrink and were stored as they are).
+    #[serde(default)]
+    pub compressed_chunks: usize,
     /// The header's `__metadata__` other than the values (`acp.version`,
     /// `format`, ...).
     pub metadata: BTreeMap<String, String>,
     /// The plain values saved with it (the JSON tree as stored).
     pub values: Value,
+}
+
+fn plain_codec() -> String {
+    "none".to_owned()
 }
 
 /// One tensor of a step.
@@ -86,6 +102,12 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
     let mut tensors = Vec::new();
     for (name, entry) in &index.files {
         let mut f = read::open(&root, step, name, entry)?;
+        let compressed_chunks = f.source().packed().map_or(0, |t| {
+            t.frames
+                .iter()
+                .filter(|fr| fr.codec == FrameCodec::GroupedZstd)
+                .count()
+        });
         let h = f.header()?;
         let mut metadata = h.metadata.clone();
         metadata.remove("acp.values");
@@ -105,6 +127,14 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
             chunks: entry.chunks.len(),
             root: entry.root.clone(),
             data_start: h.data_start,
+            codec: if entry.stored_size.is_some() {
+                "zstd"
+            } else {
+                "none"
+            }
+            .to_owned(),
+            stored_size: entry.file_len(),
+            compressed_chunks,
             metadata,
             values: h.values.clone(),
         });

@@ -139,7 +139,7 @@ fn inspect_lists_tensors_and_values() {
     with_steps(&f, &[5]);
     let r = inspect(&f.root, None).unwrap();
     assert_eq!(r.step, 5);
-    assert_eq!(r.format_version, crate::format::FORMAT_VERSION);
+    assert_eq!(r.format_version, crate::format::PLAIN_VERSION);
     let w = r.tensors.iter().find(|t| t.name == "w").unwrap();
     assert_eq!(
         (w.dtype.as_str(), w.shape.as_slice(), w.bytes),

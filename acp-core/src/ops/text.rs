@@ -167,6 +167,21 @@ pub fn inspect(r: &InspectReport) -> String {
             bytes(f.chunk_bytes),
             f.root
         );
+        if f.codec != "none" {
+            let ratio = if f.size == 0 {
+                1.0
+            } else {
+                f.stored_size as f64 / f.size as f64
+            };
+            let _ = writeln!(
+                s,
+                "    codec: {}, {} on storage (ratio {ratio:.3}), {} of {} chunk(s) compressed",
+                f.codec,
+                bytes(f.stored_size),
+                f.compressed_chunks,
+                f.chunks
+            );
+        }
         for (k, v) in &f.metadata {
             let _ = writeln!(s, "    {k}: {v}");
         }

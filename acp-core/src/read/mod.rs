@@ -61,13 +61,15 @@
 //! source's [`Error::Io`].
 
 mod fast;
+mod packed;
 mod source;
 mod whole;
 
 use std::path::Path;
 
 pub(crate) use fast::{fast_sum, sums_match};
-pub(crate) use source::{ChunkSource, FileSource, IoSource, MemSource};
+pub(crate) use packed::StoredSource;
+pub(crate) use source::{ChunkSource, IoSource, MemSource};
 
 use crate::error::{Error, Result};
 use crate::format::{
@@ -111,12 +113,18 @@ pub(crate) struct Mismatch {
     /// The tensors with bytes in it: a chunk digest cannot tell which of
     /// them changed, so every one is suspect.
     pub(crate) tensors: Vec<String>,
+    /// Why its compressed frame did not decode, when it is one's (the
+    /// chunk then has no bytes to digest).
+    pub(crate) frame: Option<String>,
 }
 
 impl Mismatch {
     /// Why the chunk is bad, for people; the tensors are listed apart.
     pub(crate) fn reason(&self) -> String {
         let (start, end) = (self.start, self.end);
+        if let Some(why) = &self.frame {
+            return format!("bytes {start}..{end}: {why}");
+        }
         match (self.header, self.tensors.is_empty()) {
             (true, true) => format!("digest mismatch in bytes {start}..{end} (header)"),
             (true, false) => {
@@ -229,6 +237,7 @@ impl<S: ChunkSource> ChunkReader<S> {
                     .map(|e| e.name.clone())
                     .collect()
             }),
+            frame: None,
         }
     }
 
@@ -363,8 +372,16 @@ impl<S: ChunkSource> ChunkReader<S> {
         for i in 0..self.chunks() {
             let (start, end) = self.span(i);
             buf.resize(to_usize(end - start), 0);
-            if !self.fetch(i, &mut buf)? {
-                bad.push(self.describe(start, end));
+            match self.fetch(i, &mut buf) {
+                Ok(true) => {}
+                Ok(false) => bad.push(self.describe(start, end)),
+                // A compressed frame that fails its check or does not
+                // decode: this chunk is bad, the others are still checked.
+                Err(Error::Corrupt { reason, .. }) if self.src.decodes() => bad.push(Mismatch {
+                    frame: Some(reason),
+                    ..self.describe(start, end)
+                }),
+                Err(e) => return Err(e),
             }
             on_chunk(end - start);
         }

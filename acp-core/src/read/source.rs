@@ -34,6 +34,14 @@ pub(crate) trait ChunkSource {
         None
     }
 
+    /// Whether the bytes are decoded from stored frames (a compressed
+    /// file), so that a chunk can be bad before its digest is taken: a
+    /// [`Error::Corrupt`] from [`ChunkSource::read_at`] then names one
+    /// bad chunk, not a failed source.
+    fn decodes(&self) -> bool {
+        false
+    }
+
     /// Reads the whole image into the start of `dst` (at least
     /// [`ChunkSource::len`] bytes, rounded up to 4096), handing each landed
     /// `piece`-byte part to `on_piece(i, bytes)` (part `i` starts at

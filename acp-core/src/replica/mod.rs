@@ -106,6 +106,8 @@ impl ReplicaMeta {
             chunk_bytes: self.chunk_bytes,
             chunks: self.digests.iter().map(hex).collect(),
             root: hex(&root_digest(&self.digests)),
+            // A replica is the RAM image, which is always plain.
+            stored_size: None,
         }
     }
 

@@ -1,0 +1,232 @@
+//! Compression on the storage tier: the codec on one core, and the flush
+//! compressed against plain.
+//!
+//! The state is drawn like a trained model's: bf16 weights from
+//! normal(0, 0.02), and fp32 Adam state (`exp_avg` from normal(0, 1e-3),
+//! `exp_avg_sq` its square plus normal noise, so positive and small).
+//!
+//! Rows:
+//! - `encode_bf16_4m` / `encode_fp32_adam_4m`: one 4 MiB chunk encoded
+//!   (byte grouping + zstd at the level below) on one thread: compression throughput
+//!   per core;
+//! - `decode_bf16_4m`: the same chunk decoded;
+//! - `flush_plain` / `flush_zstd`: `save` untimed, then until the step is
+//!   committed (`SaveHandle::wait`), for a mixed state (half bf16 weights,
+//!   half fp32 Adam state) at `ACP_BENCH_BYTES` (at most 256 MiB);
+//! - `restore_plain` / `restore_zstd`: that step loaded from storage
+//!   (`storage_only`, every chunk verified; the page cache is warm).
+//!
+//! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
+//!
+//! The notes give the compressed size over the plain size for each state
+//! (bf16 weights, fp32 Adam state, the mixed flush file).
+
+use std::time::{Duration, Instant};
+
+use acp_bench::{engine_config, measurement_time, Notes, Scratch, SAMPLES};
+use acp_core::codec::Run;
+use acp_core::format::{encode_frame, FrameCodec};
+use acp_core::{Compress, Dtype, Engine, HostTensor, SaveOptions};
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+
+const CHUNK: usize = 4 << 20;
+
+/// The zstd level of every row: `ACP_BENCH_COMPRESS_LEVEL`, else the
+/// engine's default.
+fn level() -> i32 {
+    std::env::var("ACP_BENCH_COMPRESS_LEVEL")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(acp_core::config::DEFAULT_COMPRESS_LEVEL)
+}
+
+/// A small, fast generator of normal draws (Box-Muller over xorshift).
+struct Normal(u64);
+
+impl Normal {
+    fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn next(&mut self, sigma: f64) -> f32 {
+        let (u, v) = (self.uniform(), self.uniform());
+        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * sigma) as f32
+    }
+}
+
+/// `n` bf16 values from normal(0, sigma), rounded to nearest even.
+fn bf16_normal(n: usize, sigma: f64, seed: u64) -> Vec<u8> {
+    let mut g = Normal(seed | 1);
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        let bits = g.next(sigma).to_bits();
+        let round = 0x7FFF + ((bits >> 16) & 1);
+        let b = (bits.wrapping_add(round) >> 16) as u16;
+        out.extend_from_slice(&b.to_le_bytes());
+    }
+    out
+}
+
+/// `n` fp32 values of Adam state: half `exp_avg`, half `exp_avg_sq`.
+fn fp32_adam(n: usize, seed: u64) -> Vec<u8> {
+    let mut g = Normal(seed | 1);
+    let mut out = Vec::with_capacity(n * 4);
+    for i in 0..n {
+        let m = g.next(1e-3);
+        let v = if i < n / 2 {
+            m
+        } else {
+            m * m + g.next(1e-8).abs()
+        };
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+fn ratio(bytes: &[u8], width: u8) -> f64 {
+    let mut stored = 0usize;
+    for c in bytes.chunks(CHUNK) {
+        let runs = [Run {
+            width,
+            len: c.len() as u32,
+        }];
+        let (f, _) = encode_frame("bench", c, &runs, level()).expect("runs tile the chunk");
+        stored += f.len();
+    }
+    stored as f64 / bytes.len() as f64
+}
+
+fn codec(c: &mut Criterion, notes: &mut Notes) {
+    let bf16 = bf16_normal(CHUNK / 2, 0.02, 1);
+    let adam = fp32_adam(CHUNK / 4, 2);
+    notes.set("ratio_bf16_normal_0.02", ratio(&bf16, 2));
+    notes.set("ratio_fp32_adam", ratio(&adam, 4));
+    let mut g = c.benchmark_group("compress");
+    g.sample_size(SAMPLES)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(measurement_time())
+        .throughput(Throughput::Bytes(CHUNK as u64));
+    let run = |w: u8| {
+        [Run {
+            width: w,
+            len: CHUNK as u32,
+        }]
+    };
+    g.bench_function("encode_bf16_4m", |b| {
+        b.iter(|| encode_frame("bench", &bf16, &run(2), level()).expect("encodes"));
+    });
+    g.bench_function("encode_fp32_adam_4m", |b| {
+        b.iter(|| encode_frame("bench", &adam, &run(4), level()).expect("encodes"));
+    });
+    let (frame, kind) = encode_frame("bench", &bf16, &run(2), level()).expect("encodes");
+    assert_eq!(
+        kind,
+        FrameCodec::GroupedZstd,
+        "normal bf16 weights compress"
+    );
+    let mut out = vec![0u8; CHUNK];
+    g.bench_function("decode_bf16_4m", |b| {
+        b.iter(|| acp_core::codec::decode(&frame, &mut out).expect("decodes"));
+    });
+    g.finish();
+}
+
+fn flush(c: &mut Criterion, notes: &mut Notes) {
+    let total = acp_bench::bench_bytes().min(256 << 20);
+    let weights = bf16_normal(total / 4, 0.02, 3);
+    let adam = fp32_adam(total / 8, 4);
+    let shape_w = [weights.len() as u64 / 2];
+    let shape_a = [adam.len() as u64 / 4];
+    let host = [
+        HostTensor {
+            name: "model.w",
+            dtype: Dtype::BF16,
+            shape: &shape_w,
+            data: &weights,
+        },
+        HostTensor {
+            name: "optim.adam",
+            dtype: Dtype::F32,
+            shape: &shape_a,
+            data: &adam,
+        },
+    ];
+    let mut g = c.benchmark_group("compress_flush");
+    g.sample_size(SAMPLES)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(measurement_time())
+        .throughput(Throughput::Bytes(total as u64));
+    for (name, mode) in [
+        ("flush_plain", Compress::None),
+        ("flush_zstd", Compress::Zstd),
+    ] {
+        let scratch = Scratch::new(&format!("compress-{name}"));
+        let engine = Engine::open(
+            engine_config(&scratch, total, 2)
+                .with_compress(mode)
+                .with_compress_level(level().max(1))
+                .with_release_on_close(true),
+        )
+        .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+        let mut step = 0u64;
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    step += 1;
+                    let h = engine
+                        .save(
+                            step,
+                            &host,
+                            &serde_json::json!(null),
+                            &SaveOptions::default(),
+                        )
+                        .unwrap_or_else(|e| panic!("save: {e}"));
+                    let t = Instant::now();
+                    h.wait().unwrap_or_else(|e| panic!("flush: {e}"));
+                    spent += t.elapsed();
+                    engine
+                        .retain(1, None)
+                        .unwrap_or_else(|e| panic!("retain: {e}"));
+                }
+                spent
+            });
+        });
+        let restore = name.replace("flush", "restore");
+        g.bench_function(restore.as_str(), |b| {
+            b.iter(|| {
+                engine
+                    .load(&acp_core::LoadRequest {
+                        step: Some(step),
+                        storage_only: true,
+                        ..acp_core::LoadRequest::default()
+                    })
+                    .unwrap_or_else(|e| panic!("restore: {e}"))
+            });
+        });
+        let file = scratch
+            .root()
+            .join(format!("step-{step:012}"))
+            .join("rank-00000.safetensors");
+        let stored = std::fs::metadata(&file).map_or(0, |m| m.len());
+        notes.set(&format!("{name}_file_bytes"), stored);
+        engine
+            .close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
+    g.finish();
+}
+
+fn all(c: &mut Criterion) {
+    let mut notes = Notes::new("compress");
+    codec(c, &mut notes);
+    flush(c, &mut notes);
+    notes.save();
+}
+
+criterion_group!(benches, all);
+criterion_main!(benches);

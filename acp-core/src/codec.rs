@@ -1,0 +1,599 @@
+//! The chunk codec of compressed data files: byte grouping by element
+//! width, then zstd per byte plane.
+//!
+//! A chunk of a data image is described by *runs*: consecutive byte ranges
+//! each of one element width (1, 2, 4 or 8 bytes; header bytes and 1-byte
+//! dtypes are width 1). Byte `k` of every element of every run of width
+//! `w` goes into the plane `(w, k)`: a bf16 chunk has two planes (the low
+//! mantissa byte and the sign/exponent byte), an fp32 chunk four, fp64
+//! eight. Bytes of one significance compress far better together than
+//! interleaved (the exponent bytes of trained weights take few values).
+//! Each plane is compressed with zstd on its own, and stored raw when that
+//! does not make it smaller. Grouping is a permutation of the chunk's
+//! bytes, so decoding is bit-exact whatever the bytes are.
+//!
+//! # Frame layout
+//!
+//! A frame encodes one chunk and decodes on its own (all integers
+//! little-endian):
+//!
+//! ```text
+//! u32 R                          the number of runs, 1..=MAX_RUNS
+//! R × { u8 width, u32 len }      width in {1, 2, 4, 8}; len a multiple of width
+//! P × { u8 mode, u32 stored }    one per plane, in order of (width, byte) for
+//!                                the widths present; mode 0 = raw, 1 = zstd;
+//!                                stored = the bytes that follow for it
+//! P × plane bytes                back to back, in the same order
+//! ```
+//!
+//! The lengths of the runs add up to the chunk's length, which the caller
+//! knows (from the file's frame table, checked against the index) and
+//! passes to [`decode`]: nothing in a frame can make the decoder write past
+//! it, a raw plane must have exactly its plane's length, and a zstd plane
+//! is decompressed into a buffer of exactly its plane's length and must
+//! fill it, so a frame crafted to expand (a "zip bomb") fails instead of
+//! allocating.
+
+use crate::error::{Error, Result};
+
+/// The element widths a run may have.
+pub const WIDTHS: [u8; 4] = [1, 2, 4, 8];
+
+/// The most runs one frame may list (a chunk holds at most this many
+/// distinct width changes; acp's layout, widest first, has at most four).
+pub const MAX_RUNS: u32 = 1 << 16;
+
+/// Plane mode: the plane's bytes as they are.
+const MODE_RAW: u8 = 0;
+/// Plane mode: the plane compressed by zstd.
+const MODE_ZSTD: u8 = 1;
+
+/// One byte range of a chunk whose elements are `width` bytes wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    /// Element width in bytes: 1, 2, 4 or 8.
+    pub width: u8,
+    /// Length in bytes, a multiple of `width`.
+    pub len: u32,
+}
+
+/// What encoding a chunk did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EncodeStats {
+    /// Planes written compressed.
+    pub zstd_planes: u32,
+    /// Planes written raw (zstd did not make them smaller).
+    pub raw_planes: u32,
+}
+
+/// Plane index of byte `k` of width `w` in the fixed order (1,0) (2,0)
+/// (2,1) (4,0) .. (8,7): `w - 1 + k`.
+fn plane_slot(width: u8, k: u8) -> usize {
+    usize::from(width) - 1 + usize::from(k)
+}
+
+/// The 15 plane lengths a run list gives (0 for planes of absent widths).
+fn plane_lens(runs: &[Run]) -> [usize; 15] {
+    let mut lens = [0usize; 15];
+    for r in runs {
+        let n = r.len as usize / usize::from(r.width);
+        for k in 0..r.width {
+            lens[plane_slot(r.width, k)] += n;
+        }
+    }
+    lens
+}
+
+/// Checks a run list against the chunk length `len`.
+fn check_runs(runs: &[Run], len: usize) -> std::result::Result<(), String> {
+    if runs.is_empty() || runs.len() > MAX_RUNS as usize {
+        return Err(format!("{} runs, not 1..={MAX_RUNS}", runs.len()));
+    }
+    let mut sum = 0usize;
+    for (i, r) in runs.iter().enumerate() {
+        if !WIDTHS.contains(&r.width) {
+            return Err(format!("run {i} has element width {}", r.width));
+        }
+        if r.len % u32::from(r.width) != 0 {
+            return Err(format!(
+                "run {i} of {} bytes is not whole elements of {}",
+                r.len, r.width
+            ));
+        }
+        sum = sum.saturating_add(r.len as usize);
+    }
+    if sum != len {
+        return Err(format!("runs cover {sum} bytes of a {len}-byte chunk"));
+    }
+    Ok(())
+}
+
+/// The planes present, in frame order: `(width, k)`.
+fn planes_present(runs: &[Run]) -> Vec<(u8, u8)> {
+    WIDTHS
+        .iter()
+        .filter(|w| runs.iter().any(|r| r.width == **w))
+        .flat_map(|&w| (0..w).map(move |k| (w, k)))
+        .collect()
+}
+
+/// Encodes `chunk`, laid out as `runs`, at zstd `level`, appending the
+/// frame to `out`.
+///
+/// # Errors
+/// [`Error::Invalid`] naming `what` when `runs` do not tile `chunk` with
+/// whole elements of a width in [`WIDTHS`], or the chunk is 4 GiB or more.
+pub fn encode(
+    what: &str,
+    chunk: &[u8],
+    runs: &[Run],
+    level: i32,
+    out: &mut Vec<u8>,
+) -> Result<EncodeStats> {
+    if u32::try_from(chunk.len()).is_err() {
+        return Err(Error::invalid(what, "a chunk of 4 GiB or more"));
+    }
+    check_runs(runs, chunk.len()).map_err(|r| Error::invalid(what, r))?;
+    let lens = plane_lens(runs);
+    let mut planes: Vec<Vec<u8>> = lens.iter().map(|&n| Vec::with_capacity(n)).collect();
+    let mut at = 0usize;
+    for r in runs {
+        let bytes = &chunk[at..at + r.len as usize];
+        let w = usize::from(r.width);
+        if w == 1 {
+            planes[0].extend_from_slice(bytes);
+        } else {
+            for k in 0..r.width {
+                let plane = &mut planes[plane_slot(r.width, k)];
+                plane.extend(bytes.iter().skip(usize::from(k)).step_by(w));
+            }
+        }
+        at += r.len as usize;
+    }
+    out.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+    for r in runs {
+        out.push(r.width);
+        out.extend_from_slice(&r.len.to_le_bytes());
+    }
+    let present = planes_present(runs);
+    let table_at = out.len();
+    out.resize(table_at + present.len() * 5, 0);
+    let mut stats = EncodeStats::default();
+    let mut scratch = Vec::new();
+    for (p, &(w, k)) in present.iter().enumerate() {
+        let plane = &planes[plane_slot(w, k)];
+        // A buffer one byte short of the plane: zstd fails when its output
+        // would not be smaller, and the plane is then stored raw.
+        scratch.clear();
+        scratch.reserve(plane.len().saturating_sub(1));
+        let packed = match plane.len() {
+            0 => None,
+            _ if looks_random(plane) => None,
+            n => zstd::bulk::compress_to_buffer(plane, scratch_slice(&mut scratch, n - 1), level)
+                .ok(),
+        };
+        let (mode, stored) = match packed {
+            Some(m) if m < plane.len() => {
+                out.extend_from_slice(&scratch[..m]);
+                stats.zstd_planes += 1;
+                (MODE_ZSTD, m)
+            }
+            _ => {
+                out.extend_from_slice(plane);
+                stats.raw_planes += 1;
+                (MODE_RAW, plane.len())
+            }
+        };
+        let e = table_at + p * 5;
+        out[e] = mode;
+        // Every plane is at most the chunk, which fits a u32 (checked above).
+        out[e + 1..e + 5].copy_from_slice(&(stored as u32).to_le_bytes());
+    }
+    Ok(stats)
+}
+
+/// The order-0 entropy, in bits per byte, above which a plane is stored
+/// raw without trying zstd.
+const RANDOM_BITS: f64 = 7.9;
+
+/// Whether `plane` (at least 64 KiB) has so even a byte histogram that
+/// zstd could not shrink it by more than about 1%: the low mantissa bytes
+/// of floats look so. Skipping zstd on them is most of the codec's speed
+/// on trained weights. A plane whose bytes are all equally frequent but
+/// repeat in long runs (rare in tensors) is then stored raw too: still
+/// correct, only larger.
+fn looks_random(plane: &[u8]) -> bool {
+    if plane.len() < 64 << 10 {
+        return false;
+    }
+    let mut counts = [0u64; 256];
+    for &b in plane {
+        counts[usize::from(b)] += 1;
+    }
+    let n = plane.len() as f64;
+    let bits: f64 = counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.log2()
+        })
+        .sum();
+    bits > RANDOM_BITS
+}
+
+/// `v` resized to `n` zeroed bytes, for zstd to write into.
+fn scratch_slice(v: &mut Vec<u8>, n: usize) -> &mut [u8] {
+    v.resize(n, 0);
+    &mut v[..]
+}
+
+/// A reader of little-endian fields of an untrusted frame.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|e| *e <= self.bytes.len())
+            .ok_or_else(|| {
+                format!(
+                    "the frame ends at byte {} inside a field of {n} bytes at {}",
+                    self.bytes.len(),
+                    self.at
+                )
+            })?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u8(&mut self) -> std::result::Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> std::result::Result<u32, String> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+}
+
+/// Decodes `frame` into `dst`, whose length is the chunk's (known to the
+/// caller, never taken from the frame). Never writes past `dst` and never
+/// allocates more than `dst.len()` beside it.
+///
+/// # Errors
+/// A description of what is wrong with the frame (the caller names the
+/// file and chunk): a run table that does not tile `dst`, a plane whose
+/// stored or decoded length is not its own, bytes left over, or zstd's
+/// refusal.
+pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+    let mut c = Cursor {
+        bytes: frame,
+        at: 0,
+    };
+    let nruns = c.u32()?;
+    if nruns == 0 || nruns > MAX_RUNS {
+        return Err(format!("{nruns} runs, not 1..={MAX_RUNS}"));
+    }
+    // Each run takes 5 bytes of the frame: the count is bounded by the
+    // frame before anything is allocated for it.
+    if (nruns as usize).saturating_mul(5) > frame.len() {
+        return Err(format!(
+            "{nruns} runs do not fit a frame of {} bytes",
+            frame.len()
+        ));
+    }
+    let mut runs = Vec::with_capacity(nruns as usize);
+    for _ in 0..nruns {
+        let width = c.u8()?;
+        let len = c.u32()?;
+        runs.push(Run { width, len });
+    }
+    check_runs(&runs, dst.len())?;
+    let lens = plane_lens(&runs);
+    let present = planes_present(&runs);
+    let mut modes = Vec::with_capacity(present.len());
+    for _ in &present {
+        let mode = c.u8()?;
+        let stored = c.u32()? as usize;
+        modes.push((mode, stored));
+    }
+    let mut planes: Vec<Vec<u8>> = vec![Vec::new(); 15];
+    let mut dctx =
+        zstd::bulk::Decompressor::new().map_err(|e| format!("zstd cannot start: {e}"))?;
+    for (&(w, k), &(mode, stored)) in present.iter().zip(&modes) {
+        let slot = plane_slot(w, k);
+        let want = lens[slot];
+        let bytes = c.take(stored)?;
+        let plane = &mut planes[slot];
+        match mode {
+            MODE_RAW if stored == want => plane.extend_from_slice(bytes),
+            MODE_RAW => {
+                return Err(format!(
+                    "raw plane {k} of width {w} holds {stored} bytes, not {want}"
+                ))
+            }
+            MODE_ZSTD => {
+                plane.resize(want, 0);
+                let n = dctx
+                    .decompress_to_buffer(bytes, &mut plane[..])
+                    .map_err(|e| format!("plane {k} of width {w}: zstd: {e}"))?;
+                if n != want {
+                    return Err(format!(
+                        "plane {k} of width {w} decodes to {n} bytes, not {want}"
+                    ));
+                }
+            }
+            m => return Err(format!("plane {k} of width {w} has unknown mode {m}")),
+        }
+    }
+    if c.at != frame.len() {
+        return Err(format!("{} bytes after the last plane", frame.len() - c.at));
+    }
+    let mut taken = [0usize; 15];
+    let mut at = 0usize;
+    for r in &runs {
+        let len = r.len as usize;
+        let out = &mut dst[at..at + len];
+        let w = usize::from(r.width);
+        let n = len / w;
+        for k in 0..r.width {
+            let slot = plane_slot(r.width, k);
+            let src = &planes[slot][taken[slot]..taken[slot] + n];
+            if w == 1 {
+                out.copy_from_slice(src);
+            } else {
+                for (dst_b, src_b) in out.iter_mut().skip(usize::from(k)).step_by(w).zip(src) {
+                    *dst_b = *src_b;
+                }
+            }
+            taken[slot] += n;
+        }
+        at += len;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn roundtrip(chunk: &[u8], runs: &[Run]) -> (Vec<u8>, EncodeStats) {
+        let mut frame = Vec::new();
+        let stats = encode("t", chunk, runs, 3, &mut frame).unwrap();
+        let mut back = vec![0xAA; chunk.len()];
+        decode(&frame, &mut back).unwrap();
+        assert_eq!(back, chunk);
+        (frame, stats)
+    }
+
+    /// bf16 values near zero, as trained weights: the exponent plane is
+    /// low-entropy, the mantissa plane is not.
+    fn bf16_weights(n: usize) -> Vec<u8> {
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut out = Vec::with_capacity(n * 2);
+        for _ in 0..n {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            // A small value: sign and exponent around 2^-6, random mantissa.
+            let v = f32::from_bits(0x3C00_0000 | ((s as u32) & 0x807F_FFFF)) * 0.5;
+            out.extend_from_slice(&v.to_bits().to_le_bytes()[2..4]);
+        }
+        out
+    }
+
+    #[test]
+    fn grouped_bf16_shrinks_and_round_trips() {
+        let chunk = bf16_weights(32 * 1024);
+        let (frame, stats) = roundtrip(
+            &chunk,
+            &[Run {
+                width: 2,
+                len: chunk.len() as u32,
+            }],
+        );
+        assert!(
+            frame.len() < chunk.len() * 3 / 4,
+            "{} of {}",
+            frame.len(),
+            chunk.len()
+        );
+        assert_eq!(stats.zstd_planes + stats.raw_planes, 2, "two planes");
+        assert!(stats.zstd_planes >= 1, "the exponent plane shrinks");
+    }
+
+    #[test]
+    fn incompressible_planes_are_stored_raw() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let chunk: Vec<u8> = (0..4096)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        let (frame, stats) = roundtrip(
+            &chunk,
+            &[Run {
+                width: 1,
+                len: 4096,
+            }],
+        );
+        assert_eq!(
+            stats,
+            EncodeStats {
+                zstd_planes: 0,
+                raw_planes: 1
+            }
+        );
+        assert_eq!(frame.len(), 4 + 5 + 5 + 4096);
+    }
+
+    #[test]
+    fn a_random_plane_skips_zstd_and_a_skewed_one_does_not() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let random: Vec<u8> = (0..1 << 17)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        assert!(looks_random(&random));
+        let skewed: Vec<u8> = random.iter().map(|b| b & 0x1F).collect();
+        assert!(!looks_random(&skewed));
+        assert!(
+            !looks_random(&random[..1000]),
+            "small planes are always tried"
+        );
+    }
+
+    #[test]
+    fn mixed_widths_round_trip() {
+        let chunk: Vec<u8> = (0..(24 + 16 + 8 + 3) as u32).map(|i| i as u8).collect();
+        let runs = [
+            Run { width: 8, len: 24 },
+            Run { width: 4, len: 16 },
+            Run { width: 2, len: 8 },
+            Run { width: 1, len: 3 },
+        ];
+        roundtrip(&chunk, &runs);
+    }
+
+    #[test]
+    fn runs_that_do_not_tile_the_chunk_are_refused() {
+        let chunk = [0u8; 8];
+        let mut out = Vec::new();
+        for runs in [
+            &[Run { width: 2, len: 6 }][..],
+            &[Run { width: 4, len: 6 }, Run { width: 1, len: 2 }][..],
+            &[Run { width: 3, len: 6 }, Run { width: 1, len: 2 }][..],
+            &[][..],
+        ] {
+            assert!(encode("t", &chunk, runs, 3, &mut out).is_err(), "{runs:?}");
+        }
+    }
+
+    #[test]
+    fn a_frame_that_expands_past_its_chunk_is_refused() {
+        // A plane of 1 MiB of zeros compresses to a few bytes; a frame that
+        // claims it for a 4 KiB chunk must fail, not allocate 1 MiB.
+        let big = vec![0u8; 1 << 20];
+        let z = zstd::bulk::compress(&big, 3).unwrap();
+        let mut frame = Vec::new();
+        frame.extend_from_slice(&1u32.to_le_bytes());
+        frame.push(1);
+        frame.extend_from_slice(&4096u32.to_le_bytes());
+        frame.push(MODE_ZSTD);
+        frame.extend_from_slice(&(z.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&z);
+        let mut dst = vec![0u8; 4096];
+        let err = decode(&frame, &mut dst).unwrap_err();
+        assert!(err.contains("zstd"), "{err}");
+    }
+
+    #[test]
+    fn hostile_frames_are_errors() {
+        let chunk = bf16_weights(2048);
+        let mut frame = Vec::new();
+        encode(
+            "t",
+            &chunk,
+            &[Run {
+                width: 2,
+                len: 4096,
+            }],
+            3,
+            &mut frame,
+        )
+        .unwrap();
+        let mut dst = vec![0u8; 4096];
+        // Every truncation, and a byte flipped at every offset, is an error
+        // or (a flip in a raw plane) different bytes: never a panic.
+        for cut in 0..frame.len() {
+            assert!(decode(&frame[..cut], &mut dst).is_err(), "cut at {cut}");
+        }
+        for i in 0..frame.len() {
+            let mut f = frame.clone();
+            f[i] ^= 0x5A;
+            let _ = decode(&f, &mut dst);
+        }
+        // A run count far past the frame allocates nothing.
+        let mut f = frame.clone();
+        f[..4].copy_from_slice(&MAX_RUNS.to_le_bytes());
+        assert!(decode(&f, &mut dst).unwrap_err().contains("do not fit"));
+        // Bytes past the last plane.
+        let mut f = frame.clone();
+        f.push(0);
+        assert!(decode(&f, &mut dst)
+            .unwrap_err()
+            .contains("after the last plane"));
+        // A chunk length other than the frame's.
+        assert!(decode(&frame, &mut vec![0u8; 4094]).is_err());
+    }
+
+    fn arb_chunk() -> impl Strategy<Value = (Vec<u8>, Vec<Run>)> {
+        // Runs of each dtype width in any order, with elements that are
+        // random or drawn from a few values (so zstd sees both cases).
+        let run = (
+            prop::sample::select(crate::format::Dtype::ALL.to_vec()),
+            0usize..300,
+            any::<bool>(),
+        );
+        prop::collection::vec(run, 1..6)
+            .prop_flat_map(|runs| {
+                let total: usize = runs.iter().map(|(d, n, _)| d.size() * n).sum();
+                let lows: Vec<bool> = runs.iter().map(|r| r.2).collect();
+                let runs: Vec<Run> = runs
+                    .iter()
+                    .map(|(d, n, _)| Run {
+                        width: d.size() as u8,
+                        len: (d.size() * n) as u32,
+                    })
+                    .collect();
+                (
+                    prop::collection::vec(any::<u8>(), total),
+                    Just(runs),
+                    Just(lows),
+                )
+            })
+            .prop_map(|(mut bytes, runs, lows)| {
+                let mut at = 0;
+                for (r, low) in runs.iter().zip(lows) {
+                    if low {
+                        for b in &mut bytes[at..at + r.len as usize] {
+                            *b &= 0x3;
+                        }
+                    }
+                    at += r.len as usize;
+                }
+                (bytes, runs)
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn every_dtype_round_trips_bit_exact((chunk, runs) in arb_chunk()) {
+            let mut frame = Vec::new();
+            encode("t", &chunk, &runs, 1, &mut frame).unwrap();
+            let mut back = vec![0u8; chunk.len()];
+            decode(&frame, &mut back).unwrap();
+            prop_assert_eq!(back, chunk);
+        }
+
+        #[test]
+        fn arbitrary_frames_never_panic(frame in prop::collection::vec(any::<u8>(), 0..200), len in 0usize..512) {
+            let mut dst = vec![0u8; len];
+            let _ = decode(&frame, &mut dst);
+        }
+    }
+}
