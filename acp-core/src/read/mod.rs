@@ -59,6 +59,7 @@ mod whole;
 use std::path::Path;
 
 pub(crate) use source::{ChunkSource, FileSource, IoSource, MemSource};
+pub(crate) use whole::digests_of;
 
 use crate::error::{Error, Result};
 use crate::format::{
