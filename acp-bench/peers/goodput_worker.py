@@ -50,6 +50,12 @@ class Model:
 QUICK_MODEL = Model(d_in=64, hidden=256, layers=2, batch=16)
 """The model of ``goodput.py --quick``."""
 
+REALISTIC_MODEL = Model(d_in=512, hidden=4096, layers=6, batch=64)
+"""The model of ``goodput.py --regime realistic``: about 86 M parameters, so about 1 GiB of
+state with AdamW's two moments, and a batch that makes a step take about a second of compute
+on one thread (tune it with ``--batch``), so that checkpoint size and step time stand in the
+ratio large-model training has."""
+
 
 def _emit(fd: int, kind: str, **data: Any) -> None:
     """One event to the supervisor: a JSON line, written in one call (atomic under PIPE_BUF)."""
@@ -143,7 +149,8 @@ class AcpStore:
 
         self.acp, self.tr, self.fd, self.every = acp, tr, fd, a.every
         slot = tr.state_bytes() + (4 << 20)
-        policy: dict[str, Any] = {}
+        # "all" is explicit: the Checkpointer's own default coalesces.
+        policy: dict[str, Any] = {"persist_every": 1} if a.acp_persist == "all" else {}
         if a.acp_persist == "coalesce":
             policy["persist_policy"] = "coalesce"
         elif a.acp_persist.startswith("every:"):
