@@ -121,7 +121,11 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
                 tracing::warn!(
                     "acp: RAM snapshot of step {step} cannot be loaded, trying the next source: {e}"
                 );
-                rejected = Some(e.to_string());
+                // Why it failed verification goes with the load (a slot
+                // released meanwhile is no rejection).
+                if e.kind() == ErrorKind::Corrupt || e.to_string().contains("(last rejected: ") {
+                    rejected = Some(e.to_string());
+                }
             }
         }
     }
