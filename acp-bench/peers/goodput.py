@@ -8,7 +8,7 @@
 Two regimes set the defaults. ``small`` (the default): 114 MB of state, a step of a few tens
 of milliseconds, a kill every 15 s on average; there about 2.2 s of every fault is the restart
 itself (Python, torch import, model build), the same for every mode, so no mode can win by much.
-``realistic``: about 1 GiB of state (``REALISTIC_MODEL``), a step of about a second of compute,
+``realistic``: about 1 GiB of state (``REALISTIC_MODEL``), a step of a second or two of compute,
 a kill every 60 s on average, 20 minutes per mode in 2 rounds, the peers every 20 and 50 steps,
 and acp snapshotting every step with the coalescing persist and with a persist every 50 steps
 (``--acp-persist coalesce every:50``). Any flag given on the command line wins over the

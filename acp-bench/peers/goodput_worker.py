@@ -52,9 +52,11 @@ QUICK_MODEL = Model(d_in=64, hidden=256, layers=2, batch=16)
 
 REALISTIC_MODEL = Model(d_in=512, hidden=4096, layers=6, batch=64)
 """The model of ``goodput.py --regime realistic``: about 86 M parameters, so about 1 GiB of
-state with AdamW's two moments, and a batch that makes a step take about a second of compute
-on one thread (tune it with ``--batch``), so that checkpoint size and step time stand in the
-ratio large-model training has."""
+state with AdamW's two moments (0.96 GiB). A step is a second or two of compute on one thread,
+most of it AdamW's update over the 86 M parameters (measured: 2.0 to 2.3 s per step with the
+2-core machine under a load average of 6, about the same with a batch of 8; ``--threads`` and
+``--batch`` tune it), so that checkpoint size and step time stand in the ratio large-model
+training has."""
 
 
 def _emit(fd: int, kind: str, **data: Any) -> None:
