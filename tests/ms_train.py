@@ -94,7 +94,10 @@ def main() -> None:
         model.train(EPOCHS, dataset())
         np.savez(out, **params(net, opt))
         return
-    ckpt = acp.Checkpointer(root, job=job, shm_dir=shm, ring_bytes=8 << 20, mlock=False)
+    # Every save persisted: the tests check which steps are committed.
+    ckpt = acp.Checkpointer(
+        root, job=job, shm_dir=shm, ring_bytes=8 << 20, mlock=False, persist_every=1
+    )
     exception_save = os.environ.get("ACP_TEST_NO_EXCEPTION_SAVE") != "1"
     cb = am.AcpCheckpoint(ckpt, every_n_steps=BATCHES, keep=2, exception_save=exception_save)
     if mode == "resume":

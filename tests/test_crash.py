@@ -1,6 +1,6 @@
 """A trainer killed with SIGKILL right after ``save`` returned: the next
-process finds the checkpoint resident in shared memory, commits it, and
-restores it."""
+process finds the checkpoint resident in shared memory, restores it, and
+commits it."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def test_killed_after_save_restores_from_ram(tmp_path: Path, shm_dir: Path) -> N
     with acp.Checkpointer(root, job=job, shm_dir=shm_dir, ring_bytes=32 << 20) as ckpt:
         report = ckpt.stats()["engine"]
         assert 2 in report["resident_steps"]
-        state = ckpt.load()  # waits for step 2 to be committed if it was not
+        state = ckpt.load()  # from RAM, while step 2 is committed in the background
         assert state["step"] == 2
         assert torch.equal(state["w"], torch.full((1000,), 2.0))
         assert ckpt.last_load is not None
         assert ckpt.last_load.source == "ram"
+        ckpt.wait()
         assert ckpt.steps() == [1, 2]

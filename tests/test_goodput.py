@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "acp-bench" / "peers" / "goodput.py"
@@ -42,3 +43,35 @@ def test_goodput_quick(tmp_path: Path) -> None:
     assert "| acp, save every step |" in md
     # Checkpoint directories and the worker logs are removed at the end.
     assert list(work.iterdir()) == []
+
+
+def test_realistic_regime_sets_its_defaults_and_flags_win() -> None:
+    """``--regime realistic`` (not run here: it takes hours): about 1 GiB of state, a kill a
+    minute, acp snapshotting every step with the coalescing persist and with a persist every
+    50 steps next to the peers; a flag given wins over the regime's default."""
+    peers = str(SCRIPT.parent)
+    sys.path.insert(0, peers)
+    try:
+        import goodput
+        from goodput_worker import Model
+
+        a = goodput.parse(["--regime", "realistic"])
+        assert (a.mtbf, a.every, a.acp_every) == (60.0, [20, 50], [1])
+        model = Model(**{k: getattr(a, k) for k in asdict(Model())})
+        d, h, c = model.d_in, model.hidden, model.classes
+        params = d * h + h + (model.layers - 1) * (h * h + h) + h * c + c
+        assert 0.9 < 3 * 4 * params / (1 << 30) < 1.2  # parameters and AdamW's two moments
+        names = [m.name for m in goodput.modes(a)]
+        assert names == [
+            "acp-persist-coalesce",
+            "acp-persist-every50",
+            "torch-20",
+            "torch-50",
+            "dcp-20",
+            "dcp-50",
+        ]
+        small = goodput.parse(["--regime", "realistic", "--hidden", "256", "--mtbf", "5"])
+        assert (small.hidden, small.mtbf) == (256, 5.0)
+        assert goodput.modes(goodput.parse([]))[0].name == "acp"
+    finally:
+        sys.path.remove(peers)

@@ -410,7 +410,9 @@ def test_callback_refuses_bad_options(ckpt: acp.Checkpointer, option: str, value
         am.AcpCheckpoint(ckpt, **kwargs)
 
 
-def test_callback_saves_every_n_keeps_k_and_resumes(ckpt: acp.Checkpointer) -> None:
+def test_callback_saves_every_n_keeps_k_and_resumes(make_ckpt: MakeCkpt) -> None:
+    # Every save persisted (coalescing could supersede step 4 with step 6).
+    ckpt = make_ckpt(persist_every=1)
     net, opt = fresh(3)
     model = Model(net, nn.MSELoss(), opt)
     cb = am.AcpCheckpoint(ckpt, every_n_steps=2, keep=2)

@@ -3,6 +3,16 @@
 
     python acp-bench/peers/goodput.py --quick              # a smoke run, about a minute
     python acp-bench/peers/goodput.py --budget 120 --mtbf 15 --every 5 20
+    python acp-bench/peers/goodput.py --regime realistic   # 1 GiB of state, 1 s steps
+
+Two regimes set the defaults. ``small`` (the default): 114 MB of state, a step of a few tens
+of milliseconds, a kill every 15 s on average; there about 2.2 s of every fault is the restart
+itself (Python, torch import, model build), the same for every mode, so no mode can win by much.
+``realistic``: about 1 GiB of state (``REALISTIC_MODEL``), a step of a second or two of compute,
+a kill every 60 s on average, 20 minutes per mode in 2 rounds, the peers every 20 and 50 steps,
+and acp snapshotting every step with the coalescing persist and with a persist every 50 steps
+(``--acp-persist coalesce every:50``). Any flag given on the command line wins over the
+regime's default (``--hidden``, ``--layers``, ``--batch`` size the model and the step).
 
 For each mode a supervisor runs a worker process (``goodput_worker.py``: an MLP trained with
 AdamW on a deterministic data stream, 114 MB of state by default), SIGKILLs its process group
@@ -66,7 +76,7 @@ from typing import Any
 
 from goodput_analysis import Mode, Run, check, kill_schedule, step_rate, summarize
 from goodput_report import fmt, machine, markdown, plot
-from goodput_worker import QUICK_MODEL, STRIDE, Model
+from goodput_worker import QUICK_MODEL, REALISTIC_MODEL, STRIDE, Model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "goodput_worker.py")
@@ -294,9 +304,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--acp-on-full", choices=["wait", "skip"], nargs="+", default=["wait"],
                     help="acp's on_full (what a save does when no ring slot is free); "
                     "both: two acp modes")  # fmt: skip
-    ap.add_argument("--acp-persist", nargs="+", default=["all"], type=_persist,
+    ap.add_argument("--acp-persist", nargs="+", type=_persist,
                     help="acp's persist policies: all (every save written to storage), "
-                    "coalesce, every:N; several give several acp modes")  # fmt: skip
+                    "coalesce, every:N; several give several acp modes (default: all; "
+                    "realistic regime: coalesce every:50)")  # fmt: skip
     ap.add_argument("--modes", nargs="+", choices=["acp", "torch", "dcp"],
                     default=["acp", "torch", "dcp"])  # fmt: skip
     for name, value in asdict(Model()).items():
@@ -307,15 +318,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="where checkpoint directories go, created if missing (default: system temp)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model, short budget: a smoke run")
+    ap.add_argument("--regime", choices=["small", "realistic"], default="small",
+                    help="the defaults: small (114 MB, a kill every 15 s) or realistic "
+                    "(1 GiB, 1 s steps, a kill every 60 s)")  # fmt: skip
     a = ap.parse_args(argv)
     quick = {"budget": 0.0, "rounds": 1, "mtbf": 0.0, "min_gap": 0.0, "bare": 2.0,
-             "clean": 0.0, "every": [5]}  # fmt: skip
+             "clean": 0.0, "every": [5], "acp_persist": ["all"]}  # fmt: skip
     full = {"budget": 120.0, "rounds": 2, "mtbf": 15.0, "min_gap": 0.0, "bare": 20.0,
-            "clean": 0.0, "every": [10]}  # fmt: skip
-    for k, v in (quick if a.quick else full).items():
+            "clean": 0.0, "every": [10], "acp_persist": ["all"]}  # fmt: skip
+    realistic = {"budget": 1200.0, "rounds": 2, "mtbf": 60.0, "min_gap": 0.0, "bare": 60.0,
+                 "clean": 0.0, "every": [20, 50],
+                 "acp_persist": ["coalesce", "every:50"]}  # fmt: skip
+    if a.quick and a.regime != "small":
+        ap.error("--quick is a smoke run of the small regime")
+    defaults = quick if a.quick else realistic if a.regime == "realistic" else full
+    for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    for k, v in asdict(QUICK_MODEL if a.quick else Model()).items():
+    model = QUICK_MODEL if a.quick else REALISTIC_MODEL if a.regime == "realistic" else Model()
+    for k, v in asdict(model).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.rounds < 1 or a.bare <= 0 or (a.budget <= 0 and not a.quick):
@@ -421,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "command": [os.path.basename(sys.argv[0]), *(sys.argv[1:] if argv is None else argv)],
         "config": {
+            "regime": a.regime,
             "budget": a.budget, "rounds": a.rounds, "mtbf": a.mtbf, "seed": a.seed,
             "min_gap": a.min_gap, "kills": a.kills, "bare": a.bare, "clean": a.clean,
             "every": a.every, "acp_every": a.acp_every, "acp_on_full": a.acp_on_full,

@@ -144,11 +144,13 @@ fn a_sigkilled_savers_resident_slot_is_persisted_and_restored_bit_exact() {
     assert!(!status.success(), "the child should have been killed");
     let engine = Engine::open(config(&root, &shm)).unwrap();
     assert_eq!(engine.open_report().persisting_steps, vec![2]);
-    // `load` waits for the persisted step to commit, then serves it from RAM.
+    // `load` serves it from RAM (hashed at open), while it is committed
+    // in the background.
     let ck = engine.load(&LoadRequest::default()).unwrap();
     assert_eq!(ck.step(), 2);
     assert_eq!(ck.report().source, Source::Ram);
     check_step(&ck);
+    engine.wait_idle(None).unwrap();
     assert_eq!(engine.steps().unwrap(), vec![1, 2]);
     // And the persisted copy on storage is intact.
     let disk = engine

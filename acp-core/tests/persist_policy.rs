@@ -17,7 +17,7 @@ use std::time::Duration;
 use acp_core::storage::faults::FaultInjector;
 use acp_core::{
     Dtype, Engine, EngineConfig, HostTensor, LoadRequest, Outcome, Persist, PersistPolicy,
-    SaveHandle, SaveOptions, WhenFull,
+    SaveHandle, SaveOptions, Source, WhenFull,
 };
 use serde_json::json;
 use torture_util::{check, dirs, payload, sigkill_self, SIZES};
@@ -271,4 +271,195 @@ fn a_process_killed_with_ram_only_snapshots_has_the_newest_committed_on_reopen()
     drop(ck);
     assert!(written(&root, 101).is_empty());
     engine.close().unwrap();
+}
+
+/// The slot file under `shm` holding step `step`, and where its image
+/// starts and how long it is (from the control block's little-endian
+/// fields: step at 16, image length at 24, image offset at 104).
+fn slot_of(shm: &Path, step: u64) -> (std::path::PathBuf, u64, u64) {
+    torture_util::files_under(shm)
+        .into_iter()
+        .find_map(|p| {
+            let b = std::fs::read(&p).ok()?;
+            let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+            (b.len() >= 112 && u64_at(16) == step).then(|| (p.clone(), u64_at(104), u64_at(24)))
+        })
+        .unwrap_or_else(|| panic!("no slot file holds step {step}"))
+}
+
+#[test]
+fn load_without_a_step_serves_a_newer_ram_snapshot_over_an_older_committed_step() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 3, PersistPolicy::Every(1))).unwrap();
+    save(&engine, 1, Persist::Always).wait().unwrap();
+    let rep = save(&engine, 2, Persist::Never).wait().unwrap();
+    assert_eq!(rep.outcome, Outcome::Resident);
+    // The background hash of step 2 is done once the engine is idle.
+    engine.wait_idle(None).unwrap();
+    assert_eq!(engine.steps().unwrap(), [1]);
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), 2);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().verified);
+    check(&ck).unwrap();
+    drop(ck);
+    // And by its step, though it is not committed.
+    let ck = engine
+        .load(&LoadRequest {
+            step: Some(2),
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    assert_eq!(ck.step(), 2);
+    check(&ck).unwrap();
+    drop(ck);
+    // Nothing was written for it.
+    assert!(written(&root, 2).is_empty());
+    // From storage only, the committed step.
+    let ck = engine
+        .load(&LoadRequest {
+            storage_only: true,
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    assert_eq!(ck.step(), 1);
+    drop(ck);
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_ram_snapshot_changed_in_ram_is_rejected_naming_the_slot_and_tensor() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 3, PersistPolicy::Every(1))).unwrap();
+    save(&engine, 1, Persist::Always).wait().unwrap();
+    save(&engine, 2, Persist::Never).wait().unwrap();
+    engine.wait_idle(None).unwrap();
+    // One byte of step 2's image changes in RAM after it was hashed: the
+    // last byte, in the last tensor's data.
+    let (path, offset, len) = slot_of(&shm, 2);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = usize::try_from(offset + len - 1).unwrap();
+    bytes[at] ^= 0x5a;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&bytes[at..=at], at as u64).unwrap();
+    }
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    // Without a step: the next source, the committed step 1, saying why.
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), 1);
+    check(&ck).unwrap();
+    let why = ck.report().rejected.clone().unwrap();
+    assert!(why.contains(&name) && why.contains("step 2"), "{why}");
+    drop(ck);
+    // By its step: an error naming the slot file and a tensor.
+    let e = engine
+        .load(&LoadRequest {
+            step: Some(2),
+            ..LoadRequest::default()
+        })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains(&name), "{e}");
+    assert!(e.contains("`a`") || e.contains("`b`"), "{e}");
+    engine.close().unwrap();
+}
+
+/// The child side of the restart test: step 100's persist hangs in storage
+/// (a hook that never returns), steps 101 and 102 are RAM snapshots whose
+/// background hash waits behind it; then the process kills itself, leaving
+/// sealed images without digests. Does nothing unless
+/// `ACP_UNHASHED_CHILD` is set.
+#[test]
+fn unhashed_child() {
+    let (Ok(root), Ok(shm)) = (
+        std::env::var("ACP_UNHASHED_CHILD"),
+        std::env::var("ACP_UNHASHED_SHM"),
+    ) else {
+        return;
+    };
+    let faults = Arc::new(FaultInjector::counting());
+    faults.set_hook(|_, _, path| {
+        if path.to_string_lossy().contains("pending-100-") {
+            std::thread::park();
+        }
+    });
+    let cfg = config(
+        Path::new(&root),
+        Path::new(&shm),
+        3,
+        PersistPolicy::Every(100),
+    )
+    .with_faults(faults);
+    let engine = Engine::open(cfg).unwrap();
+    let first = save(&engine, 100, Persist::Policy);
+    for step in [101, 102] {
+        save(&engine, step, Persist::Policy).wait().unwrap();
+    }
+    assert!(!first.is_done());
+    sigkill_self();
+}
+
+#[test]
+fn a_restarted_engine_serves_an_unhashed_ram_snapshot_from_ram_while_it_is_persisted() {
+    if std::env::var("ACP_UNHASHED_CHILD").is_ok() {
+        return;
+    }
+    let (_t, root, shm) = dirs();
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "unhashed_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("ACP_UNHASHED_CHILD", &root)
+        .env("ACP_UNHASHED_SHM", &shm)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    // Every persist of the new engine waits at a gate this test opens.
+    let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let faults = Arc::new(FaultInjector::counting());
+    {
+        let gate = Arc::clone(&gate);
+        faults.set_hook(move |_, _, path| {
+            if path.to_string_lossy().contains("pending-") {
+                let (open, cv) = &*gate;
+                let mut o = open.lock().unwrap();
+                while !*o {
+                    o = cv.wait(o).unwrap();
+                }
+            }
+        });
+    }
+    let cfg = config(&root, &shm, 3, PersistPolicy::Every(100))
+        .with_faults(faults)
+        // A load that waited for the persist would fail here, not hang.
+        .with_stall_timeout(Duration::from_secs(5));
+    let engine = Engine::open(cfg).unwrap();
+    assert!(
+        engine.open_report().persisting_steps.contains(&102),
+        "{:?}",
+        engine.open_report()
+    );
+    // Served from RAM, verified, while its persist waits at the gate.
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), 102);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().verified);
+    check(&ck).unwrap();
+    drop(ck);
+    assert_eq!(engine.steps().unwrap(), Vec::<u64>::new());
+    {
+        let (open, cv) = &*gate;
+        *open.lock().unwrap() = true;
+        cv.notify_all();
+    }
+    engine.close().unwrap();
+    assert!(engine.steps().unwrap().contains(&102));
 }

@@ -118,6 +118,16 @@ fn check_restored(engine: &Engine, step: u64) -> Result<(), String> {
             ck.report().source
         ));
     }
+    drop(ck);
+    // The load was served from RAM, verified, without waiting for the
+    // restart's persist: the step is committed once the engine is idle
+    // (and the next trial's fault hits its own save, not this persist).
+    engine
+        .wait_idle(None)
+        .map_err(|e| format!("restart's persist: {e}"))?;
+    if !engine.steps().map_err(|e| e.to_string())?.contains(&step) {
+        return Err(format!("the restart did not commit step {step}"));
+    }
     Ok(())
 }
 

@@ -153,13 +153,17 @@ class Checkpointer:
             ``persist_policy="coalesce"``: the newest snapshot whenever the
             previous persist has finished (at most one in flight; a newer
             snapshot supersedes a waiting one, which is never written).
-            Default: every save (``persist_every=1``), unless the
-            environment gives a policy (``ACP_PERSIST_EVERY``,
-            ``ACP_PERSIST_INTERVAL``, ``ACP_PERSIST_POLICY``; read only when
-            none of the three keywords is given). With several ranks
-            only ``persist_every`` (the same steps on every rank). Give the
-            ring 3 slots or more when most saves are not persisted, so
-            snapshots keep cycling while a persist is in flight.
+            Default, unless the environment gives a policy
+            (``ACP_PERSIST_EVERY``, ``ACP_PERSIST_INTERVAL``,
+            ``ACP_PERSIST_POLICY``; read only when none of the three
+            keywords is given): ``"coalesce"`` with one rank; with several,
+            every save (``persist_every=1``), since every rank must write
+            the same steps and the ranks have no agreement on which
+            snapshot to coalesce to. With several ranks only
+            ``persist_every`` is allowed (the same steps on every rank).
+            Give the ring 3 slots or more when most saves are not
+            persisted, so snapshots keep cycling while a persist is in
+            flight.
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
@@ -172,16 +176,6 @@ class Checkpointer:
             writes a plain file.
         compress_level: the zstd level, 1-19 (default 1, or
             ``ACP_COMPRESS_LEVEL``).
-        # The environment fills in what the keywords leave out (acp._env).
-        env = settings(
-            replicas=replicas,
-            replica_timeout=replica_timeout,
-            release_on_close=release_on_close,
-            persist_every=persist_every,
-            persist_interval=persist_interval,
-            persist_policy=persist_policy,
-        )
-        self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
     """
 
     def __init__(
@@ -249,6 +243,10 @@ class Checkpointer:
         recover_together = coordinated and persist_on_open is None
         if recover_together:
             persist_on_open = False
+        persist = env.persist
+        if persist.every is None and persist.interval is None and persist.policy is None:
+            # One rank coalesces; several persist every save (see above).
+            persist.policy = "coalesce" if self.world_size == 1 else None
         with env.naming_persist_vars():
             self._engine = _acp.Engine(
                 os.fspath(root),
@@ -356,8 +354,10 @@ class Checkpointer:
         (it survives a crash of the process, not the loss of the node).
         ``persist=True`` also writes and commits it to storage,
         ``persist=False`` keeps it in RAM only, and None (default) lets the
-        persist policy decide (``persist_every``, ...; by default every save
-        is persisted). The newest snapshot is committed anyway by
+        persist policy decide (``persist_every``, ...; by default, with one
+        rank, the newest snapshot whenever the previous persist has
+        finished; with several, every save). The newest snapshot is
+        committed anyway by
         ``close()``, the dying checkpoint, a restarted trainer on this node
         and ``acp persist``.
 
@@ -513,8 +513,13 @@ class Checkpointer:
         rank: int | None = None,
         agree: bool | None = None,
     ) -> Any:
-        """Loads a committed step (the newest when ``step`` is None) from RAM
-        when it is resident, else from storage.
+        """Loads a step from RAM when it is resident, else from storage.
+        ``step=None`` loads the newest committed step or, with one rank, a
+        newer RAM snapshot of this rank once it is hashed (in the
+        background, right after its save; ``wait()`` waits for it); a RAM
+        snapshot that fails verification gives way to the next source. An
+        explicit ``step`` that is not committed is loaded from RAM, verified
+        against the digests recorded when it was hashed.
 
         Without ``into``, returns a fresh state whose tensors own their
         memory (on the device they were saved from, or ``map_location``: a
@@ -650,7 +655,8 @@ class Checkpointer:
         return self._engine.retain(keep_last, keep_every)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks until every save so far has finished (committed or failed)."""
+        """Blocks until every save so far has finished (committed or failed;
+        a RAM snapshot once it is hashed, so that ``load()`` can serve it)."""
         self._check_open()
         self._engine.wait_idle(timeout)
         self._metrics.collect()

@@ -70,11 +70,27 @@ impl Job {
     }
 }
 
-/// The flush thread's loop: one job at a time, in order, until the queue
-/// closes; after each, the snapshot deferred behind it (coalescing), if any.
-pub(super) fn run(shared: &Shared, rx: &Receiver<Job>) {
-    for job in rx {
-        let mut next = Some(job);
+/// What the flush thread is asked to do.
+#[derive(Debug)]
+pub(super) enum Work {
+    /// Flush and commit a sealed slot.
+    Persist(Job),
+    /// Hash the RAM snapshot waiting to be hashed (`hash.rs`), if any.
+    Hash,
+}
+
+/// The flush thread's loop: one piece of work at a time, in order, until
+/// the queue closes; after each persist, the snapshot deferred behind it
+/// (coalescing), if any.
+pub(super) fn run(shared: &Shared, rx: &Receiver<Work>) {
+    for work in rx {
+        let mut next = match work {
+            Work::Persist(job) => Some(job),
+            Work::Hash => {
+                super::hash::hash_waiting(shared);
+                None
+            }
+        };
         while let Some(job) = next {
             next = run_one(shared, job);
         }

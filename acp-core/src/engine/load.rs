@@ -21,7 +21,10 @@ use crate::storage::FileHandle;
 /// Which step to load, and from where.
 #[derive(Debug, Clone, Default)]
 pub struct LoadRequest {
-    /// The step; the newest committed one when `None`.
+    /// The step; when `None`, the newest of the committed steps and, with
+    /// one rank, the RAM snapshots of this rank's ring that are hashed
+    /// (verifiable), a RAM snapshot that fails verification giving way to
+    /// the next source.
     pub step: Option<u64>,
     /// Read from storage even when the step is resident.
     pub storage_only: bool,
@@ -47,7 +50,10 @@ impl Engine {
     /// a slot, which becomes resident). A source that is missing or fails
     /// verification is logged, naming it, and the next one is used. An
     /// explicit `step` that is not committed is loaded from RAM only,
-    /// checked against the digests recorded with the image.
+    /// checked against the digests recorded with the image (by its flush,
+    /// by the background hash of a RAM snapshot, or at open for one a
+    /// previous process left); without a step, the newest such snapshot of
+    /// this rank (one rank only) is tried before the committed steps.
     ///
     /// # Errors
     /// [`Error::NotFound`], [`Error::Corrupt`] naming the file and tensor,
@@ -59,11 +65,20 @@ impl Engine {
 
 pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     let t0 = Instant::now();
+    // This rank's RAM snapshots that `load` may serve without a step.
+    let ram = if req.step.is_none() {
+        ram_snapshots(shared, req)
+    } else {
+        Vec::new()
+    };
     // Resident checkpoints of a dead process that are being persisted are
-    // newer than anything committed: let them commit first.
-    wait_for(shared, None, |st| st.recovering.is_empty())?;
-    let candidates: Vec<u64> = match req.step {
-        Some(s) => vec![s],
+    // newer than anything committed: let them commit first, unless they
+    // were hashed at open and are served from RAM.
+    wait_for(shared, None, |st| {
+        st.recovering.iter().all(|s| ram.contains(s))
+    })?;
+    let (ram_first, candidates): (Vec<u64>, Vec<u64>) = match req.step {
+        Some(s) => (Vec::new(), vec![s]),
         None => {
             let mut steps = shared.root.steps()?;
             // A step directory whose index is gone was committed once (the
@@ -71,7 +86,14 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
             // is corruption to report, not a step to skip in silence.
             steps.extend(shared.root.steps_without_index()?);
             steps.sort_unstable();
-            if steps.is_empty() {
+            // RAM snapshots newer than every committed step come first.
+            let newest = steps.last().copied();
+            let ram_first: Vec<u64> = ram
+                .iter()
+                .copied()
+                .filter(|s| newest.is_none_or(|n| *s > n))
+                .collect();
+            if steps.is_empty() && ram_first.is_empty() {
                 return Err(Error::NotFound {
                     what: format!(
                         "committed checkpoint in {}",
@@ -80,13 +102,42 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
                 });
             }
             let newest_first = steps.into_iter().rev();
-            if req.fallback {
+            let committed = if req.fallback {
                 newest_first.collect()
             } else {
                 newest_first.take(1).collect()
-            }
+            };
+            (ram_first, committed)
         }
     };
+    // A RAM snapshot that fails (changed in RAM, gone meanwhile) is only
+    // the newest of several sources: the next one is used, whatever
+    // `fallback` says, as for a resident copy of a committed step.
+    let mut rejected: Option<String> = None;
+    for step in ram_first {
+        match load_step(shared, step, req.rank, false, t0) {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                tracing::warn!(
+                    "acp: RAM snapshot of step {step} cannot be loaded, trying the next source: {e}"
+                );
+                // Why it failed verification goes with the load (a slot
+                // released meanwhile is no rejection).
+                if e.kind() == ErrorKind::Corrupt || e.to_string().contains("(last rejected: ") {
+                    rejected = Some(e.to_string());
+                }
+            }
+        }
+    }
+    if candidates.is_empty() {
+        return Err(Error::NotFound {
+            what: format!(
+                "intact checkpoint in {}{}",
+                shared.root.location().display(),
+                rejected.map_or_else(String::new, |r| format!(" (last rejected: {r})"))
+            ),
+        });
+    }
     let mut first_err: Option<Error> = None;
     for step in candidates {
         let result = match (&req.tensors, req.rank) {
@@ -99,6 +150,9 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
             Ok(c) => {
                 if let Some(e) = &first_err {
                     tracing::warn!("acp: fell back to step {step}: {e}");
+                }
+                if c.report.rejected.is_none() && rejected.is_some() {
+                    return Ok(c.with_rejected(rejected));
                 }
                 return Ok(c);
             }
@@ -124,6 +178,43 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     }))
 }
 
+/// The steps of this rank's RAM snapshots that a load without a step may
+/// serve, newest first: resident in its ring with recorded digests (hashed
+/// by their flush, in the background, or at open), so they are verified
+/// like a committed step; not the image of a save whose flush failed (a
+/// failed save is not offered in place of the committed step before it).
+/// Only for this rank's own image read from wherever it is, and only with
+/// one rank: with several, a step is loadable only once every rank holds
+/// it, and no agreement on RAM snapshots across ranks exists, so a load
+/// without a step keeps to committed steps there.
+fn ram_snapshots(shared: &Shared, req: &LoadRequest) -> Vec<u64> {
+    if shared.cfg.world_size != 1
+        || req.storage_only
+        || req.rank.is_some_and(|r| r != shared.cfg.rank)
+    {
+        return Vec::new();
+    }
+    let failed: Vec<(usize, u64)> = shared
+        .lock()
+        .failed_slots
+        .iter()
+        .map(|f| (f.slot, f.generation))
+        .collect();
+    shared
+        .ring
+        .complete()
+        .into_iter()
+        .filter(|i| i.has_digests)
+        .filter(|i| {
+            shared
+                .ring
+                .generation(i.slot)
+                .is_none_or(|g| !failed.contains(&(i.slot, g)))
+        })
+        .map(|i| i.step)
+        .collect()
+}
+
 fn load_step(
     shared: &Shared,
     step: u64,
@@ -138,7 +229,7 @@ fn load_step(
         // Not committed: only RAM copies (own, this node's, a peer's) can
         // have it, each checked against the digests recorded with it.
         Err(e) if e.kind() == ErrorKind::NotFound && !storage_only => {
-            return load_uncommitted(shared, step, rank, t0).map_err(|_| e);
+            return load_uncommitted(shared, step, rank, t0);
         }
         Err(e) => return Err(e),
     };

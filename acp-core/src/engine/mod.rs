@@ -54,7 +54,9 @@
 //!   fills, whose [`Staging::finish`] seals the slot and queues its flush.
 //! - `flush.rs`: the flush thread: writes a sealed slot to storage, hashes
 //!   it, commits the step (the protocol is in its docs), then applies
-//!   retention.
+//!   retention. `hash.rs`: the same thread hashes the newest RAM snapshot
+//!   that is not persisted (and open hashes one a previous process left),
+//!   so that `load` can verify and serve it.
 //! - `replicate.rs`: peer replicas ([`crate::replica`]): sending this
 //!   rank's resident image to its holders, receiving and serving other
 //!   ranks' images, and the RAM sources of a load past this rank's ring.
@@ -89,6 +91,7 @@ mod compress;
 mod copy;
 mod flush;
 mod handle;
+mod hash;
 mod load;
 mod open;
 mod policy;
@@ -125,7 +128,7 @@ pub struct Engine {
 #[derive(Debug)]
 struct Inner {
     shared: Arc<Shared>,
-    tx: Mutex<Option<Sender<flush::Job>>>,
+    tx: Mutex<Option<Sender<flush::Work>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// After a close with `release_on_close`: the steps whose only copy
     /// kept the ring (empty when it was released).
@@ -151,10 +154,12 @@ impl Engine {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let sent = match tx.as_ref() {
-            Some(tx) => tx.send(job).map_err(|e| e.into_inner()),
-            None => Err(job),
+            Some(tx) => tx
+                .send(flush::Work::Persist(job))
+                .map_err(|e| e.into_inner()),
+            None => Err(flush::Work::Persist(job)),
         };
-        if let Err(job) = sent {
+        if let Err(flush::Work::Persist(job)) = sent {
             let mut st = shared.lock();
             st.in_flight -= 1;
             if let Some(i) = st.queued.iter().position(|s| *s == step) {
@@ -169,6 +174,29 @@ impl Engine {
             return Err(err);
         }
         Ok(())
+    }
+
+    /// Wakes the flush thread to hash the RAM snapshot waiting to be
+    /// hashed ([`Shared::want_hash`]); nothing when the engine is closed.
+    fn wake_hasher(&self) {
+        let tx = self
+            .inner
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sent = tx
+            .as_ref()
+            .is_some_and(|tx| tx.send(flush::Work::Hash).is_ok());
+        if !sent {
+            // A closed queue means a closed engine: nothing will hash it,
+            // and nothing waits for it.
+            let shared = self.shared();
+            let mut st = shared.lock();
+            st.hash_woken = false;
+            st.to_hash = None;
+            drop(st);
+            shared.idle.notify_all();
+        }
     }
 
     /// What opening found and chose.

@@ -212,6 +212,17 @@ impl Engine {
             }),
             idle: Condvar::new(),
         });
+        // Made loadable from RAM before the flush thread starts writing
+        // them (see `hash::hash_recovered`): the resident images newer than
+        // every committed step, persisted now or not.
+        let newer: Vec<_> = ring_report
+            .recovered
+            .iter()
+            .filter(|s| committed.last().is_none_or(|l| s.step > *l))
+            .filter(|s| matches!(s.state, SlotState::Resident | SlotState::Flushing))
+            .cloned()
+            .collect();
+        super::hash::hash_recovered(&shared, &newer, shared.cfg.copy_threads);
         let engine = Engine::start(shared)?;
         for info in &to_persist {
             engine.persist_slot(info, true)?;

@@ -212,12 +212,18 @@ impl Staging {
             }
             Decision::Keep => {
                 st.counts.resident += 1;
-                st.snapshots.push(Snapshot {
+                let snap = Snapshot {
                     slot: job.pin.slot(),
                     generation: job.pin.generation(),
                     step: self.step,
-                });
+                };
+                st.snapshots.push(snap);
+                // Hashed in the background, so `load` can verify it.
+                let wake = Shared::want_hash(&mut st, snap);
                 drop(st);
+                if wake {
+                    engine.wake_hasher();
+                }
                 let report = job.unflushed(Outcome::Resident);
                 // The pin drops with the job: the slot stays resident,
                 // reused once a newer complete image supersedes it.

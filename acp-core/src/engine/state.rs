@@ -76,6 +76,14 @@ pub(super) struct EngineState {
     /// The measured write and compression rates that
     /// [`Compress::Auto`](crate::Compress::Auto) decides by.
     pub(super) rates: super::compress::Rates,
+    /// The newest RAM snapshot kept resident and not hashed yet: the flush
+    /// thread hashes it when it gets to it (`hash.rs`), unless a newer one
+    /// took its place first.
+    pub(super) to_hash: Option<Snapshot>,
+    /// Whether a wake-up for `to_hash` is queued to the flush thread.
+    pub(super) hash_woken: bool,
+    /// Whether the flush thread is hashing a RAM snapshot now.
+    pub(super) hashing: bool,
 }
 
 /// A RAM snapshot kept resident: its slot, the slot's generation, its step.

@@ -37,23 +37,24 @@ impl Shared {
 }
 
 impl Engine {
-    /// Waits until every queued flush has finished (committed or failed).
+    /// Waits until every queued flush has finished (committed or failed),
+    /// and the RAM snapshot waiting to be hashed, if any, is hashed.
     ///
     /// # Errors
     /// [`Error::Timeout`] after `timeout`, or when a flush makes no progress
     /// for the configured stall timeout (the watchdog), naming what is stuck.
     pub fn wait_idle(&self, timeout: Option<Duration>) -> Result<()> {
-        wait_for(self.shared(), timeout, |st| st.in_flight == 0)
+        wait_for(self.shared(), timeout, EngineState::idle)
     }
 
-    /// Waits at most `timeout` until every queued flush has finished;
+    /// Waits at most `timeout` until every queued flush (and hash) has finished;
     /// `Ok(false)` when some are still running then (and none is stuck).
     ///
     /// # Errors
     /// [`Error::Timeout`] from the watchdog, naming what is stuck, when a
     /// flush makes no progress for the configured stall timeout.
     pub fn wait_idle_timeout(&self, timeout: Duration) -> Result<bool> {
-        wait_until(self.shared(), Some(timeout), |st| st.in_flight == 0)
+        wait_until(self.shared(), Some(timeout), EngineState::idle)
     }
 }
 

@@ -298,7 +298,7 @@ impl Found {
 
 /// The digest of each `chunk`-byte piece of `data`, computed over up to
 /// `threads` threads (each takes a contiguous run of chunks).
-fn digests_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Digest> {
+pub(crate) fn digests_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Digest> {
     let chunk = chunk.max(1);
     let n = data.len().div_ceil(chunk);
     if threads <= 1 || data.len() < POOL_MIN_BYTES || n < 2 {
