@@ -26,7 +26,8 @@ for step in range(start, steps):
     train_step()
     h = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": epoch})
     # save() returned once the tensors were copied into the ring: training goes on
-h.wait()  # durable and committed, or raises the save's error
+h.wait()  # the newest save is durable and committed, or this raises its error
+# (older saves may have been superseded while a persist ran: persist_policy)
 
 state = ckpt.load()  # the newest committed step (from RAM when resident)
 assert torch.equal(state["model"]["weight"], model.weight.detach())

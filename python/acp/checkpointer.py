@@ -288,19 +288,9 @@ class Checkpointer:
         self._recovering: list[_acp.SaveHandle] = []
         if coordinated:
             assert store is not None
-            try:
-                self._coordinator = Coordinator(
-                    store,
-                    job if job is not None else os.fspath(self.root),
-                    self.rank,
-                    self.world_size,
-                    600.0 if commit_timeout is None else commit_timeout,
-                )
-                if recover_together:
-                    self._recovering = recover(self._coordinator, self._engine)
-            except BaseException:
-                self._engine.close()  # lets go of the ring: the job can be opened again
-                raise
+            self._coordinator = self._coordinate(
+                store, job, commit_timeout, recover_together=recover_together
+            )
         self._adapters = Adapters()
         self._closed = False
         self._lock = threading.Lock()
@@ -326,7 +316,7 @@ class Checkpointer:
                 self.rank,
                 self.world_size,
                 self.replica_group,
-                None if shm_dir is None else os.fspath(shm_dir),
+                env.shm_dir,
                 {
                     "chunk_bytes": chunk_bytes,
                     "io": io,
@@ -334,6 +324,26 @@ class Checkpointer:
                     "commit_timeout": commit_timeout,
                 },
             )
+
+    def _coordinate(
+        self, store: Store, job: str | None, commit_timeout: float | None, *, recover_together: bool
+    ) -> Coordinator:
+        """Joins the job's other ranks through ``store``: the commit
+        coordinator, and the resident images the ranks recover together."""
+        try:
+            coordinator = Coordinator(
+                store,
+                job if job is not None else os.fspath(self.root),
+                self.rank,
+                self.world_size,
+                600.0 if commit_timeout is None else commit_timeout,
+            )
+            if recover_together:
+                self._recovering = recover(coordinator, self._engine)
+        except BaseException:
+            self._engine.close()  # lets go of the ring: the job can be opened again
+            raise
+        return coordinator
 
     # --- saving -----------------------------------------------------------
 
