@@ -18,6 +18,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
+from acp._plan import Plans
 from acp._rank import rank_and_world_size
 from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
 from acp.distributed import (
@@ -284,6 +285,9 @@ class Checkpointer:
                 self._engine.close()  # lets go of the ring: the job can be opened again
                 raise
         self._adapters = Adapters()
+        # The last save's and load(into=)'s plans, reused while the state's
+        # signature stays the same (acp._plan).
+        self._plans = Plans(self._adapters)
         self._closed = False
         self._lock = threading.Lock()
         self._saves = 0
@@ -403,33 +407,50 @@ class Checkpointer:
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
-        flat, tensors = self._flatten(state, replicated)
-        specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
+        # A state with the last save's signature reuses its plan (the
+        # names, the JSON, the copy's ranges): one walk, no describe.
+        kept = None if replicated else self._plans.for_save(state)
+        tensors: list[FlatTensor] = []
+        if kept is not None:
+            plan, alive = kept
+            specs, values_json, frameworks = plan.specs, plan.values_json, plan.frameworks
+            tensor_bytes, count = plan.tensor_bytes, len(plan.specs)
+        else:
+            flat, tensors = self._flatten(state, replicated)
+            specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
+            values_json, frameworks = flat.json(), flat.frameworks()
+            tensor_bytes, count = sum(t.info.nbytes for t in tensors), len(tensors)
         extra = {}
-        frameworks = flat.frameworks()
         if len(frameworks) == 1:
-            extra["format"] = {"torch": "pt", "numpy": "np"}.get(frameworks.pop(), "")
+            extra["format"] = {"torch": "pt", "numpy": "np"}.get(next(iter(frameworks)), "")
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
         t1 = perf_counter()
-        staging = self._engine.begin_save(step, specs, flat.json(), overwrite, extra, persist)
+        staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
         try:
-            tensor_bytes = sum(t.info.nbytes for t in tensors)
             if staging is None:
                 handle = _acp.SaveHandle.skipped(step)
                 copy_secs = 0.0
             else:
                 t2 = perf_counter()
-                _fill(staging, tensors)
+                if kept is not None:
+                    # ``alive`` holds the tensors whose addresses the plan
+                    # copies from, until the copy is done.
+                    staging.copy_from(kept[0].host)
+                    del alive
+                else:
+                    _fill(staging, tensors)
                 copy_secs = perf_counter() - t2
                 handle = staging.finish()
         except BaseException:
             if staging is not None:
                 staging.abort()
             raise
+        if kept is None and not replicated:
+            self._plans.saved(state, specs, values_json, frameworks, _host_plan(tensors), tensor_bytes)
         stall = perf_counter() - t0
         stats = SaveStats(
             step=step,
@@ -438,7 +459,7 @@ class Checkpointer:
             stall_secs=stall,
             flatten_secs=t1 - t0,
             copy_secs=copy_secs,
-            tensors=len(tensors),
+            tensors=count,
             tensor_bytes=tensor_bytes,
         )
         result = SaveHandle(handle, stats)
@@ -558,7 +579,7 @@ class Checkpointer:
             result = load_state(loaded, self._adapters, map_location)
             copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
         else:
-            copied = load_into(loaded, self._adapters, into, map_location)
+            copied = load_into(loaded, self._adapters, into, map_location, self._plans)
         t2 = perf_counter()
         report = loaded.report()
         del loaded
@@ -687,6 +708,7 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
+        self._plans.clear()
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
         if self._replicas is not None:
@@ -768,6 +790,21 @@ def _step(step: object) -> int:
     if not 0 <= value < 2**64:
         raise InvalidInput(f"step: {value} is not between 0 and 2**64 - 1")
     return value
+
+
+def _host_plan(tensors: list[FlatTensor]) -> list[tuple[int, int, int]] | None:
+    """The save's copy as engine ranges ``(index, address, nbytes)`` when
+    every tensor is contiguous host memory (or empty); else None."""
+    host = []
+    for index, t in enumerate(tensors):
+        info = t.info
+        if info.host is not None:
+            host.append((index, info.host[0], info.nbytes))
+        elif info.nbytes == 0:
+            host.append((index, 0, 0))
+        else:
+            return None
+    return host
 
 
 def _fill(staging: _acp.Staging, tensors: list[FlatTensor]) -> None:
