@@ -72,7 +72,7 @@ class Walker:
             v = pop()
             t = type(v)
             if t is dict or t is OrderedDict:
-                keys = tuple(v)  # type: ignore[arg-type]
+                keys: tuple[Any, ...] = tuple(v)  # type: ignore[arg-type]
                 append((t, id(v) if ids else 0, keys, tuple(map(type, keys))))
                 if ids:
                     containers.append(v)
@@ -86,7 +86,7 @@ class Walker:
                 extend(v)  # type: ignore[arg-type]
             elif t in _PLAIN:
                 if not values:
-                    append(t)
+                    append(t)  # type: ignore[arg-type]
                 elif t is float:
                     # By bits: -0.0 == 0.0 and nan != nan, but the JSON differs.
                     append((t, struct.pack(">d", v)))
@@ -107,26 +107,27 @@ class Walker:
         return sig, leaves, containers
 
 
-_parsed: tuple[str, Any] | None = None
+_parsed: list[tuple[str, Any]] = []
+"""The last ``(values JSON, tree)`` :func:`parse_cached` parsed."""
 
 
 def parse_cached(values_json: str, step: int) -> Any:
     """:func:`acp._codec.parse` of ``values_json``, the last tree kept:
     restoring the same checkpoint structure again parses and checks it
     once. Callers must not modify the tree."""
-    global _parsed
-    held = _parsed
+    held = _parsed[0] if _parsed else None
     if held is not None and held[0] == values_json:
         return held[1]
     node = parse(values_json, step)
-    _parsed = (values_json, node)
+    _parsed[:] = [(values_json, node)]
     return node
-
-
 
 
 HostCopy = tuple[int, int, int]
 """``(tensor index, address, nbytes)``: one range of an engine copy."""
+
+Spec = tuple[str, str, tuple[int, ...]]
+"""``(name, dtype, shape)`` of a tensor being saved."""
 
 
 class LoadPlan:
@@ -162,7 +163,8 @@ class SavePlan:
 
     def __init__(
         self,
-        specs: list[tuple[str, str, tuple[int, ...]]],
+        *,
+        specs: list[Spec],
         values_json: str,
         frameworks: set[str],
         host: list[HostCopy],
@@ -197,7 +199,8 @@ class Plans:
     def saved(
         self,
         state: object,
-        specs: list[tuple[str, str, tuple[int, ...]]],
+        *,
+        specs: list[Spec],
         values_json: str,
         frameworks: set[str],
         host: list[HostCopy] | None,
@@ -210,7 +213,14 @@ class Plans:
             return
         walked = self.walker.walk(state, values=True, ids=False)
         if walked is not None:
-            self.save = SavePlan(specs, values_json, frameworks, host, tensor_bytes, walked[0])
+            self.save = SavePlan(
+                specs=specs,
+                values_json=values_json,
+                frameworks=frameworks,
+                host=host,
+                tensor_bytes=tensor_bytes,
+                sig=walked[0],
+            )
 
     def for_save(self, state: object) -> tuple[SavePlan, list[object]] | None:
         """The kept plan when ``state`` has its signature, with the tensors

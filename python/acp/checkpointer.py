@@ -18,7 +18,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
-from acp._plan import Plans
+from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
 from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
 from acp.distributed import (
@@ -395,6 +395,21 @@ class Checkpointer:
         flat = flatten(state, self._adapters, prefix)
         return flat, flat.tensors
 
+    def _plan_save(
+        self, state: object, replicated: bool | Collection[str]
+    ) -> tuple[SavePlan | None, list[Any], list[Spec], str, set[str]]:
+        """``(kept plan, tensors, specs, values JSON, frameworks)``: a state
+        with the last save's signature reuses its plan (its names, JSON and
+        copy ranges: one walk, no describe), and ``tensors`` are then the
+        walk's leaves, alive while the copy runs; else the full flatten."""
+        kept = None if replicated else self._plans.for_save(state)
+        if kept is not None:
+            plan, alive = kept
+            return plan, alive, plan.specs, plan.values_json, plan.frameworks
+        flat, tensors = self._flatten(state, replicated)
+        specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
+        return None, tensors, specs, flat.json(), flat.frameworks()
+
     def _save(
         self,
         step: int,
@@ -407,19 +422,11 @@ class Checkpointer:
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
-        # A state with the last save's signature reuses its plan (the
-        # names, the JSON, the copy's ranges): one walk, no describe.
-        kept = None if replicated else self._plans.for_save(state)
-        tensors: list[FlatTensor] = []
-        if kept is not None:
-            plan, alive = kept
-            specs, values_json, frameworks = plan.specs, plan.values_json, plan.frameworks
-            tensor_bytes, count = plan.tensor_bytes, len(plan.specs)
-        else:
-            flat, tensors = self._flatten(state, replicated)
-            specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
-            values_json, frameworks = flat.json(), flat.frameworks()
-            tensor_bytes, count = sum(t.info.nbytes for t in tensors), len(tensors)
+        kept, tensors, specs, values_json, frameworks = self._plan_save(state, replicated)
+        tensor_bytes = (
+            kept.tensor_bytes if kept is not None else sum(t.info.nbytes for t in tensors)
+        )
+        count = len(specs)
         extra = {}
         if len(frameworks) == 1:
             extra["format"] = {"torch": "pt", "numpy": "np"}.get(next(iter(frameworks)), "")
@@ -437,10 +444,9 @@ class Checkpointer:
             else:
                 t2 = perf_counter()
                 if kept is not None:
-                    # ``alive`` holds the tensors whose addresses the plan
-                    # copies from, until the copy is done.
-                    staging.copy_from(kept[0].host)
-                    del alive
+                    # ``tensors`` (the walk's) holds the tensors whose
+                    # addresses the plan copies from, until the copy is done.
+                    staging.copy_from(kept.host)
                 else:
                     _fill(staging, tensors)
                 copy_secs = perf_counter() - t2
@@ -450,7 +456,14 @@ class Checkpointer:
                 staging.abort()
             raise
         if kept is None and not replicated:
-            self._plans.saved(state, specs, values_json, frameworks, _host_plan(tensors), tensor_bytes)
+            self._plans.saved(
+                state,
+                specs=specs,
+                values_json=values_json,
+                frameworks=frameworks,
+                host=_host_plan(tensors),
+                tensor_bytes=tensor_bytes,
+            )
         stall = perf_counter() - t0
         stats = SaveStats(
             step=step,
