@@ -38,14 +38,30 @@ class Walker:
     def __init__(self, adapters: Adapters) -> None:
         self.adapters = adapters
         self.by_type: dict[type, SigFn | None] = {}
+        self.keepers: dict[type, Callable[[list[object]], list[object]]] = {}
 
     def _sig_fn(self, kind: type, obj: object) -> SigFn | None:
         framework = self.adapters.framework_of(obj)
-        fn = None
+        fn = keep = None
         if framework is not None:
-            fn = getattr(self.adapters.get(framework, ""), "signature", None)
+            adapter = self.adapters.get(framework, "")
+            fn = getattr(adapter, "signature", None)
+            keep = getattr(adapter, "keep_alive", None)
+        if fn is not None and keep is None:
+            fn = None  # both or neither
+        if keep is not None:
+            self.keepers[kind] = keep
         self.by_type[kind] = fn
         return fn
+
+    def keep_alive(self, leaves: list[object]) -> list[object]:
+        """What keeps the memory of ``leaves`` (a walk's) alive while an
+        engine copy reads it without the GIL: the adapters' answer."""
+        groups: dict[Callable[[list[object]], list[object]], list[object]] = {}
+        keepers = self.keepers
+        for v in leaves:
+            groups.setdefault(keepers[type(v)], []).append(v)
+        return [k for keep, objs in groups.items() for k in keep(objs)]
 
     def walk(
         self, state: object, *, values: bool, ids: bool, limit: int | None = None
@@ -223,15 +239,15 @@ class Plans:
             )
 
     def for_save(self, state: object) -> tuple[SavePlan, list[object]] | None:
-        """The kept plan when ``state`` has its signature, with the tensors
-        to keep alive while the copy runs."""
+        """The kept plan when ``state`` has its signature, with what keeps
+        its tensors' memory alive while the copy runs."""
         plan = self.save
         if plan is None:
             return None
         walked = self.walker.walk(state, values=True, ids=False, limit=len(plan.sig))
         if walked is None or walked[0] != plan.sig:
             return None
-        return plan, walked[1]
+        return plan, self.walker.keep_alive(walked[1])
 
     # --- load ---
 

@@ -401,7 +401,8 @@ class Checkpointer:
         """``(kept plan, tensors, specs, values JSON, frameworks)``: a state
         with the last save's signature reuses its plan (its names, JSON and
         copy ranges: one walk, no describe), and ``tensors`` are then the
-        walk's leaves, alive while the copy runs; else the full flatten."""
+        storages of the walk's tensors, alive while the copy runs; else the
+        full flatten."""
         kept = None if replicated else self._plans.for_save(state)
         if kept is not None:
             plan, alive = kept
@@ -444,8 +445,8 @@ class Checkpointer:
             else:
                 t2 = perf_counter()
                 if kept is not None:
-                    # ``tensors`` (the walk's) holds the tensors whose
-                    # addresses the plan copies from, until the copy is done.
+                    # ``tensors`` holds the memory (the storages) the plan
+                    # copies from, until the copy is done.
                     staging.copy_from(kept.host)
                 else:
                     _fill(staging, tensors)

@@ -377,6 +377,12 @@ class Adapter:
             t.requires_grad,
         )
 
+    def keep_alive(self, objs: Sequence[object]) -> list[object]:
+        """What keeps the memory of the tensors among ``objs`` alive while
+        an engine copy runs without the GIL (their storages: another thread
+        may rebind a tensor meanwhile), as ``describe``'s ``host`` does."""
+        return [t.untyped_storage() for t in objs if isinstance(t, torch.Tensor)]
+
     def encode_value(self, obj: object, key: str) -> Any:
         if isinstance(obj, torch.Size):
             return {"kind": "size", "v": list(obj)}
