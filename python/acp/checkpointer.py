@@ -593,7 +593,10 @@ class Checkpointer:
             result = load_state(loaded, self._adapters, map_location)
             copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
         else:
-            copied = load_into(loaded, self._adapters, into, map_location, self._plans)
+            # Planning allocates per tensor (entries, signatures): without
+            # the pause, full collections walk the heap many times over.
+            with gc_paused():
+                copied = load_into(loaded, self._adapters, into, map_location, self._plans)
         t2 = perf_counter()
         report = loaded.report()
         del loaded
