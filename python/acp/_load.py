@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from acp._acp import CheckpointCorrupt, InvalidInput
+from acp._acp import CheckpointCorrupt, InvalidInput, Loaded
 from acp._codec import (
     Adapter,
     Adapters,
@@ -22,6 +22,7 @@ from acp._codec import (
     parse,
     tensor_refs,
 )
+from acp._plan import LoadPlan, Plans, parse_cached
 
 
 def entries_of(loaded: Any) -> dict[str, Entry]:
@@ -212,7 +213,13 @@ class _IntoPlanner:
         return self.replace(target, node, key)
 
 
-def load_into(loaded: Any, adapters: Adapters, into: object, map_location: Any = None) -> int:
+def load_into(
+    loaded: Any,
+    adapters: Adapters,
+    into: object,
+    map_location: Any = None,
+    plans: Plans | None = None,
+) -> int:
     """Copies a loaded checkpoint into ``into``; returns the bytes copied.
 
     Every tensor of ``into`` must be in the checkpoint with the same dtype
@@ -221,11 +228,35 @@ def load_into(loaded: Any, adapters: Adapters, into: object, map_location: Any =
     containers; keys of the checkpoint that ``into``'s dicts lack are added,
     except at the top level, where ``into``'s keys select what is loaded.
     Everything is checked before anything is copied.
+
+    With ``plans``, a load of the same checkpoint structure into an
+    ``into`` of the same signature (``acp._plan``) as the last one reuses
+    its plan: one engine copy, then the same assigns.
     """
-    node = parse(loaded.values_json, loaded.step)
+    keep = plans is not None and type(loaded) is Loaded
+    if keep:
+        assert plans is not None
+        entries = loaded.entries()
+        plan = plans.for_load(loaded.values_json, entries, into)
+        if plan is not None:
+            if plan.host:
+                loaded.copy_into(plan.host)
+            for container, k, build in plan.assigns:
+                container[k] = build()
+            return plan.copied
+    node = parse_cached(loaded.values_json, loaded.step)
     planner = _IntoPlanner(loaded, adapters)
     try:
-        return _load_into(planner, into, node, map_location)
+        copied, transfers = _load_into(planner, into, node, map_location)
+        if keep:
+            assert plans is not None
+            if planner.fresh.refs or any(t.jobs or t.keep for t in transfers):
+                plans.load = None  # not all plain host copies
+            else:
+                host = [r for t in transfers for r in t.host]
+                plan = LoadPlan(loaded.values_json, entries, host, list(planner.assigns), copied)
+                plans.loaded(plan, into)
+        return copied
     finally:
         # The planner's builders close over it (a reference cycle): it must
         # not keep the checkpoint's ring slot pinned until the next collection.
@@ -234,7 +265,9 @@ def load_into(loaded: Any, adapters: Adapters, into: object, map_location: Any =
         planner.assigns.clear()
 
 
-def _load_into(planner: _IntoPlanner, into: object, node: Any, map_location: Any) -> int:
+def _load_into(
+    planner: _IntoPlanner, into: object, node: Any, map_location: Any
+) -> tuple[int, list[Transfer]]:
     loaded, adapters = planner.loaded, planner.adapters
     if planner.plan(into, node, "", top=True) is not _KEEP:
         raise InvalidInput(
@@ -253,4 +286,4 @@ def _load_into(planner: _IntoPlanner, into: object, node: Any, map_location: Any
     run_transfers(loaded.copy_into, transfers)
     for container, k, build in planner.assigns:
         container[k] = build()
-    return copied
+    return copied, transfers

@@ -18,6 +18,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import compress_settings, settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
+from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
 from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
 from acp.distributed import (
@@ -292,6 +293,9 @@ class Checkpointer:
                 store, job, commit_timeout, recover_together=recover_together
             )
         self._adapters = Adapters()
+        # The last save's and load(into=)'s plans, reused while the state's
+        # signature stays the same (acp._plan).
+        self._plans = Plans(self._adapters)
         self._closed = False
         self._lock = threading.Lock()
         self._saves = 0
@@ -437,6 +441,22 @@ class Checkpointer:
         flat = flatten(state, self._adapters, prefix)
         return flat, flat.tensors
 
+    def _plan_save(
+        self, state: object, replicated: bool | Collection[str]
+    ) -> tuple[SavePlan | None, Flat | None, list[Any], list[Spec], str, set[str]]:
+        """``(kept plan, flat, tensors, specs, values JSON, frameworks)``: a state
+        with the last save's signature reuses its plan (its names, JSON and
+        copy ranges: one walk, no describe), and ``tensors`` are then the
+        storages of the walk's tensors, alive while the copy runs; else the
+        full flatten."""
+        kept = None if replicated else self._plans.for_save(state)
+        if kept is not None:
+            plan, alive = kept
+            return plan, None, alive, plan.specs, plan.values_json, plan.frameworks
+        flat, tensors = self._flatten(state, replicated)
+        specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
+        return None, flat, tensors, specs, flat.json(), flat.frameworks()
+
     def _save(
         self,
         step: int,
@@ -449,34 +469,48 @@ class Checkpointer:
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
-        flat, tensors = self._flatten(state, replicated)
-        specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
+        kept, flat, tensors, specs, values_json, frameworks = self._plan_save(state, replicated)
+        tensor_bytes = (
+            kept.tensor_bytes if kept is not None else sum(t.info.nbytes for t in tensors)
+        )
+        count = len(specs)
         extra = {}
-        frameworks = flat.frameworks()
         if len(frameworks) == 1:
-            extra["format"] = {"torch": "pt", "numpy": "np"}.get(frameworks.pop(), "")
+            extra["format"] = {"torch": "pt", "numpy": "np"}.get(next(iter(frameworks)), "")
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
         t1 = perf_counter()
-        values_json = flat.json()
         staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
         try:
-            tensor_bytes = sum(t.info.nbytes for t in tensors)
             if staging is None:
                 handle = _acp.SaveHandle.skipped(step)
                 copy_secs = 0.0
             else:
                 t2 = perf_counter()
-                _fill(staging, tensors)
+                if kept is not None:
+                    # ``tensors`` holds the memory (the storages) the plan
+                    # copies from, until the copy is done.
+                    staging.copy_from(kept.host)
+                else:
+                    _fill(staging, tensors)
                 copy_secs = perf_counter() - t2
                 handle = staging.finish()
         except BaseException:
             if staging is not None:
                 staging.abort()
             raise
+        if kept is None and not replicated:
+            self._plans.saved(
+                state,
+                specs=specs,
+                values_json=values_json,
+                frameworks=frameworks,
+                host=_host_plan(tensors),
+                tensor_bytes=tensor_bytes,
+            )
         stall = perf_counter() - t0
         stats = SaveStats(
             step=step,
@@ -485,7 +519,7 @@ class Checkpointer:
             stall_secs=stall,
             flatten_secs=t1 - t0,
             copy_secs=copy_secs,
-            tensors=len(tensors),
+            tensors=count,
             tensor_bytes=tensor_bytes,
         )
         result = SaveHandle(handle, stats)
@@ -493,13 +527,16 @@ class Checkpointer:
             self._in.last_staged = result
             if self._in.cover_setup is not None:
                 # Only the dying checkpoint after SIGTERM uses it.
+                # (A replicated save never reuses a plan: ``flat`` is there.)
                 covers = (
                     replicated is True
                     and len(self.replica_group) > 1
                     and self._in.sigterm is not None
                 )
                 self._in.saved = (
-                    cover.record(step, state, flat, values_json, extra) if covers else None
+                    cover.record(step, state, flat, values_json, extra)
+                    if covers and flat is not None
+                    else None
                 )
         with self._lock:
             self._saves += 1
@@ -620,7 +657,10 @@ class Checkpointer:
             result = load_state(loaded, self._adapters, map_location)
             copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
         else:
-            copied = load_into(loaded, self._adapters, into, map_location)
+            # Planning allocates per tensor (entries, signatures): without
+            # the pause, full collections walk the heap many times over.
+            with gc_paused():
+                copied = load_into(loaded, self._adapters, into, map_location, self._plans)
         t2 = perf_counter()
         report = loaded.report()
         del loaded
@@ -750,6 +790,7 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
+        self._plans.clear()
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
         if self._replicas is not None:
@@ -831,6 +872,21 @@ def _step(step: object) -> int:
     if not 0 <= value < 2**64:
         raise InvalidInput(f"step: {value} is not between 0 and 2**64 - 1")
     return value
+
+
+def _host_plan(tensors: list[FlatTensor]) -> list[tuple[int, int, int]] | None:
+    """The save's copy as engine ranges ``(index, address, nbytes)`` when
+    every tensor is contiguous host memory (or empty); else None."""
+    host = []
+    for index, t in enumerate(tensors):
+        info = t.info
+        if info.host is not None:
+            host.append((index, info.host[0], info.nbytes))
+        elif info.nbytes == 0:
+            host.append((index, 0, 0))
+        else:
+            return None
+    return host
 
 
 def _fill(staging: _acp.Staging, tensors: list[FlatTensor]) -> None:

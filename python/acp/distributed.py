@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, ConfigError, InvalidInput
-from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten, parse, tensor_refs
+from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten, tensor_refs
+from acp._plan import parse_cached
 
 __all__ = ["Coordinator", "Store", "assign", "default_store"]
 
@@ -245,7 +246,7 @@ def with_other_ranks(engine: Any, loaded: Any, rank: int, storage_only: bool) ->
     """``loaded`` (``rank``'s file) itself when its tree refers only to its
     own tensors; else a :class:`Sources` that adds the files holding the
     others (replicated tensors other ranks wrote), per the step's index."""
-    node = parse(loaded.values_json, loaded.step)
+    node = parse_cached(loaded.values_json, loaded.step)
     have = {e[0] for e in loaded.entries()}
     missing = {
         ref["name"]

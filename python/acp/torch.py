@@ -356,6 +356,33 @@ class Adapter:
         host = (address, t.untyped_storage()) if t.is_contiguous() else None
         return TensorInfo(dtype, shape, nbytes, alias, meta, host=host)
 
+    def signature(self, obj: object) -> Any:
+        """What ``describe`` and the copy plans read of ``obj``, for
+        ``acp._plan``: equal for two objects that plan alike. Raises for a
+        tensor that ``describe`` refuses anyway (the full path says why)."""
+        kind = type(obj)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            if isinstance(obj, torch.Tensor):
+                raise TypeError("a tensor subclass")
+            return (kind, obj)  # a dtype, a size, a device: by value
+        t: torch.Tensor = obj  # type: ignore[assignment]
+        return (
+            kind,
+            t.data_ptr(),
+            t.shape,
+            t.stride(),
+            t.dtype,
+            t.device,
+            t.layout,
+            t.requires_grad,
+        )
+
+    def keep_alive(self, objs: Sequence[object]) -> list[object]:
+        """What keeps the memory of the tensors among ``objs`` alive while
+        an engine copy runs without the GIL (their storages: another thread
+        may rebind a tensor meanwhile), as ``describe``'s ``host`` does."""
+        return [t.untyped_storage() for t in objs if isinstance(t, torch.Tensor)]
+
     def encode_value(self, obj: object, key: str) -> Any:
         if isinstance(obj, torch.Size):
             return {"kind": "size", "v": list(obj)}

@@ -1,0 +1,270 @@
+"""Plans kept from one save or ``load(into=)`` to the next while the state's
+structure is unchanged, so the per-tensor Python work of a training loop's
+repeated saves and restores runs once.
+
+A plan is reused only when a fresh walk of the state gives the same
+*signature*: for every container, its type, identity and keys (with their
+types) or length; for every tensor, what the plan read of it (type, address,
+shape, strides, dtype, device, layout, ``requires_grad``); for every other
+leaf, its type, and for a save its value (it is in the checkpoint's JSON).
+Anything else the plan depends on is compared too: the checkpoint's values
+and entries for a load, the options of a save. A state that changed in any
+of these ways takes the full path, which checks it and plans afresh.
+
+Only plans whose copies are all plain host copies are kept (contiguous CPU
+tensors): device and strided copies need views of the slot of the save or
+load in hand.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from acp._codec import Adapters, parse
+
+Signature = list[Hashable]
+SigFn = Callable[[object], Hashable]
+
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+class Walker:
+    """Signatures of states, with the per-type lookups of one checkpointer's
+    adapters cached (a type's framework never changes)."""
+
+    def __init__(self, adapters: Adapters) -> None:
+        self.adapters = adapters
+        self.by_type: dict[type, SigFn | None] = {}
+        self.keepers: dict[type, Callable[[list[object]], list[object]]] = {}
+
+    def _sig_fn(self, kind: type, obj: object) -> SigFn | None:
+        framework = self.adapters.framework_of(obj)
+        fn = keep = None
+        if framework is not None:
+            adapter = self.adapters.get(framework, "")
+            fn = getattr(adapter, "signature", None)
+            keep = getattr(adapter, "keep_alive", None)
+        if fn is not None and keep is None:
+            fn = None  # both or neither
+        if keep is not None:
+            self.keepers[kind] = keep
+        self.by_type[kind] = fn
+        return fn
+
+    def keep_alive(self, leaves: list[object]) -> list[object]:
+        """What keeps the memory of ``leaves`` (a walk's) alive while an
+        engine copy reads it without the GIL: the adapters' answer."""
+        groups: dict[Callable[[list[object]], list[object]], list[object]] = {}
+        keepers = self.keepers
+        for v in leaves:
+            groups.setdefault(keepers[type(v)], []).append(v)
+        return [k for keep, objs in groups.items() for k in keep(objs)]
+
+    def walk(
+        self, state: object, *, values: bool, ids: bool, limit: int | None = None
+    ) -> tuple[Signature, list[object], list[object]] | None:
+        """``(signature, framework leaves, containers)`` of ``state``, or
+        None when it cannot be planned from a signature (a leaf with no
+        signature, a framework that gives none, more than ``limit`` entries:
+        a state that grew, or contains itself). ``values``: plain leaves are
+        recorded by value (a save), else by type (a load assigns them).
+        ``ids``: containers are recorded by identity too (a plan that
+        assigns into them), and returned, for the plan to keep alive (an id
+        is unique only among live objects); else the containers list is
+        empty."""
+        sig: Signature = []
+        leaves: list[object] = []
+        containers: list[object] = []
+        append = sig.append
+        stack = [state]
+        pop, push, extend = stack.pop, stack.append, stack.extend
+        by_type = self.by_type
+        while stack:
+            if limit is not None and len(sig) > limit:
+                return None
+            v = pop()
+            t = type(v)
+            if t is dict or t is OrderedDict:
+                keys: tuple[Any, ...] = tuple(v)  # type: ignore[arg-type]
+                append((t, id(v) if ids else 0, keys, tuple(map(type, keys))))
+                if ids:
+                    containers.append(v)
+                if t is OrderedDict:
+                    push(getattr(v, "_metadata", None))
+                extend(v.values())  # type: ignore[attr-defined]
+            elif t is list or t is tuple:
+                append((t, id(v) if ids else 0, len(v)))  # type: ignore[arg-type]
+                if ids:
+                    containers.append(v)
+                extend(v)  # type: ignore[arg-type]
+            elif t in _PLAIN:
+                if not values:
+                    append(t)  # type: ignore[arg-type]
+                elif t is float:
+                    # By bits: -0.0 == 0.0 and nan != nan, but the JSON differs.
+                    append((t, struct.pack(">d", v)))
+                else:
+                    append((t, v))
+            else:
+                try:
+                    fn = by_type[t]
+                except KeyError:
+                    fn = self._sig_fn(t, v)
+                if fn is None:
+                    return None  # a container subclass, an unknown value
+                try:
+                    append(fn(v))
+                except Exception:
+                    return None  # e.g. a sparse tensor has no address: the full path says why
+                leaves.append(v)
+        return sig, leaves, containers
+
+
+_parsed: list[tuple[str, Any]] = []
+"""The last ``(values JSON, tree)`` :func:`parse_cached` parsed."""
+
+
+def parse_cached(values_json: str, step: int) -> Any:
+    """:func:`acp._codec.parse` of ``values_json``, the last tree kept:
+    restoring the same checkpoint structure again parses and checks it
+    once. Callers must not modify the tree."""
+    held = _parsed[0] if _parsed else None
+    if held is not None and held[0] == values_json:
+        return held[1]
+    node = parse(values_json, step)
+    _parsed[:] = [(values_json, node)]
+    return node
+
+
+HostCopy = tuple[int, int, int]
+"""``(tensor index, address, nbytes)``: one range of an engine copy."""
+
+Spec = tuple[str, str, tuple[int, ...]]
+"""``(name, dtype, shape)`` of a tensor being saved."""
+
+
+class LoadPlan:
+    """A ``load(into=)`` of host tensors, kept for the next load of the same
+    checkpoint structure into the same ``into`` structure."""
+
+    __slots__ = ("assigns", "containers", "copied", "entries", "host", "ids", "sig", "values_json")
+
+    def __init__(
+        self,
+        values_json: str,
+        entries: list[Any],
+        host: list[HostCopy],
+        assigns: list[tuple[Any, Any, Callable[[], Any]]],
+        copied: int,
+    ) -> None:
+        self.values_json = values_json
+        self.entries = entries
+        self.host = host
+        self.assigns = assigns
+        self.copied = copied
+        # Values assigned into containers: the same containers, by identity.
+        self.ids = bool(assigns)
+        self.sig: Signature = []
+        self.containers: list[object] = []
+
+
+class SavePlan:
+    """A save of host tensors, kept for the next save of a state with the
+    same signature (values included: they are in ``values_json``)."""
+
+    __slots__ = ("frameworks", "host", "sig", "specs", "tensor_bytes", "values_json")
+
+    def __init__(
+        self,
+        *,
+        specs: list[Spec],
+        values_json: str,
+        frameworks: set[str],
+        host: list[HostCopy],
+        tensor_bytes: int,
+        sig: Signature,
+    ) -> None:
+        self.specs = specs
+        self.values_json = values_json
+        self.frameworks = frameworks
+        self.host = host
+        self.tensor_bytes = tensor_bytes
+        self.sig = sig
+
+
+class Plans:
+    """The plans of one checkpointer: the last save's and the last load's.
+
+    A load plan that assigns values keeps ``into``'s containers alive until
+    it is replaced or :meth:`clear` is called (``close()``)."""
+
+    def __init__(self, adapters: Adapters) -> None:
+        self.walker = Walker(adapters)
+        self.save: SavePlan | None = None
+        self.load: LoadPlan | None = None
+
+    def clear(self) -> None:
+        self.save = None
+        self.load = None
+
+    # --- save ---
+
+    def saved(
+        self,
+        state: object,
+        *,
+        specs: list[Spec],
+        values_json: str,
+        frameworks: set[str],
+        host: list[HostCopy] | None,
+        tensor_bytes: int,
+    ) -> None:
+        """Keeps the plan of a save that took the full path; ``host`` None:
+        not all plain host copies, nothing kept."""
+        self.save = None
+        if host is None:
+            return
+        walked = self.walker.walk(state, values=True, ids=False)
+        if walked is not None:
+            self.save = SavePlan(
+                specs=specs,
+                values_json=values_json,
+                frameworks=frameworks,
+                host=host,
+                tensor_bytes=tensor_bytes,
+                sig=walked[0],
+            )
+
+    def for_save(self, state: object) -> tuple[SavePlan, list[object]] | None:
+        """The kept plan when ``state`` has its signature, with what keeps
+        its tensors' memory alive while the copy runs."""
+        plan = self.save
+        if plan is None:
+            return None
+        walked = self.walker.walk(state, values=True, ids=False, limit=len(plan.sig))
+        if walked is None or walked[0] != plan.sig:
+            return None
+        return plan, self.walker.keep_alive(walked[1])
+
+    # --- load ---
+
+    def loaded(self, plan: LoadPlan, into: object) -> None:
+        """Keeps ``plan``, once its assigns ran (its signature is of
+        ``into`` as the load left it)."""
+        self.load = None
+        walked = self.walker.walk(into, values=False, ids=plan.ids)
+        if walked is not None:
+            plan.sig, _, plan.containers = walked
+            self.load = plan
+
+    def for_load(self, values_json: str, entries: list[Any], into: object) -> LoadPlan | None:
+        plan = self.load
+        if plan is None or values_json != plan.values_json or entries != plan.entries:
+            return None
+        walked = self.walker.walk(into, values=False, ids=plan.ids, limit=len(plan.sig))
+        if walked is None or walked[0] != plan.sig:
+            return None
+        return plan
