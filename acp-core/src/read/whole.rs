@@ -199,7 +199,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         read_bytes: usize,
         found: &Found,
         outs: &mut [Option<&'d mut [Digest]>],
-        copies: &mut [Option<Vec<(usize, &'c mut [u8])>>],
+        copies: &mut [Option<Parts<'c>>],
     ) -> Result<u64> {
         let chunk = to_usize(self.chunk);
         let per_read = read_bytes / chunk;
@@ -297,6 +297,9 @@ fn read_size(chunk: usize, io_chunk: usize) -> Option<usize> {
 /// Where verified file bytes are copied: `(offset in the file, memory)`.
 pub(crate) type Target<'t> = (u64, &'t mut [u8]);
 
+/// The parts of targets one read holds: `(offset in the read, memory)`.
+type Parts<'t> = Vec<(usize, &'t mut [u8])>;
+
 /// `targets` cut along reads of `read_bytes` bytes (`reads` of them): per
 /// read, `(offset in the read, memory)` of each part it holds. Every
 /// target lies inside the `reads` reads (the caller checked).
@@ -304,8 +307,8 @@ fn split_targets<'t>(
     targets: Vec<Target<'t>>,
     read_bytes: usize,
     reads: usize,
-) -> Vec<Option<Vec<(usize, &'t mut [u8])>>> {
-    let mut per: Vec<Option<Vec<(usize, &'t mut [u8])>>> = (0..reads).map(|_| None).collect();
+) -> Vec<Option<Parts<'t>>> {
+    let mut per: Vec<Option<Parts<'t>>> = (0..reads).map(|_| None).collect();
     for (off, mut d) in targets {
         let mut at = to_usize(off);
         while !d.is_empty() {
@@ -338,7 +341,7 @@ struct Job<'a> {
     first: usize,
     bytes: &'a [u8],
     out: &'a mut [Digest],
-    copies: Vec<(usize, &'a mut [u8])>,
+    copies: Parts<'a>,
 }
 
 impl Job<'_> {
