@@ -453,6 +453,37 @@ mod tests {
     }
 
     #[test]
+    fn targets_are_cut_along_reads_and_scattered_from_each() {
+        let file: Vec<u8> = (0..40u32).map(|i| i as u8).collect();
+        let (mut a, mut b, mut c) = (vec![0u8; 3], vec![0u8; 12], vec![0u8; 0]);
+        // Reads of 8 bytes: `a` lies in read 0, `b` spans reads 1 to 3.
+        let targets: Vec<Target<'_>> = vec![(2, &mut a), (13, &mut b), (40, &mut c)];
+        let per = split_targets(targets, 8, 5);
+        let spans: Vec<Vec<(usize, usize)>> = per
+            .iter()
+            .map(|p| p.iter().flatten().map(|(at, d)| (*at, d.len())).collect())
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                vec![(2, 3)],
+                vec![(5, 3)],
+                vec![(0, 8)],
+                vec![(0, 1)],
+                vec![],
+            ]
+        );
+        for (i, parts) in per.into_iter().enumerate() {
+            scatter(
+                &file[i * 8..(i * 8 + 8).min(file.len())],
+                parts.into_iter().flatten(),
+            );
+        }
+        assert_eq!(a, file[2..5]);
+        assert_eq!(b, file[13..25]);
+    }
+
+    #[test]
     fn digests_on_threads_are_the_serial_ones() {
         let data: Vec<u8> = (0..(20u32 << 20)).map(|i| (i % 251) as u8).collect();
         for threads in [1, 2, 3, 8] {
