@@ -206,6 +206,9 @@ fn load_step(
     t0: Instant,
     targets: &mut Targets<'_, '_, '_>,
 ) -> Result<Checkpoint> {
+    // Filled by an earlier step's read whose load then failed (the
+    // caller falls back to this one): those bytes are not this step's.
+    targets.filled = false;
     let own = shared.cfg.rank;
     let rank = rank.unwrap_or(own);
     let index = match shared.root.read_index(step) {
