@@ -10,6 +10,9 @@
 //! - `acp_load_storage`: page cache dropped (untimed), then
 //!   `load(storage_only)` (read into a ring slot, blake3 verification,
 //!   header parse) and `copy_into` the destination tensors;
+//! - `acp_load_into_storage`: the same load through `Engine::load_into`,
+//!   which fills the destination tensors in the read's own pass (each read
+//!   copied by the thread that checked it, while in cache);
 //! - `memcpy_1t`, `memcpy_nt`: the tensors copied from a pre-faulted buffer
 //!   into the destination;
 //! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
@@ -76,6 +79,31 @@ fn load_into(engine: &Engine, req: &LoadRequest, set: &TensorSet, dst: &mut [u8]
     ck
 }
 
+/// [`load_into`] through [`Engine::load_into`]: the tensors are filled by
+/// the load itself.
+fn load_into_fused(
+    engine: &Engine,
+    req: &LoadRequest,
+    set: &TensorSet,
+    dst: &mut [u8],
+) -> Checkpoint {
+    let ranges: Vec<(usize, usize, usize)> = set
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i, t.offset, t.len))
+        .collect();
+    let mut into: Vec<(&str, &mut [u8])> = split_dst(dst, &ranges)
+        .into_iter()
+        .map(|(i, d)| (set.tensors[i].name.as_str(), d))
+        .collect();
+    let ck = engine
+        .load_into(req, &mut into)
+        .unwrap_or_else(|e| panic!("loading {req:?} into: {e}"));
+    assert_eq!(ck.report().source, Source::Storage, "{req:?}");
+    ck
+}
+
 fn restore(c: &mut Criterion) {
     let bytes = bench_bytes();
     let n = threads();
@@ -111,6 +139,13 @@ fn restore(c: &mut Criterion) {
         drop(load_into(&engine, req, &set, &mut dst));
         assert!(dst[..] == src[..], "{req:?} returned other bytes");
     }
+
+    dst.fill(0);
+    drop(load_into_fused(&engine, &storage, &set, &mut dst));
+    assert!(
+        dst[..] == src[..],
+        "load_into {storage:?} returned other bytes"
+    );
 
     let mut g = c.benchmark_group("restore");
     g.sample_size(SAMPLES)
@@ -174,6 +209,33 @@ fn restore(c: &mut Criterion) {
                 paired_direct.push(base_direct, took);
                 paired_direct_load.push(base_direct, Duration::from_secs_f64(ck.report().secs));
                 storage_secs.push(ck.report().secs);
+                drop(ck);
+            }
+            timed
+        });
+    });
+    let mut paired_into = Paired::default();
+    let mut paired_into_vs_load = Paired::default();
+    g.bench_function("acp_load_into_storage", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let _ = drop_caches();
+                let t = Instant::now();
+                raw::read_uring(&path, read_buf.padded_mut(), BLOCK, 8)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                let base_direct = t.elapsed();
+                let _ = drop_caches();
+                let t = Instant::now();
+                drop(load_into(&engine, &storage, &set, &mut dst));
+                let two_pass = t.elapsed();
+                let _ = drop_caches();
+                let t = Instant::now();
+                let ck = load_into_fused(&engine, &storage, &set, &mut dst);
+                let took = t.elapsed();
+                timed += took;
+                paired_into.push(base_direct, took);
+                paired_into_vs_load.push(two_pass, took);
                 drop(ck);
             }
             timed
@@ -274,6 +336,14 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "paired storage direct, before copy_into",
         paired_direct_load.summary("raw_read_direct", "acp_load_storage LoadReport.secs"),
+    );
+    notes.set(
+        "paired storage direct, load_into",
+        paired_into.summary("raw_read_direct", "acp_load_into_storage"),
+    );
+    notes.set(
+        "paired storage, load_into vs load + copy_into",
+        paired_into_vs_load.summary("acp_load_storage", "acp_load_into_storage"),
     );
     notes.set(
         "paired ram",

@@ -13,8 +13,11 @@ use super::wait::wait_for;
 use super::{ranks, replicate, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::Digest;
 use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
-use crate::read::{sums_match, ChunkReader, IoSource, MemSource, StoredSource};
+use crate::read::{
+    sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
+};
 use crate::staging::{Ring, SlotInfo, SlotState};
 use crate::storage::FileHandle;
 
@@ -61,9 +64,80 @@ impl Engine {
     pub fn load(&self, req: &LoadRequest) -> Result<Checkpoint> {
         load(self.shared(), req)
     }
+
+    /// [`Engine::load`], then copies each tensor `into[k].0` into
+    /// `into[k].1` (exactly its length). From storage, the tensors are
+    /// filled in the read's own pass: each read is copied into them by the
+    /// thread that checked its digests, while it is in cache, so the image
+    /// is not read from memory a second time; from any other source, they
+    /// are copied once the load succeeded.
+    ///
+    /// Nothing reaches `into` before its digest chunk matched. On an error,
+    /// each tensor of `into` holds its old bytes or bytes of the step
+    /// being loaded that were verified (a storage read that failed part
+    /// way, or before falling back to an older step): the caller is told
+    /// by the error and must not use them.
+    ///
+    /// # Errors
+    /// As [`Engine::load`]; [`Error::Invalid`] naming the tensor when a
+    /// name is not in the loaded step or a length differs, before anything
+    /// is copied into it.
+    pub fn load_into(
+        &self,
+        req: &LoadRequest,
+        into: &mut [(&str, &mut [u8])],
+    ) -> Result<Checkpoint> {
+        let mut targets = Targets {
+            into,
+            filled: false,
+        };
+        let ck = load_with(self.shared(), req, &mut targets)?;
+        if !targets.filled {
+            let mut dsts = targets
+                .into
+                .iter_mut()
+                .map(|(name, d)| {
+                    let i = ck
+                        .entries()
+                        .iter()
+                        .position(|e| e.name == *name)
+                        .ok_or_else(|| not_in_step(name, ck.step()))?;
+                    Ok((i, &mut **d))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            ck.copy_into(&mut dsts)?;
+        }
+        Ok(ck)
+    }
+}
+
+/// The caller's memory for tensors of a load ([`Engine::load_into`]), and
+/// whether the load already filled it.
+pub(super) struct Targets<'a, 'n, 'b> {
+    into: &'a mut [(&'n str, &'b mut [u8])],
+    filled: bool,
+}
+
+fn not_in_step(name: &str, step: u64) -> Error {
+    Error::invalid(
+        format!("tensor `{name}`"),
+        format!("not in the loaded step {step}"),
+    )
 }
 
 pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
+    let mut none = Targets {
+        into: &mut [],
+        filled: false,
+    };
+    load_with(shared, req, &mut none)
+}
+
+fn load_with(
+    shared: &Shared,
+    req: &LoadRequest,
+    targets: &mut Targets<'_, '_, '_>,
+) -> Result<Checkpoint> {
     let t0 = Instant::now();
     // This rank's RAM snapshots that `load` may serve without a step.
     let ram = if req.step.is_none() {
@@ -115,7 +189,7 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
     // `fallback` says, as for a resident copy of a committed step.
     let mut rejected: Option<String> = None;
     for step in ram_first {
-        match load_step(shared, step, req.rank, false, t0) {
+        match load_step(shared, step, req.rank, false, t0, targets) {
             Ok(c) => return Ok(c),
             Err(e) => {
                 tracing::warn!(
@@ -144,7 +218,7 @@ pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
             (Some(names), Some(rank)) if rank != shared.cfg.rank => {
                 ranks::load_tensors(shared, step, rank, names, req.storage_only, t0)
             }
-            _ => load_step(shared, step, req.rank, req.storage_only, t0),
+            _ => load_step(shared, step, req.rank, req.storage_only, t0, targets),
         };
         match result {
             Ok(c) => {
@@ -221,7 +295,11 @@ fn load_step(
     rank: Option<u32>,
     storage_only: bool,
     t0: Instant,
+    targets: &mut Targets<'_, '_, '_>,
 ) -> Result<Checkpoint> {
+    // Filled by an earlier step's read whose load then failed (the
+    // caller falls back to this one): those bytes are not this step's.
+    targets.filled = false;
     let own = shared.cfg.rank;
     let rank = rank.unwrap_or(own);
     let index = match shared.root.read_index(step) {
@@ -353,17 +431,21 @@ fn load_step(
         None
     };
     // Each chunk is verified as it lands; nothing is sealed or handed out
-    // before every digest matched.
-    let read = |dst: &mut [u8]| {
+    // before every digest matched, and nothing reaches `targets` before
+    // its chunk matched.
+    let io_chunk = shared.io_opts.chunk_bytes;
+    let mut read = |dst: &mut [u8]| {
         if entry.stored_size.is_some() {
             // A compressed file: its frames are read and decoded on this
             // thread, each chunk then checked like a plain one.
             let file = file.try_clone().map_err(|e| Error::io("open", &path, e))?;
             let src = StoredSource::new(file, path.clone(), entry)?;
-            return ChunkReader::new(src, entry)?.read_verified(
+            return read_placed(
+                ChunkReader::new(src, entry)?,
                 dst,
+                targets,
                 threads,
-                shared.io_opts.chunk_bytes,
+                io_chunk,
             );
         }
         let src = IoSource {
@@ -373,7 +455,13 @@ fn load_step(
             path: &path,
             len: entry.size,
         };
-        ChunkReader::new(src, entry)?.read_verified(dst, threads, shared.io_opts.chunk_bytes)
+        read_placed(
+            ChunkReader::new(src, entry)?,
+            dst,
+            targets,
+            threads,
+            io_chunk,
+        )
     };
     let backing = if let Some(mut slot) = slot {
         let digests = read(slot.image_mut())?;
@@ -397,6 +485,49 @@ fn load_step(
         &expected,
     )
     .map(|c| c.with_rejected(rejected))
+}
+
+/// Reads the whole file of `reader` into `dst`, verified
+/// ([`ChunkReader::read_verified`]); with tensors to fill, first reads and
+/// checks the header, then fills them in the read's own pass
+/// ([`ChunkReader::read_verified_into`]) and marks `targets` filled.
+fn read_placed<S: ChunkSource + Sync>(
+    mut reader: ChunkReader<S>,
+    dst: &mut [u8],
+    targets: &mut Targets<'_, '_, '_>,
+    threads: usize,
+    io_chunk: usize,
+) -> Result<Vec<Digest>> {
+    if targets.into.is_empty() {
+        return reader.read_verified(dst, threads, io_chunk);
+    }
+    let header = reader.header()?;
+    let step = header.step.unwrap_or_default();
+    let placed = targets
+        .into
+        .iter_mut()
+        .map(|(name, d)| {
+            let e = header
+                .entries
+                .iter()
+                .find(|e| e.name == *name)
+                .ok_or_else(|| not_in_step(name, step))?;
+            if d.len() as u64 != e.len {
+                return Err(Error::invalid(
+                    format!("tensor `{name}`"),
+                    format!(
+                        "destination has {} bytes, the checkpoint {}",
+                        d.len(),
+                        e.len
+                    ),
+                ));
+            }
+            Ok((e.offset, &mut **d))
+        })
+        .collect::<Result<Vec<Target<'_>>>>()?;
+    let digests = reader.read_verified_into(dst, threads, io_chunk, placed)?;
+    targets.filled = true;
+    Ok(digests)
 }
 
 /// Loads `rank`'s image of `step`, which is not committed, from RAM: this

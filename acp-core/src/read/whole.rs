@@ -1,6 +1,8 @@
 //! Whole images checked on several threads: in place
 //! ([`ChunkReader::verify_in_place`]), or while they are read
-//! ([`ChunkReader::read_verified`]).
+//! ([`ChunkReader::read_verified`]), optionally copying each verified read
+//! into the caller's tensors while it is still in cache
+//! ([`ChunkReader::read_verified_into`]).
 //!
 //! A read is verified while it runs: the source hands over each read as
 //! soon as it has landed, and a small pool of hashing threads (fed through
@@ -96,7 +98,38 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         threads: usize,
         io_chunk: usize,
     ) -> Result<Vec<Digest>> {
+        self.read_verified_into(dst, threads, io_chunk, Vec::new())
+    }
+
+    /// [`ChunkReader::read_verified`], also copying file bytes
+    /// `[off, off + d.len())` into each target `(off, d)` as soon as every
+    /// digest chunk of the read holding them matched, on the thread that
+    /// checked it, while those bytes are still in its cache. A target never
+    /// receives a byte whose chunk was not verified.
+    ///
+    /// On an error, each target holds either its old bytes or the file's
+    /// verified ones (per read it spans), never others.
+    ///
+    /// # Errors
+    /// As [`ChunkReader::read_verified`]; [`Error::Invalid`] for a target
+    /// past the end of the file (before anything is read).
+    pub(crate) fn read_verified_into(
+        &mut self,
+        dst: &mut [u8],
+        threads: usize,
+        io_chunk: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>> {
         let len = to_usize(self.entry.size);
+        if let Some((off, d)) = targets.iter().find(|(off, d)| {
+            off.checked_add(d.len() as u64)
+                .is_none_or(|e| e > self.entry.size)
+        }) {
+            return Err(Error::invalid(
+                self.src.name().display(),
+                format!("bytes {off}+{} past the end of the file", d.len()),
+            ));
+        }
         let chunk = to_usize(self.chunk);
         let n = len.div_ceil(chunk);
         if self.digests.len() != n {
@@ -114,16 +147,22 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             if digests.len() == n && !(0..).zip(&digests).all(|(i, g)| self.matches(i, g)) {
                 self.guess = crate::format::parse_header(self.src.name(), image, got).ok();
             }
-            return self.check_digests(digests, got);
+            let digests = self.check_digests(digests, got)?;
+            scatter(image, targets.into_iter().map(|(o, d)| (to_usize(o), d)));
+            return Ok(digests);
         };
         let per_read = read_bytes / chunk;
         let found = Found::default();
         let mut got = vec![[0u8; 32]; n];
         let this = &*self;
+        let reads = len.div_ceil(read_bytes);
+        // Per read `i`, the targets' parts it holds; taken with its digests.
+        let mut copies = split_targets(targets, read_bytes, reads);
         let read = {
             // Per read `i`, the digests it covers; taken when it lands.
             let mut outs: Vec<Option<&mut [Digest]>> = got.chunks_mut(per_read).map(Some).collect();
-            let read = this.hash_while_reading(dst, threads, read_bytes, &found, &mut outs);
+            let read =
+                this.hash_while_reading(dst, threads, read_bytes, &found, &mut outs, &mut copies);
             read.map(|r| (r, outs.iter().any(Option::is_some)))
         };
         if let Some(i) = found.first() {
@@ -138,7 +177,14 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             // check the whole image rather than trust the unseen part.
             tracing::warn!(path = %self.src.name().display(), "the source did not report every chunk");
             let digests = digests_of(&dst[..len], chunk, threads);
-            return self.check_digests(digests, read);
+            let digests = self.check_digests(digests, read)?;
+            let rest = copies.into_iter().enumerate().flat_map(|(i, c)| {
+                c.into_iter()
+                    .flatten()
+                    .map(move |(at, d)| (i * read_bytes + at, d))
+            });
+            scatter(&dst[..len], rest);
+            return Ok(digests);
         }
         Ok(got)
     }
@@ -146,13 +192,14 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
     /// The read of [`ChunkReader::read_verified`], each landed read hashed
     /// into its `outs` slot by a pool (or this thread); records the chunks
     /// that differ in `found`.
-    fn hash_while_reading<'d>(
+    fn hash_while_reading<'d, 'c: 'd>(
         &self,
         dst: &'d mut [u8],
         threads: usize,
         read_bytes: usize,
         found: &Found,
         outs: &mut [Option<&'d mut [Digest]>],
+        copies: &mut [Option<Parts<'c>>],
     ) -> Result<u64> {
         let chunk = to_usize(self.chunk);
         let per_read = read_bytes / chunk;
@@ -199,6 +246,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
                     first: i * per_read,
                     bytes,
                     out,
+                    copies: copies.get_mut(i).and_then(Option::take).unwrap_or_default(),
                 };
                 if hashers == 0 {
                     job.check(chunk, self, found);
@@ -246,18 +294,61 @@ fn read_size(chunk: usize, io_chunk: usize) -> Option<usize> {
     Some(chunk * (io_chunk / chunk).clamp(1, MAX_READ / chunk))
 }
 
+/// Where verified file bytes are copied: `(offset in the file, memory)`.
+pub(crate) type Target<'t> = (u64, &'t mut [u8]);
+
+/// The parts of targets one read holds: `(offset in the read, memory)`.
+type Parts<'t> = Vec<(usize, &'t mut [u8])>;
+
+/// `targets` cut along reads of `read_bytes` bytes (`reads` of them): per
+/// read, `(offset in the read, memory)` of each part it holds. Every
+/// target lies inside the `reads` reads (the caller checked).
+fn split_targets<'t>(
+    targets: Vec<Target<'t>>,
+    read_bytes: usize,
+    reads: usize,
+) -> Vec<Option<Parts<'t>>> {
+    let mut per: Vec<Option<Parts<'t>>> = (0..reads).map(|_| None).collect();
+    for (off, mut d) in targets {
+        let mut at = to_usize(off);
+        while !d.is_empty() {
+            let (i, in_read) = (at / read_bytes, at % read_bytes);
+            let n = (read_bytes - in_read).min(d.len());
+            let (head, tail) = std::mem::take(&mut d).split_at_mut(n);
+            if let Some(slot) = per.get_mut(i) {
+                slot.get_or_insert_with(Vec::new).push((in_read, head));
+            }
+            d = tail;
+            at += n;
+        }
+    }
+    per
+}
+
+/// Copies `src[at..at + d.len()]` into each `(at, d)`; a part outside
+/// `src` is left as it is (callers pass parts inside it).
+fn scatter<'t>(src: &[u8], parts: impl IntoIterator<Item = (usize, &'t mut [u8])>) {
+    for (at, d) in parts {
+        if let Some(s) = at.checked_add(d.len()).and_then(|end| src.get(at..end)) {
+            d.copy_from_slice(s);
+        }
+    }
+}
+
 /// One landed read: its bytes, the digest chunks it holds from index
-/// `first` on, and where their digests go.
+/// `first` on, where their digests go, and the targets' parts it holds.
 struct Job<'a> {
     first: usize,
     bytes: &'a [u8],
     out: &'a mut [Digest],
+    copies: Parts<'a>,
 }
 
 impl Job<'_> {
     /// Hashes each `chunk`-byte piece and compares it with the index's
-    /// digest; records the first that differs. Skips the work once any
-    /// mismatch is known (the read fails anyway).
+    /// digest; records the first that differs. Once all matched, copies
+    /// the read's bytes into its targets' parts, while they are in cache.
+    /// Skips the work once any mismatch is known (the read fails anyway).
     fn check<S: ChunkSource>(self, chunk: usize, reader: &ChunkReader<S>, found: &Found) {
         if found.any() {
             return;
@@ -270,6 +361,7 @@ impl Job<'_> {
                 return;
             }
         }
+        scatter(self.bytes, self.copies);
     }
 }
 
@@ -358,6 +450,37 @@ mod tests {
         assert_eq!(read_size(4096, 1 << 30), Some(1 << 30));
         assert_eq!(read_size(1000, 4 << 20), None);
         assert_eq!(read_size(2 << 30, 4 << 20), None);
+    }
+
+    #[test]
+    fn targets_are_cut_along_reads_and_scattered_from_each() {
+        let file: Vec<u8> = (0..40u32).map(|i| i as u8).collect();
+        let (mut a, mut b, mut c) = (vec![0u8; 3], vec![0u8; 12], vec![0u8; 0]);
+        // Reads of 8 bytes: `a` lies in read 0, `b` spans reads 1 to 3.
+        let targets: Vec<Target<'_>> = vec![(2, &mut a), (13, &mut b), (40, &mut c)];
+        let per = split_targets(targets, 8, 5);
+        let spans: Vec<Vec<(usize, usize)>> = per
+            .iter()
+            .map(|p| p.iter().flatten().map(|(at, d)| (*at, d.len())).collect())
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                vec![(2, 3)],
+                vec![(5, 3)],
+                vec![(0, 8)],
+                vec![(0, 1)],
+                vec![],
+            ]
+        );
+        for (i, parts) in per.into_iter().enumerate() {
+            scatter(
+                &file[i * 8..(i * 8 + 8).min(file.len())],
+                parts.into_iter().flatten(),
+            );
+        }
+        assert_eq!(a, file[2..5]);
+        assert_eq!(b, file[13..25]);
     }
 
     #[test]

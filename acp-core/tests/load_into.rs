@@ -1,0 +1,273 @@
+//! `Engine::load_into` fills the caller's tensors in the storage read's own
+//! pass (each read copied by the thread that checked its digests). With
+//! both I/O engines, hashing on the reading thread (1 thread) and in a pool
+//! (2 threads), plain and compressed files:
+//! - the tensors get exactly the saved bytes, from storage and from RAM;
+//! - a changed byte in the middle of the file is an error naming the file
+//!   and the tensor, and no tensor ever receives a byte of the changed
+//!   chunk: each byte of `into` is its old value or the saved one;
+//! - a name the step lacks, or a length that differs, is refused naming
+//!   the tensor, and `into` is left as it was.
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use acp_core::{
+    Compress, Dtype, Engine, EngineConfig, Error, ErrorKind, HostTensor, IoChoice, LoadRequest,
+    SaveOptions, Source,
+};
+use serde_json::json;
+
+const CHUNK: usize = 1 << 20;
+/// Six tensors of 4 MiB: a 24 MiB file of 24+ chunks, large enough for the
+/// hashing pool.
+const TENSORS: usize = 6;
+const TENSOR_BYTES: usize = 4 << 20;
+/// What `into` holds before a load.
+const OLD: u8 = 0xee;
+
+fn config(root: &Path, shm: &Path, io: IoChoice, threads: usize) -> EngineConfig {
+    EngineConfig::new(root)
+        .with_shm_dir(shm)
+        .with_job("load-into")
+        .with_ring_bytes(64 << 20)
+        .with_ring_slots(2)
+        .with_chunk_bytes(CHUNK)
+        .with_queue_depth(4)
+        .with_copy_threads(threads)
+        .with_mlock(false)
+        .with_io(io)
+}
+
+fn tensor(i: usize) -> Vec<u8> {
+    (0..TENSOR_BYTES)
+        .map(|j| u8::try_from((i * 131 + j * 7 + j / 4093) % 251).unwrap())
+        .collect()
+}
+
+fn name(i: usize) -> String {
+    format!("w.{i}")
+}
+
+/// A root with step 1 committed (compressed or not); returns it and the
+/// data file's path.
+fn committed(dir: &Path, compress: Compress) -> (PathBuf, PathBuf) {
+    let root = dir.join(format!("ckpt-{compress:?}"));
+    let shm = dir.join(format!("shm-save-{compress:?}"));
+    std::fs::create_dir(&shm).unwrap();
+    let engine =
+        Engine::open(config(&root, &shm, IoChoice::Auto, 2).with_compress(compress)).unwrap();
+    let data: Vec<Vec<u8>> = (0..TENSORS).map(tensor).collect();
+    let names: Vec<String> = (0..TENSORS).map(name).collect();
+    let shape = [TENSOR_BYTES as u64];
+    let host: Vec<HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .map(|(n, d)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: &shape,
+            data: d,
+        })
+        .collect();
+    engine
+        .save(1, &host, &json!({"step": 1}), &SaveOptions::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.close().unwrap();
+    let file = root.join("step-000000000001/rank-00000.safetensors");
+    (root, file)
+}
+
+/// An engine over `root` with an empty ring of its own.
+fn fresh_engine(root: &Path, dir: &Path, tag: &str, io: IoChoice, threads: usize) -> Engine {
+    let shm = dir.join(format!("shm-{tag}"));
+    std::fs::create_dir(&shm).unwrap();
+    let engine = Engine::open(config(root, &shm, io, threads)).unwrap();
+    assert!(engine.resident_steps().is_empty());
+    engine
+}
+
+fn request(storage_only: bool) -> LoadRequest {
+    LoadRequest {
+        step: Some(1),
+        storage_only,
+        ..LoadRequest::default()
+    }
+}
+
+fn combos() -> Vec<(IoChoice, usize)> {
+    vec![
+        (IoChoice::Uring, 1),
+        (IoChoice::Uring, 2),
+        (IoChoice::Psync, 1),
+        (IoChoice::Psync, 2),
+    ]
+}
+
+/// Memory for every tensor, filled with [`OLD`].
+fn old_bufs() -> Vec<Vec<u8>> {
+    (0..TENSORS).map(|_| vec![OLD; TENSOR_BYTES]).collect()
+}
+
+/// Loads step 1 per `req` into `bufs` (tensor `i` into `bufs[i]`), in an
+/// order other than the file's.
+fn load_into(
+    engine: &Engine,
+    req: &LoadRequest,
+    bufs: &mut [Vec<u8>],
+) -> Result<acp_core::Checkpoint, Error> {
+    let names: Vec<String> = (0..TENSORS).map(name).collect();
+    let mut into: Vec<(&str, &mut [u8])> = names
+        .iter()
+        .map(String::as_str)
+        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+        .rev()
+        .collect();
+    engine.load_into(req, &mut into)
+}
+
+#[test]
+fn tensors_get_the_saved_bytes_from_storage_and_from_ram() {
+    let dir = tempfile::tempdir().unwrap();
+    for compress in [Compress::None, Compress::Zstd] {
+        let (root, _) = committed(dir.path(), compress);
+        for (io, threads) in combos() {
+            let case = format!("{compress:?}, {io:?}, {threads} threads");
+            let engine = fresh_engine(
+                &root,
+                dir.path(),
+                &format!("{compress:?}-{io:?}-{threads}"),
+                io,
+                threads,
+            );
+            for (storage_only, source) in [(true, Source::Storage), (false, Source::Ram)] {
+                let mut bufs = old_bufs();
+                let ck = load_into(&engine, &request(storage_only), &mut bufs).unwrap();
+                assert_eq!(ck.report().source, source, "{case}");
+                assert!(ck.report().verified, "{case}");
+                for (i, b) in bufs.iter().enumerate() {
+                    assert!(*b == tensor(i), "{case}, {source:?}: w.{i}");
+                    assert!(ck.tensor(&name(i)).unwrap().data == tensor(i), "{case}");
+                }
+                drop(ck);
+                // The storage read left the step resident, as `load` does.
+                assert_eq!(engine.resident_steps(), vec![1], "{case}");
+            }
+            engine.close().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_changed_chunk_is_named_and_never_reaches_the_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, file) = committed(dir.path(), Compress::None);
+    let probe = fresh_engine(&root, dir.path(), "probe", IoChoice::Auto, 2);
+    let ck = probe.load(&request(true)).unwrap();
+    let target = ck
+        .entries()
+        .iter()
+        .find(|e| e.name == "w.3")
+        .unwrap()
+        .clone();
+    drop(ck);
+    probe.close().unwrap();
+    // A byte in the middle of the file, inside `w.3`.
+    let at = target.offset + target.len / 2 + 12_345;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+    let in_w3 = usize::try_from(at - target.offset).unwrap();
+
+    for (io, threads) in combos() {
+        let case = format!("{io:?}, {threads} threads");
+        let engine = fresh_engine(&root, dir.path(), &format!("{io:?}-{threads}"), io, threads);
+        let mut bufs = old_bufs();
+        let e = load_into(&engine, &request(true), &mut bufs).unwrap_err();
+        match &e {
+            Error::Corrupt {
+                path,
+                tensor,
+                reason,
+            } => {
+                assert_eq!(path, &file, "{case}: {e}");
+                assert_eq!(tensor.as_deref(), Some("w.3"), "{case}: {e}");
+                assert!(reason.contains("digest mismatch"), "{case}: {e}");
+            }
+            other => panic!("{case}: not Corrupt: {other}"),
+        }
+        // Each byte is its old value or the saved one; the changed chunk's
+        // bytes never arrived.
+        for (i, buf) in bufs.iter().enumerate() {
+            let saved = tensor(i);
+            assert!(
+                buf.iter().zip(&saved).all(|(g, s)| *g == OLD || g == s),
+                "{case}: w.{i} holds bytes that are neither old nor saved"
+            );
+        }
+        // The changed digest chunk, in `w.3`'s own coordinates.
+        let chunk_start = at / CHUNK as u64 * CHUNK as u64;
+        let from = usize::try_from(chunk_start.saturating_sub(target.offset)).unwrap();
+        let to = usize::try_from(chunk_start + CHUNK as u64 - target.offset)
+            .unwrap()
+            .min(TENSOR_BYTES);
+        assert!(from <= in_w3 && in_w3 < to);
+        assert!(
+            bufs[3][from..to].iter().all(|g| *g == OLD),
+            "{case}: bytes of the changed chunk reached `w.3`"
+        );
+        // Nothing became resident.
+        assert!(engine.resident_steps().is_empty(), "{case}");
+        engine.close().unwrap();
+    }
+}
+
+#[test]
+fn a_name_or_length_that_differs_is_refused_and_nothing_is_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, _) = committed(dir.path(), Compress::None);
+    for storage_only in [true, false] {
+        let engine = fresh_engine(
+            &root,
+            dir.path(),
+            &format!("refuse-{storage_only}"),
+            IoChoice::Auto,
+            2,
+        );
+        if !storage_only {
+            // Resident: the refusal comes from the copy after the load.
+            drop(engine.load(&request(true)).unwrap());
+            assert_eq!(engine.resident_steps(), vec![1]);
+        }
+        let mut a = vec![OLD; TENSOR_BYTES];
+        let mut b = vec![OLD; TENSOR_BYTES];
+        let err = engine
+            .load_into(
+                &request(storage_only),
+                &mut [("w.0", a.as_mut_slice()), ("w.missing", b.as_mut_slice())],
+            )
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+        assert!(err.to_string().contains("w.missing"), "{err}");
+        let mut short = vec![OLD; TENSOR_BYTES - 1];
+        let err = engine
+            .load_into(
+                &request(storage_only),
+                &mut [("w.0", a.as_mut_slice()), ("w.1", short.as_mut_slice())],
+            )
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+        assert!(err.to_string().contains("w.1"), "{err}");
+        assert!(a.iter().chain(&b).chain(&short).all(|g| *g == OLD));
+        engine.close().unwrap();
+    }
+}
