@@ -450,11 +450,15 @@ fn ram_check(c: &mut Criterion) {
     let mut notes = Notes::new("restore_check");
     notes.set("bytes", human_bytes(bytes as u64));
     notes.set("threads", n);
+    // Whether any row ran (a filter on another group skips them all, and
+    // `dst` is then never written).
+    let mut ran = false;
     for (name, check, fused) in rows {
         let mut paired = Paired::default();
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 let mut timed = Duration::ZERO;
+                ran |= iters > 0;
                 for _ in 0..iters {
                     let t = Instant::now();
                     black_box(run(&mut base, &src, n, None, false));
@@ -471,7 +475,7 @@ fn ram_check(c: &mut Criterion) {
         notes.set(&format!("paired {name}"), paired.summary("memcpy_nt", name));
     }
     g.finish();
-    assert!(dst[..] == src[..], "the copies differ");
+    assert!(!ran || dst[..] == src[..], "the copies differ");
     notes.save();
 }
 
