@@ -12,6 +12,21 @@
 //! does not make it smaller. Grouping is a permutation of the chunk's
 //! bytes, so decoding is bit-exact whatever the bytes are.
 //!
+//! # Levels
+//!
+//! A plane of float bytes has almost no repeated strings: what shrinks is
+//! the skew of its byte histogram (exponent bytes take few values), which
+//! zstd's Huffman coding of literals captures. Level 1, the default, is
+//! therefore a literal-first profile ([`LITERAL_FIRST`]): zstd's fast
+//! strategy with a small hash table and matches of at least 7 bytes (so
+//! the match finder costs little and finds only real repeats, such as
+//! zeroed or constant regions), and Huffman-coded literals forced on.
+//! On bf16 weights from normal(0, 0.02) it is about 3× faster than zstd's
+//! own level 1 and a little smaller (matches of 3 to 6 exponent bytes cost
+//! more than they save). Levels 2 to 19 are zstd's own levels, slower, for
+//! data with long repeats. Whatever the level, frames are plain zstd
+//! frames: the decoder needs no parameters.
+//!
 //! # Frame layout
 //!
 //! A frame encodes one chunk and decodes on its own (all integers
@@ -42,6 +57,97 @@ pub const WIDTHS: [u8; 4] = [1, 2, 4, 8];
 /// The most runs one frame may list (a chunk holds at most this many
 /// distinct width changes; acp's layout, widest first, has at most four).
 pub const MAX_RUNS: u32 = 1 << 16;
+
+/// The level that selects the literal-first profile (see "Levels").
+pub const LITERAL_FIRST: i32 = 1;
+
+/// A zstd compression context set up for `level` (see "Levels").
+fn compressor(level: i32) -> std::result::Result<zstd::zstd_safe::CCtx<'static>, String> {
+    use zstd::zstd_safe::{CCtx, CParameter, ParamSwitch, Strategy};
+    let mut cx = CCtx::try_create().ok_or("zstd cannot allocate a context")?;
+    let params: &[CParameter] = if level <= LITERAL_FIRST {
+        &[
+            CParameter::CompressionLevel(1),
+            CParameter::Strategy(Strategy::ZSTD_fast),
+            CParameter::HashLog(10),
+            CParameter::MinMatch(7),
+            CParameter::TargetLength(64),
+            CParameter::LiteralCompressionMode(ParamSwitch::Enable),
+            CParameter::ChecksumFlag(false),
+        ]
+    } else {
+        &[
+            CParameter::CompressionLevel(level),
+            CParameter::ChecksumFlag(false),
+        ]
+    };
+    for p in params {
+        cx.set_parameter(*p)
+            .map_err(|c| format!("zstd refuses {p:?}: {}", zstd::zstd_safe::get_error_name(c)))?;
+    }
+    Ok(cx)
+}
+
+/// Appends byte `k` of each `w`-byte element of `bytes` to `planes[k]`
+/// (`planes` has `w` entries); `bytes` is whole elements.
+fn split(bytes: &[u8], planes: &mut [&mut Vec<u8>]) {
+    match planes {
+        [a] => a.extend_from_slice(bytes),
+        [a, b] => {
+            for e in bytes.chunks_exact(2) {
+                a.push(e[0]);
+                b.push(e[1]);
+            }
+        }
+        [a, b, c, d] => {
+            for e in bytes.chunks_exact(4) {
+                a.push(e[0]);
+                b.push(e[1]);
+                c.push(e[2]);
+                d.push(e[3]);
+            }
+        }
+        _ => {
+            let w = planes.len();
+            for e in bytes.chunks_exact(w) {
+                for (p, &x) in planes.iter_mut().zip(e) {
+                    p.push(x);
+                }
+            }
+        }
+    }
+}
+
+/// Writes `srcs[k][i]` to byte `k` of element `i` of `out` (`srcs` has
+/// one slice per byte of a `srcs.len()`-byte element, each of
+/// `out.len() / srcs.len()` bytes).
+fn merge(out: &mut [u8], srcs: &[&[u8]]) {
+    match srcs {
+        [a] => out.copy_from_slice(a),
+        [a, b] => {
+            for ((e, &x), &y) in out.chunks_exact_mut(2).zip(*a).zip(*b) {
+                e[0] = x;
+                e[1] = y;
+            }
+        }
+        [a, b, c, d] => {
+            for ((((e, &x), &y), &z), &t) in out.chunks_exact_mut(4).zip(*a).zip(*b).zip(*c).zip(*d)
+            {
+                e[0] = x;
+                e[1] = y;
+                e[2] = z;
+                e[3] = t;
+            }
+        }
+        _ => {
+            for (i, e) in out.chunks_exact_mut(srcs.len()).enumerate() {
+                for (b, s) in e.iter_mut().zip(srcs) {
+                    *b = s[i];
+                }
+            }
+        }
+    }
+}
 
 /// Plane mode: the plane's bytes as they are.
 const MODE_RAW: u8 = 0;
@@ -139,15 +245,11 @@ pub fn encode(
     let mut at = 0usize;
     for r in runs {
         let bytes = &chunk[at..at + r.len as usize];
-        let w = usize::from(r.width);
-        if w == 1 {
-            planes[0].extend_from_slice(bytes);
-        } else {
-            for k in 0..r.width {
-                let plane = &mut planes[plane_slot(r.width, k)];
-                plane.extend(bytes.iter().skip(usize::from(k)).step_by(w));
-            }
-        }
+        let first = plane_slot(r.width, 0);
+        let mut mine: Vec<&mut Vec<u8>> = planes[first..first + usize::from(r.width)]
+            .iter_mut()
+            .collect();
+        split(bytes, &mut mine);
         at += r.len as usize;
     }
     out.extend_from_slice(&(runs.len() as u32).to_le_bytes());
@@ -160,6 +262,7 @@ pub fn encode(
     out.resize(table_at + present.len() * 5, 0);
     let mut stats = EncodeStats::default();
     let mut scratch = Vec::new();
+    let mut cx = None;
     for (p, &(w, k)) in present.iter().enumerate() {
         let plane = &planes[plane_slot(w, k)];
         // A buffer one byte short of the plane: zstd fails when its output
@@ -169,8 +272,13 @@ pub fn encode(
         let packed = match plane.len() {
             0 => None,
             _ if looks_random(plane) => None,
-            n => zstd::bulk::compress_to_buffer(plane, scratch_slice(&mut scratch, n - 1), level)
-                .ok(),
+            n => {
+                if cx.is_none() {
+                    cx = Some(compressor(level).map_err(|r| Error::invalid(what, r))?);
+                }
+                cx.as_mut()
+                    .and_then(|cx| cx.compress2(scratch_slice(&mut scratch, n - 1), plane).ok())
+            }
         };
         let (mode, stored) = match packed {
             Some(m) if m < plane.len() => {
@@ -340,20 +448,14 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
     for r in &runs {
         let len = r.len as usize;
         let out = &mut dst[at..at + len];
-        let w = usize::from(r.width);
-        let n = len / w;
+        let n = len / usize::from(r.width);
+        let mut srcs: Vec<&[u8]> = Vec::with_capacity(usize::from(r.width));
         for k in 0..r.width {
             let slot = plane_slot(r.width, k);
-            let src = &planes[slot][taken[slot]..taken[slot] + n];
-            if w == 1 {
-                out.copy_from_slice(src);
-            } else {
-                for (dst_b, src_b) in out.iter_mut().skip(usize::from(k)).step_by(w).zip(src) {
-                    *dst_b = *src_b;
-                }
-            }
+            srcs.push(&planes[slot][taken[slot]..taken[slot] + n]);
             taken[slot] += n;
         }
+        merge(out, &srcs);
         at += len;
     }
     Ok(())
@@ -407,6 +509,25 @@ mod tests {
         );
         assert_eq!(stats.zstd_planes + stats.raw_planes, 2, "two planes");
         assert!(stats.zstd_planes >= 1, "the exponent plane shrinks");
+    }
+
+    #[test]
+    fn the_literal_first_level_shrinks_exponent_planes_as_well_as_level_3() {
+        let chunk = bf16_weights(256 * 1024);
+        let runs = [Run {
+            width: 2,
+            len: chunk.len() as u32,
+        }];
+        let size = |level| {
+            let mut frame = Vec::new();
+            encode("t", &chunk, &runs, level, &mut frame).unwrap();
+            let mut back = vec![0u8; chunk.len()];
+            decode(&frame, &mut back).unwrap();
+            assert_eq!(back, chunk, "level {level}");
+            frame.len()
+        };
+        let (fast, l3) = (size(LITERAL_FIRST), size(3));
+        assert!(fast <= l3 + l3 / 50, "level 1: {fast} bytes, level 3: {l3}");
     }
 
     #[test]
@@ -582,9 +703,12 @@ mod tests {
 
     proptest! {
         #[test]
-        fn every_dtype_round_trips_bit_exact((chunk, runs) in arb_chunk()) {
+        fn every_dtype_round_trips_bit_exact(
+            (chunk, runs) in arb_chunk(),
+            level in prop::sample::select(vec![LITERAL_FIRST, 2, 19]),
+        ) {
             let mut frame = Vec::new();
-            encode("t", &chunk, &runs, 1, &mut frame).unwrap();
+            encode("t", &chunk, &runs, level, &mut frame).unwrap();
             let mut back = vec![0u8; chunk.len()];
             decode(&frame, &mut back).unwrap();
             prop_assert_eq!(back, chunk);
