@@ -136,13 +136,17 @@ pub(super) fn write_packed(
     let frames_start = packed_frames_start(n as u64);
     let reserved = usize::try_from(frames_start)
         .map_err(|_| Error::invalid(path.display(), "a frame table too large for memory"))?;
-    let piece = round_block(chunk.max(MIN_PIECE)).max(round_block(reserved));
+    // Pieces are written in whole chunks (`chunk` is the I/O chunk, a
+    // multiple of 4096), the storage's unit as for a plain file.
+    let head_blocks = round_block(reserved);
+    let piece = round_block(chunk.max(MIN_PIECE)).max(head_blocks);
     let mut stage = super::load::heap((piece + chunk + 4096) as u64, path)?;
     let mut out = StreamWriter::start(file, path, &shared.io_opts, len)?;
     // The file offset of `stage[0]`, and the bytes of `stage` in use.
     let (mut base, mut fill) = (0u64, reserved);
-    // The file's first blocks, kept when they are first written so that
-    // the head can be put in front of the frames they hold.
+    // The file's first blocks (those the head and table touch), kept when
+    // they are first written so that the head can be put in front of the
+    // frames they hold.
     let mut first: Option<memmap2::MmapMut> = None;
     let mut entries: Vec<FrameEntry> = Vec::with_capacity(n);
     let mut digests: Vec<Digest> = Vec::with_capacity(n);
@@ -231,10 +235,10 @@ pub(super) fn write_packed(
                 handed += 1;
             }
             if fill >= piece {
-                let whole = fill / 4096 * 4096;
+                let whole = fill / chunk * chunk;
                 if base == 0 {
-                    let mut keep = super::load::heap(piece as u64, path)?;
-                    keep[..piece].copy_from_slice(&stage[..piece]);
+                    let mut keep = super::load::heap(head_blocks as u64, path)?;
+                    keep[..head_blocks].copy_from_slice(&stage[..head_blocks]);
                     first = Some(keep);
                 }
                 let t = Instant::now();
@@ -260,7 +264,7 @@ pub(super) fn write_packed(
         Some(keep) => {
             out.write_at(&stage[..round_block(fill)], base)?;
             keep[..head.len()].copy_from_slice(&head);
-            out.write_at(&keep[..piece], 0)?;
+            out.write_at(&keep[..head_blocks], 0)?;
         }
     }
     let stats = out.finish(stored)?;

@@ -23,7 +23,6 @@ pub(crate) struct StreamWriter<'a> {
     path: &'a Path,
     opts: &'a IoOpts,
     direct: bool,
-    bytes: u64,
 }
 
 impl<'a> StreamWriter<'a> {
@@ -48,13 +47,13 @@ impl<'a> StreamWriter<'a> {
             path,
             opts,
             direct,
-            bytes: 0,
         })
     }
 
-    /// Writes `buf` at `offset`. `buf` starts 4096-aligned, and `offset`
-    /// and `buf.len()` are multiples of 4096 (bytes past the file's end are
-    /// cut off by [`StreamWriter::finish`]).
+    /// Writes `buf` at `offset`, one operation per `opts.chunk_bytes` (the
+    /// unit the fault probe sees, as for a plain write). `buf` starts
+    /// 4096-aligned, and `offset` and `buf.len()` are multiples of 4096
+    /// (bytes past the file's end are cut off by [`StreamWriter::finish`]).
     ///
     /// # Errors
     /// [`Error::Invalid`] for a piece that is not so aligned;
@@ -72,12 +71,15 @@ impl<'a> StreamWriter<'a> {
                 ),
             ));
         }
-        probe_op(self.opts.faults.as_deref(), "write", self.path)
-            .map_err(|e| Error::io("write", self.path, e))?;
-        self.file
-            .write_all_at(buf, offset)
-            .map_err(|e| Error::io("write", self.path, e))?;
-        self.bytes += buf.len() as u64;
+        let mut at = offset;
+        for op in buf.chunks(self.opts.chunk_bytes.max(ALIGN)) {
+            probe_op(self.opts.faults.as_deref(), "write", self.path)
+                .map_err(|e| Error::io("write", self.path, e))?;
+            self.file
+                .write_all_at(op, at)
+                .map_err(|e| Error::io("write", self.path, e))?;
+            at += op.len() as u64;
+        }
         Ok(())
     }
 
