@@ -88,30 +88,37 @@ fn compressor(level: i32) -> std::result::Result<zstd::zstd_safe::CCtx<'static>,
     Ok(cx)
 }
 
-/// Appends byte `k` of each `w`-byte element of `bytes` to `planes[k]`
-/// (`planes` has `w` entries); `bytes` is whole elements.
-fn split(bytes: &[u8], planes: &mut [&mut Vec<u8>]) {
-    match planes {
-        [a] => a.extend_from_slice(bytes),
+/// Writes byte `k` of each element of `bytes` to `dsts[k]` (one
+/// destination per byte of a `dsts.len()`-byte element, each of
+/// `bytes.len() / dsts.len()` bytes).
+fn split(bytes: &[u8], dsts: &mut [&mut [u8]]) {
+    match dsts {
+        [a] => a.copy_from_slice(bytes),
         [a, b] => {
-            for e in bytes.chunks_exact(2) {
-                a.push(e[0]);
-                b.push(e[1]);
+            for ((e, x), y) in bytes.chunks_exact(2).zip(a.iter_mut()).zip(b.iter_mut()) {
+                *x = e[0];
+                *y = e[1];
             }
         }
         [a, b, c, d] => {
-            for e in bytes.chunks_exact(4) {
-                a.push(e[0]);
-                b.push(e[1]);
-                c.push(e[2]);
-                d.push(e[3]);
+            for ((((e, x), y), z), t) in bytes
+                .chunks_exact(4)
+                .zip(a.iter_mut())
+                .zip(b.iter_mut())
+                .zip(c.iter_mut())
+                .zip(d.iter_mut())
+            {
+                *x = e[0];
+                *y = e[1];
+                *z = e[2];
+                *t = e[3];
             }
         }
         _ => {
-            let w = planes.len();
-            for e in bytes.chunks_exact(w) {
-                for (p, &x) in planes.iter_mut().zip(e) {
-                    p.push(x);
+            let w = dsts.len();
+            for (i, e) in bytes.chunks_exact(w).enumerate() {
+                for (d, &x) in dsts.iter_mut().zip(e) {
+                    d[i] = x;
                 }
             }
         }
@@ -241,15 +248,22 @@ pub fn encode(
     }
     check_runs(runs, chunk.len()).map_err(|r| Error::invalid(what, r))?;
     let lens = plane_lens(runs);
-    let mut planes: Vec<Vec<u8>> = lens.iter().map(|&n| Vec::with_capacity(n)).collect();
+    let mut planes: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+    let mut filled = [0usize; 15];
     let mut at = 0usize;
     for r in runs {
         let bytes = &chunk[at..at + r.len as usize];
+        let n = r.len as usize / usize::from(r.width);
         let first = plane_slot(r.width, 0);
-        let mut mine: Vec<&mut Vec<u8>> = planes[first..first + usize::from(r.width)]
+        let mut dsts: Vec<&mut [u8]> = planes[first..first + usize::from(r.width)]
             .iter_mut()
+            .zip(&filled[first..])
+            .map(|(p, &f)| &mut p[f..f + n])
             .collect();
-        split(bytes, &mut mine);
+        split(bytes, &mut dsts);
+        for f in &mut filled[first..first + usize::from(r.width)] {
+            *f += n;
+        }
         at += r.len as usize;
     }
     out.extend_from_slice(&(runs.len() as u32).to_le_bytes());
@@ -262,7 +276,49 @@ pub fn encode(
     out.resize(table_at + present.len() * 5, 0);
     let mut stats = EncodeStats::default();
     let mut scratch = Vec::new();
-    let mut cx = None;
+    CCTX.with(|cell| -> Result<()> {
+        let mut cached = cell.borrow_mut();
+        if cached.as_ref().is_none_or(|(l, _)| *l != level) {
+            *cached = Some((
+                level,
+                compressor(level).map_err(|r| Error::invalid(what, r))?,
+            ));
+        }
+        let Some((_, cx)) = cached.as_mut() else {
+            return Err(Error::invalid(what, "no zstd context (a bug in acp)"));
+        };
+        encode_planes(
+            out,
+            table_at,
+            &present,
+            &planes,
+            cx,
+            &mut scratch,
+            &mut stats,
+        );
+        Ok(())
+    })?;
+    Ok(stats)
+}
+
+// This thread's zstd context and the level it is set for: a context costs
+// an allocation of its tables, and a flush encodes many chunks.
+thread_local! {
+    static CCTX: std::cell::RefCell<Option<(i32, zstd::zstd_safe::CCtx<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Compresses each of the `present` planes into `out`, filling their
+/// entries of the table at `table_at`.
+fn encode_planes(
+    out: &mut Vec<u8>,
+    table_at: usize,
+    present: &[(u8, u8)],
+    planes: &[Vec<u8>],
+    cx: &mut zstd::zstd_safe::CCtx<'static>,
+    scratch: &mut Vec<u8>,
+    stats: &mut EncodeStats,
+) {
     for (p, &(w, k)) in present.iter().enumerate() {
         let plane = &planes[plane_slot(w, k)];
         // A buffer one byte short of the plane: zstd fails when its output
@@ -272,13 +328,7 @@ pub fn encode(
         let packed = match plane.len() {
             0 => None,
             _ if looks_random(plane) => None,
-            n => {
-                if cx.is_none() {
-                    cx = Some(compressor(level).map_err(|r| Error::invalid(what, r))?);
-                }
-                cx.as_mut()
-                    .and_then(|cx| cx.compress2(scratch_slice(&mut scratch, n - 1), plane).ok())
-            }
+            n => cx.compress2(scratch_slice(scratch, n - 1), plane).ok(),
         };
         let (mode, stored) = match packed {
             Some(m) if m < plane.len() => {
@@ -297,7 +347,6 @@ pub fn encode(
         // Every plane is at most the chunk, which fits a u32 (checked above).
         out[e + 1..e + 5].copy_from_slice(&(stored as u32).to_le_bytes());
     }
-    Ok(stats)
 }
 
 /// The order-0 entropy, in bits per byte, above which a plane is stored
@@ -314,9 +363,22 @@ fn looks_random(plane: &[u8]) -> bool {
     if plane.len() < 64 << 10 {
         return false;
     }
+    // Four histograms, so that runs of one byte value (the exponent
+    // bytes of weights) do not wait on one counter's previous update.
+    let mut four = [[0u64; 256]; 4];
+    let mut quads = plane.chunks_exact(4);
+    for q in &mut quads {
+        four[0][usize::from(q[0])] += 1;
+        four[1][usize::from(q[1])] += 1;
+        four[2][usize::from(q[2])] += 1;
+        four[3][usize::from(q[3])] += 1;
+    }
+    for &b in quads.remainder() {
+        four[0][usize::from(b)] += 1;
+    }
     let mut counts = [0u64; 256];
-    for &b in plane {
-        counts[usize::from(b)] += 1;
+    for (i, c) in counts.iter_mut().enumerate() {
+        *c = four[0][i] + four[1][i] + four[2][i] + four[3][i];
     }
     let n = plane.len() as f64;
     let bits: f64 = counts
