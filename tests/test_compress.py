@@ -107,3 +107,27 @@ def test_inspect_shows_the_codec_and_export_writes_a_plain_file(
     data = out.read_bytes()
     header_len = int.from_bytes(data[:8], "little")
     assert json.loads(data[8 : 8 + header_len])["__metadata__"]["acp.version"] == "1"
+
+
+@pytest.mark.parametrize("mode", ["zstd", "none"])
+def test_save_stats_and_persist_stats_give_staged_and_stored_bytes(
+    make_ckpt: MakeCkpt, tmp_path: Path, mode: str
+) -> None:
+    ckpt = make_ckpt(compress=mode)
+    s = ckpt.save(5, state()).wait()
+    file = tmp_path / "ckpt" / "step-000000000005" / "rank-00000.safetensors"
+    assert s.stored_bytes == file.stat().st_size
+    assert s.bytes is not None
+    assert s.compression_ratio is not None
+    assert s.compression_ratio == s.stored_bytes / s.bytes
+    if mode == "zstd":
+        assert s.stored_bytes < s.bytes
+    else:
+        assert s.stored_bytes == s.bytes
+    persist = ckpt.stats()["persist"]
+    assert persist["bytes_written"] == s.bytes
+    assert persist["bytes_stored"] == s.stored_bytes
+    assert persist["compression_ratio"] == s.compression_ratio
+    lines = ckpt.stats("prometheus").splitlines()
+    stored = [x for x in lines if x.startswith("acp_storage_bytes_stored_total{")]
+    assert [x.rsplit(" ", 1)[1] for x in stored] == [repr(float(s.stored_bytes))]

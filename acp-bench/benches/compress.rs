@@ -13,19 +13,28 @@
 //! - `flush_plain` / `flush_zstd`: `save` untimed, then until the step is
 //!   committed (`SaveHandle::wait`), for a mixed state (half bf16 weights,
 //!   half fp32 Adam state) at `ACP_BENCH_BYTES` (at most 256 MiB);
-//! - `restore_plain` / `restore_zstd`: that step loaded from storage
-//!   (`storage_only`, every chunk verified; the page cache is warm).
+//! - `flush_plain_200mbs` / `flush_zstd_200mbs`: the same with the storage
+//!   capped at 200 MB/s (a slow shared file system: the test-util fault
+//!   probe's throttle, each 4 MiB chunk write taking its share of the
+//!   pipe), and `flush_{plain,zstd}_bf16_200mbs` for a bf16 model state
+//!   alone of the same size;
+//! - `restore_plain` / `restore_zstd`: the unthrottled step loaded from
+//!   storage (`storage_only`, every chunk verified; the page cache is
+//!   warm).
 //!
 //! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
 //!
 //! The notes give the compressed size over the plain size for each state
-//! (bf16 weights, fp32 Adam state, the mixed flush file).
+//! (bf16 weights, fp32 Adam state, the mixed flush file), and the flush
+//! time of each compressed row over its plain row (`speedup_*`: above 1,
+//! compression finishes sooner).
 
 use std::time::{Duration, Instant};
 
 use acp_bench::{engine_config, measurement_time, Notes, Scratch, SAMPLES};
 use acp_core::codec::Run;
 use acp_core::format::{encode_frame, FrameCodec};
+use acp_core::storage::faults::FaultInjector;
 use acp_core::{Compress, Dtype, Engine, HostTensor, SaveOptions};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 
@@ -134,13 +143,21 @@ fn codec(c: &mut Criterion, notes: &mut Notes) {
     g.finish();
 }
 
+/// The storage cap of the throttled rows, in bytes per second.
+const SLOW_STORAGE: u64 = 200_000_000;
+
+/// The engine's flush chunk (the throttle's unit).
+const FLUSH_CHUNK: usize = 4 << 20;
+
 fn flush(c: &mut Criterion, notes: &mut Notes) {
     let total = acp_bench::bench_bytes().min(256 << 20);
     let weights = bf16_normal(total / 4, 0.02, 3);
     let adam = fp32_adam(total / 8, 4);
+    let bf16_only = bf16_normal(total / 2, 0.02, 5);
     let shape_w = [weights.len() as u64 / 2];
     let shape_a = [adam.len() as u64 / 4];
-    let host = [
+    let shape_b = [bf16_only.len() as u64 / 2];
+    let mixed = [
         HostTensor {
             name: "model.w",
             dtype: Dtype::BF16,
@@ -154,25 +171,61 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
             data: &adam,
         },
     ];
+    let model = [HostTensor {
+        name: "model.w",
+        dtype: Dtype::BF16,
+        shape: &shape_b,
+        data: &bf16_only,
+    }];
     let mut g = c.benchmark_group("compress_flush");
     g.sample_size(SAMPLES)
         .sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_millis(50))
         .measurement_time(measurement_time())
         .throughput(Throughput::Bytes(total as u64));
-    for (name, mode) in [
-        ("flush_plain", Compress::None),
-        ("flush_zstd", Compress::Zstd),
+    let mut medians: Vec<(String, f64)> = Vec::new();
+    for (name, mode, host, cap) in [
+        ("flush_plain", Compress::None, &mixed[..], 0),
+        ("flush_zstd", Compress::Zstd, &mixed[..], 0),
+        (
+            "flush_plain_200mbs",
+            Compress::None,
+            &mixed[..],
+            SLOW_STORAGE,
+        ),
+        (
+            "flush_zstd_200mbs",
+            Compress::Zstd,
+            &mixed[..],
+            SLOW_STORAGE,
+        ),
+        (
+            "flush_plain_bf16_200mbs",
+            Compress::None,
+            &model[..],
+            SLOW_STORAGE,
+        ),
+        (
+            "flush_zstd_bf16_200mbs",
+            Compress::Zstd,
+            &model[..],
+            SLOW_STORAGE,
+        ),
     ] {
         let scratch = Scratch::new(&format!("compress-{name}"));
+        let faults = std::sync::Arc::new(FaultInjector::counting());
+        faults.throttle(cap, FLUSH_CHUNK as u64);
         let engine = Engine::open(
             engine_config(&scratch, total, 2)
+                .with_chunk_bytes(FLUSH_CHUNK)
                 .with_compress(mode)
                 .with_compress_level(level().max(1))
+                .with_faults(std::sync::Arc::clone(&faults))
                 .with_release_on_close(true),
         )
         .unwrap_or_else(|e| panic!("opening the engine: {e}"));
         let mut step = 0u64;
+        let mut times: Vec<f64> = Vec::new();
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 let mut spent = Duration::ZERO;
@@ -181,14 +234,16 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
                     let h = engine
                         .save(
                             step,
-                            &host,
+                            host,
                             &serde_json::json!(null),
                             &SaveOptions::default(),
                         )
                         .unwrap_or_else(|e| panic!("save: {e}"));
                     let t = Instant::now();
                     h.wait().unwrap_or_else(|e| panic!("flush: {e}"));
-                    spent += t.elapsed();
+                    let took = t.elapsed();
+                    times.push(took.as_secs_f64());
+                    spent += took;
                     engine
                         .retain(1, None)
                         .unwrap_or_else(|e| panic!("retain: {e}"));
@@ -196,18 +251,25 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
                 spent
             });
         });
-        let restore = name.replace("flush", "restore");
-        g.bench_function(restore.as_str(), |b| {
-            b.iter(|| {
-                engine
-                    .load(&acp_core::LoadRequest {
-                        step: Some(step),
-                        storage_only: true,
-                        ..acp_core::LoadRequest::default()
-                    })
-                    .unwrap_or_else(|e| panic!("restore: {e}"))
+        times.sort_by(f64::total_cmp);
+        // A row a filter left out has no times.
+        if let Some(m) = times.get(times.len() / 2) {
+            medians.push((name.to_owned(), *m));
+        }
+        if cap == 0 {
+            let restore = name.replace("flush", "restore");
+            g.bench_function(restore.as_str(), |b| {
+                b.iter(|| {
+                    engine
+                        .load(&acp_core::LoadRequest {
+                            step: Some(step),
+                            storage_only: true,
+                            ..acp_core::LoadRequest::default()
+                        })
+                        .unwrap_or_else(|e| panic!("restore: {e}"))
+                });
             });
-        });
+        }
         let file = scratch
             .root()
             .join(format!("step-{step:012}"))
@@ -219,6 +281,25 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
             .unwrap_or_else(|e| panic!("closing the engine: {e}"));
     }
     g.finish();
+    // Same-run ratios: each plain row's median flush over its zstd row's.
+    for (name, secs) in &medians {
+        if let Some(zstd) = name.strip_prefix("flush_plain") {
+            let z = format!("flush_zstd{zstd}");
+            if let Some((_, zsecs)) = medians.iter().find(|(n, _)| *n == z) {
+                notes.set(
+                    &format!(
+                        "speedup{}",
+                        if zstd.is_empty() {
+                            "_unthrottled"
+                        } else {
+                            zstd
+                        }
+                    ),
+                    secs / zsecs,
+                );
+            }
+        }
+    }
 }
 
 fn all(c: &mut Criterion) {

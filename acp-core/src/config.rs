@@ -266,7 +266,9 @@ impl EngineConfig {
     }
 
     /// The zstd level of compressed files, 1 (fastest) to 19. Default:
-    /// [`DEFAULT_COMPRESS_LEVEL`] (1).
+    /// [`DEFAULT_COMPRESS_LEVEL`] (1). Level 1 is a literal-first profile
+    /// (little match finding, Huffman-coded bytes: what float planes
+    /// need); 2 to 19 are zstd's own levels ([`crate::codec`], "Levels").
     #[must_use]
     pub fn with_compress_level(mut self, level: i32) -> Self {
         self.compress_level = level;

@@ -521,7 +521,9 @@ impl Engine {
     }
 
     /// What became of the saves so far: `staged`, `persisted`, `resident`,
-    /// `superseded` and `skipped` counts, `bytes_written` to storage, the
+    /// `superseded` and `skipped` counts, `bytes_written` to storage (plain
+    /// image bytes) and `bytes_stored` (what the files take there,
+    /// compressed or not) with their `compression_ratio`, the
     /// persist `queue_depth`, `newest_snapshot`, `newest_persisted` and
     /// `persisted_lag_secs` (how much older the newest persisted step's
     /// snapshot is than the newest snapshot).
@@ -534,6 +536,11 @@ impl Engine {
         d.set_item("superseded", s.superseded)?;
         d.set_item("skipped", s.skipped)?;
         d.set_item("bytes_written", s.bytes_written)?;
+        d.set_item("bytes_stored", s.bytes_stored)?;
+        d.set_item(
+            "compression_ratio",
+            (s.bytes_written > 0).then(|| s.bytes_stored as f64 / s.bytes_written as f64),
+        )?;
         d.set_item("queue_depth", s.queue_depth)?;
         d.set_item("newest_snapshot", s.newest_snapshot)?;
         d.set_item("newest_persisted", s.newest_persisted)?;

@@ -331,6 +331,11 @@ _FAMILIES: list[tuple[str, str, str]] = [
         "Saves by result (committed, failed, skipped, resident, superseded).",
     ),
     ("acp_storage_bytes_written_total", "counter", "Bytes the engine wrote to storage."),
+    (
+        "acp_storage_bytes_stored_total",
+        "counter",
+        "Bytes those writes take in storage (less when compressed).",
+    ),
     ("acp_persist_queue_depth", "gauge", "Persists queued, deferred or running."),
     (
         "acp_persist_lag_seconds",
@@ -375,6 +380,7 @@ def prometheus_text(metrics: Iterable[Metrics] | None = None) -> str:
         persist = s["persist"]
         if persist is not None:
             put("acp_storage_bytes_written_total", persist["bytes_written"])
+            put("acp_storage_bytes_stored_total", persist["bytes_stored"])
             put("acp_persist_queue_depth", persist["queue_depth"])
             put("acp_persist_lag_seconds", persist["persisted_lag_secs"])
         put("acp_save_bytes_total", s["bytes_committed"])

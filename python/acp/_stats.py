@@ -32,7 +32,12 @@ class SaveStats:
     tensors: int
     tensor_bytes: int
     bytes: int | None = None
-    """The data file's size."""
+    """The data file's size (the plain image: the bytes staged)."""
+    stored_bytes: int | None = None
+    """Bytes written to storage for it: ``bytes`` when written plain, the
+    compressed file's length when compressed, 0 when not written."""
+    compression_ratio: float | None = None
+    """``stored_bytes / bytes`` of a persisted save; None otherwise."""
     engine_stall_secs: float | None = None
     slot_wait_secs: float | None = None
     queue_secs: float | None = None
@@ -167,6 +172,12 @@ class SaveHandle:
                 "done": True,
                 "skipped": r["skipped"],
                 "bytes": r["bytes"],
+                "stored_bytes": r["stored_bytes"],
+                "compression_ratio": (
+                    r["stored_bytes"] / r["bytes"]
+                    if r["outcome"] == "persisted" and r["bytes"] > 0
+                    else None
+                ),
                 "engine_stall_secs": r["stall_secs"],
                 "slot_wait_secs": r["slot_wait_secs"],
                 "queue_secs": r["queue_secs"],

@@ -2,26 +2,34 @@
 //! writing a sealed image as a compressed data file (the layout is in
 //! [`format`](crate::format), "Compressed data file").
 //!
-//! The frames are encoded by the flush, never by the save's stall: the
-//! image's chunks are shared out among up to `copy_threads` named threads,
-//! each of which digests its chunks (over the plain bytes, as a plain
-//! flush does) and encodes them. The file (head, table, frames) is then
-//! written through the [`IoEngine`](crate::io::IoEngine) from page-aligned
-//! memory, like a plain image, and fsynced. The frames are held in memory
-//! until they are written: at most the image's size (a frame is never
-//! longer than its chunk).
+//! The frames are encoded by the flush, never by the save's stall: up to
+//! `copy_threads` named threads take the image's chunks in order, digest
+//! each (over the plain bytes, as a plain flush does) and encode it. The
+//! flush's own thread writes the frames as they come, in chunk order,
+//! while later chunks are encoded: the file is streamed, not assembled in
+//! memory. Memory is bounded: at most `2 × threads` chunks are handed out
+//! beyond the next one to write, and the frames are gathered in one
+//! page-aligned buffer of a piece (at least a chunk) plus a chunk, written
+//! in whole 4096-byte blocks (`O_DIRECT`, as a plain flush, where the
+//! file system allows it). The head and frame table, whose size the chunk
+//! count fixes, are reserved at the start of the file and written last,
+//! with the first block they share with the frames; a crash before the
+//! fsync leaves a file of a pending step, which no reader opens.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::Path;
+use std::sync::{mpsc, Mutex};
 use std::time::Instant;
 
 use super::state::Shared;
 use crate::config::Compress;
 use crate::error::{Error, Result};
 use crate::format::{
-    chunk_runs, digest, encode_frame, packed_head, parse_header, Digest, FrameCodec,
+    chunk_runs, digest, encode_frame, packed_frames_start, packed_head_of, parse_header, Digest,
+    FrameCodec, FrameEntry,
 };
-use crate::io::IoStats;
+use crate::io::{IoStats, StreamWriter};
 
 /// This engine's measurements for [`Compress::Auto`], in plain bytes per
 /// second (and compressed over plain bytes).
@@ -86,18 +94,27 @@ pub(super) struct Packed {
     pub(super) stats: IoStats,
 }
 
-/// One worker's encoded chunks: (chunk, quick sum, plain digest, frame,
-/// codec).
-type Encoded = Vec<(usize, u64, Digest, Vec<u8>, FrameCodec)>;
+/// One encoded chunk: (chunk, quick sum, plain digest, frame, codec,
+/// seconds spent encoding it).
+type Encoded = (usize, u64, Digest, Vec<u8>, FrameCodec, f64);
+
+/// The smallest piece written at once.
+const MIN_PIECE: usize = 1 << 20;
+
+/// `n` rounded up to 4096.
+fn round_block(n: usize) -> usize {
+    n.div_ceil(4096) * 4096
+}
 
 /// Writes `image` (a sealed slot's plain image) to `file` (fresh, at
 /// `path`) as a compressed data file in `chunk`-byte chunks, and fsyncs
-/// it. Each encoded chunk is noted as the flush's progress, for the
-/// watchdog.
+/// it. Each encoded and each written chunk is noted as the flush's
+/// progress, for the watchdog.
 ///
 /// # Errors
 /// [`Error::Corrupt`] for an image whose header does not parse; the
-/// I/O engine's errors; [`Error::Io`] when a worker thread cannot start.
+/// storage's errors; [`Error::Io`] when a worker thread cannot start;
+/// [`Error::Invalid`] when one fails (a bug in acp).
 pub(super) fn write_packed(
     shared: &Shared,
     file: &File,
@@ -108,20 +125,54 @@ pub(super) fn write_packed(
     let len = image.len() as u64;
     let header = parse_header(path, image, len)?;
     let level = shared.cfg.compress_level;
-    let n = image.len().div_ceil(chunk.max(1));
+    let chunk = chunk.max(1);
+    let n = image.len().div_ceil(chunk);
     let workers = shared.cfg.copy_threads.clamp(1, n.max(1));
-    let t_encode = Instant::now();
+    let window = (2 * workers).min(n);
     let what = path.display().to_string();
-    let mut parts: Vec<Encoded> = Vec::with_capacity(workers);
+    let t_flush = Instant::now();
+
+    // Bytes [0, reserved) hold the head and table; the frames follow.
+    let frames_start = packed_frames_start(n as u64);
+    let reserved = usize::try_from(frames_start)
+        .map_err(|_| Error::invalid(path.display(), "a frame table too large for memory"))?;
+    // Pieces are written in whole chunks (`chunk` is the I/O chunk, a
+    // multiple of 4096), the storage's unit as for a plain file.
+    let head_blocks = round_block(reserved);
+    let piece = round_block(chunk.max(MIN_PIECE)).max(head_blocks);
+    let mut stage = super::load::heap((piece + chunk + 4096) as u64, path)?;
+    let mut out = StreamWriter::start(file, path, &shared.io_opts, len)?;
+    // The file offset of `stage[0]`, and the bytes of `stage` in use.
+    let (mut base, mut fill) = (0u64, reserved);
+    // The file's first blocks (those the head and table touch), kept when
+    // they are first written so that the head can be put in front of the
+    // frames they hold.
+    let mut first: Option<memmap2::MmapMut> = None;
+    let mut entries: Vec<FrameEntry> = Vec::with_capacity(n);
+    let mut digests: Vec<Digest> = Vec::with_capacity(n);
+    let mut sums: Vec<u64> = Vec::with_capacity(n);
+    let mut encode_secs = 0.0f64;
+    let mut write_secs = 0.0f64;
+
+    // The workers take chunk numbers from here; the sender is moved into
+    // the scope, so that any way out of it ends the workers' loops.
+    let (job_tx, job_rx) = mpsc::channel::<usize>();
+    let job_rx = Mutex::new(job_rx);
     std::thread::scope(|s| -> Result<()> {
-        let mut handles = Vec::with_capacity(workers);
+        let job_tx = job_tx;
+        let (done_tx, done_rx) = mpsc::channel::<Result<Encoded>>();
         for w in 0..workers {
-            let (header, what) = (&header, &what);
-            let h = std::thread::Builder::new()
+            let (header, what, job_rx, done_tx) = (&header, &what, &job_rx, done_tx.clone());
+            std::thread::Builder::new()
                 .name(format!("acp-compress-{w}"))
-                .spawn_scoped(s, move || -> Result<Encoded> {
-                    let mut out = Vec::new();
-                    for i in (w..n).step_by(workers) {
+                .spawn_scoped(s, move || loop {
+                    let next = match job_rx.lock() {
+                        Ok(rx) => rx.recv(),
+                        Err(_) => break,
+                    };
+                    let Ok(i) = next else { break };
+                    let t = Instant::now();
+                    let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         let start = i * chunk;
                         let bytes = &image[start..(start + chunk).min(image.len())];
                         let runs = chunk_runs(header, start as u64, (start + bytes.len()) as u64);
@@ -129,61 +180,105 @@ pub(super) fn write_packed(
                         // The quick sum before the digest, as in a plain
                         // flush (`read/fast.rs` says why).
                         let sum = crate::read::fast_sum(bytes);
-                        out.push((i, sum, digest(bytes), frame, codec));
-                        // The watchdog sees the encoding progress.
-                        shared.note_progress(format!("compressing {what} (chunk {i})"));
+                        Ok((
+                            i,
+                            sum,
+                            digest(bytes),
+                            frame,
+                            codec,
+                            t.elapsed().as_secs_f64(),
+                        ))
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(Error::invalid(
+                            what.as_str(),
+                            "a compression thread panicked (a bug in acp)",
+                        ))
+                    });
+                    shared.note_progress(format!("compressing {what} (chunk {i})"));
+                    if done_tx.send(encoded).is_err() {
+                        break;
                     }
-                    Ok(out)
                 })
                 .map_err(|e| Error::io("start a compression thread for", path, e))?;
-            handles.push(h);
         }
-        for h in handles {
-            let part = h.join().map_err(|_| {
-                Error::invalid(
-                    path.display(),
-                    "a compression thread panicked (a bug in acp)",
-                )
-            })??;
-            parts.push(part);
+        drop(done_tx);
+        for i in 0..window {
+            // The workers hold the receiver until this scope ends.
+            let _ = job_tx.send(i);
+        }
+        let mut handed = window;
+        let mut pending: BTreeMap<usize, Encoded> = BTreeMap::new();
+        while entries.len() < n {
+            let next = entries.len();
+            let Some(e) = pending.remove(&next) else {
+                let got = done_rx.recv().map_err(|_| {
+                    Error::invalid(path.display(), "the compression threads stopped early")
+                })??;
+                pending.insert(got.0, got);
+                continue;
+            };
+            let (_, sum, dig, frame, codec, secs) = e;
+            encode_secs += secs;
+            stage[fill..fill + frame.len()].copy_from_slice(&frame);
+            fill += frame.len();
+            entries.push(FrameEntry {
+                stored: frame.len() as u64,
+                check: crate::format::digest(&frame),
+                codec,
+            });
+            digests.push(dig);
+            sums.push(sum);
+            drop(frame);
+            if handed < n {
+                let _ = job_tx.send(handed);
+                handed += 1;
+            }
+            if fill >= piece {
+                let whole = fill / chunk * chunk;
+                if base == 0 {
+                    let mut keep = super::load::heap(head_blocks as u64, path)?;
+                    keep[..head_blocks].copy_from_slice(&stage[..head_blocks]);
+                    first = Some(keep);
+                }
+                let t = Instant::now();
+                out.write_at(&stage[..whole], base)?;
+                write_secs += t.elapsed().as_secs_f64();
+                shared.note_progress(format!("writing {what} (compressed, chunk {next})"));
+                stage.copy_within(whole..fill, 0);
+                base += whole as u64;
+                fill -= whole;
+            }
         }
         Ok(())
     })?;
-    let mut frames: Vec<(usize, u64, Digest, Vec<u8>, FrameCodec)> =
-        parts.into_iter().flatten().collect();
-    frames.sort_unstable_by_key(|f| f.0);
-    let encode_secs = t_encode.elapsed().as_secs_f64();
-    shared.note_progress(format!("writing {} (compressed)", path.display()));
 
-    let refs: Vec<(&[u8], FrameCodec)> = frames.iter().map(|f| (&f.3[..], f.4)).collect();
-    let head = packed_head(len, chunk as u64, &refs);
-    let stored = head.len() as u64 + frames.iter().map(|f| f.3.len() as u64).sum::<u64>();
-    // Page-aligned memory, so the write can use O_DIRECT like a plain one.
-    let mut buf = super::load::heap(stored, path)?;
-    let mut at = head.len();
-    buf[..at].copy_from_slice(&head);
-    for f in &frames {
-        buf[at..at + f.3.len()].copy_from_slice(&f.3);
-        at += f.3.len();
+    let stored = base + fill as u64;
+    let head = packed_head_of(len, chunk as u64, &entries);
+    let t = Instant::now();
+    match first.as_mut() {
+        None => {
+            stage[..head.len()].copy_from_slice(&head);
+            out.write_at(&stage[..round_block(fill)], 0)?;
+        }
+        Some(keep) => {
+            out.write_at(&stage[..round_block(fill)], base)?;
+            keep[..head.len()].copy_from_slice(&head);
+            out.write_at(&keep[..head_blocks], 0)?;
+        }
     }
-    let t_write = Instant::now();
-    let stats = shared
-        .io
-        .write_to(file, path, &buf, stored, &shared.io_opts, &mut |i, _| {
-            shared.note_progress(format!(
-                "writing {} (compressed, piece {i})",
-                path.display()
-            ));
-            Ok(())
-        })?;
-    let write_secs = t_write.elapsed().as_secs_f64();
+    let stats = out.finish(stored)?;
+    write_secs += t.elapsed().as_secs_f64();
+    // The encoding's own rate: its busy time spread over the workers (the
+    // flush's wall time when the storage is the faster side).
+    let encode_wall = (encode_secs / workers as f64).min(t_flush.elapsed().as_secs_f64());
     shared
         .lock()
         .rates
-        .packed(len, stored, encode_secs, write_secs);
+        .packed(len, stored, encode_wall, write_secs);
     Ok(Packed {
-        sums: frames.iter().map(|f| f.1).collect(),
-        digests: frames.into_iter().map(|f| f.2).collect(),
+        digests,
+        sums,
         stored,
         stats,
     })

@@ -56,6 +56,7 @@ impl Job {
             step: self.step,
             skipped: false,
             bytes: self.pin.image().len() as u64,
+            stored_bytes: 0,
             stall_secs: self.stall_secs,
             slot_wait_secs: self.slot_wait_secs,
             queue_secs: 0.0,
@@ -121,7 +122,8 @@ fn run_one(shared: &Shared, job: Job) -> Option<Job> {
         st.recovering.retain(|s| *s != step);
         match &result {
             Ok(rep) => {
-                st.counts.committed(step, staged_at, rep.bytes);
+                st.counts
+                    .committed(step, staged_at, rep.bytes, rep.stored_bytes);
                 shared.release_superseded(&mut st, step);
                 // Older images whose flush failed are superseded now
                 // (not the one just committed, which a recovered slot
@@ -313,6 +315,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             step,
             skipped: false,
             bytes: len,
+            stored_bytes: stored_size.unwrap_or(len),
             stall_secs: job.stall_secs,
             slot_wait_secs: job.slot_wait_secs,
             queue_secs: queue_secs.max(0.0),

@@ -142,6 +142,7 @@ impl SaveHandle {
             step,
             skipped: true,
             bytes: 0,
+            stored_bytes: 0,
             stall_secs: 0.0,
             slot_wait_secs: 0.0,
             queue_secs: 0.0,

@@ -70,8 +70,12 @@ pub struct PersistStats {
     pub superseded: u64,
     /// Saves skipped for want of a free slot.
     pub skipped: u64,
-    /// Image bytes written to storage by committed persists.
+    /// Image bytes written to storage by committed persists (their plain
+    /// size).
     pub bytes_written: u64,
+    /// Bytes those persists' data files take in storage: `bytes_written`
+    /// when they are plain, less when compressed.
+    pub bytes_stored: u64,
     /// Persists queued, deferred or running now.
     pub queue_depth: usize,
     /// The newest step staged by this engine.
@@ -141,6 +145,7 @@ pub(super) struct Counts {
     pub(super) superseded: u64,
     pub(super) skipped: u64,
     pub(super) bytes_written: u64,
+    pub(super) bytes_stored: u64,
     /// The newest staged step and when it was sealed.
     pub(super) newest_snapshot: Option<(u64, Instant)>,
     /// The newest persisted step and when its snapshot was staged.
@@ -157,9 +162,12 @@ impl Counts {
         }
     }
 
-    pub(super) fn committed(&mut self, step: u64, staged_at: Instant, bytes: u64) {
+    /// A persist of `step` committed a data file of `bytes` plain bytes
+    /// stored in `stored` bytes.
+    pub(super) fn committed(&mut self, step: u64, staged_at: Instant, bytes: u64, stored: u64) {
         self.persisted += 1;
         self.bytes_written += bytes;
+        self.bytes_stored += stored;
         if self.newest_persisted.is_none_or(|(s, _)| step >= s) {
             self.newest_persisted = Some((step, staged_at));
         }
@@ -179,6 +187,7 @@ impl Counts {
             superseded: self.superseded,
             skipped: self.skipped,
             bytes_written: self.bytes_written,
+            bytes_stored: self.bytes_stored,
             queue_depth,
             newest_snapshot: self.newest_snapshot.map(|(s, _)| s),
             newest_persisted: self.newest_persisted.map(|(s, _)| s),
@@ -270,12 +279,15 @@ mod tests {
         let mut c = Counts::default();
         assert_eq!(c.stats(0).persisted_lag_secs, None);
         c.sealed(1, t0);
-        c.committed(1, t0, 100);
+        c.committed(1, t0, 100, 70);
         assert_eq!(c.stats(0).persisted_lag_secs, Some(0.0));
         c.sealed(2, t0 + T);
         let s = c.stats(1);
         assert_eq!(s.persisted_lag_secs, Some(T.as_secs_f64()));
-        assert_eq!((s.staged, s.persisted, s.bytes_written), (2, 1, 100));
+        assert_eq!(
+            (s.staged, s.persisted, s.bytes_written, s.bytes_stored),
+            (2, 1, 100, 70)
+        );
         assert_eq!((s.newest_snapshot, s.newest_persisted), (Some(2), Some(1)));
     }
 }

@@ -64,6 +64,11 @@ pub struct SaveReport {
     pub skipped: bool,
     /// Image bytes (the data file's size).
     pub bytes: u64,
+    /// Bytes written to storage for the data file: `bytes` for a plain
+    /// file, the compressed file's length for a compressed one, 0 when
+    /// nothing was written (skipped, resident, superseded). `stored_bytes
+    /// / bytes` is the save's compression ratio.
+    pub stored_bytes: u64,
     /// The stall: from `begin_save` to `finish`, in seconds.
     pub stall_secs: f64,
     /// Waiting for a free slot (part of the stall), in seconds.

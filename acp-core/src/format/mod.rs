@@ -216,8 +216,9 @@ pub use layout::{
 };
 pub use manifest::{manifest_file_name, Manifest};
 pub use packed::{
-    chunk_runs, decode_frame, encode_frame, is_packed, pack_image, packed_head, read_packed_table,
-    Frame, FrameCodec, PackedTable, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
+    chunk_runs, decode_frame, encode_frame, is_packed, pack_image, packed_frames_start,
+    packed_head, packed_head_of, read_packed_table, Frame, FrameCodec, FrameEntry, PackedTable,
+    FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
 };
 
 /// The newest format version this build reads, and the one it writes for a

@@ -164,18 +164,51 @@ pub fn encode_frame(
 /// `chunk_bytes` chunks. The frames follow it back to back.
 #[must_use]
 pub fn packed_head(image_len: u64, chunk_bytes: u64, frames: &[(&[u8], FrameCodec)]) -> Vec<u8> {
+    let entries: Vec<FrameEntry> = frames
+        .iter()
+        .map(|(bytes, codec)| FrameEntry {
+            stored: bytes.len() as u64,
+            check: digest(bytes),
+            codec: *codec,
+        })
+        .collect();
+    packed_head_of(image_len, chunk_bytes, &entries)
+}
+
+/// What the frame table says of one frame, known once it is encoded: a
+/// writer that streams the frames keeps these and writes the table last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameEntry {
+    /// The frame's length.
+    pub stored: u64,
+    /// blake3 of the frame's bytes.
+    pub check: Digest,
+    /// How the frame holds its chunk.
+    pub codec: FrameCodec,
+}
+
+/// Where the first frame of a file of `n` frames starts: the head and
+/// the table take the bytes before it.
+#[must_use]
+pub fn packed_frames_start(n: u64) -> u64 {
+    table_end(n)
+}
+
+/// [`packed_head`] from each frame's [`FrameEntry`], in chunk order.
+#[must_use]
+pub fn packed_head_of(image_len: u64, chunk_bytes: u64, frames: &[FrameEntry]) -> Vec<u8> {
     let n = frames.len() as u64;
     let mut table = Vec::with_capacity(frames.len() * FRAME_ENTRY_BYTES as usize);
     let mut offset = table_end(n);
-    for (i, (bytes, codec)) in frames.iter().enumerate() {
+    for (i, f) in frames.iter().enumerate() {
         let (s, e) = chunk_span(i as u64, chunk_bytes, image_len);
         table.extend_from_slice(&offset.to_le_bytes());
-        table.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        table.extend_from_slice(&f.stored.to_le_bytes());
         table.extend_from_slice(&(e - s).to_le_bytes());
-        table.push(codec.code());
+        table.push(f.codec.code());
         table.extend_from_slice(&[0u8; 7]);
-        table.extend_from_slice(&digest(bytes));
-        offset += bytes.len() as u64;
+        table.extend_from_slice(&f.check);
+        offset += f.stored;
     }
     let mut out = Vec::with_capacity(PACKED_HEAD_BYTES as usize + table.len());
     out.extend_from_slice(&PACKED_MAGIC);

@@ -135,7 +135,7 @@ fn want_direct(policy: DirectIo, buf_ok: bool, op: &str, path: &Path) -> Result<
 /// Sets `O_DIRECT` on a fresh descriptor when wanted (with `Auto`, a
 /// refusal means buffered I/O: `F_SETFL` leaves the descriptor as it was).
 /// Returns whether `O_DIRECT` is on.
-fn apply_flags(file: &File, policy: DirectIo, want: bool, path: &Path) -> Result<bool> {
+pub(super) fn apply_flags(file: &File, policy: DirectIo, want: bool, path: &Path) -> Result<bool> {
     if !want {
         return Ok(false);
     }

@@ -47,11 +47,13 @@ use crate::storage::Probe;
 
 pub use crate::storage::{open_listed, open_regular};
 pub(crate) use pool::run_on_threads;
+pub(crate) use stream::StreamWriter;
 pub(crate) use sys::{block_async_signals, lower_thread_priority};
 
 mod file;
 mod pool;
 mod psync;
+mod stream;
 mod sys;
 mod uring;
 
