@@ -12,75 +12,15 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use acp_core::{
-    Compress, Dtype, Engine, EngineConfig, Error, ErrorKind, HostTensor, IoChoice, LoadRequest,
-    SaveOptions, Source,
-};
-use serde_json::json;
+use acp_core::{Compress, Engine, Error, ErrorKind, IoChoice, LoadRequest, Source};
 
-const CHUNK: usize = 1 << 20;
-/// Six tensors of 4 MiB: a 24 MiB file of 24+ chunks, large enough for the
-/// hashing pool.
-const TENSORS: usize = 6;
-const TENSOR_BYTES: usize = 4 << 20;
+mod six_tensors;
+use six_tensors::{combos, committed, config, name, tensor, CHUNK, TENSORS, TENSOR_BYTES};
+
 /// What `into` holds before a load.
 const OLD: u8 = 0xee;
-
-fn config(root: &Path, shm: &Path, io: IoChoice, threads: usize) -> EngineConfig {
-    EngineConfig::new(root)
-        .with_shm_dir(shm)
-        .with_job("load-into")
-        .with_ring_bytes(64 << 20)
-        .with_ring_slots(2)
-        .with_chunk_bytes(CHUNK)
-        .with_queue_depth(4)
-        .with_copy_threads(threads)
-        .with_mlock(false)
-        .with_io(io)
-}
-
-fn tensor(i: usize) -> Vec<u8> {
-    (0..TENSOR_BYTES)
-        .map(|j| u8::try_from((i * 131 + j * 7 + j / 4093) % 251).unwrap())
-        .collect()
-}
-
-fn name(i: usize) -> String {
-    format!("w.{i}")
-}
-
-/// A root with step 1 committed (compressed or not); returns it and the
-/// data file's path.
-fn committed(dir: &Path, compress: Compress) -> (PathBuf, PathBuf) {
-    let root = dir.join(format!("ckpt-{compress:?}"));
-    let shm = dir.join(format!("shm-save-{compress:?}"));
-    std::fs::create_dir(&shm).unwrap();
-    let engine =
-        Engine::open(config(&root, &shm, IoChoice::Auto, 2).with_compress(compress)).unwrap();
-    let data: Vec<Vec<u8>> = (0..TENSORS).map(tensor).collect();
-    let names: Vec<String> = (0..TENSORS).map(name).collect();
-    let shape = [TENSOR_BYTES as u64];
-    let host: Vec<HostTensor<'_>> = names
-        .iter()
-        .zip(&data)
-        .map(|(n, d)| HostTensor {
-            name: n,
-            dtype: Dtype::U8,
-            shape: &shape,
-            data: d,
-        })
-        .collect();
-    engine
-        .save(1, &host, &json!({"step": 1}), &SaveOptions::default())
-        .unwrap()
-        .wait()
-        .unwrap();
-    engine.close().unwrap();
-    let file = root.join("step-000000000001/rank-00000.safetensors");
-    (root, file)
-}
 
 /// An engine over `root` with an empty ring of its own.
 fn fresh_engine(root: &Path, dir: &Path, tag: &str, io: IoChoice, threads: usize) -> Engine {
@@ -97,15 +37,6 @@ fn request(storage_only: bool) -> LoadRequest {
         storage_only,
         ..LoadRequest::default()
     }
-}
-
-fn combos() -> Vec<(IoChoice, usize)> {
-    vec![
-        (IoChoice::Uring, 1),
-        (IoChoice::Uring, 2),
-        (IoChoice::Psync, 1),
-        (IoChoice::Psync, 2),
-    ]
 }
 
 /// Memory for every tensor, filled with [`OLD`].

@@ -12,73 +12,14 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use acp_core::storage::faults::FaultInjector;
-use acp_core::{
-    Dtype, Engine, EngineConfig, Error, ErrorKind, HostTensor, IoChoice, LoadRequest, SaveOptions,
-    Source,
-};
-use serde_json::json;
+use acp_core::{Compress, Engine, EngineConfig, Error, ErrorKind, IoChoice, LoadRequest, Source};
 
-const CHUNK: usize = 1 << 20;
-/// Six tensors of 4 MiB: a 24 MiB file of 24+ chunks, large enough for the
-/// hashing pool.
-const TENSORS: usize = 6;
-const TENSOR_BYTES: usize = 4 << 20;
-
-fn config(root: &Path, shm: &Path, io: IoChoice, threads: usize) -> EngineConfig {
-    EngineConfig::new(root)
-        .with_shm_dir(shm)
-        .with_job("overlap")
-        .with_ring_bytes(64 << 20)
-        .with_ring_slots(2)
-        .with_chunk_bytes(CHUNK)
-        .with_queue_depth(4)
-        .with_copy_threads(threads)
-        .with_mlock(false)
-        .with_io(io)
-}
-
-fn tensor(i: usize) -> Vec<u8> {
-    (0..TENSOR_BYTES)
-        .map(|j| u8::try_from((i * 131 + j * 7 + j / 4093) % 251).unwrap())
-        .collect()
-}
-
-fn name(i: usize) -> String {
-    format!("w.{i}")
-}
-
-/// A root with step 1 committed; returns it and the data file's path.
-fn committed(dir: &Path) -> (PathBuf, PathBuf) {
-    let root = dir.join("ckpt");
-    let shm = dir.join("shm-save");
-    std::fs::create_dir(&shm).unwrap();
-    let engine = Engine::open(config(&root, &shm, IoChoice::Auto, 2)).unwrap();
-    let data: Vec<Vec<u8>> = (0..TENSORS).map(tensor).collect();
-    let names: Vec<String> = (0..TENSORS).map(name).collect();
-    let shape = [TENSOR_BYTES as u64];
-    let host: Vec<HostTensor<'_>> = names
-        .iter()
-        .zip(&data)
-        .map(|(n, d)| HostTensor {
-            name: n,
-            dtype: Dtype::U8,
-            shape: &shape,
-            data: d,
-        })
-        .collect();
-    engine
-        .save(1, &host, &json!({"step": 1}), &SaveOptions::default())
-        .unwrap()
-        .wait()
-        .unwrap();
-    engine.close().unwrap();
-    let file = root.join("step-000000000001/rank-00000.safetensors");
-    (root, file)
-}
+mod six_tensors;
+use six_tensors::{combos, committed, config, name, tensor, CHUNK, TENSORS};
 
 /// An engine over `root` with an empty ring of its own.
 fn fresh_engine(
@@ -113,19 +54,10 @@ fn assert_saved_bytes(engine: &Engine) {
     assert_eq!(engine.resident_steps(), vec![1]);
 }
 
-fn combos() -> Vec<(IoChoice, usize)> {
-    vec![
-        (IoChoice::Uring, 1),
-        (IoChoice::Uring, 2),
-        (IoChoice::Psync, 1),
-        (IoChoice::Psync, 2),
-    ]
-}
-
 #[test]
 fn a_changed_chunk_in_the_middle_is_found_and_named() {
     let dir = tempfile::tempdir().unwrap();
-    let (root, file) = committed(dir.path());
+    let (root, file) = committed(dir.path(), Compress::None);
     let ck = fresh_engine(&root, dir.path(), "probe", |c| c)
         .load(&storage())
         .unwrap();
@@ -190,7 +122,7 @@ fn a_changed_chunk_in_the_middle_is_found_and_named() {
 #[test]
 fn an_io_error_mid_read_is_reported_and_marks_nothing_valid() {
     let dir = tempfile::tempdir().unwrap();
-    let (root, file) = committed(dir.path());
+    let (root, file) = committed(dir.path(), Compress::None);
     let file_text = file.display().to_string();
     let chunks = std::fs::metadata(&file)
         .unwrap()

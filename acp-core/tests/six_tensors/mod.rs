@@ -1,0 +1,81 @@
+//! The fixture of the storage-read tests (`verify_while_reading.rs`,
+//! `load_into.rs`): six tensors of 4 MiB in 1 MiB chunks, a 24 MiB file of
+//! 24+ chunks (large enough for the hashing pool), committed as step 1.
+
+#![allow(dead_code, reason = "each suite uses a different subset")]
+
+use std::path::{Path, PathBuf};
+
+use acp_core::{Compress, Dtype, Engine, EngineConfig, HostTensor, IoChoice, SaveOptions};
+use serde_json::json;
+
+pub(crate) const CHUNK: usize = 1 << 20;
+pub(crate) const TENSORS: usize = 6;
+pub(crate) const TENSOR_BYTES: usize = 4 << 20;
+
+/// An engine's settings over `root` with its ring in `shm`.
+pub(crate) fn config(root: &Path, shm: &Path, io: IoChoice, threads: usize) -> EngineConfig {
+    EngineConfig::new(root)
+        .with_shm_dir(shm)
+        .with_job("six-tensors")
+        .with_ring_bytes(64 << 20)
+        .with_ring_slots(2)
+        .with_chunk_bytes(CHUNK)
+        .with_queue_depth(4)
+        .with_copy_threads(threads)
+        .with_mlock(false)
+        .with_io(io)
+}
+
+/// Tensor `i`'s bytes (no two chunks alike).
+pub(crate) fn tensor(i: usize) -> Vec<u8> {
+    (0..TENSOR_BYTES)
+        .map(|j| u8::try_from((i * 131 + j * 7 + j / 4093) % 251).unwrap())
+        .collect()
+}
+
+/// Tensor `i`'s name.
+pub(crate) fn name(i: usize) -> String {
+    format!("w.{i}")
+}
+
+/// Both I/O engines, hashing on the reading thread (1) and in a pool (2).
+pub(crate) fn combos() -> Vec<(IoChoice, usize)> {
+    vec![
+        (IoChoice::Uring, 1),
+        (IoChoice::Uring, 2),
+        (IoChoice::Psync, 1),
+        (IoChoice::Psync, 2),
+    ]
+}
+
+/// A root under `dir` with step 1 committed (compressed or not); returns
+/// it and the data file's path.
+pub(crate) fn committed(dir: &Path, compress: Compress) -> (PathBuf, PathBuf) {
+    let root = dir.join(format!("ckpt-{compress:?}"));
+    let shm = dir.join(format!("shm-save-{compress:?}"));
+    std::fs::create_dir(&shm).unwrap();
+    let engine =
+        Engine::open(config(&root, &shm, IoChoice::Auto, 2).with_compress(compress)).unwrap();
+    let data: Vec<Vec<u8>> = (0..TENSORS).map(tensor).collect();
+    let names: Vec<String> = (0..TENSORS).map(name).collect();
+    let shape = [TENSOR_BYTES as u64];
+    let host: Vec<HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .map(|(n, d)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: &shape,
+            data: d,
+        })
+        .collect();
+    engine
+        .save(1, &host, &json!({"step": 1}), &SaveOptions::default())
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.close().unwrap();
+    let file = root.join("step-000000000001/rank-00000.safetensors");
+    (root, file)
+}
