@@ -113,6 +113,13 @@ fn save(s: &Setup, e: &Engine) {
     .unwrap();
 }
 
+/// The `metadata.acp` object of `root`'s index of `step`.
+fn acp_meta(root: &Path, step: u64) -> serde_json::Value {
+    let path = root.join(format!("step-{step:012}/model.safetensors.index.json"));
+    let index: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    index["metadata"]["acp"].clone()
+}
+
 fn load_storage(e: &Engine) -> Result<acp_core::Checkpoint, Error> {
     e.load(&LoadRequest {
         step: Some(7),
@@ -130,15 +137,7 @@ fn a_compressed_save_round_trips_verifies_and_exports_as_plain() {
     let stored = std::fs::read(&file).unwrap();
     assert!(stored.starts_with(&PACKED_MAGIC));
 
-    let index: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(
-            s.root
-                .join("step-000000000007/model.safetensors.index.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let acp = &index["metadata"]["acp"];
+    let acp = &acp_meta(&s.root, 7);
     assert_eq!(acp["format_version"], json!(2));
     let entry = &acp["files"]["rank-00000.safetensors"];
     assert_eq!(entry["stored_size"], json!(stored.len()));
@@ -168,16 +167,13 @@ fn a_compressed_save_round_trips_verifies_and_exports_as_plain() {
     save(&s, &p);
     let plain = std::fs::read(plain_root.join(FILE)).unwrap();
     assert_eq!(std::fs::read(&out).unwrap(), plain);
-    let idx: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(plain_root.join("step-000000000007/model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
+    let plain_meta = acp_meta(&plain_root, 7);
     assert_eq!(
-        idx["metadata"]["acp"]["format_version"],
+        plain_meta["format_version"],
         json!(1),
         "plain steps stay v1"
     );
-    assert!(idx["metadata"]["acp"]["files"]["rank-00000.safetensors"]
+    assert!(plain_meta["files"]["rank-00000.safetensors"]
         .get("stored_size")
         .is_none());
     assert_eq!(
@@ -322,15 +318,7 @@ fn ranks_commit_compressed_files_under_a_version_2_index() {
         .unwrap();
     h0.wait().unwrap();
     h1.wait().unwrap();
-    let index: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(
-            s.root
-                .join("step-000000000007/model.safetensors.index.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let acp = &index["metadata"]["acp"];
+    let acp = &acp_meta(&s.root, 7);
     assert_eq!(acp["format_version"], json!(2));
     for f in ["rank-00000.safetensors", "rank-00001.safetensors"] {
         assert!(acp["files"][f]["stored_size"].is_u64(), "{f}");
@@ -367,17 +355,7 @@ fn auto_writes_the_first_flush_plain_and_the_second_compressed() {
         .wait()
         .unwrap();
     }
-    let version = |step: u64| {
-        let index: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(
-                s.root
-                    .join(format!("step-{step:012}/model.safetensors.index.json")),
-            )
-            .unwrap(),
-        )
-        .unwrap();
-        index["metadata"]["acp"]["format_version"].clone()
-    };
+    let version = |step: u64| acp_meta(&s.root, step)["format_version"].clone();
     // The first measures the storage, the second the codec.
     assert_eq!(version(1), json!(1));
     assert_eq!(version(2), json!(2));

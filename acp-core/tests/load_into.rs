@@ -12,24 +12,14 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
 
-use acp_core::{Compress, Engine, Error, ErrorKind, IoChoice, LoadRequest, Source};
+use acp_core::{Compress, Engine, Error, ErrorKind, LoadRequest, Source};
 
 mod six_tensors;
-use six_tensors::{combos, committed, config, name, tensor, CHUNK, TENSORS, TENSOR_BYTES};
+use six_tensors::{combos, committed, fresh_engine, name, tensor, CHUNK, TENSORS, TENSOR_BYTES};
 
 /// What `into` holds before a load.
 const OLD: u8 = 0xee;
-
-/// An engine over `root` with an empty ring of its own.
-fn fresh_engine(root: &Path, dir: &Path, tag: &str, io: IoChoice, threads: usize) -> Engine {
-    let shm = dir.join(format!("shm-{tag}"));
-    std::fs::create_dir(&shm).unwrap();
-    let engine = Engine::open(config(root, &shm, io, threads)).unwrap();
-    assert!(engine.resident_steps().is_empty());
-    engine
-}
 
 fn request(storage_only: bool) -> LoadRequest {
     LoadRequest {
@@ -72,8 +62,7 @@ fn tensors_get_the_saved_bytes_from_storage_and_from_ram() {
                 &root,
                 dir.path(),
                 &format!("{compress:?}-{io:?}-{threads}"),
-                io,
-                threads,
+                |c| c.with_io(io).with_copy_threads(threads),
             );
             for (storage_only, source) in [(true, Source::Storage), (false, Source::Ram)] {
                 let mut bufs = old_bufs();
@@ -97,7 +86,7 @@ fn tensors_get_the_saved_bytes_from_storage_and_from_ram() {
 fn a_changed_chunk_is_named_and_never_reaches_the_tensors() {
     let dir = tempfile::tempdir().unwrap();
     let (root, file) = committed(dir.path(), Compress::None);
-    let probe = fresh_engine(&root, dir.path(), "probe", IoChoice::Auto, 2);
+    let probe = fresh_engine(&root, dir.path(), "probe", |c| c);
     let ck = probe.load(&request(true)).unwrap();
     let target = ck
         .entries()
@@ -121,7 +110,9 @@ fn a_changed_chunk_is_named_and_never_reaches_the_tensors() {
 
     for (io, threads) in combos() {
         let case = format!("{io:?}, {threads} threads");
-        let engine = fresh_engine(&root, dir.path(), &format!("{io:?}-{threads}"), io, threads);
+        let engine = fresh_engine(&root, dir.path(), &format!("{io:?}-{threads}"), |c| {
+            c.with_io(io).with_copy_threads(threads)
+        });
         let mut bufs = old_bufs();
         let e = load_into(&engine, &request(true), &mut bufs).unwrap_err();
         match &e {
@@ -167,13 +158,7 @@ fn a_name_or_length_that_differs_is_refused_and_nothing_is_copied() {
     let dir = tempfile::tempdir().unwrap();
     let (root, _) = committed(dir.path(), Compress::None);
     for storage_only in [true, false] {
-        let engine = fresh_engine(
-            &root,
-            dir.path(),
-            &format!("refuse-{storage_only}"),
-            IoChoice::Auto,
-            2,
-        );
+        let engine = fresh_engine(&root, dir.path(), &format!("refuse-{storage_only}"), |c| c);
         if !storage_only {
             // Resident: the refusal comes from the copy after the load.
             drop(engine.load(&request(true)).unwrap());

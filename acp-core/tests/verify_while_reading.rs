@@ -12,28 +12,13 @@
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
 use std::sync::Arc;
 
 use acp_core::storage::faults::FaultInjector;
-use acp_core::{Compress, Engine, EngineConfig, Error, ErrorKind, IoChoice, LoadRequest, Source};
+use acp_core::{Compress, Engine, Error, ErrorKind, LoadRequest, Source};
 
 mod six_tensors;
-use six_tensors::{combos, committed, config, name, tensor, CHUNK, TENSORS};
-
-/// An engine over `root` with an empty ring of its own.
-fn fresh_engine(
-    root: &Path,
-    dir: &Path,
-    tag: &str,
-    cfg: impl Fn(EngineConfig) -> EngineConfig,
-) -> Engine {
-    let shm = dir.join(format!("shm-{tag}"));
-    std::fs::create_dir(&shm).unwrap();
-    let engine = Engine::open(cfg(config(root, &shm, IoChoice::Auto, 2))).unwrap();
-    assert!(engine.resident_steps().is_empty());
-    engine
-}
+use six_tensors::{combos, committed, fresh_engine, name, tensor, CHUNK, TENSORS};
 
 fn storage() -> LoadRequest {
     LoadRequest {

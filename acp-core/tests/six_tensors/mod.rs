@@ -27,6 +27,21 @@ pub(crate) fn config(root: &Path, shm: &Path, io: IoChoice, threads: usize) -> E
         .with_io(io)
 }
 
+/// An engine over `root` with an empty ring of its own (in `dir`, named
+/// by `tag`), its settings [`config`]'s as `cfg` changes them.
+pub(crate) fn fresh_engine(
+    root: &Path,
+    dir: &Path,
+    tag: &str,
+    cfg: impl Fn(EngineConfig) -> EngineConfig,
+) -> Engine {
+    let shm = dir.join(format!("shm-{tag}"));
+    std::fs::create_dir(&shm).unwrap();
+    let engine = Engine::open(cfg(config(root, &shm, IoChoice::Auto, 2))).unwrap();
+    assert!(engine.resident_steps().is_empty());
+    engine
+}
+
 /// Tensor `i`'s bytes (no two chunks alike).
 pub(crate) fn tensor(i: usize) -> Vec<u8> {
     (0..TENSOR_BYTES)
