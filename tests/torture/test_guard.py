@@ -99,6 +99,7 @@ def test_a_failed_dying_checkpoint_exits_74_and_the_restart_commits_it(
     with reopen(root, shm_dir, j) as ckpt:
         assert ckpt.stats()["engine"]["persisting_steps"] == [2]
         assert_state(ckpt.load(), 2)
+        ckpt.wait()  # the load served RAM while the restart commits it
         assert ckpt.steps() == [1, 2]
 
 
@@ -146,10 +147,11 @@ def test_sigkill_after_staging_loses_no_step(tmp_path: Path, shm_dir: Path) -> N
     with reopen(root, shm_dir, j) as ckpt:
         engine = ckpt.stats()["engine"]
         assert engine["persisting_steps"] == [2]
-        state = ckpt.load()  # waits for step 2's commit, serves it from RAM
+        state = ckpt.load()  # from RAM, while step 2 is committed in the background
         assert ckpt.last_load is not None
         assert ckpt.last_load.source == "ram"
         assert_state(state, 2)
+        ckpt.wait()
         assert ckpt.steps() == [1, 2]
         assert_state(ckpt.load(storage_only=True), 2)
 
@@ -228,4 +230,5 @@ def test_sigkill_with_ram_only_snapshots_commits_the_newest_on_restart(
     with reopen(root, shm_dir, j) as ckpt:
         assert ckpt.stats()["engine"]["persisting_steps"] == [3]
         assert_state(ckpt.load(), 3)
+        ckpt.wait()  # the load served RAM while the restart commits it
         assert ckpt.steps() == [1, 3]

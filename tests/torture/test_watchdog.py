@@ -56,7 +56,9 @@ def test_close_gives_up_on_a_hung_flush_and_the_flush_finishes_later(
     make_ckpt: MakeCkpt, tmp_path: Path
 ) -> None:
     faults = _acp.FaultInjector()
-    ckpt = make_ckpt(faults=faults, stall_timeout=1.0)
+    # Every save persisted: step 3 queues behind step 2 (coalescing may
+    # let step 3 take the place of a step 2 not yet started).
+    ckpt = make_ckpt(faults=faults, stall_timeout=1.0, persist_every=1)
     ckpt.save(1, state(1)).wait()
     faults.arm_stall(1, HUNG)
     ckpt.save(2, state(2))
