@@ -333,7 +333,7 @@ impl EngineConfig {
                     tracing::warn!(
                         "acp: ring_bytes {} is more than the room in {}; saves that need \
                          it will fail with no space left; {fix}",
-                        crate::staging::human(self.ring_bytes),
+                        crate::error::human_bytes(self.ring_bytes),
                         room.describe()
                     );
                 }
@@ -354,10 +354,10 @@ impl EngineConfig {
                      {} leaves {} for it, {} needed at the least ({} slots of {}), and \
                      a ring needs two slots the size of the checkpoint; {fix}",
                     room.describe(),
-                    crate::staging::human(budget),
-                    crate::staging::human(need),
+                    crate::error::human_bytes(budget),
+                    crate::error::human_bytes(need),
                     self.ring_slots,
-                    crate::staging::human(MIN_AUTO_SLOT_BYTES)
+                    crate::error::human_bytes(MIN_AUTO_SLOT_BYTES)
                 ),
             });
         }

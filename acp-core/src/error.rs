@@ -260,6 +260,27 @@ impl Error {
     }
 }
 
+/// Bytes for people, in messages and reports: `1536` → `"1.5 KiB"`.
+#[must_use]
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    #[expect(
+        clippy::cast_precision_loss,
+        reason = "one decimal for people; exact sizes are in the fields"
+    )]
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,18 +11,7 @@ use super::{
 /// `1536` → `"1.5 KiB"`.
 #[must_use]
 pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
+    crate::error::human_bytes(n)
 }
 
 /// Bytes per second as `"1.2 GiB/s"`.

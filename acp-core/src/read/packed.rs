@@ -143,10 +143,7 @@ impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
         piece: usize,
         on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
     ) -> Result<u64> {
-        let len = usize::try_from(self.len())
-            .ok()
-            .filter(|&l| l <= dst.len())
-            .ok_or_else(|| Error::invalid(self.name().display(), "image larger than its buffer"))?;
+        let len = super::source::image_len(self, dst.len())?;
         let piece = piece.max(1);
         let pieces: Vec<(usize, &'a mut [u8])> = dst[..len].chunks_mut(piece).enumerate().collect();
         let threads = std::thread::available_parallelism()

@@ -59,10 +59,7 @@ pub(crate) trait ChunkSource {
         piece: usize,
         on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
     ) -> Result<u64> {
-        let len = usize::try_from(self.len())
-            .ok()
-            .filter(|&l| l <= dst.len())
-            .ok_or_else(|| Error::invalid(self.name().display(), "image larger than its buffer"))?;
+        let len = image_len(self, dst.len())?;
         let mut rest: &'a mut [u8] = &mut dst[..len];
         let mut i = 0;
         while !rest.is_empty() {
@@ -214,4 +211,13 @@ impl ChunkSource for PeerSlot {
     fn name(&self) -> &Path {
         self.path()
     }
+}
+
+/// `source`'s image length, checked to fit a buffer of `buf` bytes (what
+/// every [`ChunkSource::read_all`] checks first).
+pub(super) fn image_len<S: ChunkSource + ?Sized>(source: &S, buf: usize) -> Result<usize> {
+    usize::try_from(source.len())
+        .ok()
+        .filter(|&l| l <= buf)
+        .ok_or_else(|| Error::invalid(source.name().display(), "image larger than its buffer"))
 }

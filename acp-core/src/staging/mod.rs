@@ -199,7 +199,6 @@ pub use peek::{peek_file, peek_slot, SlotPeek};
 pub use peer::{PeerImage, PeerSlot};
 pub use ring::Ring;
 pub use rings::{rings, HeldRing, RingFiles, SlotSeen};
-pub(crate) use room::human;
 pub use room::{shm_room, ShmRoom};
 
 /// Where and how big the ring is.

@@ -6,7 +6,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{human_bytes as human, Error, Result};
 
 use super::dir::user_dir;
 
@@ -42,23 +42,6 @@ impl ShmRoom {
             human(self.size),
             human(self.held)
         )
-    }
-}
-
-/// Bytes as GiB, MiB or bytes, for messages.
-#[must_use]
-pub(crate) fn human(bytes: u64) -> String {
-    #[expect(
-        clippy::cast_precision_loss,
-        reason = "one decimal for a message; exact sizes are in the fields"
-    )]
-    let b = bytes as f64;
-    if bytes >= 1 << 30 {
-        format!("{:.1} GiB", b / f64::from(1u32 << 30))
-    } else if bytes >= 1 << 20 {
-        format!("{:.1} MiB", b / f64::from(1u32 << 20))
-    } else {
-        format!("{bytes} B")
     }
 }
 
