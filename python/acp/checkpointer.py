@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
-from acp._env import compress_settings, settings
+from acp._env import from_environment
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp._plan import Plans, SavePlan, Spec
@@ -106,6 +106,12 @@ class Checkpointer:
     checkpoint stays resident in RAM, so ``load`` on the same node restores
     from memory, even after the process died.
 
+    Each keyword but ``root``, ``rank``, ``world_size``, ``replica_group``,
+    ``store`` and ``faults`` can also come from the variable
+    ``ACP_<KEYWORD>`` (``ACP_RING_SLOTS=3``), read when the keyword is left
+    out or None; a value that cannot be read raises ``acp.ConfigError``
+    naming the variable. ``docs/configuration.md`` lists them.
+
     Args:
         root: the checkpoint directory (created, mode 0700).
         job: names this job's shared-memory slots; default: from ``root``.
@@ -179,6 +185,7 @@ class Checkpointer:
             ``ACP_COMPRESS_LEVEL``).
     """
 
+    @from_environment
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -190,7 +197,7 @@ class Checkpointer:
         ring_slots: int | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
-        on_full: str = "wait",
+        on_full: str | None = None,
         full_timeout: float | None = None,
         copy_threads: int | None = None,
         io: str | None = None,
@@ -218,19 +225,9 @@ class Checkpointer:
         compress_level: int | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
-        # The environment fills in what the keywords leave out (acp._env).
-        env = settings(
-            replicas=replicas,
-            replica_timeout=replica_timeout,
-            release_on_close=release_on_close,
-            persist_every=persist_every,
-            persist_interval=persist_interval,
-            persist_policy=persist_policy,
-            ring_bytes=ring_bytes,
-            shm_dir=None if shm_dir is None else os.fspath(shm_dir),
-        )
-        self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
-        compress, compress_level = compress_settings(compress, compress_level)
+        # ACP_* variables filled in what the keywords left out (acp._env).
+        shm_dir = None if shm_dir is None else os.fspath(shm_dir)
+        self._replicas = _torch_replicas(replicas, replica_timeout)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -244,44 +241,42 @@ class Checkpointer:
         recover_together = coordinated and persist_on_open is None
         if recover_together:
             persist_on_open = False
-        persist = env.persist
-        if persist.every is None and persist.interval is None and persist.policy is None:
+        if persist_every is None and persist_interval is None and persist_policy is None:
             # One rank coalesces; several persist every save (see above).
-            persist.policy = "coalesce" if self.world_size == 1 else None
-        with env.naming_persist_vars():
-            self._engine = _acp.Engine(
-                os.fspath(root),
-                job=job,
-                rank=self.rank,
-                world_size=self.world_size,
-                ring_bytes=env.ring_bytes,
-                ring_slots=ring_slots,
-                shm_dir=env.shm_dir,
-                mlock=mlock,
-                copy_threads=copy_threads,
-                chunk_bytes=chunk_bytes,
-                queue_depth=queue_depth,
-                io=io,
-                direct_io=direct_io,
-                on_full=on_full,
-                full_timeout=full_timeout,
-                verify=verify,
-                keep_last=keep_last,
-                keep_every=keep_every,
-                persist_on_open=persist_on_open,
-                stall_timeout=stall_timeout,
-                commit_timeout=commit_timeout,
-                faults=faults,
-                release_on_close=env.release_on_close,
-                shm_ttl=shm_ttl,
-                persist_every=env.persist.every,
-                persist_interval=env.persist.interval,
-                persist_policy=env.persist.policy,
-                background_nice=background_nice,
-                replicas_held=None if self._replicas is None else len(self._replicas.sources),
-                compress=compress,
-                compress_level=compress_level,
-            )
+            persist_policy = "coalesce" if self.world_size == 1 else None
+        self._engine = _acp.Engine(
+            os.fspath(root),
+            job=job,
+            rank=self.rank,
+            world_size=self.world_size,
+            ring_bytes=ring_bytes,
+            ring_slots=ring_slots,
+            shm_dir=shm_dir,
+            mlock=mlock,
+            copy_threads=copy_threads,
+            chunk_bytes=chunk_bytes,
+            queue_depth=queue_depth,
+            io=io,
+            direct_io=direct_io,
+            on_full=on_full,
+            full_timeout=full_timeout,
+            verify=verify,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            persist_on_open=persist_on_open,
+            stall_timeout=stall_timeout,
+            commit_timeout=commit_timeout,
+            faults=faults,
+            release_on_close=release_on_close,
+            shm_ttl=shm_ttl,
+            persist_every=persist_every,
+            persist_interval=persist_interval,
+            persist_policy=persist_policy,
+            background_nice=background_nice,
+            replicas_held=None if self._replicas is None else len(self._replicas.sources),
+            compress=compress,
+            compress_level=compress_level,
+        )
         if self._replicas is not None:
             self._replicas.attach(self._engine)
         self.root = self._engine.root
@@ -320,7 +315,7 @@ class Checkpointer:
                 self.rank,
                 self.world_size,
                 self.replica_group,
-                env.shm_dir,
+                shm_dir,
                 {
                     "chunk_bytes": chunk_bytes,
                     "io": io,
