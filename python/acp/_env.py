@@ -292,8 +292,9 @@ def from_environment(init: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(init)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         filled, used = fill(kwargs)
+        call = cast("Callable[..., R]", init)
         try:
-            return init(*args, **cast("P.kwargs", filled))
+            return call(*args, **filled)
         except ConfigError as e:
             again = _naming_sources(e, used) if used else None
             if again is None:
