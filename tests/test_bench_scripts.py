@@ -169,3 +169,30 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
         assert got["restore_node_b_secs"][key] > 0, key
     assert "restore node B from peer RAM" in proc.stdout
     assert not list(tmp_path.glob("acp-replica-bench-*"))
+
+
+def test_overhead_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(PEERS / "overhead.py"), "--quick", "--out", str(out)]
+    cmd += ["--dir", str(tmp_path), "--modes", "none", "snapshot", "coalesce", "every"]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads((out / "overhead.json").read_text())
+    args = got["args"]
+    assert [r["mode"] for r in got["rows"]] == ["none", "snapshot", "coalesce", "every"]
+    assert got["state_bytes"] > 0
+    assert len(got["load_before"]) == len(got["load_after"]) == 3
+    for row in got["rows"]:
+        assert row["steps"] == args["rounds"] * args["steps"]
+        for key in ("median_s", "mean_s", "p90_s"):
+            assert row[key] > 0, key
+        assert math.isfinite(row["overhead_median_pct"])
+        assert math.isfinite(row["overhead_mean_pct"])
+    saving = {r["mode"]: r for r in got["rows"] if r["mode"] != "none"}
+    assert all(r["stall_median_s"] > 0 for r in saving.values())
+    assert saving["snapshot"]["persisted_steps"] == 0  # persist=False writes nothing
+    assert saving["coalesce"]["persisted_steps"] > 0
+    assert saving["every"]["persisted_steps"] > 0
+    assert (out / "overhead.md").read_text() in proc.stdout
+    assert not list(tmp_path.glob("acp-overhead-*"))  # its roots are removed

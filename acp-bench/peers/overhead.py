@@ -1,0 +1,264 @@
+"""The step-time overhead of saving every step, against not saving, in the same run.
+
+One process trains goodput.py's model (an MLP with AdamW: 114 MB of state by default) and
+times each step (the training step plus the ``save()`` call) in each mode:
+
+- ``none``: no save;
+- ``snapshot``: ``save(step, state, persist=False)`` every step: a RAM snapshot only (the
+  copy into the ring, then the background hash that makes it loadable);
+- ``coalesce``: ``save(step, state)`` every step with the default policy: every step a
+  snapshot, the newest persisted whenever the previous persist has finished;
+- ``every`` (not run unless named): every step persisted.
+
+The modes alternate within each round (the order rotates from round to round), each mode
+running ``--steps`` timed steps; between two modes the engine is left to finish its work
+(``Checkpointer.wait``) outside the timing, so no mode pays for another's flush. The
+overhead of a mode is its median (and mean) step time over ``none``'s, from all rounds.
+The load average before and after is recorded: on a shared machine, read the ratios.
+
+    python acp-bench/peers/overhead.py --rounds 20 --steps 10 --out acp-bench/results/overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from goodput_worker import REALISTIC_MODEL, Model, Trainer
+
+MODES = ("none", "snapshot", "coalesce", "every")
+DEFAULT_MODES = ("none", "snapshot", "coalesce")
+ALL = "ALL"
+ENDED = "ended threads"
+
+
+def _order(modes: list[str], round_: int) -> list[str]:
+    k = round_ % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's live threads, summed by
+    thread name (``python``, ``acp-flush-r0``, ...), and of the whole process
+    (``ALL``: also the threads that ended, e.g. a save's ``acp-copy`` threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    out: dict[str, float] = {ALL: (int(fields[11]) + int(fields[12])) / tick}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _faults() -> int:
+    """Minor page faults of the whole process so far."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
+
+
+def _pct(x: float, base: float) -> float:
+    return 100.0 * (x / base - 1.0)
+
+
+class Tally:
+    """One mode's figures over its timed blocks: step times, the save call
+    and its stall, and where the time goes (CPU seconds per thread name and
+    minor page faults, over the steps and the wait after them)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.stalls: list[float] = []
+        self.saves: list[float] = []
+        self.cpu: dict[str, float] = {}
+        self.faults = 0
+
+    def block(self, tr: Trainer, ckpt: Any, mode: str, steps: int, timed: bool) -> None:
+        """Runs ``steps`` steps of ``mode``, then waits for ``ckpt``'s
+        background work (untimed), so that the next mode starts clean."""
+        cpu0, faults0 = _threads_cpu(), _faults()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            tr.train_step()
+            ts = time.perf_counter()
+            if ckpt is not None:
+                persist = False if mode == "snapshot" else None
+                h = ckpt.save(tr.step, tr.state(), persist=persist)
+            t1 = time.perf_counter()
+            if timed:
+                self.times.append(t1 - t0)
+                if ckpt is not None:
+                    self.stalls.append(h.stats.stall_secs)
+                    self.saves.append(t1 - ts)
+        if ckpt is not None:
+            ckpt.wait()
+        if timed:
+            spent = {n: s - cpu0.get(n, 0.0) for n, s in _threads_cpu().items()}
+            spent[ENDED] = spent[ALL] - sum(v for n, v in spent.items() if n != ALL)
+            del spent[ALL]
+            for name, secs in spent.items():
+                self.cpu[name] = self.cpu.get(name, 0.0) + secs
+            self.faults += _faults() - faults0
+
+    def row(self, mode: str, persisted: int) -> dict[str, Any]:
+        t = self.times
+        return {
+            "mode": mode,
+            "steps": len(t),
+            "median_s": statistics.median(t),
+            "mean_s": statistics.fmean(t),
+            "p90_s": statistics.quantiles(t, n=10)[-1] if len(t) >= 2 else t[0],
+            "stall_median_s": statistics.median(self.stalls) if self.stalls else 0.0,
+            "save_call_median_s": statistics.median(self.saves) if self.saves else 0.0,
+            "cpu_per_step_s": {k: v / len(t) for k, v in sorted(self.cpu.items()) if v > 0},
+            "minor_faults_per_step": self.faults / len(t),
+            "persisted_steps": persisted,
+        }
+
+
+def _open(acp: Any, work: Path, mode: str, state_bytes: int) -> Any:
+    slot = state_bytes + (4 << 20)
+    policy: dict[str, Any] = {"persist_every": 1} if mode == "every" else {}
+    return acp.Checkpointer(
+        work / mode,
+        job=f"overhead-{os.getpid()}-{mode}",
+        ring_slots=3,
+        ring_bytes=3 * slot,
+        keep_last=2,
+        release_on_close=True,
+        **policy,
+    )
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import acp
+
+    m = Model(d_in=a.d_in, hidden=a.hidden, layers=a.layers, batch=a.batch, threads=a.threads)
+    tr = Trainer(m)
+    tr.init_opt_state()
+    state_bytes = tr.state_bytes()
+    work = Path(tempfile.mkdtemp(prefix="acp-overhead-", dir=a.dir))
+    ckpts = {mode: _open(acp, work, mode, state_bytes) for mode in a.modes if mode != "none"}
+    tallies = {mode: Tally() for mode in a.modes}
+    load_before = os.getloadavg()
+    started = time.time()
+    try:
+        for ckpt in ckpts.values():
+            ckpt.reserve(tr.state())
+        for round_ in range(-1, a.rounds):  # round -1 warms every mode up, untimed
+            for mode in _order(list(a.modes), max(round_, 0)):
+                steps = a.warmup if round_ < 0 else a.steps
+                tallies[mode].block(tr, ckpts.get(mode), mode, steps, timed=round_ >= 0)
+        persisted = {mode: len(ckpt.steps()) for mode, ckpt in ckpts.items()}
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+        shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
+    rows = [tallies[mode].row(mode, persisted.get(mode, 0)) for mode in a.modes]
+    base = next((r for r in rows if r["mode"] == "none"), None)
+    for row in rows:
+        if base is not None:
+            row["overhead_median_pct"] = _pct(row["median_s"], base["median_s"])
+            row["overhead_mean_pct"] = _pct(row["mean_s"], base["mean_s"])
+    return {
+        "args": {k: v for k, v in vars(a).items() if k not in ("out", "dir")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "acp": acp.__version__,
+        },
+        "state_bytes": state_bytes,
+        "load_before": load_before,
+        "load_after": load_after,
+        "secs": time.time() - started,
+        "rows": rows,
+    }
+
+
+def report(got: dict[str, Any]) -> str:
+    lines = [
+        f"state {got['state_bytes'] / 1e6:.0f} MB, {got['args']['rounds']} rounds x "
+        f"{got['args']['steps']} steps per mode; load average "
+        f"{got['load_before'][0]:.2f} before, {got['load_after'][0]:.2f} after",
+        "",
+        "| mode | step median | overhead (median) | step mean | overhead (mean) "
+        "| step p90 | save stall median | steps persisted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in got["rows"]:
+        med = r.get("overhead_median_pct")
+        mean = r.get("overhead_mean_pct")
+        lines.append(
+            f"| {r['mode']} | {r['median_s'] * 1e3:.1f} ms | "
+            f"{'—' if med is None else f'{med:+.1f} %'} | {r['mean_s'] * 1e3:.1f} ms | "
+            f"{'—' if mean is None else f'{mean:+.1f} %'} | {r['p90_s'] * 1e3:.1f} ms | "
+            f"{r['stall_median_s'] * 1e3:.1f} ms | {r['persisted_steps']} |"
+        )
+    lines += ["", "CPU per step, by thread (ms), and minor page faults per step:", ""]
+    for r in got["rows"]:
+        threads = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["cpu_per_step_s"].items())
+        lines.append(
+            f"- {r['mode']}: {threads}; save() call median "
+            f"{r['save_call_median_s'] * 1e3:.1f} ms; {r['minor_faults_per_step']:.0f} faults"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    d = Model()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode per round")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
+    p.add_argument("--d-in", type=int, default=d.d_in)
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument(
+        "--realistic", action="store_true", help="goodput.py's realistic model (about 1 GiB)"
+    )
+    p.add_argument("--quick", action="store_true", help="a tiny run (for the tests)")
+    p.add_argument("--dir", default=None, help="where the checkpoint roots go (a temp dir)")
+    p.add_argument("--out", default="acp-bench/results/overhead")
+    a = p.parse_args(argv)
+    if a.realistic:
+        r = REALISTIC_MODEL
+        a.d_in, a.hidden, a.layers, a.batch = r.d_in, r.hidden, r.layers, r.batch
+    if a.quick:
+        a.d_in, a.hidden, a.layers, a.batch = 32, 64, 2, 4
+        a.rounds, a.steps, a.warmup = 2, 3, 1
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    got = run(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(got, indent=2) + "\n")
+    text = report(got)
+    (out / "overhead.md").write_text(text)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
