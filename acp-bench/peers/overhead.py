@@ -10,6 +10,9 @@ times each step (the training step plus the ``save()`` call) in each mode:
   snapshot, the newest persisted whenever the previous persist has finished;
 - ``every`` (not run unless named): every step persisted.
 
+A mode may carry ``Checkpointer`` keywords, to compare settings in the same run:
+``snapshot:background_nice=19``, ``coalesce:copy_threads=1,ring_slots=4``.
+
 The modes alternate within each round (the order rotates from round to round), each mode
 running ``--steps`` timed steps; between two modes the engine is left to finish its work
 (``Checkpointer.wait``) outside the timing, so no mode pays for another's flush. The
@@ -41,6 +44,33 @@ MODES = ("none", "snapshot", "coalesce", "every")
 DEFAULT_MODES = ("none", "snapshot", "coalesce")
 ALL = "ALL"
 ENDED = "ended threads"
+
+
+def _base(mode: str) -> str:
+    return mode.split(":", 1)[0]
+
+
+def _keywords(mode: str) -> dict[str, Any]:
+    """The ``Checkpointer`` keywords after ``mode``'s colon (integers as such)."""
+    if ":" not in mode:
+        return {}
+    out: dict[str, Any] = {}
+    for item in mode.split(":", 1)[1].split(","):
+        key, _, value = item.partition("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def _mode(text: str) -> str:
+    """An argparse type: a mode, with optional keywords."""
+    if _base(text) not in MODES:
+        raise argparse.ArgumentTypeError(f"{text!r}: a mode is one of {', '.join(MODES)}")
+    if _base(text) == "none" and ":" in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: none takes no keywords")
+    for item in text.split(":", 1)[1].split(",") if ":" in text else []:
+        if "=" not in item:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not KEY=VALUE")
+    return text
 
 
 def _order(modes: list[str], round_: int) -> list[str]:
@@ -97,7 +127,7 @@ class Tally:
             tr.train_step()
             ts = time.perf_counter()
             if ckpt is not None:
-                persist = False if mode == "snapshot" else None
+                persist = False if _base(mode) == "snapshot" else None
                 h = ckpt.save(tr.step, tr.state(), persist=persist)
             t1 = time.perf_counter()
             if timed:
@@ -133,16 +163,11 @@ class Tally:
 
 def _open(acp: Any, work: Path, mode: str, state_bytes: int) -> Any:
     slot = state_bytes + (4 << 20)
-    policy: dict[str, Any] = {"persist_every": 1} if mode == "every" else {}
-    return acp.Checkpointer(
-        work / mode,
-        job=f"overhead-{os.getpid()}-{mode}",
-        ring_slots=3,
-        ring_bytes=3 * slot,
-        keep_last=2,
-        release_on_close=True,
-        **policy,
-    )
+    kwargs: dict[str, Any] = {"persist_every": 1} if _base(mode) == "every" else {}
+    kwargs.update(ring_slots=3, ring_bytes=3 * slot, keep_last=2, release_on_close=True)
+    kwargs.update(_keywords(mode))
+    name = f"{os.getpid()}-{len(list(work.iterdir()))}"
+    return acp.Checkpointer(work / name, job=f"overhead-{name}", **kwargs)
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -153,6 +178,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     tr.init_opt_state()
     state_bytes = tr.state_bytes()
     work = Path(tempfile.mkdtemp(prefix="acp-overhead-", dir=a.dir))
+    if len(set(a.modes)) != len(a.modes):
+        raise SystemExit(f"--modes: a mode is named twice: {a.modes}")
     ckpts = {mode: _open(acp, work, mode, state_bytes) for mode in a.modes if mode != "none"}
     tallies = {mode: Tally() for mode in a.modes}
     load_before = os.getloadavg()
@@ -223,7 +250,9 @@ def report(got: dict[str, Any]) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     d = Model()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    p.add_argument(
+        "--modes", nargs="+", type=_mode, default=list(DEFAULT_MODES), metavar="MODE[:K=V,...]"
+    )
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode per round")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
