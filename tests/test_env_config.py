@@ -392,3 +392,13 @@ def test_every_variable_has_a_docs_row_with_an_example_that_reads() -> None:
 def test_the_readme_points_to_the_table() -> None:
     readme = (DOCS.parents[1] / "README.md").read_text()
     assert "docs/configuration.md" in readme
+
+
+def test_mindspore_opens_its_checkpointer_through_the_same_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from acp.mindspore import export_ckpt
+
+    monkeypatch.setenv("ACP_RING_SLOTS", "none")
+    with pytest.raises(acp.ConfigError, match="ACP_RING_SLOTS='none'"):
+        export_ckpt(tmp_path / "ckpt", tmp_path / "out.ckpt")
