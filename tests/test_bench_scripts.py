@@ -189,6 +189,7 @@ def test_overhead_quick(tmp_path: Path) -> None:
             assert row[key] > 0, key
         assert math.isfinite(row["overhead_median_pct"])
         assert math.isfinite(row["overhead_mean_pct"])
+        assert math.isfinite(row["overhead_paired_pct"])
     saving = {r["mode"]: r for r in got["rows"] if r["mode"] != "none"}
     assert all(r["stall_median_s"] > 0 for r in saving.values())
     assert saving["snapshot"]["persisted_steps"] == 0  # persist=False writes nothing

@@ -113,6 +113,8 @@ class Tally:
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.block_medians: list[float] = []
+        """Each timed block's median step time, in round order."""
         self.stalls: list[float] = []
         self.saves: list[float] = []
         self.cpu: dict[str, float] = {}
@@ -122,6 +124,7 @@ class Tally:
         """Runs ``steps`` steps of ``mode``, then waits for ``ckpt``'s
         background work (untimed), so that the next mode starts clean."""
         cpu0, faults0 = _threads_cpu(), _faults()
+        first = len(self.times)
         for _ in range(steps):
             t0 = time.perf_counter()
             tr.train_step()
@@ -138,6 +141,7 @@ class Tally:
         if ckpt is not None:
             ckpt.wait()
         if timed:
+            self.block_medians.append(statistics.median(self.times[first:]))
             spent = {n: s - cpu0.get(n, 0.0) for n, s in _threads_cpu().items()}
             spent[ENDED] = spent[ALL] - sum(v for n, v in spent.items() if n != ALL)
             del spent[ALL]
@@ -203,6 +207,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if base is not None:
             row["overhead_median_pct"] = _pct(row["median_s"], base["median_s"])
             row["overhead_mean_pct"] = _pct(row["mean_s"], base["mean_s"])
+            # Paired: each round's block against none's block of the same
+            # round, which cancels the drift of a shared machine's load.
+            pairs = zip(tallies[row["mode"]].block_medians, tallies["none"].block_medians)
+            row["overhead_paired_pct"] = statistics.median(_pct(x, b) for x, b in pairs)
     return {
         "args": {k: v for k, v in vars(a).items() if k not in ("out", "dir")},
         "machine": {
@@ -224,17 +232,18 @@ def report(got: dict[str, Any]) -> str:
         f"{got['args']['steps']} steps per mode; load average "
         f"{got['load_before'][0]:.2f} before, {got['load_after'][0]:.2f} after",
         "",
-        "| mode | step median | overhead (median) | step mean | overhead (mean) "
-        "| step p90 | save stall median | steps persisted |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | step median | overhead (median) | overhead (paired by round) "
+        "| step mean | overhead (mean) | step p90 | save stall median | steps persisted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in got["rows"]:
-        med = r.get("overhead_median_pct")
-        mean = r.get("overhead_mean_pct")
+        med, paired, mean = (
+            "—" if r.get(k) is None else f"{r[k]:+.1f} %"
+            for k in ("overhead_median_pct", "overhead_paired_pct", "overhead_mean_pct")
+        )
         lines.append(
-            f"| {r['mode']} | {r['median_s'] * 1e3:.1f} ms | "
-            f"{'—' if med is None else f'{med:+.1f} %'} | {r['mean_s'] * 1e3:.1f} ms | "
-            f"{'—' if mean is None else f'{mean:+.1f} %'} | {r['p90_s'] * 1e3:.1f} ms | "
+            f"| {r['mode']} | {r['median_s'] * 1e3:.1f} ms | {med} | {paired} | "
+            f"{r['mean_s'] * 1e3:.1f} ms | {mean} | {r['p90_s'] * 1e3:.1f} ms | "
             f"{r['stall_median_s'] * 1e3:.1f} ms | {r['persisted_steps']} |"
         )
     lines += ["", "CPU per step, by thread (ms), and minor page faults per step:", ""]
