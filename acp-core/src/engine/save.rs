@@ -9,7 +9,7 @@ use super::wait::WATCH_TICK;
 use super::{Engine, Persist, SaveHandle, Staging};
 use crate::config::WhenFull;
 use crate::error::{Error, Result};
-use crate::format::{check_values_json, Dtype, ImageMeta, Layout, TensorSpec};
+use crate::format::{check_values_json, Dtype, Entry, ImageMeta, Layout, TensorSpec};
 use crate::io::IoKind;
 use crate::staging::StagingSlot;
 
@@ -52,6 +52,30 @@ pub struct HostTensor<'a> {
     pub shape: &'a [u64],
     /// The bytes, exactly `numel × dtype.size()` of them.
     pub data: &'a [u8],
+}
+
+/// The layout of a save kept for the next saves of the same tensors and
+/// values ([`Engine::save_plan`]): a save from it
+/// ([`Engine::begin_save_planned`]) writes only its own header, without
+/// checking and placing every tensor again. The tensors' names, dtypes,
+/// shapes and the values are fixed when the plan is made.
+#[derive(Debug)]
+pub struct SavePlan {
+    /// The image under the header of step 0 with no extra metadata; each
+    /// save restamps it ([`Layout::restamp`]).
+    layout: Layout,
+    /// The checked values JSON text.
+    values_json: String,
+}
+
+impl SavePlan {
+    /// The laid-out tensors, in the order given to [`Engine::save_plan`]
+    /// (their offsets are those of the plan's own header; a save's
+    /// [`Staging::entries`] has its own).
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.layout.entries
+    }
 }
 
 /// The figures of a finished save.
@@ -110,7 +134,9 @@ impl Engine {
     ) -> Result<Option<Staging>> {
         let values = serde_json::to_string(values)
             .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
-        self.begin(step, tensors, &values, opts)
+        self.begin(step, opts, |meta| {
+            Layout::plan_with_values(tensors, &meta, &values)
+        })
     }
 
     /// [`Engine::begin_save`] with the values given as JSON text, stored as
@@ -129,7 +155,43 @@ impl Engine {
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
         check_values_json(values_json)?;
-        self.begin(step, tensors, values_json, opts)
+        self.begin(step, opts, |meta| {
+            Layout::plan_with_values(tensors, &meta, values_json)
+        })
+    }
+
+    /// Checks and lays out `tensors` and `values_json` once, for saves
+    /// that repeat them ([`Engine::begin_save_planned`]): a training
+    /// loop's state keeps its structure from one save to the next, and
+    /// checking and placing its tensors is most of the stall's cost beyond
+    /// the copy when they are many and small.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`] for the input.
+    pub fn save_plan(&self, tensors: &[TensorSpec], values_json: &str) -> Result<SavePlan> {
+        check_values_json(values_json)?;
+        let layout =
+            Layout::plan_with_values(tensors, &self.meta(0, BTreeMap::new()), values_json)?;
+        Ok(SavePlan {
+            layout,
+            values_json: values_json.to_owned(),
+        })
+    }
+
+    /// [`Engine::begin_save_json`] of the plan's tensors and values: the
+    /// same image, its header written for `step` and `opts`.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`].
+    pub fn begin_save_planned(
+        &self,
+        step: u64,
+        plan: &SavePlan,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        self.begin(step, opts, |meta| {
+            plan.layout.restamp(&meta, &plan.values_json)
+        })
     }
 
     /// Readies every free ring slot for a checkpoint of `tensors` and
@@ -160,15 +222,26 @@ impl Engine {
         values_json: &str,
         extra: BTreeMap<String, String>,
     ) -> Result<Layout> {
-        let shared = self.shared();
-        let meta = ImageMeta {
+        let layout = Layout::plan_with_values(tensors, &self.meta(step, extra), values_json)?;
+        self.fit(what, layout)
+    }
+
+    /// The header fields of this engine's image of `step` (values given
+    /// as text beside it).
+    fn meta(&self, step: u64, extra: BTreeMap<String, String>) -> ImageMeta {
+        let cfg = &self.shared().cfg;
+        ImageMeta {
             step,
-            rank: shared.cfg.rank,
-            world_size: shared.cfg.world_size,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
             values: serde_json::Value::Null, // given as text
             extra,
-        };
-        let layout = Layout::plan_with_values(tensors, &meta, values_json)?;
+        }
+    }
+
+    /// `layout`, refused when it does not fit a ring slot.
+    fn fit(&self, what: &str, layout: Layout) -> Result<Layout> {
+        let shared = self.shared();
         let max = shared.ring.max_image_bytes();
         if layout.total_len > max {
             let cfg = &shared.cfg;
@@ -193,15 +266,14 @@ impl Engine {
         Ok(layout)
     }
 
-    /// The stall's start behind [`Engine::begin_save`] and
-    /// [`Engine::begin_save_json`] (whose parameters it repeats), once
-    /// their values are checked JSON text.
+    /// The stall's start behind [`Engine::begin_save`],
+    /// [`Engine::begin_save_json`] and [`Engine::begin_save_planned`]:
+    /// `layout` gives the image for the header fields of this save.
     fn begin(
         &self,
         step: u64,
-        tensors: &[TensorSpec],
-        values_json: &str,
         opts: &SaveOptions,
+        layout: impl FnOnce(ImageMeta) -> Result<Layout>,
     ) -> Result<Option<Staging>> {
         let started = Instant::now();
         let shared = self.shared();
@@ -221,12 +293,9 @@ impl Engine {
                 root: shared.root.location().to_path_buf(),
             });
         }
-        let layout = self.plan(
+        let layout = self.fit(
             &format!("step {step}"),
-            step,
-            tensors,
-            values_json,
-            opts.extra_metadata.clone(),
+            layout(self.meta(step, opts.extra_metadata.clone()))?,
         )?;
         let Some(mut slot) = self.acquire_slot(step, layout.total_len, opts.on_wait.as_ref())?
         else {
