@@ -103,3 +103,51 @@ fn a_planned_save_writes_what_a_fresh_one_writes() {
     assert_eq!(e.kind(), ErrorKind::Invalid);
     engine.close().unwrap();
 }
+
+#[test]
+fn a_header_that_grows_past_the_alignment_moves_the_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let cfg = EngineConfig::new(dir.path().join("ckpt"))
+        .with_shm_dir(&shm)
+        .with_job("test")
+        .with_ring_bytes(8 << 20);
+    let engine = Engine::open(cfg).unwrap();
+    let (short, long) = (0u64, 10_000_000_000u64);
+    let offset = |step: u64, values: &str| {
+        let s = engine
+            .begin_save_json(step, &specs(), values, &SaveOptions::default())
+            .unwrap()
+            .unwrap();
+        s.entries()[0].offset
+    };
+    // Values of a length that puts the step-0 header just under a multiple
+    // of 4096 bytes, so that a longer step moves the data start.
+    let values = (3800..4096)
+        .map(|n| format!("\"{}\"", "x".repeat(n)))
+        .find(|v| offset(short, v) != offset(long, v))
+        .unwrap();
+    let plan = engine.save_plan(&specs(), &values).unwrap();
+    for step in [short, long] {
+        let want = offset(step, &values);
+        let srcs = data(9);
+        let srcs: Vec<&[u8]> = srcs.iter().map(Vec::as_slice).collect();
+        let mut s = engine
+            .begin_save_planned(step, &plan, &SaveOptions::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.entries()[0].offset, want);
+        s.copy_from(&srcs).unwrap();
+        s.finish().wait().unwrap();
+        let ck = engine
+            .load(&LoadRequest {
+                step: Some(step),
+                storage_only: true,
+                ..LoadRequest::default()
+            })
+            .unwrap();
+        assert_eq!(ck.tensor("w").unwrap().data, vec![10; 24].as_slice());
+    }
+    engine.close().unwrap();
+}

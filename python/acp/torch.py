@@ -88,7 +88,9 @@ _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _storage = torch.Tensor.untyped_storage
-_fields = operator.attrgetter("shape", "dtype", "device", "layout", "requires_grad")
+# `is_cpu`, not `device`: a device is a new object per read, and plans are
+# kept only for host tensors (any other device is refused or replanned).
+_fields = operator.attrgetter("shape", "dtype", "is_cpu", "layout", "requires_grad")
 
 
 def dtype_to_safetensors(dtype: torch.dtype) -> str:

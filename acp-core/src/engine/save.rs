@@ -62,8 +62,12 @@ pub struct HostTensor<'a> {
 #[derive(Debug)]
 pub struct SavePlan {
     /// The image under the header of step 0 with no extra metadata; each
-    /// save restamps it ([`Layout::restamp`]).
+    /// save restamps its header ([`Layout::restamp_header`]).
     layout: Layout,
+    /// `layout`'s entries, shared with the stagings of saves whose data
+    /// starts where the plan's does (most: only a header that crosses a
+    /// multiple of [`DATA_ALIGN`](crate::format::DATA_ALIGN) moves it).
+    entries: Arc<[Entry]>,
     /// The checked values JSON text.
     values_json: String,
 }
@@ -74,7 +78,50 @@ impl SavePlan {
     /// [`Staging::entries`] has its own).
     #[must_use]
     pub fn entries(&self) -> &[Entry] {
-        &self.layout.entries
+        &self.entries
+    }
+
+    /// The image of a save of this plan with the header fields `meta`.
+    fn image(&self, meta: &ImageMeta) -> Result<Image> {
+        let (header, data_start) = self.layout.restamp_header(meta, &self.values_json)?;
+        let base = self.layout.data_start;
+        let entries = if data_start == base {
+            Arc::clone(&self.entries)
+        } else {
+            self.entries
+                .iter()
+                .map(|e| Entry {
+                    // Entries lie after the plan's data start; the new one
+                    // is checked to leave room for the whole data section.
+                    offset: e.offset - base + data_start,
+                    ..e.clone()
+                })
+                .collect()
+        };
+        Ok(Image {
+            total_len: self.layout.total_len - base + data_start,
+            header,
+            entries,
+        })
+    }
+}
+
+/// The image of one save: its header bytes and where its tensors go.
+pub(super) struct Image {
+    pub(super) header: Vec<u8>,
+    pub(super) entries: Arc<[Entry]>,
+    pub(super) total_len: u64,
+}
+
+impl From<Layout> for Image {
+    fn from(layout: Layout) -> Image {
+        let total_len = layout.total_len;
+        let (entries, header) = layout.into_parts();
+        Image {
+            header,
+            entries: entries.into(),
+            total_len,
+        }
     }
 }
 
@@ -135,7 +182,7 @@ impl Engine {
         let values = serde_json::to_string(values)
             .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
         self.begin(step, opts, |meta| {
-            Layout::plan_with_values(tensors, &meta, &values)
+            Layout::plan_with_values(tensors, &meta, &values).map(Image::from)
         })
     }
 
@@ -156,7 +203,7 @@ impl Engine {
     ) -> Result<Option<Staging>> {
         check_values_json(values_json)?;
         self.begin(step, opts, |meta| {
-            Layout::plan_with_values(tensors, &meta, values_json)
+            Layout::plan_with_values(tensors, &meta, values_json).map(Image::from)
         })
     }
 
@@ -173,6 +220,7 @@ impl Engine {
         let layout =
             Layout::plan_with_values(tensors, &self.meta(0, BTreeMap::new()), values_json)?;
         Ok(SavePlan {
+            entries: layout.entries.clone().into(),
             layout,
             values_json: values_json.to_owned(),
         })
@@ -189,9 +237,7 @@ impl Engine {
         plan: &SavePlan,
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
-        self.begin(step, opts, |meta| {
-            plan.layout.restamp(&meta, &plan.values_json)
-        })
+        self.begin(step, opts, |meta| plan.image(&meta))
     }
 
     /// Readies every free ring slot for a checkpoint of `tensors` and
@@ -223,7 +269,8 @@ impl Engine {
         extra: BTreeMap<String, String>,
     ) -> Result<Layout> {
         let layout = Layout::plan_with_values(tensors, &self.meta(step, extra), values_json)?;
-        self.fit(what, layout)
+        self.fit(what, layout.total_len)?;
+        Ok(layout)
     }
 
     /// The header fields of this engine's image of `step` (values given
@@ -239,13 +286,13 @@ impl Engine {
         }
     }
 
-    /// `layout`, refused when it does not fit a ring slot.
-    fn fit(&self, what: &str, layout: Layout) -> Result<Layout> {
+    /// Refuses an image of `total_len` bytes that does not fit a ring slot.
+    fn fit(&self, what: &str, total_len: u64) -> Result<()> {
         let shared = self.shared();
         let max = shared.ring.max_image_bytes();
-        if layout.total_len > max {
+        if total_len > max {
             let cfg = &shared.cfg;
-            let need = layout.total_len.saturating_mul(cfg.ring_slots as u64);
+            let need = total_len.saturating_mul(cfg.ring_slots as u64);
             let reason = match &cfg.ring_room {
                 // Sized from the room at open: the room is what to raise.
                 Some(room) => format!(
@@ -254,26 +301,26 @@ impl Engine {
                      about {need}; give the container a larger /dev/shm (`docker run \
                      --shm-size`; Kubernetes: an emptyDir with `medium: Memory`), point \
                      shm_dir (ACP_SHM_DIR) at a larger tmpfs, or set ring_bytes",
-                    layout.total_len, cfg.ring_slots, cfg.ring_bytes
+                    total_len, cfg.ring_slots, cfg.ring_bytes
                 ),
                 None => format!(
                     "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}, about {need} needed) or lower ring_slots (now {})",
-                    layout.total_len, cfg.ring_bytes, cfg.ring_slots
+                    total_len, cfg.ring_bytes, cfg.ring_slots
                 ),
             };
             return Err(Error::invalid(what, reason));
         }
-        Ok(layout)
+        Ok(())
     }
 
     /// The stall's start behind [`Engine::begin_save`],
     /// [`Engine::begin_save_json`] and [`Engine::begin_save_planned`]:
-    /// `layout` gives the image for the header fields of this save.
+    /// `image` gives the image for the header fields of this save.
     fn begin(
         &self,
         step: u64,
         opts: &SaveOptions,
-        layout: impl FnOnce(ImageMeta) -> Result<Layout>,
+        image: impl FnOnce(ImageMeta) -> Result<Image>,
     ) -> Result<Option<Staging>> {
         let started = Instant::now();
         let shared = self.shared();
@@ -293,11 +340,9 @@ impl Engine {
                 root: shared.root.location().to_path_buf(),
             });
         }
-        let layout = self.fit(
-            &format!("step {step}"),
-            layout(self.meta(step, opts.extra_metadata.clone()))?,
-        )?;
-        let Some(mut slot) = self.acquire_slot(step, layout.total_len, opts.on_wait.as_ref())?
+        let image = image(self.meta(step, opts.extra_metadata.clone()))?;
+        self.fit(&format!("step {step}"), image.total_len)?;
+        let Some(mut slot) = self.acquire_slot(step, image.total_len, opts.on_wait.as_ref())?
         else {
             tracing::warn!(
                 step,
@@ -306,14 +351,14 @@ impl Engine {
             shared.lock().counts.skipped += 1;
             return Ok(None);
         };
-        let header = layout.header_bytes();
-        slot.image_mut()[..header.len()].copy_from_slice(header);
+        slot.image_mut()[..image.header.len()].copy_from_slice(&image.header);
         Ok(Some(Staging {
             engine: self.clone(),
             step,
             overwrite: opts.overwrite,
             persist: opts.persist,
-            layout,
+            entries: image.entries,
+            total_len: image.total_len,
             slot: Some(slot),
             started,
             slot_wait: started.elapsed(),

@@ -257,18 +257,7 @@ impl Layout {
     /// # Errors
     /// As [`Layout::plan`] for the metadata and the header's size.
     pub fn restamp(&self, meta: &ImageMeta, values: &str) -> Result<Layout> {
-        let mut json = metadata_json(&metadata(meta, values)?)?;
-        let (from, to) = self.tensors_json;
-        let tensors_at = json.len();
-        json.extend_from_slice(&self.header[from..to]);
-        let json_len = json.len();
-        let (header, data_start) = padded_header(json)?;
-        // Both data starts are at most the header limit and every tensor
-        // ends within the old data section, so no offset below overflows.
-        let data_len = self.total_len - self.data_start;
-        let total_len = data_start
-            .checked_add(data_len)
-            .ok_or_else(|| Error::invalid("image", "the file length overflows a u64 byte size"))?;
+        let (header, data_start, tensors_json) = self.restamped_header(meta, values)?;
         let entries = self
             .entries
             .iter()
@@ -276,6 +265,8 @@ impl Layout {
                 name: e.name.clone(),
                 dtype: e.dtype,
                 shape: e.shape.clone(),
+                // Every entry ends within the data section, and a data
+                // start is at most the header limit: no overflow.
                 offset: e.offset - self.data_start + data_start,
                 len: e.len,
             })
@@ -283,10 +274,50 @@ impl Layout {
         Ok(Layout {
             entries,
             data_start,
-            total_len,
+            // The data section keeps its length, checked when planned.
+            total_len: self.total_len - self.data_start + data_start,
             header,
-            tensors_json: (8 + tensors_at, 8 + json_len),
+            tensors_json,
         })
+    }
+
+    /// [`Layout::restamp`]'s header bytes and data start, for callers that
+    /// keep the entries (their offsets move by the change of data start).
+    ///
+    /// # Errors
+    /// As [`Layout::restamp`].
+    pub fn restamp_header(&self, meta: &ImageMeta, values: &str) -> Result<(Vec<u8>, u64)> {
+        let (header, data_start, _) = self.restamped_header(meta, values)?;
+        Ok((header, data_start))
+    }
+
+    fn restamped_header(
+        &self,
+        meta: &ImageMeta,
+        values: &str,
+    ) -> Result<(Vec<u8>, u64, (usize, usize))> {
+        let mut json = metadata_json(&metadata(meta, values)?)?;
+        let (from, to) = self.tensors_json;
+        let tensors_at = json.len();
+        json.extend_from_slice(&self.header[from..to]);
+        let json_len = json.len();
+        let (header, data_start) = padded_header(json)?;
+        if data_start
+            .checked_add(self.total_len - self.data_start)
+            .is_none()
+        {
+            return Err(Error::invalid(
+                "image",
+                "the file length overflows a u64 byte size",
+            ));
+        }
+        Ok((header, data_start, (8 + tensors_at, 8 + json_len)))
+    }
+
+    /// The entries and the header bytes, taken apart.
+    #[must_use]
+    pub fn into_parts(self) -> (Vec<Entry>, Vec<u8>) {
+        (self.entries, self.header)
     }
 
     /// The first `data_start` bytes of the image: the 8-byte little-endian
