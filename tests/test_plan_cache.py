@@ -111,6 +111,11 @@ def _parameter(s: dict[str, Any]) -> None:
     s["a"] = torch.nn.Parameter(s["a"])
 
 
+def _parameter_no_grad(s: dict[str, Any]) -> None:
+    # The same memory, shape, strides, dtype and requires_grad: only the type.
+    s["a"] = torch.nn.Parameter(s["a"], requires_grad=False)
+
+
 def _key_type(s: dict[str, Any]) -> None:
     s["nested"] = {1: s["a"]}
 
@@ -163,6 +168,7 @@ SAVE_CHANGES: dict[str, Change] = {
     "negative_zero": _negative_zero,
     "requires_grad": _requires_grad,
     "parameter": _parameter,
+    "parameter_no_grad": _parameter_no_grad,
     "key_type": _key_type,
     "tie": _tie,
     "ordered": _ordered,
@@ -193,6 +199,19 @@ def test_in_place_changes_of_a_kept_tensor_are_saved(make_ckpt: MakeCkpt) -> Non
     assert all(same(x, y) for x, y in zip(s["pair"], got["pair"]))
     s["sq"].data = s["sq"].data.view(torch.int32)  # the same bytes as another dtype
     assert same(s["sq"], roundtrip(ckpt, 5, s)["sq"])
+
+
+def test_a_dict_of_tensors_only_keeps_their_types(make_ckpt: MakeCkpt) -> None:
+    # A dict whose values are all tensors is recorded in one step: the
+    # types of its values are part of that record.
+    ckpt = make_ckpt()
+    s = {"m": {"w": torch.randn(3), "b": torch.randn(2)}}
+    roundtrip(ckpt, 1, s)
+    roundtrip(ckpt, 2, s)
+    s["m"]["w"] = torch.nn.Parameter(s["m"]["w"], requires_grad=False)  # the same memory
+    assert same(s, roundtrip(ckpt, 3, s))
+    s["m"]["w"] = s["m"]["w"].data
+    assert same(s, roundtrip(ckpt, 4, s))
 
 
 def test_a_state_of_several_frameworks_keeps_its_plan(make_ckpt: MakeCkpt) -> None:
