@@ -30,6 +30,7 @@ __all__ = [
     "ReplicaImage",
     "Report",
     "SaveHandle",
+    "SavePlan",
     "Staging",
     "StorageError",
     "Unsupported",
