@@ -134,7 +134,7 @@ class Walker:
                     append(t)
                 elif t is float:
                     # By bits: -0.0 == 0.0 and nan != nan, but the JSON differs.
-                    append((t, struct.pack(">d", v)))  # type: ignore[arg-type]
+                    append((t, struct.pack(">d", v)))
                 else:
                     append((t, v))
             else:

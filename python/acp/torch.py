@@ -29,7 +29,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -394,10 +394,11 @@ class Adapter:
         0.05-0.2 us; an interpreted loop around it as much again)."""
         if set(map(type, objs)).issubset(_PLAIN_TENSORS):
             # The types are the walk's; the rest as ``signature`` reads it.
+            tensors = cast("list[torch.Tensor]", objs)
             return (
-                list(map(_data_ptr, objs)),
-                list(map(_stride, objs)),
-                list(map(_fields, objs)),
+                list(map(_data_ptr, tensors)),
+                list(map(_stride, tensors)),
+                list(map(_fields, tensors)),
             )
         return list(map(self.signature, objs))
 
@@ -406,7 +407,7 @@ class Adapter:
         an engine copy runs without the GIL (their storages: another thread
         may rebind a tensor meanwhile), as ``describe``'s ``host`` does."""
         if set(map(type, objs)).issubset(_PLAIN_TENSORS):
-            return list(map(_storage, objs))
+            return list(map(_storage, cast("Sequence[torch.Tensor]", objs)))
         return [t.untyped_storage() for t in objs if isinstance(t, torch.Tensor)]
 
     def encode_value(self, obj: object, key: str) -> Any:
