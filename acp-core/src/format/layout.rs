@@ -248,8 +248,8 @@ impl Layout {
     }
 
     /// The same tensors, in the same places of the data section, under the
-    /// header of another `meta` and `values` (checked JSON text, as for
-    /// [`Layout::plan_json`]): what [`Layout::plan_with_values`] of this
+    /// header of another `meta` and `values` (JSON text, checked as by
+    /// [`Layout::plan_json`]): what [`Layout::plan_json`] of this
     /// layout's specs gives, without walking the tensors again. Only the
     /// `__metadata__` value is written anew; the tensors' part of the JSON
     /// is kept, and each entry's offset moves with the data start.
