@@ -49,6 +49,8 @@ def same(x: Any, y: Any) -> bool:
         )
     if isinstance(x, float):
         return isinstance(y, float) and struct.pack(">d", x) == struct.pack(">d", y)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
     return type(x) is type(y) and x == y
 
 
@@ -109,6 +111,11 @@ def _parameter(s: dict[str, Any]) -> None:
     s["a"] = torch.nn.Parameter(s["a"])
 
 
+def _parameter_no_grad(s: dict[str, Any]) -> None:
+    # The same memory, shape, strides, dtype and requires_grad: only the type.
+    s["a"] = torch.nn.Parameter(s["a"], requires_grad=False)
+
+
 def _key_type(s: dict[str, Any]) -> None:
     s["nested"] = {1: s["a"]}
 
@@ -129,7 +136,26 @@ def _metadata(s: dict[str, Any]) -> None:
     s["nested"]._metadata[""]["version"] = 2
 
 
+def _swap(s: dict[str, Any]) -> None:
+    # A tensor and a plain value change places in the same dict: the same
+    # keys, values and tensors, in other positions.
+    n = s["nested"]
+    n["c"], n["step"] = n["step"], n["c"]
+
+
+def _value_among_tensors(s: dict[str, Any]) -> None:
+    # A dict of tensors only (signed as one batch) gains a plain value.
+    s["b"] = 3
+
+
+def _tensor_in_list(s: dict[str, Any]) -> None:
+    s["nested"]["lr"] = [s["a"], s["b"]]
+
+
 SAVE_CHANGES: dict[str, Change] = {
+    "swap": _swap,
+    "value_among_tensors": _value_among_tensors,
+    "tensor_in_list": _tensor_in_list,
     "replace": _replace,
     "resize": _resize,
     "set": _set,
@@ -142,6 +168,7 @@ SAVE_CHANGES: dict[str, Change] = {
     "negative_zero": _negative_zero,
     "requires_grad": _requires_grad,
     "parameter": _parameter,
+    "parameter_no_grad": _parameter_no_grad,
     "key_type": _key_type,
     "tie": _tie,
     "ordered": _ordered,
@@ -157,6 +184,48 @@ def test_a_changed_state_saves_as_it_is(make_ckpt: MakeCkpt, change: Change) -> 
     change(s)
     assert same(s, roundtrip(ckpt, 3, s))
     assert same(s, roundtrip(ckpt, 4, s))  # and the new plan
+
+
+def test_in_place_changes_of_a_kept_tensor_are_saved(make_ckpt: MakeCkpt) -> None:
+    # The same tensor objects in the same containers, changed in place.
+    ckpt = make_ckpt()
+    s = {"sq": torch.randn(3, 3), "pair": [torch.randn(2), torch.arange(3)]}
+    roundtrip(ckpt, 1, s)
+    roundtrip(ckpt, 2, s)
+    s["sq"].t_()  # the same address and shape, other strides
+    assert same(s["sq"], roundtrip(ckpt, 3, s)["sq"])
+    s["pair"].reverse()  # the same tensors, in other places
+    got = roundtrip(ckpt, 4, s)
+    assert all(same(x, y) for x, y in zip(s["pair"], got["pair"]))
+    s["sq"].data = s["sq"].data.view(torch.int32)  # the same bytes as another dtype
+    assert same(s["sq"], roundtrip(ckpt, 5, s)["sq"])
+
+
+def test_a_dict_of_tensors_only_keeps_their_types(make_ckpt: MakeCkpt) -> None:
+    # A dict whose values are all tensors is recorded in one step: the
+    # types of its values are part of that record.
+    ckpt = make_ckpt()
+    s = {"m": {"w": torch.randn(3), "b": torch.randn(2)}}
+    roundtrip(ckpt, 1, s)
+    roundtrip(ckpt, 2, s)
+    s["m"]["w"] = torch.nn.Parameter(s["m"]["w"], requires_grad=False)  # the same memory
+    assert same(s, roundtrip(ckpt, 3, s))
+    s["m"]["w"] = s["m"]["w"].data
+    assert same(s, roundtrip(ckpt, 4, s))
+
+
+def test_a_state_of_several_frameworks_keeps_its_plan(make_ckpt: MakeCkpt) -> None:
+    import numpy as np
+
+    ckpt = make_ckpt()
+    s = {"t": torch.randn(3), "n": np.arange(4.0), "v": torch.Size([2, 3])}
+    assert roundtrip(ckpt, 1, s)["v"] == torch.Size([2, 3])
+    s["t"].add_(1)
+    got = roundtrip(ckpt, 2, s)
+    assert same(s["t"], got["t"])
+    assert (got["n"] == s["n"]).all()
+    s["v"] = torch.Size([3, 2])  # a torch value, signed by value
+    assert roundtrip(ckpt, 3, s)["v"] == torch.Size([3, 2])
 
 
 def test_key_types_that_compare_equal_save_apart(make_ckpt: MakeCkpt) -> None:

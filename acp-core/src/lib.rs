@@ -104,7 +104,7 @@ pub use config::{
 };
 pub use engine::{
     Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Outcome, Persist,
-    PersistStats, SaveHandle, SaveOptions, SaveReport, Source, Staging, TensorView,
+    PersistStats, SaveHandle, SaveOptions, SavePlan, SaveReport, Source, Staging, TensorView,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};

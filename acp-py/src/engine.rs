@@ -16,7 +16,7 @@ use pyo3::types::PyDict;
 use crate::errors::{err, invalid};
 use crate::load::Loaded;
 use crate::replica::{meta_from, meta_tuple, Mailbox, MetaOut, MetaTuple, ReplicaImage};
-use crate::save::{SaveHandle, Staging};
+use crate::save::{SaveHandle, SavePlan, Staging};
 use crate::tensors::{host_slices, HostRange};
 
 /// A checkpoint engine: a shared-memory ring, flush threads and the
@@ -398,39 +398,61 @@ impl Engine {
         persist: Option<bool>,
     ) -> PyResult<Option<Staging>> {
         let specs = tensor_specs(specs)?;
-        // While the save waits for a free slot, Python's signal handlers run
-        // at every tick (a SIGTERM's dying checkpoint must not wait for a
-        // slot); the first exception one raises ends the save.
-        let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
-        let seen = Arc::clone(&raised);
-        let on_wait = OnWait(Arc::new(move || {
-            Python::attach(|py| py.check_signals()).map_err(|e| {
-                *seen.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
-                Error::invalid("save", "interrupted by a signal handler's exception")
-            })
-        }));
-        let opts = SaveOptions {
+        start_save(
+            py,
+            &self.get()?,
             overwrite,
-            extra_metadata: extra_metadata.unwrap_or_default(),
-            on_wait: Some(on_wait),
-            persist: match persist {
-                None => Persist::Policy,
-                Some(true) => Persist::Always,
-                Some(false) => Persist::Never,
+            extra_metadata,
+            persist,
+            |engine, opts| {
+                let staging = engine.begin_save_json(step, &specs, values_json, opts)?;
+                staging.map(Staging::new).transpose()
             },
-        };
+        )
+    }
+
+    /// Checks and lays out `specs` and `values_json` once, for the saves
+    /// of a state whose structure does not change (`begin_save_planned`),
+    /// with `host`, the `(index, address, nbytes)` ranges to copy from
+    /// (`Staging.copy_planned`), if given.
+    #[pyo3(signature = (specs, values_json, host=None))]
+    fn save_plan(
+        &self,
+        py: Python<'_>,
+        specs: Vec<(String, String, Vec<u64>)>,
+        values_json: &str,
+        host: Option<Vec<(usize, usize, usize)>>,
+    ) -> PyResult<SavePlan> {
+        let specs = tensor_specs(specs)?;
         let engine = self.get()?;
-        py.detach(|| {
-            let staging = engine.begin_save_json(step, &specs, values_json, &opts)?;
-            staging.map(Staging::new).transpose()
-        })
-        .map_err(|e| {
-            raised
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take()
-                .unwrap_or_else(|| err(e))
-        })
+        let core = py
+            .detach(|| engine.save_plan(&specs, values_json))
+            .map_err(err)?;
+        SavePlan::new(core, host)
+    }
+
+    /// `begin_save` of the tensors and values of `plan`.
+    #[pyo3(signature = (step, plan, overwrite=false, extra_metadata=None, persist=None))]
+    fn begin_save_planned(
+        &self,
+        py: Python<'_>,
+        step: u64,
+        plan: &SavePlan,
+        overwrite: bool,
+        extra_metadata: Option<BTreeMap<String, String>>,
+        persist: Option<bool>,
+    ) -> PyResult<Option<Staging>> {
+        start_save(
+            py,
+            &self.get()?,
+            overwrite,
+            extra_metadata,
+            persist,
+            |engine, opts| {
+                let staging = engine.begin_save_planned(step, &plan.core, opts)?;
+                Ok(staging.map(|s| Staging::planned(s, plan)))
+            },
+        )
     }
 
     /// Readies every free ring slot for a checkpoint of these tensors and
@@ -668,4 +690,43 @@ fn tensor_specs(specs: Vec<(String, String, Vec<u64>)>) -> PyResult<Vec<TensorSp
             },
         )
         .collect()
+}
+
+/// Runs `begin` (an engine's save start, GIL released) with the options of
+/// one save; while the save waits for a free slot, Python's signal
+/// handlers run at every tick (a SIGTERM's dying checkpoint must not wait
+/// for a slot), and the first exception one raises ends the save.
+fn start_save(
+    py: Python<'_>,
+    engine: &acp_core::Engine,
+    overwrite: bool,
+    extra_metadata: Option<BTreeMap<String, String>>,
+    persist: Option<bool>,
+    begin: impl FnOnce(&acp_core::Engine, &SaveOptions) -> Result<Option<Staging>, Error> + Send,
+) -> PyResult<Option<Staging>> {
+    let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
+    let seen = Arc::clone(&raised);
+    let on_wait = OnWait(Arc::new(move || {
+        Python::attach(|py| py.check_signals()).map_err(|e| {
+            *seen.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+            Error::invalid("save", "interrupted by a signal handler's exception")
+        })
+    }));
+    let opts = SaveOptions {
+        overwrite,
+        extra_metadata: extra_metadata.unwrap_or_default(),
+        on_wait: Some(on_wait),
+        persist: match persist {
+            None => Persist::Policy,
+            Some(true) => Persist::Always,
+            Some(false) => Persist::Never,
+        },
+    };
+    py.detach(|| begin(engine, &opts)).map_err(|e| {
+        raised
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .unwrap_or_else(|| err(e))
+    })
 }

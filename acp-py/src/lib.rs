@@ -26,6 +26,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Engine>()?;
     m.add_class::<save::Staging>()?;
     m.add_class::<save::SaveHandle>()?;
+    m.add_class::<save::SavePlan>()?;
     m.add_class::<load::Loaded>()?;
     m.add_class::<replica::ReplicaImage>()?;
     #[cfg(feature = "test-util")]

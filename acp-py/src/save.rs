@@ -1,6 +1,6 @@
 //! `Staging` (a save in its stall) and `SaveHandle` (its completion).
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use acp_core::{Error, SaveReport};
@@ -86,6 +86,64 @@ pub(crate) fn host_ranges(
         .collect()
 }
 
+/// What Python sees of each of `entries`.
+fn entry_infos(entries: &[acp_core::Entry]) -> Result<Arc<[EntryInfo]>, Error> {
+    entries.iter().map(EntryInfo::from_entry).collect()
+}
+
+/// A save's tensors and values checked and laid out once
+/// (`Engine.save_plan`), for saves of a state whose structure is unchanged
+/// (`Engine.begin_save_planned`), with the host ranges to copy from, if
+/// given (`Staging.copy_planned`).
+#[pyclass(module = "acp._acp", frozen)]
+pub(crate) struct SavePlan {
+    pub(crate) core: acp_core::SavePlan,
+    entries: Arc<[EntryInfo]>,
+    host: Option<Vec<HostRange>>,
+}
+
+impl std::fmt::Debug for SavePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavePlan")
+            .field("tensors", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SavePlan {
+    /// Wraps a core plan; `host`: `(index, address, nbytes)` triples,
+    /// checked against its entries as `Staging.copy_from` checks them.
+    pub(crate) fn new(
+        core: acp_core::SavePlan,
+        host: Option<Vec<(usize, usize, usize)>>,
+    ) -> PyResult<SavePlan> {
+        let entries = entry_infos(core.entries()).map_err(err)?;
+        let host = host
+            .map(|items| host_ranges("save plan", &entries, &items))
+            .transpose()?;
+        Ok(SavePlan {
+            core,
+            entries,
+            host,
+        })
+    }
+}
+
+#[pymethods]
+impl SavePlan {
+    fn __len__(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SavePlan(tensors={}, host={})",
+            self.entries.len(),
+            self.host.is_some()
+        )
+    }
+}
+
 enum State {
     Open(acp_core::Staging),
     /// Aborted while a view of its bytes was still exported: kept (and the
@@ -107,7 +165,8 @@ enum State {
 pub(crate) struct Staging {
     step: u64,
     image_bytes: u64,
-    entries: Vec<EntryInfo>,
+    /// Shared with the [`SavePlan`] the save was started from, if any.
+    entries: Arc<[EntryInfo]>,
     state: Mutex<State>,
     /// `(tensor index, weakref to the exporter of a view handed out by
     /// buffer())`: the `ctypes` array over the slot bytes, which every view,
@@ -130,7 +189,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Staging {
     pub(crate) fn new(s: acp_core::Staging) -> Result<Staging, Error> {
-        Ok(Staging {
+        let entries = entry_infos(s.entries())?;
+        Ok(Staging::with_entries(s, entries))
+    }
+
+    /// A staging started from `plan`: its entries are the plan's (the
+    /// same names, dtypes, shapes and lengths, in the same order).
+    pub(crate) fn planned(s: acp_core::Staging, plan: &SavePlan) -> Staging {
+        Staging::with_entries(s, Arc::clone(&plan.entries))
+    }
+
+    fn with_entries(s: acp_core::Staging, entries: Arc<[EntryInfo]>) -> Staging {
+        Staging {
             step: s.step(),
             image_bytes: s
                 .entries()
@@ -138,14 +208,36 @@ impl Staging {
                 .map(|e| e.offset + e.len)
                 .max()
                 .unwrap_or(0),
-            entries: s
-                .entries()
-                .iter()
-                .map(EntryInfo::from_entry)
-                .collect::<Result<_, _>>()?,
+            entries,
             state: Mutex::new(State::Open(s)),
             views: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Copies `ranges` (checked against this staging's entries) into the
+    /// slot, in parallel with the GIL released.
+    fn copy_ranges(&self, py: Python<'_>, ranges: &[HostRange]) -> PyResult<()> {
+        py.detach(|| -> Result<(), Error> {
+            let mut state = lock(&self.state);
+            let State::Open(staging) = &mut *state else {
+                return Err(self.closed());
+            };
+            let slot: Vec<_> = staging
+                .tensors_mut()
+                .iter()
+                .enumerate()
+                .map(|(i, t)| slice_span(i, t))
+                .collect();
+            let what = format!("copy into step {}", self.step);
+            let srcs = host_slices(&what, ranges, &slot)?;
+            let items: Vec<(usize, &[u8])> = ranges
+                .iter()
+                .zip(srcs)
+                .map(|(r, src)| (r.index(), src))
+                .collect();
+            staging.copy_some(&items)
         })
+        .map_err(err)
     }
 
     /// Where the slot bytes of tensor `i` are, while the staging is open.
@@ -245,27 +337,27 @@ impl Staging {
             &self.entries,
             &items,
         )?;
-        py.detach(|| -> Result<(), Error> {
-            let mut state = lock(&self.state);
-            let State::Open(staging) = &mut *state else {
-                return Err(self.closed());
-            };
-            let slot: Vec<_> = staging
-                .tensors_mut()
-                .iter()
-                .enumerate()
-                .map(|(i, t)| slice_span(i, t))
-                .collect();
-            let what = format!("copy into step {}", self.step);
-            let srcs = host_slices(&what, &ranges, &slot)?;
-            let items: Vec<(usize, &[u8])> = ranges
-                .iter()
-                .zip(srcs)
-                .map(|(r, src)| (r.index(), src))
-                .collect();
-            staging.copy_some(&items)
-        })
-        .map_err(err)
+        self.copy_ranges(py, &ranges)
+    }
+
+    /// `copy_from` of the host ranges `plan` was made with: this staging
+    /// must have been started from `plan` (`Engine.begin_save_planned`).
+    ///
+    /// The caller guarantees, as for `copy_from`, that each range is still
+    /// the live memory of a contiguous tensor that nothing writes until
+    /// the call returns.
+    fn copy_planned(&self, py: Python<'_>, plan: &SavePlan) -> PyResult<()> {
+        let what = || format!("copy into step {}", self.step);
+        if !Arc::ptr_eq(&self.entries, &plan.entries) {
+            return Err(invalid(
+                what(),
+                "the staging was not started from this plan",
+            ));
+        }
+        let Some(ranges) = plan.host.as_deref() else {
+            return Err(invalid(what(), "the plan was made without host ranges"));
+        };
+        self.copy_ranges(py, ranges)
     }
 
     /// A writable memoryview over the slot bytes of tensor `i`, for copies

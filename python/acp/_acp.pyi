@@ -30,6 +30,7 @@ __all__ = [
     "ReplicaImage",
     "Report",
     "SaveHandle",
+    "SavePlan",
     "Staging",
     "StorageError",
     "Unsupported",
@@ -121,6 +122,20 @@ class Engine:
         extra_metadata: dict[str, str] | None = None,
         persist: bool | None = None,
     ) -> Staging | None: ...
+    def save_plan(
+        self,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        values_json: str,
+        host: list[tuple[int, int, int]] | None = None,
+    ) -> SavePlan: ...
+    def begin_save_planned(
+        self,
+        step: int,
+        plan: SavePlan,
+        overwrite: bool = False,
+        extra_metadata: dict[str, str] | None = None,
+        persist: bool | None = None,
+    ) -> Staging | None: ...
     def reserve(self, specs: list[tuple[str, str, tuple[int, ...]]], values_json: str) -> int: ...
     def load(
         self,
@@ -166,9 +181,16 @@ class Staging:
     def image_bytes(self) -> int: ...
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]: ...
     def copy_from(self, items: list[tuple[int, int, int]]) -> None: ...
+    # The caller guarantees, as for copy_from, that the plan's host ranges
+    # are still the live memory of contiguous tensors.
+    def copy_planned(self, plan: SavePlan) -> None: ...
     def buffer(self, i: int) -> memoryview: ...
     def finish(self) -> SaveHandle: ...
     def abort(self) -> None: ...
+
+@final
+class SavePlan:
+    def __len__(self) -> int: ...
 
 @final
 class SaveHandle:

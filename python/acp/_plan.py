@@ -20,45 +20,76 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from acp._codec import Adapters, parse
 
-Signature = list[Hashable]
-SigFn = Callable[[object], Hashable]
+Signature = list[Any]
+BatchFn = Callable[[list[object]], Any]
+KeepFn = Callable[[list[object]], list[object]]
 
 _PLAIN = (int, float, str, bytes, bool, type(None))
+_CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
 class Walker:
     """Signatures of states, with the per-type lookups of one checkpointer's
-    adapters cached (a type's framework never changes)."""
+    adapters cached (a type's framework never changes).
+
+    A walk records each container (its type, keys and key types or length,
+    and the types of its values when all of them are framework values, the
+    common case of a state dict) and each plain value; the framework values
+    (tensors) are gathered in walk order and signed at the end, one batch
+    per adapter (``Adapter.signatures``: what ``describe`` and the copy
+    plans read of each, in as few interpreter steps as the framework
+    allows)."""
 
     def __init__(self, adapters: Adapters) -> None:
         self.adapters = adapters
-        self.by_type: dict[type, SigFn | None] = {}
-        self.keepers: dict[type, Callable[[list[object]], list[object]]] = {}
+        # Per type: the batch signature of its framework, None when a value
+        # of it cannot be planned from a signature (plain values and
+        # containers are recorded by the walk itself).
+        self.by_type: dict[type, BatchFn | None] = dict.fromkeys(_PLAIN + _CONTAINERS)
+        # The types whose batch signature is known: a container whose
+        # values are all of these is recorded in one step.
+        self.leafy: dict[type, BatchFn] = {}
+        self.keepers: dict[type, KeepFn] = {}
 
-    def _sig_fn(self, kind: type, obj: object) -> SigFn | None:
+    def _batch_fn(self, kind: type, obj: object) -> BatchFn | None:
         framework = self.adapters.framework_of(obj)
         fn = keep = None
         if framework is not None:
             adapter = self.adapters.get(framework, "")
-            fn = getattr(adapter, "signature", None)
+            fn = getattr(adapter, "signatures", None)
             keep = getattr(adapter, "keep_alive", None)
-        if fn is not None and keep is None:
+        if fn is None or keep is None:
             fn = None  # both or neither
-        if keep is not None:
+        else:
             self.keepers[kind] = keep
+            self.leafy[kind] = fn
         self.by_type[kind] = fn
         return fn
+
+    def _all_leafy(self, kinds: set[type], vals: list[Any], types: tuple[type, ...]) -> bool:
+        """Whether every type in ``kinds`` (those of ``vals``) has a batch
+        signature; looks up the types not seen before."""
+        leafy = self.leafy
+        if kinds.issubset(leafy):
+            return True
+        for kind in kinds:
+            if kind not in self.by_type:
+                self._batch_fn(kind, vals[types.index(kind)])
+        return kinds.issubset(leafy)
 
     def keep_alive(self, leaves: list[object]) -> list[object]:
         """What keeps the memory of ``leaves`` (a walk's) alive while an
         engine copy reads it without the GIL: the adapters' answer."""
-        groups: dict[Callable[[list[object]], list[object]], list[object]] = {}
         keepers = self.keepers
+        keeps = {keepers[kind] for kind in set(map(type, leaves))}
+        if len(keeps) == 1:
+            return keeps.pop()(leaves)
+        groups: dict[KeepFn, list[object]] = {}
         for v in leaves:
             groups.setdefault(keepers[type(v)], []).append(v)
         return [k for keep, objs in groups.items() for k in keep(objs)]
@@ -82,27 +113,25 @@ class Walker:
         stack = [state]
         pop, push, extend = stack.pop, stack.append, stack.extend
         by_type = self.by_type
+        # Each turn appends one entry to ``sig``: ``limit`` bounds the turns.
         while stack:
             if limit is not None and len(sig) > limit:
                 return None
             v = pop()
             t = type(v)
-            if t is dict or t is OrderedDict:
-                keys: tuple[Any, ...] = tuple(v)  # type: ignore[arg-type]
-                append((t, id(v) if ids else 0, keys, tuple(map(type, keys))))
+            if t in _CONTAINERS:
+                vals, fast = self._container(v, t, ids, append)
                 if ids:
                     containers.append(v)
                 if t is OrderedDict:
                     push(getattr(v, "_metadata", None))
-                extend(v.values())  # type: ignore[attr-defined]
-            elif t is list or t is tuple:
-                append((t, id(v) if ids else 0, len(v)))  # type: ignore[arg-type]
-                if ids:
-                    containers.append(v)
-                extend(v)  # type: ignore[arg-type]
+                if fast:
+                    leaves.extend(vals)
+                else:
+                    extend(vals)
             elif t in _PLAIN:
                 if not values:
-                    append(t)  # type: ignore[arg-type]
+                    append(t)
                 elif t is float:
                     # By bits: -0.0 == 0.0 and nan != nan, but the JSON differs.
                     append((t, struct.pack(">d", v)))
@@ -112,15 +141,47 @@ class Walker:
                 try:
                     fn = by_type[t]
                 except KeyError:
-                    fn = self._sig_fn(t, v)
+                    fn = self._batch_fn(t, v)
                 if fn is None:
                     return None  # a container subclass, an unknown value
-                try:
-                    append(fn(v))
-                except Exception:
-                    return None  # e.g. a sparse tensor has no address: the full path says why
+                append(t)  # its place; its signature comes with its batch
                 leaves.append(v)
+        try:
+            sig.extend(self._sign(leaves))
+        except Exception:
+            return None  # e.g. a sparse tensor has no address: the full path says why
         return sig, leaves, containers
+
+    def _container(
+        self, v: Any, t: type, ids: bool, append: Callable[[Any], None]
+    ) -> tuple[list[Any], bool]:
+        """Records container ``v`` of type ``t``: its type, identity (with
+        ``ids``), keys and key types or length, and its values' types when
+        they are all framework values; returns its values and whether they
+        are (gathered as leaves, signed at the end; else walked)."""
+        if t is dict or t is OrderedDict:
+            keys = tuple(v)
+            vals = list(v.values())
+            types = tuple(map(type, vals))
+            fast = self._all_leafy(set(types), vals, types)
+            append((t, id(v) if ids else 0, keys, tuple(map(type, keys)), types if fast else None))
+            return vals, fast
+        types = tuple(map(type, v))
+        fast = self._all_leafy(set(types), v, types)
+        append((t, id(v) if ids else 0, len(v), types if fast else None))
+        return v, fast
+
+    def _sign(self, leaves: list[object]) -> list[Any]:
+        """The batch signatures of ``leaves``, one per adapter, in the
+        order the adapters first appear."""
+        leafy = self.leafy
+        fns = {leafy[kind] for kind in set(map(type, leaves))}
+        if len(fns) <= 1:
+            return [fn(leaves) for fn in fns]
+        groups: dict[BatchFn, list[object]] = {}
+        for v in leaves:
+            groups.setdefault(leafy[type(v)], []).append(v)
+        return [fn(objs) for fn, objs in groups.items()]
 
 
 _parsed: list[tuple[str, Any]] = []
@@ -173,24 +234,26 @@ class LoadPlan:
 
 class SavePlan:
     """A save of host tensors, kept for the next save of a state with the
-    same signature (values included: they are in ``values_json``)."""
+    same signature (values included: they are in ``values_json``).
+    ``engine`` is the engine's own plan of the same tensors, values and
+    copy ranges (``Engine.save_plan``): a save from it passes no list."""
 
-    __slots__ = ("frameworks", "host", "sig", "specs", "tensor_bytes", "values_json")
+    __slots__ = ("engine", "frameworks", "sig", "specs", "tensor_bytes", "values_json")
 
     def __init__(
         self,
         *,
+        engine: Any,
         specs: list[Spec],
         values_json: str,
         frameworks: set[str],
-        host: list[HostCopy],
         tensor_bytes: int,
         sig: Signature,
     ) -> None:
+        self.engine = engine
         self.specs = specs
         self.values_json = values_json
         self.frameworks = frameworks
-        self.host = host
         self.tensor_bytes = tensor_bytes
         self.sig = sig
 
@@ -216,24 +279,24 @@ class Plans:
         self,
         state: object,
         *,
+        engine: Any,
         specs: list[Spec],
         values_json: str,
         frameworks: set[str],
-        host: list[HostCopy] | None,
         tensor_bytes: int,
     ) -> None:
-        """Keeps the plan of a save that took the full path; ``host`` None:
-        not all plain host copies, nothing kept."""
+        """Keeps the plan of a save that took the full path; ``engine``
+        None: not all plain host copies, nothing kept."""
         self.save = None
-        if host is None:
+        if engine is None:
             return
         walked = self.walker.walk(state, values=True, ids=False)
         if walked is not None:
             self.save = SavePlan(
+                engine=engine,
                 specs=specs,
                 values_json=values_json,
                 frameworks=frameworks,
-                host=host,
                 tensor_bytes=tensor_bytes,
                 sig=walked[0],
             )

@@ -441,9 +441,9 @@ class Checkpointer:
     ) -> tuple[SavePlan | None, Flat | None, list[Any], list[Spec], str, set[str]]:
         """``(kept plan, flat, tensors, specs, values JSON, frameworks)``: a state
         with the last save's signature reuses its plan (its names, JSON and
-        copy ranges: one walk, no describe), and ``tensors`` are then the
-        storages of the walk's tensors, alive while the copy runs; else the
-        full flatten."""
+        copy ranges, kept by the engine: one walk, no describe), and
+        ``tensors`` are then the storages of the walk's tensors, alive while
+        the copy runs; else the full flatten."""
         kept = None if replicated else self._plans.for_save(state)
         if kept is not None:
             plan, alive = kept
@@ -451,6 +451,24 @@ class Checkpointer:
         flat, tensors = self._flatten(state, replicated)
         specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
         return None, flat, tensors, specs, flat.json(), flat.frameworks()
+
+    def _engine_plan(
+        self,
+        kept: SavePlan | None,
+        replicated: bool | Collection[str],
+        tensors: list[Any],
+        specs: list[Spec],
+        values_json: str,
+    ) -> _acp.SavePlan | None:
+        """The engine's plan of this save: the kept one, or (a state of
+        plain host tensors, saved by this rank alone) a new one for the next
+        saves, made before the save so that its layout is planned once."""
+        if kept is not None:
+            return kept.engine  # type: ignore[no-any-return]
+        if replicated:
+            return None
+        host = _host_plan(tensors)
+        return None if host is None else self._engine.save_plan(specs, values_json, host)
 
     def _save(
         self,
@@ -474,8 +492,12 @@ class Checkpointer:
             extra["format"] = {"torch": "pt", "numpy": "np"}.get(next(iter(frameworks)), "")
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
+        engine_plan = self._engine_plan(kept, replicated, tensors, specs, values_json)
         t1 = perf_counter()
-        staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
+        if engine_plan is not None:
+            staging = self._engine.begin_save_planned(step, engine_plan, overwrite, extra, persist)
+        else:
+            staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
@@ -485,10 +507,12 @@ class Checkpointer:
                 copy_secs = 0.0
             else:
                 t2 = perf_counter()
-                if kept is not None:
+                if engine_plan is not None:
                     # ``tensors`` holds the memory (the storages) the plan
-                    # copies from, until the copy is done.
-                    staging.copy_from(kept.host)
+                    # copies from, until the copy is done: the walk checked
+                    # each tensor still has the plan's address, shape,
+                    # strides and dtype.
+                    staging.copy_planned(engine_plan)
                 else:
                     _fill(staging, tensors)
                 copy_secs = perf_counter() - t2
@@ -500,10 +524,10 @@ class Checkpointer:
         if kept is None and not replicated:
             self._plans.saved(
                 state,
+                engine=engine_plan,
                 specs=specs,
                 values_json=values_json,
                 frameworks=frameworks,
-                host=_host_plan(tensors),
                 tensor_bytes=tensor_bytes,
             )
         stall = perf_counter() - t0

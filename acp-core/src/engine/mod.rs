@@ -110,7 +110,7 @@ pub use handle::SaveHandle;
 pub use load::LoadRequest;
 pub use open::OpenReport;
 pub use policy::{Outcome, Persist, PersistStats};
-pub use save::{HostTensor, OnWait, SaveOptions, SaveReport};
+pub use save::{HostTensor, OnWait, SaveOptions, SavePlan, SaveReport};
 pub use stage::Staging;
 
 pub(crate) use replicate::WeakEngine;

@@ -9,7 +9,7 @@ use super::wait::WATCH_TICK;
 use super::{Engine, Persist, SaveHandle, Staging};
 use crate::config::WhenFull;
 use crate::error::{Error, Result};
-use crate::format::{check_values_json, Dtype, ImageMeta, Layout, TensorSpec};
+use crate::format::{check_values_json, Dtype, Entry, ImageMeta, Layout, TensorSpec};
 use crate::io::IoKind;
 use crate::staging::StagingSlot;
 
@@ -52,6 +52,77 @@ pub struct HostTensor<'a> {
     pub shape: &'a [u64],
     /// The bytes, exactly `numel × dtype.size()` of them.
     pub data: &'a [u8],
+}
+
+/// The layout of a save kept for the next saves of the same tensors and
+/// values ([`Engine::save_plan`]): a save from it
+/// ([`Engine::begin_save_planned`]) writes only its own header, without
+/// checking and placing every tensor again. The tensors' names, dtypes,
+/// shapes and the values are fixed when the plan is made.
+#[derive(Debug)]
+pub struct SavePlan {
+    /// The image under the header of step 0 with no extra metadata; each
+    /// save restamps its header ([`Layout::restamp_header`]).
+    layout: Layout,
+    /// `layout`'s entries, shared with the stagings of saves whose data
+    /// starts where the plan's does (most: only a header that crosses a
+    /// multiple of [`DATA_ALIGN`](crate::format::DATA_ALIGN) moves it).
+    entries: Arc<[Entry]>,
+    /// The checked values JSON text.
+    values_json: String,
+}
+
+impl SavePlan {
+    /// The laid-out tensors, in the order given to [`Engine::save_plan`]
+    /// (their offsets are those of the plan's own header; a save's
+    /// [`Staging::entries`] has its own).
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The image of a save of this plan with the header fields `meta`.
+    fn image(&self, meta: &ImageMeta) -> Result<Image> {
+        let (header, data_start) = self.layout.restamp_header(meta, &self.values_json)?;
+        let base = self.layout.data_start;
+        let entries = if data_start == base {
+            Arc::clone(&self.entries)
+        } else {
+            self.entries
+                .iter()
+                .map(|e| Entry {
+                    // Entries lie after the plan's data start; the new one
+                    // is checked to leave room for the whole data section.
+                    offset: e.offset - base + data_start,
+                    ..e.clone()
+                })
+                .collect()
+        };
+        Ok(Image {
+            total_len: self.layout.total_len - base + data_start,
+            header,
+            entries,
+        })
+    }
+}
+
+/// The image of one save: its header bytes and where its tensors go.
+pub(super) struct Image {
+    pub(super) header: Vec<u8>,
+    pub(super) entries: Arc<[Entry]>,
+    pub(super) total_len: u64,
+}
+
+impl From<Layout> for Image {
+    fn from(layout: Layout) -> Image {
+        let total_len = layout.total_len;
+        let (entries, header) = layout.into_parts();
+        Image {
+            header,
+            entries: entries.into(),
+            total_len,
+        }
+    }
 }
 
 /// The figures of a finished save.
@@ -110,7 +181,9 @@ impl Engine {
     ) -> Result<Option<Staging>> {
         let values = serde_json::to_string(values)
             .map_err(|e| Error::invalid("values", format!("cannot write them as JSON: {e}")))?;
-        self.begin(step, tensors, &values, opts)
+        self.begin(step, opts, |meta| {
+            Layout::plan_with_values(tensors, &meta, &values).map(Image::from)
+        })
     }
 
     /// [`Engine::begin_save`] with the values given as JSON text, stored as
@@ -129,7 +202,42 @@ impl Engine {
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
         check_values_json(values_json)?;
-        self.begin(step, tensors, values_json, opts)
+        self.begin(step, opts, |meta| {
+            Layout::plan_with_values(tensors, &meta, values_json).map(Image::from)
+        })
+    }
+
+    /// Checks and lays out `tensors` and `values_json` once, for saves
+    /// that repeat them ([`Engine::begin_save_planned`]): a training
+    /// loop's state keeps its structure from one save to the next, and
+    /// checking and placing its tensors is most of the stall's cost beyond
+    /// the copy when they are many and small.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`] for the input.
+    pub fn save_plan(&self, tensors: &[TensorSpec], values_json: &str) -> Result<SavePlan> {
+        check_values_json(values_json)?;
+        let layout =
+            Layout::plan_with_values(tensors, &self.meta(0, BTreeMap::new()), values_json)?;
+        Ok(SavePlan {
+            entries: layout.entries.clone().into(),
+            layout,
+            values_json: values_json.to_owned(),
+        })
+    }
+
+    /// [`Engine::begin_save_json`] of the plan's tensors and values: the
+    /// same image, its header written for `step` and `opts`.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`].
+    pub fn begin_save_planned(
+        &self,
+        step: u64,
+        plan: &SavePlan,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        self.begin(step, opts, |meta| plan.image(&meta))
     }
 
     /// Readies every free ring slot for a checkpoint of `tensors` and
@@ -160,19 +268,31 @@ impl Engine {
         values_json: &str,
         extra: BTreeMap<String, String>,
     ) -> Result<Layout> {
-        let shared = self.shared();
-        let meta = ImageMeta {
+        let layout = Layout::plan_with_values(tensors, &self.meta(step, extra), values_json)?;
+        self.fit(what, layout.total_len)?;
+        Ok(layout)
+    }
+
+    /// The header fields of this engine's image of `step` (values given
+    /// as text beside it).
+    fn meta(&self, step: u64, extra: BTreeMap<String, String>) -> ImageMeta {
+        let cfg = &self.shared().cfg;
+        ImageMeta {
             step,
-            rank: shared.cfg.rank,
-            world_size: shared.cfg.world_size,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
             values: serde_json::Value::Null, // given as text
             extra,
-        };
-        let layout = Layout::plan_with_values(tensors, &meta, values_json)?;
+        }
+    }
+
+    /// Refuses an image of `total_len` bytes that does not fit a ring slot.
+    fn fit(&self, what: &str, total_len: u64) -> Result<()> {
+        let shared = self.shared();
         let max = shared.ring.max_image_bytes();
-        if layout.total_len > max {
+        if total_len > max {
             let cfg = &shared.cfg;
-            let need = layout.total_len.saturating_mul(cfg.ring_slots as u64);
+            let need = total_len.saturating_mul(cfg.ring_slots as u64);
             let reason = match &cfg.ring_room {
                 // Sized from the room at open: the room is what to raise.
                 Some(room) => format!(
@@ -181,27 +301,26 @@ impl Engine {
                      about {need}; give the container a larger /dev/shm (`docker run \
                      --shm-size`; Kubernetes: an emptyDir with `medium: Memory`), point \
                      shm_dir (ACP_SHM_DIR) at a larger tmpfs, or set ring_bytes",
-                    layout.total_len, cfg.ring_slots, cfg.ring_bytes
+                    total_len, cfg.ring_slots, cfg.ring_bytes
                 ),
                 None => format!(
                     "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}, about {need} needed) or lower ring_slots (now {})",
-                    layout.total_len, cfg.ring_bytes, cfg.ring_slots
+                    total_len, cfg.ring_bytes, cfg.ring_slots
                 ),
             };
             return Err(Error::invalid(what, reason));
         }
-        Ok(layout)
+        Ok(())
     }
 
-    /// The stall's start behind [`Engine::begin_save`] and
-    /// [`Engine::begin_save_json`] (whose parameters it repeats), once
-    /// their values are checked JSON text.
+    /// The stall's start behind [`Engine::begin_save`],
+    /// [`Engine::begin_save_json`] and [`Engine::begin_save_planned`]:
+    /// `image` gives the image for the header fields of this save.
     fn begin(
         &self,
         step: u64,
-        tensors: &[TensorSpec],
-        values_json: &str,
         opts: &SaveOptions,
+        image: impl FnOnce(ImageMeta) -> Result<Image>,
     ) -> Result<Option<Staging>> {
         let started = Instant::now();
         let shared = self.shared();
@@ -221,14 +340,9 @@ impl Engine {
                 root: shared.root.location().to_path_buf(),
             });
         }
-        let layout = self.plan(
-            &format!("step {step}"),
-            step,
-            tensors,
-            values_json,
-            opts.extra_metadata.clone(),
-        )?;
-        let Some(mut slot) = self.acquire_slot(step, layout.total_len, opts.on_wait.as_ref())?
+        let image = image(self.meta(step, opts.extra_metadata.clone()))?;
+        self.fit(&format!("step {step}"), image.total_len)?;
+        let Some(mut slot) = self.acquire_slot(step, image.total_len, opts.on_wait.as_ref())?
         else {
             tracing::warn!(
                 step,
@@ -237,14 +351,14 @@ impl Engine {
             shared.lock().counts.skipped += 1;
             return Ok(None);
         };
-        let header = layout.header_bytes();
-        slot.image_mut()[..header.len()].copy_from_slice(header);
+        slot.image_mut()[..image.header.len()].copy_from_slice(&image.header);
         Ok(Some(Staging {
             engine: self.clone(),
             step,
             overwrite: opts.overwrite,
             persist: opts.persist,
-            layout,
+            entries: image.entries,
+            total_len: image.total_len,
             slot: Some(slot),
             started,
             slot_wait: started.elapsed(),

@@ -8,7 +8,7 @@ use super::policy::{self, Decision};
 use super::state::{Shared, Snapshot};
 use super::{copy, flush, handle, to_usize, Engine, Outcome, Persist, SaveHandle};
 use crate::error::{Error, Result};
-use crate::format::{Entry, Layout};
+use crate::format::Entry;
 use crate::staging::StagingSlot;
 
 /// A save in its stall: the image is laid out in a ring slot and the caller
@@ -21,7 +21,11 @@ pub struct Staging {
     pub(super) step: u64,
     pub(super) overwrite: bool,
     pub(super) persist: Persist,
-    pub(super) layout: Layout,
+    /// Where each tensor goes in the slot (shared with the
+    /// [`SavePlan`](super::SavePlan) it came from, if any).
+    pub(super) entries: Arc<[Entry]>,
+    /// The image length.
+    pub(super) total_len: u64,
     pub(super) slot: Option<StagingSlot>,
     pub(super) started: Instant,
     pub(super) slot_wait: Duration,
@@ -37,7 +41,7 @@ impl Staging {
     /// The laid-out tensors, in the order given to `begin_save`.
     #[must_use]
     pub fn entries(&self) -> &[Entry] {
-        &self.layout.entries
+        &self.entries
     }
 
     fn image_mut(&mut self) -> &mut [u8] {
@@ -52,7 +56,7 @@ impl Staging {
     /// # Panics
     /// When `i` is out of range.
     pub fn tensor_mut(&mut self, i: usize) -> &mut [u8] {
-        let e = &self.layout.entries[i];
+        let e = &self.entries[i];
         let (off, len) = (to_usize(e.offset), to_usize(e.len));
         &mut self.image_mut()[off..off + len]
     }
@@ -60,7 +64,6 @@ impl Staging {
     /// The writable bytes of every tensor at once, in entry order.
     pub fn tensors_mut(&mut self) -> Vec<&mut [u8]> {
         let ranges: Vec<(usize, usize, usize)> = self
-            .layout
             .entries
             .iter()
             .enumerate()
@@ -76,17 +79,13 @@ impl Staging {
     /// [`Error::Invalid`] naming the tensor whose length differs, before
     /// anything is copied.
     pub fn copy_from(&mut self, srcs: &[&[u8]]) -> Result<()> {
-        if srcs.len() != self.layout.entries.len() {
+        if srcs.len() != self.entries.len() {
             return Err(Error::invalid(
                 format!("step {}", self.step),
-                format!(
-                    "{} sources for {} tensors",
-                    srcs.len(),
-                    self.layout.entries.len()
-                ),
+                format!("{} sources for {} tensors", srcs.len(), self.entries.len()),
             ));
         }
-        for (e, s) in self.layout.entries.iter().zip(srcs) {
+        for (e, s) in self.entries.iter().zip(srcs) {
             if s.len() as u64 != e.len {
                 return Err(Error::invalid(
                     format!("tensor `{}`", e.name),
@@ -111,10 +110,10 @@ impl Staging {
     /// [`Error::Invalid`] naming the tensor whose index is out of range,
     /// repeated, or whose length differs, before anything is copied.
     pub fn copy_some(&mut self, items: &[(usize, &[u8])]) -> Result<()> {
-        let n = self.layout.entries.len();
+        let n = self.entries.len();
         let mut seen = vec![false; n];
         for (i, s) in items {
-            let Some(e) = self.layout.entries.get(*i) else {
+            let Some(e) = self.entries.get(*i) else {
                 return Err(Error::invalid(
                     format!("tensor index {i}"),
                     format!("step {} has {n} tensors", self.step),
@@ -146,7 +145,7 @@ impl Staging {
     /// The image length in bytes (the data file's size).
     #[must_use]
     pub fn image_len(&self) -> u64 {
-        self.layout.total_len
+        self.total_len
     }
 
     /// Ends the stall: seals the slot, then queues its persist, defers it
@@ -167,7 +166,7 @@ impl Staging {
             )));
             return SaveHandle::from_completion(done);
         };
-        let pin = slot.seal(self.step, self.layout.total_len);
+        let pin = slot.seal(self.step, self.total_len);
         let job = flush::Job {
             pin,
             step: self.step,

@@ -3,7 +3,6 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashSet};
 
-use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
 use super::json::{shown, too_deep};
@@ -117,6 +116,10 @@ pub struct Layout {
     /// Total image length (`data_start` + all tensor bytes). Not padded.
     pub total_len: u64,
     header: Vec<u8>,
+    /// Where the tensors' part of the header JSON starts (after the
+    /// `__metadata__` value) and where the JSON ends, as offsets into
+    /// `header`: [`Layout::restamp`] keeps those bytes.
+    tensors_json: (usize, usize),
 }
 
 impl Layout {
@@ -192,37 +195,32 @@ impl Layout {
         }
 
         let metadata = metadata(meta, values)?;
-        let json = serde_json::to_vec(&HeaderJson {
-            metadata: &metadata,
-            tensors: &placed,
-        })
-        .map_err(|e| Error::invalid("header", format!("cannot write the JSON: {e}")))?;
-
-        let too_big = || {
-            Error::invalid(
-                "header",
-                format!(
-                    "{} bytes of JSON exceed the limit of {MAX_HEADER_BYTES} bytes",
-                    json.len()
-                ),
-            )
+        let mut json = metadata_json(&metadata)?;
+        let tensors_at = json.len();
+        // The rest of the header's one JSON object: `,"name":{..}` per
+        // tensor in offset order, then the closing brace.
+        let write = |json: &mut Vec<u8>| -> serde_json::Result<()> {
+            for p in &placed {
+                json.push(b',');
+                serde_json::to_writer(&mut *json, &p.spec.name)?;
+                json.push(b':');
+                serde_json::to_writer(
+                    &mut *json,
+                    &TensorJson {
+                        dtype: p.spec.dtype.name(),
+                        shape: &p.spec.shape,
+                        // `begin + len` was checked when the cursor advanced.
+                        data_offsets: [p.begin, p.begin + p.len],
+                    },
+                )?;
+            }
+            json.push(b'}');
+            Ok(())
         };
-        let unpadded = u64::try_from(json.len())
-            .ok()
-            .and_then(|n| n.checked_add(8))
-            .ok_or_else(too_big)?;
-        let data_start = unpadded
-            .checked_next_multiple_of(DATA_ALIGN)
-            .ok_or_else(too_big)?;
-        let n = data_start - 8;
-        if n > MAX_HEADER_BYTES {
-            return Err(too_big());
-        }
-        let header_len = usize::try_from(data_start).map_err(|_| too_big())?;
-        let mut header = Vec::with_capacity(header_len);
-        header.extend_from_slice(&n.to_le_bytes());
-        header.extend_from_slice(&json);
-        header.resize(header_len, b' ');
+        write(&mut json)
+            .map_err(|e| Error::invalid("header", format!("cannot write the JSON: {e}")))?;
+        let json_len = json.len();
+        let (header, data_start) = padded_header(json)?;
 
         let total_len = data_start
             .checked_add(cursor)
@@ -245,7 +243,81 @@ impl Layout {
             data_start,
             total_len,
             header,
+            tensors_json: (8 + tensors_at, 8 + json_len),
         })
+    }
+
+    /// The same tensors, in the same places of the data section, under the
+    /// header of another `meta` and `values` (JSON text, checked as by
+    /// [`Layout::plan_json`]): what [`Layout::plan_json`] of this
+    /// layout's specs gives, without walking the tensors again. Only the
+    /// `__metadata__` value is written anew; the tensors' part of the JSON
+    /// is kept, and each entry's offset moves with the data start.
+    ///
+    /// # Errors
+    /// As [`Layout::plan`] for the metadata and the header's size.
+    pub fn restamp(&self, meta: &ImageMeta, values: &str) -> Result<Layout> {
+        let (header, data_start, tensors_json) = self.restamped_header(meta, values)?;
+        let entries = self
+            .entries
+            .iter()
+            .map(|e| Entry {
+                name: e.name.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                // Every entry ends within the data section, and a data
+                // start is at most the header limit: no overflow.
+                offset: e.offset - self.data_start + data_start,
+                len: e.len,
+            })
+            .collect();
+        Ok(Layout {
+            entries,
+            data_start,
+            // The data section keeps its length, checked when planned.
+            total_len: self.total_len - self.data_start + data_start,
+            header,
+            tensors_json,
+        })
+    }
+
+    /// [`Layout::restamp`]'s header bytes and data start, for callers that
+    /// keep the entries (their offsets move by the change of data start).
+    ///
+    /// # Errors
+    /// As [`Layout::restamp`].
+    pub fn restamp_header(&self, meta: &ImageMeta, values: &str) -> Result<(Vec<u8>, u64)> {
+        let (header, data_start, _) = self.restamped_header(meta, values)?;
+        Ok((header, data_start))
+    }
+
+    fn restamped_header(
+        &self,
+        meta: &ImageMeta,
+        values: &str,
+    ) -> Result<(Vec<u8>, u64, (usize, usize))> {
+        let mut json = metadata_json(&metadata(meta, values)?)?;
+        let (from, to) = self.tensors_json;
+        let tensors_at = json.len();
+        json.extend_from_slice(&self.header[from..to]);
+        let json_len = json.len();
+        let (header, data_start) = padded_header(json)?;
+        if data_start
+            .checked_add(self.total_len - self.data_start)
+            .is_none()
+        {
+            return Err(Error::invalid(
+                "image",
+                "the file length overflows a u64 byte size",
+            ));
+        }
+        Ok((header, data_start, (8 + tensors_at, 8 + json_len)))
+    }
+
+    /// The entries and the header bytes, taken apart.
+    #[must_use]
+    pub fn into_parts(self) -> (Vec<Entry>, Vec<u8>) {
+        (self.entries, self.header)
     }
 
     /// The first `data_start` bytes of the image: the 8-byte little-endian
@@ -355,10 +427,50 @@ struct Placed<'a> {
     begin: u64,
 }
 
-/// The header JSON: `__metadata__` first, then the tensors in offset order.
-struct HeaderJson<'a> {
-    metadata: &'a BTreeMap<String, String>,
-    tensors: &'a [Placed<'a>],
+/// `{"__metadata__":{..}`: the header JSON's start, up to the first
+/// tensor (the tensors follow in offset order, then the closing brace).
+fn metadata_json(metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+    let mut json = Vec::with_capacity(64);
+    json.push(b'{');
+    serde_json::to_writer(&mut json, METADATA_KEY)
+        .and_then(|()| {
+            json.push(b':');
+            serde_json::to_writer(&mut json, metadata)
+        })
+        .map_err(|e| Error::invalid("header", format!("cannot write the JSON: {e}")))?;
+    Ok(json)
+}
+
+/// The header bytes for `json`: its length (8 bytes, little-endian), the
+/// JSON and spaces up to the data start, a multiple of [`DATA_ALIGN`];
+/// with the data start.
+fn padded_header(json: Vec<u8>) -> Result<(Vec<u8>, u64)> {
+    let too_big = || {
+        Error::invalid(
+            "header",
+            format!(
+                "{} bytes of JSON exceed the limit of {MAX_HEADER_BYTES} bytes",
+                json.len()
+            ),
+        )
+    };
+    let unpadded = u64::try_from(json.len())
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .ok_or_else(too_big)?;
+    let data_start = unpadded
+        .checked_next_multiple_of(DATA_ALIGN)
+        .ok_or_else(too_big)?;
+    let n = data_start - 8;
+    if n > MAX_HEADER_BYTES {
+        return Err(too_big());
+    }
+    let header_len = usize::try_from(data_start).map_err(|_| too_big())?;
+    let mut header = Vec::with_capacity(header_len);
+    header.extend_from_slice(&n.to_le_bytes());
+    header.extend_from_slice(&json);
+    header.resize(header_len, b' ');
+    Ok((header, data_start))
 }
 
 #[derive(Serialize)]
@@ -366,25 +478,6 @@ struct TensorJson<'a> {
     dtype: &'static str,
     shape: &'a [u64],
     data_offsets: [u64; 2],
-}
-
-impl Serialize for HeaderJson<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut map = s.serialize_map(Some(self.tensors.len() + 1))?;
-        map.serialize_entry(METADATA_KEY, self.metadata)?;
-        for p in self.tensors {
-            map.serialize_entry(
-                &p.spec.name,
-                &TensorJson {
-                    dtype: p.spec.dtype.name(),
-                    shape: &p.spec.shape,
-                    // `begin + len` was checked when the cursor advanced.
-                    data_offsets: [p.begin, p.begin + p.len],
-                },
-            )?;
-        }
-        map.end()
-    }
 }
 
 #[cfg(test)]
@@ -421,6 +514,70 @@ mod tests {
             Error::Invalid { what, .. } => what,
             other => panic!("not Invalid: {other}"),
         }
+    }
+
+    #[test]
+    fn restamp_gives_what_a_fresh_plan_gives() {
+        let specs = [
+            spec("b", Dtype::U8, &[3]),
+            spec("w", Dtype::F32, &[2, 3]),
+            spec("h", Dtype::BF16, &[5]),
+        ];
+        let first = meta();
+        let kept = Layout::plan(&specs, &first).unwrap();
+        // Values long enough that the header crosses a DATA_ALIGN boundary
+        // between the two steps: the data start moves, and every offset.
+        let long = serde_json::json!("x".repeat(4000));
+        for (step, values) in [(1201, first.values.clone()), (u64::MAX, long)] {
+            let next = ImageMeta {
+                step,
+                values,
+                extra: BTreeMap::from([("a".to_owned(), "b".to_owned())]),
+                ..meta()
+            };
+            let text = serde_json::to_string(&next.values).unwrap();
+            let want = Layout::plan(&specs, &next).unwrap();
+            let got = kept.restamp(&next, &text).unwrap();
+            assert_eq!(got.header_bytes(), want.header_bytes());
+            assert_eq!(got.entries, want.entries);
+            assert_eq!(
+                (got.data_start, got.total_len),
+                (want.data_start, want.total_len)
+            );
+            // Kept again from a restamped layout.
+            let again = got.restamp(&first, &serde_json::to_string(&first.values).unwrap());
+            assert_eq!(again.unwrap().header_bytes(), kept.header_bytes());
+        }
+        assert_eq!(
+            Layout::plan(
+                &specs,
+                &ImageMeta {
+                    values: serde_json::json!("x".repeat(4000)),
+                    ..meta()
+                }
+            )
+            .unwrap()
+            .data_start,
+            8192
+        );
+    }
+
+    #[test]
+    fn restamp_without_tensors_and_refusing_metadata() {
+        let kept = Layout::plan(&[], &meta()).unwrap();
+        let next = ImageMeta { step: 7, ..meta() };
+        let text = serde_json::to_string(&next.values).unwrap();
+        let got = kept.restamp(&next, &text).unwrap();
+        assert_eq!(
+            got.header_bytes(),
+            Layout::plan(&[], &next).unwrap().header_bytes()
+        );
+        let bad = ImageMeta {
+            extra: BTreeMap::from([("acp.step".to_owned(), "1".to_owned())]),
+            ..meta()
+        };
+        let e = kept.restamp(&bad, &text).unwrap_err();
+        assert_eq!(invalid_what(&e), "metadata key `acp.step`");
     }
 
     #[test]
