@@ -274,7 +274,7 @@ pub(crate) fn loaded_view<'py>(
     loaded: &Bound<'py, Loaded>,
     i: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let bytes = loaded.get().bytes(i)?;
+    let bytes = loaded.get().bytes(loaded.py(), i)?;
     // SAFETY: the bytes belong to the checkpoint that `loaded` (a frozen
     // object) owns for its whole life, and the view keeps `loaded` alive; the
     // view is read-only, so the pointer is never written through.
