@@ -32,17 +32,28 @@ def entries_of(loaded: Any) -> dict[str, Entry]:
     }
 
 
+def read_failed(loaded: Any) -> bool:
+    """Whether ``loaded`` was a pending storage load whose read failed (a
+    chunk that did not verify, an I/O error): the load failed, and a
+    fallback may try the next source."""
+    return bool(getattr(loaded, "failed", False))
+
+
 def run_transfers(
-    copy: Callable[[list[tuple[int, int, int]]], None], transfers: Sequence[Transfer]
+    copy: Callable[[list[tuple[int, int, int]]], None],
+    transfers: Sequence[Transfer],
+    always: bool = False,
 ) -> None:
     """Starts the adapters' own copies, runs the one engine copy (parallel,
-    GIL released) meanwhile, then waits for the adapters' copies."""
+    GIL released) meanwhile, then waits for the adapters' copies. With
+    ``always``, the engine copy runs even with nothing to copy (it is the
+    read of a pending load)."""
     host = [r for t in transfers for r in t.host]
     jobs = [j for t in transfers for j in t.jobs]
     try:
         for job in jobs:
             job.start()
-        if host:
+        if host or always:
             copy(host)
         for job in jobs:
             job.wait()
@@ -229,6 +240,13 @@ def load_into(
     except at the top level, where ``into``'s keys select what is loaded.
     Everything is checked before anything is copied.
 
+    ``loaded`` may be pending (``Engine.load(defer=True)``, a step read
+    from storage): the one engine copy is then its read, each chunk
+    verified and copied into the tensors as it lands, and the values are
+    assigned only after it succeeded. When it fails, the exception
+    propagates and ``into``'s tensors hold, each, their old bytes or bytes
+    of this step that were verified (a mix): they must not be used.
+
     With ``plans``, a load of the same checkpoint structure into an
     ``into`` of the same signature (``acp._plan``) as the last one reuses
     its plan: one engine copy, then the same assigns.
@@ -239,8 +257,8 @@ def load_into(
         entries = loaded.entries()
         plan = plans.for_load(loaded.values_json, entries, into)
         if plan is not None:
-            if plan.host:
-                loaded.copy_into(plan.host)
+            # Also with no tensors: a pending load's read is this call.
+            loaded.copy_into(plan.host)
             for container, k, build in plan.assigns:
                 container[k] = build()
             return plan.copied
@@ -283,7 +301,7 @@ def _load_into(
         copied += sum(e.nbytes for e, _ in pairs)
     transfers.extend(planner.fresh.transfers(map_location))
     copied += sum(planner.entries[name].nbytes for name in planner.fresh.refs)
-    run_transfers(loaded.copy_into, transfers)
+    run_transfers(loaded.copy_into, transfers, always=True)
     for container, k, build in planner.assigns:
         container[k] = build()
     return copied, transfers

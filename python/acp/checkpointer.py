@@ -16,7 +16,7 @@ from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import compress_settings, settings
-from acp._load import load_into, load_state, run_transfers
+from acp._load import load_into, load_state, read_failed, run_transfers
 from acp._metrics import Metrics, logger
 from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
@@ -74,10 +74,16 @@ class Internals:
         self.saved: cover.Saved | None = None
 
     def load(
-        self, step: int | None, storage_only: bool, fallback: bool, rank: int | None
+        self,
+        step: int | None,
+        storage_only: bool,
+        fallback: bool,
+        rank: int | None,
+        defer: bool = False,
     ) -> _acp.Loaded:
-        """The engine's load of ``step`` (checked by the caller)."""
-        loaded = self.engine.load(step, storage_only, fallback, rank)
+        """The engine's load of ``step`` (checked by the caller); with
+        ``defer``, a step read from storage comes back pending."""
+        loaded = self.engine.load(step, storage_only, fallback, rank, defer=defer)
         self.loaded_from([loaded.source])
         return loaded
 
@@ -577,7 +583,14 @@ class Checkpointer:
         load's ``LoadStats``; a missing key or a tensor whose shape or dtype
         differs raises ``acp.InvalidInput`` naming the key before anything
         is copied. Keys present in the checkpoint but not at the top level of
-        ``into`` are not loaded. ``fallback`` (with ``step=None``) falls back
+        ``into`` are not loaded. From storage, ``into``'s tensors are filled
+        in the read's own pass (each chunk verified, then copied, no second
+        pass over a full copy); when the load raises, each of them holds
+        its old bytes or verified bytes of the step that failed (a mix)
+        and must not be used, and no other value was assigned; with
+        ``fallback``, a step whose data fails verification during that
+        read is skipped (logged) and the next intact one is loaded into
+        every tensor. ``fallback`` (with ``step=None``) falls back
         to the newest intact step when the latest is corrupt;
         ``storage_only`` ignores the resident copy; ``rank`` loads the file
         another rank wrote (each rank's file holds that rank's state).
@@ -642,9 +655,14 @@ class Checkpointer:
         fallback: bool,
         storage_only: bool,
         rank: int | None,
+        defer: bool = True,
     ) -> Any:
         t0 = perf_counter()
-        loaded = self._in.load(step, storage_only, fallback, rank)
+        # With into=, a step read from storage is opened pending: planned
+        # from its verified header, then read, verified and copied into the
+        # tensors in one pass by the planner's copy (acp._load).
+        defer = defer and into is not None
+        loaded = self._in.load(step, storage_only, fallback, rank, defer)
         # Replicated tensors other ranks wrote are in their files.
         loaded = with_other_ranks(
             self._engine, loaded, self.rank if rank is None else rank, storage_only
@@ -660,7 +678,22 @@ class Checkpointer:
             # Planning allocates per tensor (entries, signatures): without
             # the pause, full collections walk the heap many times over.
             with gc_paused():
-                copied = load_into(loaded, self._adapters, into, map_location, self._plans)
+                try:
+                    copied = load_into(loaded, self._adapters, into, map_location, self._plans)
+                except AcpError as e:
+                    if not (fallback and step is None and read_failed(loaded)):
+                        raise
+                    logger.warning("acp: step %d cannot be loaded, falling back: %s", loaded.step, e)
+                    del loaded
+                    return self._load(
+                        step,
+                        into=into,
+                        map_location=map_location,
+                        fallback=fallback,
+                        storage_only=storage_only,
+                        rank=rank,
+                        defer=False,
+                    )
         t2 = perf_counter()
         report = loaded.report()
         del loaded
