@@ -38,7 +38,8 @@ def template() -> dict[str, object]:
 
 def same(a: dict[str, object], b: dict[str, object]) -> bool:
     ma, mb = a["model"], b["model"]
-    assert isinstance(ma, dict) and isinstance(mb, dict)
+    assert isinstance(ma, dict)
+    assert isinstance(mb, dict)
     return a["epoch"] == b["epoch"] and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
@@ -52,7 +53,8 @@ def test_a_storage_load_is_opened_pending_and_read_by_its_copy(ckpt: acp.Checkpo
     ckpt.save(1, saved).wait()
     loaded = ckpt.engine.load(1, storage_only=True, defer=True)
     # Planned from the verified header: nothing read yet.
-    assert loaded.pending and not loaded.failed
+    assert loaded.pending
+    assert not loaded.failed
     assert loaded.source == "storage"
     names = [e[0] for e in loaded.entries()]
     w = torch.zeros(256, 64)

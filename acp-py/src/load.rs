@@ -8,7 +8,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::{err, invalid};
 use crate::save::{host_ranges, EntryInfo};
-use crate::tensors::{host_slices_mut, loaded_view, slice_span};
+use crate::tensors::{host_slices_mut, loaded_view, slice_span, ReadOnly};
 
 /// A loaded checkpoint. Its tensors' bytes live in a resident ring slot (or
 /// a private buffer) for as long as this object, which `buffer()` views
@@ -22,6 +22,9 @@ use crate::tensors::{host_slices_mut, loaded_view, slice_span};
 #[pyclass(module = "acp._acp", frozen)]
 #[derive(Debug)]
 pub(crate) struct Loaded {
+    /// Declared first, so dropped first: the image is writable again
+    /// before the checkpoint (its pin on the slot) goes.
+    read_only: OnceLock<Option<ReadOnly>>,
     ready: OnceLock<Checkpoint>,
     /// The storage read not done yet (`None` once done or failed).
     pending: Mutex<Pending>,
@@ -64,6 +67,7 @@ impl Loaded {
         let values_json = values_json(inner.step(), inner.values())?;
         Ok(Loaded {
             step: inner.step(),
+            read_only: OnceLock::new(),
             ready: OnceLock::from(inner),
             pending: Mutex::new(Pending::None),
             entries,
@@ -79,6 +83,7 @@ impl Loaded {
                 step: p.step(),
                 entries: entry_infos(p.entries())?,
                 values_json: values_json(p.step(), p.values())?,
+                read_only: OnceLock::new(),
                 ready: OnceLock::new(),
                 pending: Mutex::new(Pending::Read(p)),
             }),
@@ -216,6 +221,19 @@ impl Loaded {
     /// (an index into `entries()`). It keeps this checkpoint alive.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
         loaded_view(slf, i)
+    }
+
+    /// Makes the image's pages read-only in this process for as long as
+    /// this object lives (reading a pending load first), so that a write
+    /// through a tensor made from `buffer()` faults (SIGSEGV) instead of
+    /// changing the resident checkpoint. False when the image cannot be
+    /// protected (the caller then copies). Idempotent.
+    fn protect(&self, py: Python<'_>) -> PyResult<bool> {
+        let ck = self.checkpoint(py)?;
+        Ok(self
+            .read_only
+            .get_or_init(|| ReadOnly::protect(ck))
+            .is_some())
     }
 
     /// Copies tensors out: each `(index, address, nbytes)` names a tensor

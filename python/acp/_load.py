@@ -66,10 +66,17 @@ class _Fresh:
     """Fresh values for tree nodes: every tensor they reference is created
     and filled in one batch, then the nodes are decoded."""
 
-    def __init__(self, loaded: Any, adapters: Adapters, entries: dict[str, Entry]) -> None:
+    def __init__(
+        self,
+        loaded: Any,
+        adapters: Adapters,
+        entries: dict[str, Entry],
+        zero_copy: bool = False,
+    ) -> None:
         self.loaded = loaded
         self.adapters = adapters
         self.entries = entries
+        self.zero_copy = zero_copy
         self.refs: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, tuple[Adapter, object]] = {}
         self.decoder = Decoder(adapters, self.value, loaded.step)
@@ -99,16 +106,23 @@ class _Fresh:
         out = []
         for framework, items in groups.items():
             adapter = self.adapters.get(framework, items[0][0].name)
-            objs, transfer = adapter.new_tensors(self.loaded, items, map_location)
+            view = getattr(adapter, "view_tensors", None) if self.zero_copy else None
+            make = adapter.new_tensors if view is None else view
+            objs, transfer = make(self.loaded, items, map_location)
             self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(items, objs))
             out.append(transfer)
         return out
 
 
-def load_state(loaded: Any, adapters: Adapters, map_location: Any) -> Any:
-    """A fresh state from a loaded checkpoint."""
+def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bool = False) -> Any:
+    """A fresh state from a loaded checkpoint. With ``zero_copy``, the
+    tensors restored on the CPU (by adapters that can: ``acp.torch``) view
+    the loaded image instead of owning copies: the image is made read-only
+    (``Loaded.protect``) and stays pinned until every such tensor is gone.
+    When it cannot be protected, they are copied."""
     node = parse(loaded.values_json, loaded.step)
-    fresh = _Fresh(loaded, adapters, entries_of(loaded))
+    zero_copy = zero_copy and type(loaded) is Loaded and loaded.protect()
+    fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy)
     try:
         fresh.want(node)
         run_transfers(loaded.copy_into, fresh.transfers(map_location))

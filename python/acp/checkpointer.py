@@ -565,6 +565,7 @@ class Checkpointer:
         storage_only: bool = False,
         rank: int | None = None,
         agree: bool | None = None,
+        zero_copy: bool = False,
     ) -> Any:
         """Loads a step from RAM when it is resident, else from storage.
         ``step=None`` loads the newest committed step or, with one rank, a
@@ -598,6 +599,19 @@ class Checkpointer:
         its file: from its slot when it is resident on this node, else from
         storage.
 
+        ``zero_copy`` (fresh loads only, for evaluation, export and
+        inference) makes each tensor restored on the CPU a view of the
+        loaded image instead of a copy: of the resident ring slot when the
+        step came from RAM (the slot stays pinned, so later saves use the
+        other slots, until every such tensor is gone), else of the memory
+        it was read into. The views are read-only: their pages are mapped
+        read-only while they live, so a write through one (an in-place
+        op, an optimizer step) kills the process with SIGSEGV rather than
+        change the checkpoint; ``clone()`` a tensor to change it. Tensors
+        for another device (``map_location``) are copied there, as are all
+        tensors of frameworks other than torch; without ``zero_copy`` every
+        tensor owns a copy.
+
         ``agree`` (default: with several coordinated ranks and neither
         ``step`` nor ``rank`` given) makes the load collective: every rank
         loads the newest step that all of them see committed, and if any
@@ -610,6 +624,8 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             step = _step(step)
+        if zero_copy and into is not None:
+            raise InvalidInput("load(zero_copy=True) returns a fresh state: give no into=")
         self._reap_recovery()
         if self._replicas is not None and step is None and rank is None:
             # Collective: the newest step every rank has somewhere, replicas
@@ -628,6 +644,7 @@ class Checkpointer:
                 fallback=fallback,
                 storage_only=storage_only,
                 rank=rank,
+                zero_copy=zero_copy,
             )
         if self._coordinator is None:
             raise InvalidInput("load(agree=True): the ranks have no store to coordinate through")
@@ -641,6 +658,7 @@ class Checkpointer:
                 fallback=False,
                 storage_only=storage_only,
                 rank=rank,
+                zero_copy=zero_copy,
             ),
             step=step,
             fallback=fallback,
@@ -656,6 +674,7 @@ class Checkpointer:
         storage_only: bool,
         rank: int | None,
         defer: bool = True,
+        zero_copy: bool = False,
     ) -> Any:
         t0 = perf_counter()
         # With into=, a step read from storage is opened pending: planned
@@ -672,7 +691,7 @@ class Checkpointer:
             self._in.loaded_from(ranks.values())
         t1 = perf_counter()
         if into is None:
-            result = load_state(loaded, self._adapters, map_location)
+            result = load_state(loaded, self._adapters, map_location, zero_copy)
             copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
         else:
             # Planning allocates per tensor (entries, signatures): without
@@ -683,7 +702,9 @@ class Checkpointer:
                 except AcpError as e:
                     if not (fallback and step is None and read_failed(loaded)):
                         raise
-                    logger.warning("acp: step %d cannot be loaded, falling back: %s", loaded.step, e)
+                    logger.warning(
+                        "acp: step %d cannot be loaded, falling back: %s", loaded.step, e
+                    )
                     del loaded
                     return self._load(
                         step,
