@@ -15,8 +15,8 @@
 //!   copied by the thread that checked it, while in cache); each iteration
 //!   also times, untimed for criterion, a cold `raw_read_direct` followed
 //!   by the scatter of the tensors out of the read buffer into the
-//!   destination on the copy threads (the physical floor of target 4: read
-//!   + scatter), and the same `load_into` of the same state saved
+//!   destination on the copy threads (the physical floor of target 4: the
+//!   read and the scatter), and the same `load_into` of the same state saved
 //!   compressed (`Compress::Zstd`, level 1, by a second engine: issue 17's
 //!   cold restore from compressed storage against the plain one);
 //! - `memcpy_1t`, `memcpy_nt`: the tensors copied from a pre-faulted buffer

@@ -115,7 +115,10 @@ fn load_into_falls_back_when_the_newest_step_fails_during_the_read() {
     engine.close().unwrap();
     let file2 = root.join("step-000000000002/rank-00000.safetensors");
     let len = std::fs::metadata(&file2).unwrap().len();
-    let f = std::fs::OpenOptions::new().write(true).open(&file2).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file2)
+        .unwrap();
     f.write_all_at(&[0x42], len - 100).unwrap();
 
     let engine = fresh_engine(&root, dir.path(), "fallback", |c| c);

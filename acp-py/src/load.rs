@@ -39,7 +39,7 @@ enum Pending {
     /// Nothing to read: the checkpoint is in `ready`.
     None,
     /// The read to do.
-    Read(PendingLoad),
+    Read(Box<PendingLoad>),
     /// The read failed with this message; the load failed.
     Failed(String),
 }
@@ -85,7 +85,7 @@ impl Loaded {
                 values_json: values_json(p.step(), p.values())?,
                 read_only: OnceLock::new(),
                 ready: OnceLock::new(),
-                pending: Mutex::new(Pending::Read(p)),
+                pending: Mutex::new(Pending::Read(Box::new(p))),
             }),
         }
     }
@@ -101,7 +101,7 @@ impl Loaded {
             .lock()
             .map_err(|_| Error::invalid(self.what(), "a read of it panicked"))?;
         let p = match std::mem::replace(&mut *state, Pending::None) {
-            Pending::Read(p) => Some(p),
+            Pending::Read(p) => Some(*p),
             Pending::None => None,
             Pending::Failed(msg) => {
                 let e = Error::invalid(self.what(), format!("its read failed: {msg}"));
