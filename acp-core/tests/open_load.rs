@@ -5,7 +5,9 @@
 //!   from RAM, it comes back ready;
 //! - `read_into` fills the destinations named by entry index with the saved
 //!   bytes, and the step becomes resident as after `load`;
-//! - a changed header chunk is found by `open_load`, naming the file;
+//! - a changed header is refused, naming the file, by `open_load` (which
+//!   reads it unverified, checked against the index) or by `read_into`
+//!   (which checks its chunk and compares it with what was planned);
 //! - with `fallback`, `load_into` of a newest step whose data fails during
 //!   the read fills every tensor with the previous step's bytes.
 
@@ -65,7 +67,7 @@ fn a_storage_step_opens_pending_and_its_read_fills_the_destinations() {
 }
 
 #[test]
-fn a_changed_header_chunk_is_found_when_opening() {
+fn a_changed_header_is_refused_by_the_open_or_by_the_read() {
     let dir = tempfile::tempdir().unwrap();
     let (root, file) = committed(dir.path(), Compress::None);
     let f = std::fs::OpenOptions::new()
@@ -73,17 +75,55 @@ fn a_changed_header_chunk_is_found_when_opening() {
         .write(true)
         .open(&file)
         .unwrap();
-    // A byte of the header's JSON.
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, 20).unwrap();
-    f.write_all_at(&[b[0] ^ 0x01], 20).unwrap();
-    let engine = fresh_engine(&root, dir.path(), "header", |c| c);
-    match engine.open_load(&storage(Some(1))) {
-        Err(Error::Corrupt { path, .. }) => assert_eq!(path, file),
-        Err(e) => panic!("not Corrupt: {e}"),
-        Ok(_) => panic!("a changed header was opened"),
+    // Bytes of the header's JSON: a tensor's name, a digit of an offset, a
+    // value. Each is refused, naming the file: when opening (the index
+    // disagrees, or it does not parse), else by the read, which checks the
+    // header's chunk and compares what it planned with.
+    let head = {
+        let mut p = [0u8; 8];
+        f.read_exact_at(&mut p, 0).unwrap();
+        let n = usize::try_from(u64::from_le_bytes(p)).unwrap();
+        let mut h = vec![0u8; n];
+        f.read_exact_at(&mut h, 8).unwrap();
+        String::from_utf8(h).unwrap()
+    };
+    let at_name = head.find("w.3").unwrap() + 2;
+    let at_offset = head.find("data_offsets\":[").unwrap() + 15;
+    let at_value = head.find("acp.values").unwrap() + 14;
+    for (case, at) in [("name", at_name), ("offset", at_offset), ("value", at_value)] {
+        let at = 8 + at as u64;
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, at).unwrap();
+        let flipped = if b[0].is_ascii_digit() {
+            b'0' + (b[0] - b'0' + 1) % 10
+        } else {
+            b[0] ^ 0x01
+        };
+        f.write_all_at(&[flipped], at).unwrap();
+        let engine = fresh_engine(&root, dir.path(), case, |c| c);
+        let got = match engine.open_load(&storage(Some(1))) {
+            Ok(Opened::Pending(p)) => {
+                let mut bufs: Vec<Vec<u8>> = p
+                    .entries()
+                    .iter()
+                    .map(|e| vec![0; usize::try_from(e.len).unwrap()])
+                    .collect();
+                let mut into: Vec<(usize, &mut [u8])> =
+                    bufs.iter_mut().map(Vec::as_mut_slice).enumerate().collect();
+                p.read_into(&mut into).map(drop)
+            }
+            Ok(Opened::Ready(_)) => panic!("{case}: not pending"),
+            Err(e) => Err(e),
+        };
+        match got {
+            Err(Error::Corrupt { path, .. }) => assert_eq!(path, file, "{case}"),
+            Err(e) => panic!("{case}: not Corrupt: {e}"),
+            Ok(()) => panic!("{case}: a changed header was loaded"),
+        }
+        assert!(engine.resident_steps().is_empty(), "{case}");
+        engine.close().unwrap();
+        f.write_all_at(&b, at).unwrap();
     }
-    engine.close().unwrap();
 }
 
 #[test]

@@ -453,8 +453,8 @@ impl Engine {
     /// file another rank wrote (from its slot when resident on this node),
     /// and `tensors` only those of its tensors. With `defer`, a step read
     /// from storage comes back pending (`Loaded.pending`): its header read
-    /// and verified, its data read by the first `copy_into`, into the
-    /// caller's tensors in the read's own pass.
+    /// (verified later, by the read), its data read by the first
+    /// `copy_into`, into the caller's tensors in the read's own pass.
     #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None, defer=false))]
     #[expect(
         clippy::too_many_arguments,

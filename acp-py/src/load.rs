@@ -15,8 +15,10 @@ use crate::tensors::{host_slices_mut, loaded_view, slice_span, ReadOnly};
 /// keep alive.
 ///
 /// A load from storage opened with `Engine.load(defer=True)` is pending:
-/// its step, entries and values come from the verified header, and the
-/// data is read by the first call that needs it. `copy_into` then reads,
+/// its step, entries and values come from the file's header, not yet
+/// verified, and the data is read by the first call that needs it (which
+/// verifies every chunk, the header's too, and fails if the header is not
+/// the one these came from). `copy_into` then reads,
 /// verifies and copies into the caller's tensors in one pass; `buffer`
 /// and `report` read the whole image first.
 #[pyclass(module = "acp._acp", frozen)]

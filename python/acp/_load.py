@@ -255,9 +255,12 @@ def load_into(
     Everything is checked before anything is copied.
 
     ``loaded`` may be pending (``Engine.load(defer=True)``, a step read
-    from storage): the one engine copy is then its read, each chunk
-    verified and copied into the tensors as it lands, and the values are
-    assigned only after it succeeded. When it fails, the exception
+    from storage): its entries and values come from its header, not yet
+    verified; the one engine copy is then its read, each chunk verified
+    (the header's too, which must be the one planned with) and copied into
+    the tensors as it lands, and the values are assigned only after it
+    succeeded. A plan refused (``InvalidInput``) reads the step first, so
+    that a changed header raises ``CheckpointCorrupt`` instead. When it fails, the exception
     propagates and ``into``'s tensors hold, each, their old bytes or bytes
     of this step that were verified (a mix): they must not be used.
 
@@ -265,6 +268,24 @@ def load_into(
     ``into`` of the same signature (``acp._plan``) as the last one reuses
     its plan: one engine copy, then the same assigns.
     """
+    try:
+        return _load_into_planned(loaded, adapters, into, map_location, plans)
+    except InvalidInput:
+        if getattr(loaded, "pending", False):
+            # Planned from a header not verified yet: read (and verify)
+            # the step, so that a changed header is reported as the
+            # corruption it is, not as a mismatch of into=.
+            loaded.copy_into([])
+        raise
+
+
+def _load_into_planned(
+    loaded: Any,
+    adapters: Adapters,
+    into: object,
+    map_location: Any,
+    plans: Plans | None,
+) -> int:
     keep = plans is not None and type(loaded) is Loaded
     if keep:
         assert plans is not None

@@ -113,13 +113,16 @@ impl Engine {
         Ok(ck)
     }
 
-    /// [`Engine::load`], except that a step to be read from storage is not
-    /// read yet: its file is opened and sized and its header read and
-    /// verified (the chunks under it), and [`Opened::Pending`] says what
-    /// it holds, so that the caller can name where each tensor goes before
-    /// the one pass that reads, verifies and copies it there
-    /// ([`PendingLoad::read_into`]). Every other source is loaded as
-    /// [`Engine::load`] loads it ([`Opened::Ready`]).
+    /// [`Engine::load`], except that a step of this rank to be read from
+    /// storage is not read yet: its file is opened and sized and its
+    /// header read (a few KiB) and checked against the index, and
+    /// [`Opened::Pending`] says what it holds, so that the caller can name
+    /// where each tensor goes before the one pass that reads, verifies and
+    /// copies it there ([`PendingLoad::read_into`]). That pass checks the
+    /// header's chunks too, and fails if they do not hold the header the
+    /// caller planned with: nothing from the file is trusted before it.
+    /// Every other source is loaded as [`Engine::load`] loads it
+    /// ([`Opened::Ready`]).
     ///
     /// The fallback of [`LoadRequest::fallback`] covers what this call
     /// reads (a missing file, a bad header); a data chunk that fails its
@@ -168,8 +171,8 @@ pub enum Opened {
     Pending(PendingLoad),
 }
 
-/// A committed step whose data file is open, sized and its header
-/// verified, but whose tensors are not read yet ([`Engine::open_load`]).
+/// A committed step whose data file is open, sized and its header read,
+/// but not yet verified, nor its tensors read ([`Engine::open_load`]).
 /// Holds the file open, so retention removing the step meanwhile does not
 /// change what is read.
 #[derive(Debug)]
@@ -187,13 +190,15 @@ impl PendingLoad {
         self.file.step
     }
 
-    /// The tensors of the file, as its verified header lists them.
+    /// The tensors of the file, as its header lists them (verified by
+    /// [`PendingLoad::read_into`], which fails if they differ).
     #[must_use]
     pub fn entries(&self) -> &[Entry] {
         &self.header.entries
     }
 
-    /// The plain values saved with the step, from the verified header.
+    /// The plain values saved with the step, from its header (verified as
+    /// [`PendingLoad::entries`]).
     #[must_use]
     pub fn values(&self) -> &serde_json::Value {
         &self.header.values
@@ -215,7 +220,10 @@ impl PendingLoad {
     ///
     /// Nothing reaches `into` before its digest chunk matched. On an
     /// error, each destination holds its old bytes or verified bytes of
-    /// this step (per read it spans); nothing becomes resident.
+    /// this step (per read it spans); nothing becomes resident. When the
+    /// verified header is not the one [`PendingLoad::entries`] and
+    /// [`PendingLoad::values`] came from, the load fails
+    /// ([`Error::Corrupt`]).
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the tensor when an index is out of range
@@ -249,13 +257,13 @@ impl PendingLoad {
             })
             .collect::<Result<Vec<Target<'_>>>>()?;
         let ck = read_stored(self.engine.shared(), &self.file, targets, self.t0)?;
-        // The header was read twice, each time checked against the same
-        // digests: the same bytes, so the same placement.
-        if ck.entries() != self.header.entries.as_slice() {
+        // The placement and the values the caller planned with must be the
+        // ones the read verified.
+        if ck.entries() != self.header.entries.as_slice() || ck.values() != &self.header.values {
             return Err(Error::corrupt(
                 &self.file.path,
                 None,
-                "the header changed between two verified reads",
+                "the header read to plan the load differs from the verified one",
             ));
         }
         Ok(ck)
@@ -585,7 +593,7 @@ fn load_step(
     // Only this rank's own file is deferred: another rank's is read into
     // private memory, whole, by `ranks` or here.
     if defer && stored.own {
-        let header = read_header_verified(shared, &stored)?;
+        let header = read_header_for_plan(shared, &stored)?;
         return Ok(Opened::Pending(PendingLoad {
             engine: engine.clone(),
             file: stored,
@@ -670,10 +678,26 @@ impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
     }
 }
 
-/// The header of `stored`, read from the chunks under it, each checked
-/// against its digest, and checked against the index like a loaded one.
-fn read_header_verified(shared: &Shared, stored: &StoredFile) -> Result<ParsedHeader> {
-    let header = with_reader(shared, stored, &mut |r| r.header())?;
+/// The header of `stored`, checked against the index like a loaded one,
+/// for planning a read. Of a plain file, read as is (a few KiB, buffered,
+/// where checking it would read its whole digest chunk): the read that
+/// follows checks the chunks
+/// under it against their digests, and [`PendingLoad::read_into`] refuses
+/// a header that differs from what that read verified. Of a compressed
+/// file, read from its decoded chunks, each checked against its digest.
+fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<ParsedHeader> {
+    let header = if stored.entry.stored_size.is_some() {
+        with_reader(shared, stored, &mut |r| r.header())?
+    } else {
+        use std::os::unix::fs::FileExt;
+        let path = &stored.path;
+        read_header(path, stored.entry.size, crate::format::MAX_HEADER_BYTES, |buf, at| {
+            stored
+                .file
+                .read_exact_at(buf, at)
+                .map_err(|e| Error::io("read", path, e))
+        })?
+    };
     check_header(&stored.path, &header, stored.step, &stored.expected)?;
     Ok(header)
 }
