@@ -93,7 +93,12 @@ def test_a_write_through_a_view_is_refused(tmp_path: Path, shm_dir: Path) -> Non
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,  # where a core dump would go
     )
     assert "loaded" in proc.stdout, proc.stderr
     assert "written" not in proc.stdout
