@@ -678,8 +678,8 @@ class Checkpointer:
     ) -> Any:
         t0 = perf_counter()
         # With into=, a step read from storage is opened pending: planned
-        # from its verified header, then read, verified and copied into the
-        # tensors in one pass by the planner's copy (acp._load).
+        # from its header, then read, verified (the header too) and copied
+        # into the tensors in one pass by the planner's copy (acp._load).
         defer = defer and into is not None
         loaded = self._in.load(step, storage_only, fallback, rank, defer)
         # Replicated tensors other ranks wrote are in their files.
