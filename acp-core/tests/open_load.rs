@@ -90,7 +90,11 @@ fn a_changed_header_is_refused_by_the_open_or_by_the_read() {
     let at_name = head.find("w.3").unwrap() + 2;
     let at_offset = head.find("data_offsets\":[").unwrap() + 15;
     let at_value = head.find("acp.values").unwrap() + 14;
-    for (case, at) in [("name", at_name), ("offset", at_offset), ("value", at_value)] {
+    for (case, at) in [
+        ("name", at_name),
+        ("offset", at_offset),
+        ("value", at_value),
+    ] {
         let at = 8 + at as u64;
         let mut b = [0u8; 1];
         f.read_exact_at(&mut b, at).unwrap();

@@ -691,12 +691,17 @@ fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<ParsedHe
     } else {
         use std::os::unix::fs::FileExt;
         let path = &stored.path;
-        read_header(path, stored.entry.size, crate::format::MAX_HEADER_BYTES, |buf, at| {
-            stored
-                .file
-                .read_exact_at(buf, at)
-                .map_err(|e| Error::io("read", path, e))
-        })?
+        read_header(
+            path,
+            stored.entry.size,
+            crate::format::MAX_HEADER_BYTES,
+            |buf, at| {
+                stored
+                    .file
+                    .read_exact_at(buf, at)
+                    .map_err(|e| Error::io("read", path, e))
+            },
+        )?
     };
     check_header(&stored.path, &header, stored.step, &stored.expected)?;
     Ok(header)
