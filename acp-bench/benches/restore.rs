@@ -12,7 +12,13 @@
 //!   header parse) and `copy_into` the destination tensors;
 //! - `acp_load_into_storage`: the same load through `Engine::load_into`,
 //!   which fills the destination tensors in the read's own pass (each read
-//!   copied by the thread that checked it, while in cache);
+//!   copied by the thread that checked it, while in cache); each iteration
+//!   also times, untimed for criterion, a cold `raw_read_direct` followed
+//!   by the scatter of the tensors out of the read buffer into the
+//!   destination on the copy threads (the physical floor of target 4: the
+//!   read and the scatter), and the same `load_into` of the same state saved
+//!   compressed (`Compress::Zstd`, level 1, by a second engine: issue 17's
+//!   cold restore from compressed storage against the plain one);
 //! - `memcpy_1t`, `memcpy_nt`: the tensors copied from a pre-faulted buffer
 //!   into the destination;
 //! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
@@ -41,7 +47,7 @@ use acp_bench::{
     measurement_time, median, raw, save, split_dst, threads, wait_and_trim, warm_engine,
     warm_up_time, AlignedBuf, Notes, Paired, Scratch, TensorSet, BLOCK, SAMPLES,
 };
-use acp_core::{Checkpoint, Engine, LoadRequest, Source, Verify};
+use acp_core::{Checkpoint, Compress, Engine, LoadRequest, Source, Verify};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 
 /// `(entry index, offset in the destination, len)` of every tensor of `ck`.
@@ -104,6 +110,24 @@ fn load_into_fused(
     ck
 }
 
+/// Copies each tensor `(file offset, destination offset, len)` of
+/// `places` out of the file image `image` into `dst` on `threads` threads.
+fn scatter(image: &[u8], dst: &mut [u8], places: &[(usize, usize, usize)], threads: usize) {
+    let ranges: Vec<(usize, usize, usize)> = places
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, d, len))| (i, d, len))
+        .collect();
+    let mut pairs: Vec<(&mut [u8], &[u8])> = split_dst(dst, &ranges)
+        .into_iter()
+        .map(|(i, d)| {
+            let (file, _, len) = places[i];
+            (d, &image[file..file + len])
+        })
+        .collect();
+    copy_pairs_parallel(&mut pairs, threads);
+}
+
 fn restore(c: &mut Criterion) {
     let bytes = bench_bytes();
     let n = threads();
@@ -146,6 +170,51 @@ fn restore(c: &mut Criterion) {
         dst[..] == src[..],
         "load_into {storage:?} returned other bytes"
     );
+
+    // The same state saved compressed by a second engine, for the cold
+    // restore from compressed storage.
+    let scratch_z = Scratch::new("restore-zstd");
+    let zstd = Engine::open(
+        engine_config(&scratch_z, set.total, 2)
+            .with_compress(Compress::Zstd)
+            .with_compress_level(1),
+    )
+    .unwrap_or_else(|e| panic!("opening the zstd engine: {e}"));
+    let mut step_z = 0;
+    warm_engine(&zstd, &mut step_z, &host, 1);
+    wait_and_trim(&zstd, &save(&zstd, step_z + 1, &host));
+    step_z += 1;
+    let storage_z = LoadRequest {
+        step: Some(step_z),
+        storage_only: true,
+        ..LoadRequest::default()
+    };
+    dst.fill(0);
+    drop(load_into_fused(&zstd, &storage_z, &set, &mut dst));
+    assert!(
+        dst[..] == src[..],
+        "load_into {storage_z:?} (zstd) returned other bytes"
+    );
+    // Where each tensor is in the file image and in the destination, for
+    // the read + scatter baseline.
+    let places: Vec<(usize, usize, usize)> = {
+        let ck = engine
+            .load(&storage)
+            .unwrap_or_else(|e| panic!("loading {storage:?}: {e}"));
+        let by_name: HashMap<&str, usize> = set
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.offset))
+            .collect();
+        ck.entries()
+            .iter()
+            .map(|e| {
+                let len = usize::try_from(e.len).expect("fits in memory");
+                let file = usize::try_from(e.offset).expect("fits in memory");
+                (file, by_name[e.name.as_str()], len)
+            })
+            .collect()
+    };
 
     let mut g = c.benchmark_group("restore");
     g.sample_size(SAMPLES)
@@ -216,6 +285,8 @@ fn restore(c: &mut Criterion) {
     });
     let mut paired_into = Paired::default();
     let mut paired_into_vs_load = Paired::default();
+    let mut paired_into_scatter = Paired::default();
+    let mut paired_zstd = Paired::default();
     g.bench_function("acp_load_into_storage", |b| {
         b.iter_custom(|iters| {
             let mut timed = Duration::ZERO;
@@ -237,6 +308,16 @@ fn restore(c: &mut Criterion) {
                 paired_into.push(base_direct, took);
                 paired_into_vs_load.push(two_pass, took);
                 drop(ck);
+                let _ = drop_caches();
+                let t = Instant::now();
+                raw::read_uring(&path, read_buf.padded_mut(), BLOCK, 8)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                scatter(&read_buf, &mut dst, &places, n);
+                paired_into_scatter.push(t.elapsed(), took);
+                let _ = drop_caches();
+                let t = Instant::now();
+                drop(load_into_fused(&zstd, &storage_z, &set, &mut dst));
+                paired_zstd.push(took, t.elapsed());
             }
             timed
         });
@@ -280,6 +361,10 @@ fn restore(c: &mut Criterion) {
         });
     });
     drop(pairs);
+    zstd.close()
+        .unwrap_or_else(|e| panic!("closing the zstd engine: {e}"));
+    drop(zstd);
+    drop(scratch_z);
     let mlocked = engine.open_report().mlocked;
     engine
         .close()
@@ -340,6 +425,14 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "paired storage direct, load_into",
         paired_into.summary("raw_read_direct", "acp_load_into_storage"),
+    );
+    notes.set(
+        "paired storage direct + scatter, load_into",
+        paired_into_scatter.summary("raw_read_direct + scatter", "acp_load_into_storage"),
+    );
+    notes.set(
+        "paired storage, load_into zstd vs plain",
+        paired_zstd.summary("acp_load_into_storage", "acp_load_into_storage zstd"),
     );
     notes.set(
         "paired storage, load_into vs load + copy_into",

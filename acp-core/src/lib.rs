@@ -103,8 +103,9 @@ pub use config::{
     MIN_AUTO_SLOT_BYTES,
 };
 pub use engine::{
-    Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Outcome, Persist,
-    PersistStats, SaveHandle, SaveOptions, SavePlan, SaveReport, Source, Staging, TensorView,
+    Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Opened, Outcome,
+    PendingLoad, Persist, PersistStats, SaveHandle, SaveOptions, SavePlan, SaveReport, Source,
+    Staging, TensorView,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};

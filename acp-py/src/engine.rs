@@ -473,8 +473,15 @@ impl Engine {
     /// Loads a committed step (the newest when `step` is None), from RAM
     /// when a resident slot holds it, else from storage; `rank` loads the
     /// file another rank wrote (from its slot when resident on this node),
-    /// and `tensors` only those of its tensors.
-    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None))]
+    /// and `tensors` only those of its tensors. With `defer`, a step read
+    /// from storage comes back pending (`Loaded.pending`): its header read
+    /// (verified later, by the read), its data read by the first
+    /// `copy_into`, into the caller's tensors in the read's own pass.
+    #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None, defer=false))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the keywords of the Python method"
+    )]
     fn load(
         &self,
         py: Python<'_>,
@@ -483,6 +490,7 @@ impl Engine {
         fallback: bool,
         rank: Option<u32>,
         tensors: Option<Vec<String>>,
+        defer: bool,
     ) -> PyResult<Loaded> {
         let req = LoadRequest {
             step,
@@ -492,7 +500,14 @@ impl Engine {
             tensors,
         };
         let engine = self.get()?;
-        py.detach(|| Loaded::new(engine.load(&req)?)).map_err(err)
+        py.detach(|| {
+            if defer {
+                Loaded::opened(engine.open_load(&req)?)
+            } else {
+                Loaded::new(engine.load(&req)?)
+            }
+        })
+        .map_err(err)
     }
 
     /// The committed steps, ascending.

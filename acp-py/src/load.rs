@@ -1,22 +1,49 @@
 //! `Loaded`: a loaded checkpoint, its values and its tensors' bytes.
 
-use acp_core::{Checkpoint, Error, Source};
+use std::sync::{Mutex, OnceLock};
+
+use acp_core::{Checkpoint, Error, Opened, PendingLoad, Source};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors::{err, invalid};
 use crate::save::{host_ranges, EntryInfo};
-use crate::tensors::{host_slices_mut, loaded_view, slice_span};
+use crate::tensors::{host_slices_mut, loaded_view, slice_span, ReadOnly};
 
 /// A loaded checkpoint. Its tensors' bytes live in a resident ring slot (or
 /// a private buffer) for as long as this object, which `buffer()` views
 /// keep alive.
+///
+/// A load from storage opened with `Engine.load(defer=True)` is pending:
+/// its step, entries and values come from the file's header, not yet
+/// verified, and the data is read by the first call that needs it (which
+/// verifies every chunk, the header's too, and fails if the header is not
+/// the one these came from). `copy_into` then reads,
+/// verifies and copies into the caller's tensors in one pass; `buffer`
+/// and `report` read the whole image first.
 #[pyclass(module = "acp._acp", frozen)]
 #[derive(Debug)]
 pub(crate) struct Loaded {
-    inner: Checkpoint,
+    /// Declared first, so dropped first: the image is writable again
+    /// before the checkpoint (its pin on the slot) goes.
+    read_only: OnceLock<Option<ReadOnly>>,
+    ready: OnceLock<Checkpoint>,
+    /// The storage read not done yet (`None` once done or failed).
+    pending: Mutex<Pending>,
+    step: u64,
     entries: Vec<EntryInfo>,
     values_json: String,
+}
+
+/// The state of a deferred read.
+#[derive(Debug)]
+enum Pending {
+    /// Nothing to read: the checkpoint is in `ready`.
+    None,
+    /// The read to do.
+    Read(Box<PendingLoad>),
+    /// The read failed with this message; the load failed.
+    Failed(String),
 }
 
 fn source_name(s: Source) -> &'static str {
@@ -27,29 +54,98 @@ fn source_name(s: Source) -> &'static str {
     }
 }
 
+fn values_json(step: u64, values: &serde_json::Value) -> Result<String, Error> {
+    serde_json::to_string(values).map_err(|e| Error::invalid(format!("step {step}: values"), e))
+}
+
+fn entry_infos(entries: &[acp_core::Entry]) -> Result<Vec<EntryInfo>, Error> {
+    entries.iter().map(EntryInfo::from_entry).collect()
+}
+
 impl Loaded {
     /// Wraps a loaded checkpoint; serialises its values for Python.
     pub(crate) fn new(inner: Checkpoint) -> Result<Loaded, Error> {
-        let entries = inner
-            .entries()
-            .iter()
-            .map(EntryInfo::from_entry)
-            .collect::<Result<_, _>>()?;
-        let values_json = serde_json::to_string(inner.values())
-            .map_err(|e| Error::invalid(format!("step {}: values", inner.step()), e))?;
+        let entries = entry_infos(inner.entries())?;
+        let values_json = values_json(inner.step(), inner.values())?;
         Ok(Loaded {
-            inner,
+            step: inner.step(),
+            read_only: OnceLock::new(),
+            ready: OnceLock::from(inner),
+            pending: Mutex::new(Pending::None),
             entries,
             values_json,
         })
     }
 
-    /// The bytes of tensor `i` (an index into `entries()`).
+    /// Wraps what `Engine::open_load` found.
+    pub(crate) fn opened(opened: Opened) -> Result<Loaded, Error> {
+        match opened {
+            Opened::Ready(c) => Loaded::new(c),
+            Opened::Pending(p) => Ok(Loaded {
+                step: p.step(),
+                entries: entry_infos(p.entries())?,
+                values_json: values_json(p.step(), p.values())?,
+                read_only: OnceLock::new(),
+                ready: OnceLock::new(),
+                pending: Mutex::new(Pending::Read(Box::new(p))),
+            }),
+        }
+    }
+
+    /// Takes the pending read, if any; with the lock held (the caller has
+    /// released the GIL), so that one caller does it and others wait.
+    fn with_pending<T>(
+        &self,
+        read: impl FnOnce(Option<PendingLoad>) -> Result<(Option<Checkpoint>, T), Error>,
+    ) -> Result<T, Error> {
+        let mut state = self
+            .pending
+            .lock()
+            .map_err(|_| Error::invalid(self.what(), "a read of it panicked"))?;
+        let p = match std::mem::replace(&mut *state, Pending::None) {
+            Pending::Read(p) => Some(*p),
+            Pending::None => None,
+            Pending::Failed(msg) => {
+                let e = Error::invalid(self.what(), format!("its read failed: {msg}"));
+                *state = Pending::Failed(msg);
+                return Err(e);
+            }
+        };
+        match read(p) {
+            Ok((ck, out)) => {
+                if let Some(ck) = ck {
+                    // Only this call, under the lock, sets it.
+                    let _ = self.ready.set(ck);
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                *state = Pending::Failed(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// The checkpoint, read first when it is pending (the GIL released).
+    fn checkpoint(&self, py: Python<'_>) -> PyResult<&Checkpoint> {
+        if let Some(c) = self.ready.get() {
+            return Ok(c);
+        }
+        py.detach(|| self.with_pending(|p| Ok((p.map(|p| p.read_into(&mut [])).transpose()?, ()))))
+            .map_err(err)?;
+        self.ready
+            .get()
+            .ok_or_else(|| invalid(self.what(), "not read"))
+    }
+
+    /// The bytes of tensor `i` (an index into `entries()`), reading a
+    /// pending load first.
     ///
     /// # Errors
-    /// `acp.InvalidInput` when `i` is out of range.
-    pub(crate) fn bytes(&self, i: usize) -> PyResult<&[u8]> {
-        let entry = self.inner.entries().get(i).ok_or_else(|| {
+    /// `acp.InvalidInput` when `i` is out of range; the read's errors.
+    pub(crate) fn bytes(&self, py: Python<'_>, i: usize) -> PyResult<&[u8]> {
+        let ck = self.checkpoint(py)?;
+        let entry = ck.entries().get(i).ok_or_else(|| {
             invalid(
                 self.what(),
                 format!(
@@ -58,11 +154,11 @@ impl Loaded {
                 ),
             )
         })?;
-        Ok(self.inner.data(entry))
+        Ok(ck.data(entry))
     }
 
     fn what(&self) -> String {
-        format!("load of step {}", self.inner.step())
+        format!("load of step {}", self.step)
     }
 }
 
@@ -71,13 +167,31 @@ impl Loaded {
     /// The step.
     #[getter]
     fn step(&self) -> u64 {
-        self.inner.step()
+        self.step
     }
 
-    /// Where it came from: "ram" or "storage".
+    /// Where it came from: "ram", "storage" or "peer" ("storage" while a
+    /// deferred storage read is pending).
     #[getter]
     fn source(&self) -> &'static str {
-        source_name(self.inner.report().source)
+        self.ready
+            .get()
+            .map_or("storage", |c| source_name(c.report().source))
+    }
+
+    /// Whether its data is still to be read (a deferred storage load).
+    #[getter]
+    fn pending(&self) -> bool {
+        self.ready.get().is_none() && !self.failed()
+    }
+
+    /// Whether its deferred read failed (the load failed; `copy_into`'s
+    /// error said why).
+    #[getter]
+    fn failed(&self) -> bool {
+        self.pending
+            .lock()
+            .is_ok_and(|p| matches!(*p, Pending::Failed(_)))
     }
 
     /// The plain values saved with it, as JSON text.
@@ -89,9 +203,9 @@ impl Loaded {
     /// The load's figures: source, bytes, verified, secs, and `rejected`:
     /// why a resident copy was found but not used (None when it was not).
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.inner.report();
+        let r = self.checkpoint(py)?.report();
         let d = PyDict::new(py);
-        d.set_item("step", self.inner.step())?;
+        d.set_item("step", self.step)?;
         d.set_item("source", source_name(r.source))?;
         d.set_item("bytes", r.bytes)?;
         d.set_item("verified", r.verified)?;
@@ -111,25 +225,59 @@ impl Loaded {
         loaded_view(slf, i)
     }
 
+    /// Makes the image's pages read-only in this process for as long as
+    /// this object lives (reading a pending load first), so that a write
+    /// through a tensor made from `buffer()` faults (SIGSEGV) instead of
+    /// changing the resident checkpoint. False when the image cannot be
+    /// protected (the caller then copies). Idempotent.
+    fn protect(&self, py: Python<'_>) -> PyResult<bool> {
+        let ck = self.checkpoint(py)?;
+        Ok(self
+            .read_only
+            .get_or_init(|| ReadOnly::protect(ck))
+            .is_some())
+    }
+
     /// Copies tensors out: each `(index, address, nbytes)` names a tensor
     /// (an index into `entries()`) and the contiguous memory to fill, in
-    /// parallel over the engine's copy threads with the GIL released.
+    /// parallel over the engine's copy threads with the GIL released. When
+    /// the load is pending, this is its read: the file is read once, each
+    /// chunk verified and copied into these tensors as it lands.
     ///
     /// The caller guarantees each range is the live memory of a contiguous
     /// tensor that nothing reads or writes until the call returns.
+    ///
+    /// On an error, each tensor holds its old bytes or verified bytes of
+    /// this step, and the load failed (`failed`).
     fn copy_into(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
         let what = self.what();
         let mut ranges = host_ranges(&what, &self.entries, &items)?;
         py.detach(|| -> Result<(), Error> {
-            let sources: Vec<_> = self
-                .inner
+            if self.ready.get().is_none() {
+                let read = self.with_pending(|p| match p {
+                    Some(p) => {
+                        let mut dsts = host_slices_mut(&what, &mut ranges, &[])?;
+                        Ok((Some(p.read_into(&mut dsts)?), true))
+                    }
+                    // Read by another call meanwhile: copied below.
+                    None => Ok((None, false)),
+                })?;
+                if read {
+                    return Ok(());
+                }
+            }
+            let ck = self
+                .ready
+                .get()
+                .ok_or_else(|| Error::invalid(&what, "not read"))?;
+            let sources: Vec<_> = ck
                 .entries()
                 .iter()
                 .enumerate()
-                .map(|(i, e)| slice_span(i, self.inner.data(e)))
+                .map(|(i, e)| slice_span(i, ck.data(e)))
                 .collect();
             let mut dsts = host_slices_mut(&what, &mut ranges, &sources)?;
-            self.inner.copy_into(&mut dsts)
+            ck.copy_into(&mut dsts)
         })
         .map_err(err)
     }
@@ -137,7 +285,7 @@ impl Loaded {
     fn __repr__(&self) -> String {
         format!(
             "Loaded(step={}, source={:?}, tensors={})",
-            self.inner.step(),
+            self.step,
             self.source(),
             self.entries.len()
         )

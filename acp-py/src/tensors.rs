@@ -13,7 +13,7 @@
     reason = "turns Python-supplied host addresses into slices"
 )]
 
-use acp_core::Error;
+use acp_core::{Checkpoint, Error};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyAny;
@@ -274,7 +274,7 @@ pub(crate) fn loaded_view<'py>(
     loaded: &Bound<'py, Loaded>,
     i: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let bytes = loaded.get().bytes(i)?;
+    let bytes = loaded.get().bytes(loaded.py(), i)?;
     // SAFETY: the bytes belong to the checkpoint that `loaded` (a frozen
     // object) owns for its whole life, and the view keeps `loaded` alive; the
     // view is read-only, so the pointer is never written through.
@@ -285,6 +285,93 @@ pub(crate) fn loaded_view<'py>(
             bytes.len(),
             false,
         )
+    }
+}
+
+/// The pages of a loaded image made read-only in this process while a
+/// zero-copy load hands out tensors over them (`Loaded.protect`), so that
+/// a write through one of them faults instead of changing the resident
+/// checkpoint. Counted per page range: the range is writable again once
+/// the last holder of it is dropped.
+///
+/// Holders must drop this before the memory's pin (the `Loaded` declares
+/// it first): once unpinned, the slot may be reused by a save that writes
+/// into it.
+#[derive(Debug)]
+pub(crate) struct ReadOnly {
+    start: usize,
+    len: usize,
+}
+
+/// Per protected page range `(start, len)`, how many [`ReadOnly`] hold it.
+static PROTECTED: std::sync::Mutex<Vec<(usize, usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+const PAGE: usize = 4096;
+
+impl ReadOnly {
+    /// Makes the pages under `ck`'s image read-only, or `None` when they
+    /// cannot be: an image that does not start on a page boundary, an
+    /// empty one, or an `mprotect` refused. The holder must drop the
+    /// result before `ck`.
+    pub(crate) fn protect(ck: &Checkpoint) -> Option<ReadOnly> {
+        let image = ck.image();
+        let start = image.as_ptr() as usize;
+        if image.is_empty() || start % PAGE != 0 {
+            return None;
+        }
+        let len = image.len().div_ceil(PAGE) * PAGE;
+        let mut table = PROTECTED.lock().ok()?;
+        if let Some(e) = table.iter_mut().find(|e| e.0 == start && e.1 == len) {
+            e.2 += 1;
+            return Some(ReadOnly { start, len });
+        }
+        // SAFETY: a checkpoint's image is the start of a mapping area that
+        // holds it alone: a ring slot's image area (page-aligned, its
+        // capacity a multiple of 4096 at least the image's length) or
+        // private memory padded to a page; `start` is page-aligned
+        // (checked), so `[start, start + len)` covers only the image's own
+        // pages. mprotect changes their access rights, no bytes. acp never
+        // writes a loaded image while the checkpoint pins it (a sealed slot
+        // is written again only once released and acquired by a save;
+        // private memory only during its load), and the holder drops this
+        // before `ck` (its contract), so no write of acp's faults.
+        let rc = unsafe { libc::mprotect(start as *mut libc::c_void, len, libc::PROT_READ) };
+        if rc != 0 {
+            return None;
+        }
+        table.push((start, len, 1));
+        Some(ReadOnly { start, len })
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        let Ok(mut table) = PROTECTED.lock() else {
+            return;
+        };
+        let Some(at) = table
+            .iter()
+            .position(|e| e.0 == self.start && e.1 == self.len)
+        else {
+            return;
+        };
+        table[at].2 -= 1;
+        if table[at].2 > 0 {
+            return;
+        }
+        table.swap_remove(at);
+        // SAFETY: the same page range `protect` made read-only, still mapped
+        // and pinned (holders drop before the pin, per its contract); making
+        // it writable again restores the access the mapping had, which the
+        // engine needs once the slot is reused. A refusal (a mapping that
+        // was never writable) leaves it read-only, which is harmless.
+        let _ = unsafe {
+            libc::mprotect(
+                self.start as *mut libc::c_void,
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        };
     }
 }
 

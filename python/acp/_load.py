@@ -32,17 +32,28 @@ def entries_of(loaded: Any) -> dict[str, Entry]:
     }
 
 
+def read_failed(loaded: Any) -> bool:
+    """Whether ``loaded`` was a pending storage load whose read failed (a
+    chunk that did not verify, an I/O error): the load failed, and a
+    fallback may try the next source."""
+    return bool(getattr(loaded, "failed", False))
+
+
 def run_transfers(
-    copy: Callable[[list[tuple[int, int, int]]], None], transfers: Sequence[Transfer]
+    copy: Callable[[list[tuple[int, int, int]]], None],
+    transfers: Sequence[Transfer],
+    always: bool = False,
 ) -> None:
     """Starts the adapters' own copies, runs the one engine copy (parallel,
-    GIL released) meanwhile, then waits for the adapters' copies."""
+    GIL released) meanwhile, then waits for the adapters' copies. With
+    ``always``, the engine copy runs even with nothing to copy (it is the
+    read of a pending load)."""
     host = [r for t in transfers for r in t.host]
     jobs = [j for t in transfers for j in t.jobs]
     try:
         for job in jobs:
             job.start()
-        if host:
+        if host or always:
             copy(host)
         for job in jobs:
             job.wait()
@@ -55,10 +66,17 @@ class _Fresh:
     """Fresh values for tree nodes: every tensor they reference is created
     and filled in one batch, then the nodes are decoded."""
 
-    def __init__(self, loaded: Any, adapters: Adapters, entries: dict[str, Entry]) -> None:
+    def __init__(
+        self,
+        loaded: Any,
+        adapters: Adapters,
+        entries: dict[str, Entry],
+        zero_copy: bool = False,
+    ) -> None:
         self.loaded = loaded
         self.adapters = adapters
         self.entries = entries
+        self.zero_copy = zero_copy
         self.refs: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, tuple[Adapter, object]] = {}
         self.decoder = Decoder(adapters, self.value, loaded.step)
@@ -88,16 +106,23 @@ class _Fresh:
         out = []
         for framework, items in groups.items():
             adapter = self.adapters.get(framework, items[0][0].name)
-            objs, transfer = adapter.new_tensors(self.loaded, items, map_location)
+            view = getattr(adapter, "view_tensors", None) if self.zero_copy else None
+            make = adapter.new_tensors if view is None else view
+            objs, transfer = make(self.loaded, items, map_location)
             self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(items, objs))
             out.append(transfer)
         return out
 
 
-def load_state(loaded: Any, adapters: Adapters, map_location: Any) -> Any:
-    """A fresh state from a loaded checkpoint."""
+def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bool = False) -> Any:
+    """A fresh state from a loaded checkpoint. With ``zero_copy``, the
+    tensors restored on the CPU (by adapters that can: ``acp.torch``) view
+    the loaded image instead of owning copies: the image is made read-only
+    (``Loaded.protect``) and stays pinned until every such tensor is gone.
+    When it cannot be protected, they are copied."""
     node = parse(loaded.values_json, loaded.step)
-    fresh = _Fresh(loaded, adapters, entries_of(loaded))
+    zero_copy = zero_copy and type(loaded) is Loaded and loaded.protect()
+    fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy)
     try:
         fresh.want(node)
         run_transfers(loaded.copy_into, fresh.transfers(map_location))
@@ -229,18 +254,46 @@ def load_into(
     except at the top level, where ``into``'s keys select what is loaded.
     Everything is checked before anything is copied.
 
+    ``loaded`` may be pending (``Engine.load(defer=True)``, a step read
+    from storage): its entries and values come from its header, not yet
+    verified; the one engine copy is then its read, each chunk verified
+    (the header's too, which must be the one planned with) and copied into
+    the tensors as it lands, and the values are assigned only after it
+    succeeded. A plan refused (``InvalidInput``) reads the step first, so
+    that a changed header raises ``CheckpointCorrupt`` instead. When it fails, the exception
+    propagates and ``into``'s tensors hold, each, their old bytes or bytes
+    of this step that were verified (a mix): they must not be used.
+
     With ``plans``, a load of the same checkpoint structure into an
     ``into`` of the same signature (``acp._plan``) as the last one reuses
     its plan: one engine copy, then the same assigns.
     """
+    try:
+        return _load_into_planned(loaded, adapters, into, map_location, plans)
+    except InvalidInput:
+        if getattr(loaded, "pending", False):
+            # Planned from a header not verified yet: read (and verify)
+            # the step, so that a changed header is reported as the
+            # corruption it is, not as a mismatch of into=.
+            loaded.copy_into([])
+        raise
+
+
+def _load_into_planned(
+    loaded: Any,
+    adapters: Adapters,
+    into: object,
+    map_location: Any,
+    plans: Plans | None,
+) -> int:
     keep = plans is not None and type(loaded) is Loaded
     if keep:
         assert plans is not None
         entries = loaded.entries()
         plan = plans.for_load(loaded.values_json, entries, into)
         if plan is not None:
-            if plan.host:
-                loaded.copy_into(plan.host)
+            # Also with no tensors: a pending load's read is this call.
+            loaded.copy_into(plan.host)
             for container, k, build in plan.assigns:
                 container[k] = build()
             return plan.copied
@@ -283,7 +336,7 @@ def _load_into(
         copied += sum(e.nbytes for e, _ in pairs)
     transfers.extend(planner.fresh.transfers(map_location))
     copied += sum(planner.entries[name].nbytes for name in planner.fresh.refs)
-    run_transfers(loaded.copy_into, transfers)
+    run_transfers(loaded.copy_into, transfers, always=True)
     for container, k, build in planner.assigns:
         container[k] = build()
     return copied, transfers

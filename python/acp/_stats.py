@@ -73,9 +73,13 @@ class LoadStats:
     bytes: int
     verified: bool
     engine_secs: float
-    """Finding, reading (from storage) and verifying the checkpoint."""
+    """Finding, reading (from storage) and verifying the checkpoint; for a
+    ``load(into=...)`` from storage, only finding it and reading its header
+    (the read is then in ``copy_secs``)."""
     copy_secs: float
-    """Copying the tensors out and rebuilding the state."""
+    """Copying the tensors out and rebuilding the state; for a
+    ``load(into=...)`` from storage, also the read and its verification,
+    done in the same pass as the copy."""
     total_secs: float
     copied_bytes: int
     bytes_per_sec: float

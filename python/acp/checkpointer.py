@@ -16,7 +16,7 @@ from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
-from acp._load import load_into, load_state, run_transfers
+from acp._load import load_into, load_state, read_failed, run_transfers
 from acp._metrics import Metrics, logger
 from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
@@ -74,10 +74,16 @@ class Internals:
         self.saved: cover.Saved | None = None
 
     def load(
-        self, step: int | None, storage_only: bool, fallback: bool, rank: int | None
+        self,
+        step: int | None,
+        storage_only: bool,
+        fallback: bool,
+        rank: int | None,
+        defer: bool = False,
     ) -> _acp.Loaded:
-        """The engine's load of ``step`` (checked by the caller)."""
-        loaded = self.engine.load(step, storage_only, fallback, rank)
+        """The engine's load of ``step`` (checked by the caller); with
+        ``defer``, a step read from storage comes back pending."""
+        loaded = self.engine.load(step, storage_only, fallback, rank, defer=defer)
         self.loaded_from([loaded.source])
         return loaded
 
@@ -578,6 +584,7 @@ class Checkpointer:
         storage_only: bool = False,
         rank: int | None = None,
         agree: bool | None = None,
+        zero_copy: bool = False,
     ) -> Any:
         """Loads a step from RAM when it is resident, else from storage.
         ``step=None`` loads the newest committed step or, with one rank, a
@@ -596,13 +603,33 @@ class Checkpointer:
         load's ``LoadStats``; a missing key or a tensor whose shape or dtype
         differs raises ``acp.InvalidInput`` naming the key before anything
         is copied. Keys present in the checkpoint but not at the top level of
-        ``into`` are not loaded. ``fallback`` (with ``step=None``) falls back
+        ``into`` are not loaded. From storage, ``into``'s tensors are filled
+        in the read's own pass (each chunk verified, then copied, no second
+        pass over a full copy); when the load raises, each of them holds
+        its old bytes or verified bytes of the step that failed (a mix)
+        and must not be used, and no other value was assigned; with
+        ``fallback``, a step whose data fails verification during that
+        read is skipped (logged) and the next intact one is loaded into
+        every tensor. ``fallback`` (with ``step=None``) falls back
         to the newest intact step when the latest is corrupt;
         ``storage_only`` ignores the resident copy; ``rank`` loads the file
         another rank wrote (each rank's file holds that rank's state).
         Tensors another rank wrote (``save(..., replicated=...)``) come from
         its file: from its slot when it is resident on this node, else from
         storage.
+
+        ``zero_copy`` (fresh loads only, for evaluation, export and
+        inference) makes each tensor restored on the CPU a view of the
+        loaded image instead of a copy: of the resident ring slot when the
+        step came from RAM (the slot stays pinned, so later saves use the
+        other slots, until every such tensor is gone), else of the memory
+        it was read into. The views are read-only: their pages are mapped
+        read-only while they live, so a write through one (an in-place
+        op, an optimizer step) kills the process with SIGSEGV rather than
+        change the checkpoint; ``clone()`` a tensor to change it. Tensors
+        for another device (``map_location``) are copied there, as are all
+        tensors of frameworks other than torch; without ``zero_copy`` every
+        tensor owns a copy.
 
         ``agree`` (default: with several coordinated ranks and neither
         ``step`` nor ``rank`` given) makes the load collective: every rank
@@ -616,6 +643,8 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             step = _step(step)
+        if zero_copy and into is not None:
+            raise InvalidInput("load(zero_copy=True) returns a fresh state: give no into=")
         self._reap_recovery()
         if self._replicas is not None and step is None and rank is None:
             # Collective: the newest step every rank has somewhere, replicas
@@ -634,6 +663,7 @@ class Checkpointer:
                 fallback=fallback,
                 storage_only=storage_only,
                 rank=rank,
+                zero_copy=zero_copy,
             )
         if self._coordinator is None:
             raise InvalidInput("load(agree=True): the ranks have no store to coordinate through")
@@ -647,6 +677,7 @@ class Checkpointer:
                 fallback=False,
                 storage_only=storage_only,
                 rank=rank,
+                zero_copy=zero_copy,
             ),
             step=step,
             fallback=fallback,
@@ -661,9 +692,15 @@ class Checkpointer:
         fallback: bool,
         storage_only: bool,
         rank: int | None,
+        defer: bool = True,
+        zero_copy: bool = False,
     ) -> Any:
         t0 = perf_counter()
-        loaded = self._in.load(step, storage_only, fallback, rank)
+        # With into=, a step read from storage is opened pending: planned
+        # from its header, then read, verified (the header too) and copied
+        # into the tensors in one pass by the planner's copy (acp._load).
+        defer = defer and into is not None
+        loaded = self._in.load(step, storage_only, fallback, rank, defer)
         # Replicated tensors other ranks wrote are in their files.
         loaded = with_other_ranks(
             self._engine, loaded, self.rank if rank is None else rank, storage_only
@@ -673,13 +710,30 @@ class Checkpointer:
             self._in.loaded_from(ranks.values())
         t1 = perf_counter()
         if into is None:
-            result = load_state(loaded, self._adapters, map_location)
+            result = load_state(loaded, self._adapters, map_location, zero_copy)
             copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
         else:
             # Planning allocates per tensor (entries, signatures): without
             # the pause, full collections walk the heap many times over.
             with gc_paused():
-                copied = load_into(loaded, self._adapters, into, map_location, self._plans)
+                try:
+                    copied = load_into(loaded, self._adapters, into, map_location, self._plans)
+                except AcpError as e:
+                    if not (fallback and step is None and read_failed(loaded)):
+                        raise
+                    logger.warning(
+                        "acp: step %d cannot be loaded, falling back: %s", loaded.step, e
+                    )
+                    del loaded
+                    return self._load(
+                        step,
+                        into=into,
+                        map_location=map_location,
+                        fallback=fallback,
+                        storage_only=storage_only,
+                        rank=rank,
+                        defer=False,
+                    )
         t2 = perf_counter()
         report = loaded.report()
         del loaded

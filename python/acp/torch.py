@@ -487,6 +487,34 @@ class Adapter:
             transfer.jobs.append(_DeviceCopies(device_pairs, self.pins.for_load))
         return out, transfer
 
+    def view_tensors(
+        self, loaded: Any, items: Sequence[tuple[Entry, dict[str, Any]]], map_location: Any
+    ) -> tuple[list[object], Transfer]:
+        """``new_tensors`` for ``load(zero_copy=True)``: each tensor restored
+        on the CPU is a view of the loaded image (which ``loaded.protect()``
+        made read-only), nothing copied; tensors for other devices are
+        copied there as ``new_tensors`` does."""
+        out: list[object | None] = []
+        copies: list[tuple[int, tuple[Entry, dict[str, Any]]]] = []
+        for entry, ref in items:
+            device = _device(ref.get("dev"), map_location, entry.name, loaded.step)
+            if device.type != "cpu":
+                copies.append((len(out), (entry, ref)))
+                out.append(None)
+                continue
+            dtype = dtype_from_safetensors(entry.dtype)
+            t = slot_tensor(loaded.buffer(entry.index), dtype, entry.shape)
+            if ref.get("param"):
+                out.append(torch.nn.Parameter(t, requires_grad=bool(ref.get("rg"))))
+            else:
+                out.append(t.requires_grad_() if ref.get("rg") else t)
+        transfer = Transfer()
+        if copies:
+            made, transfer = self.new_tensors(loaded, [item for _, item in copies], map_location)
+            for (at, _), obj in zip(copies, made):
+                out[at] = obj
+        return list(out), transfer
+
     def result(self, obj: object, ref: dict[str, Any]) -> object:
         return obj
 

@@ -3,7 +3,7 @@
 //! into a slot (or private memory when the ring has no room).
 
 use std::fs::File;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::checkpoint::Backing;
@@ -14,7 +14,9 @@ use super::{ranks, replicate, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::Digest;
-use crate::format::{data_file_name, parse_header, read_header, unhex, FileEntry, ParsedHeader};
+use crate::format::{
+    data_file_name, parse_header, read_header, unhex, Entry, FileEntry, ParsedHeader,
+};
 use crate::read::{
     sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
 };
@@ -62,21 +64,23 @@ impl Engine {
     /// [`Error::NotFound`], [`Error::Corrupt`] naming the file and tensor,
     /// [`Error::Io`].
     pub fn load(&self, req: &LoadRequest) -> Result<Checkpoint> {
-        load(self.shared(), req)
+        load(self, req)
     }
 
     /// [`Engine::load`], then copies each tensor `into[k].0` into
     /// `into[k].1` (exactly its length). From storage, the tensors are
-    /// filled in the read's own pass: each read is copied into them by the
-    /// thread that checked its digests, while it is in cache, so the image
-    /// is not read from memory a second time; from any other source, they
-    /// are copied once the load succeeded.
+    /// filled in the read's own pass ([`Engine::open_load`], then
+    /// [`PendingLoad::read_into`]); from any other source, they are copied
+    /// once the load succeeded.
     ///
     /// Nothing reaches `into` before its digest chunk matched. On an error,
     /// each tensor of `into` holds its old bytes or bytes of the step
     /// being loaded that were verified (a storage read that failed part
-    /// way, or before falling back to an older step): the caller is told
-    /// by the error and must not use them.
+    /// way): the caller is told by the error and must not use them. With
+    /// `fallback`, a step whose data fails verification during that read
+    /// is loaded again through [`Engine::load`], which falls back to the
+    /// newest intact step; every tensor of `into` then holds that step's
+    /// bytes.
     ///
     /// # Errors
     /// As [`Engine::load`]; [`Error::Invalid`] naming the tensor when a
@@ -87,35 +91,202 @@ impl Engine {
         req: &LoadRequest,
         into: &mut [(&str, &mut [u8])],
     ) -> Result<Checkpoint> {
-        let mut targets = Targets {
-            into,
-            filled: false,
+        let ck = match self.open_load(req)? {
+            Opened::Ready(ck) => ck,
+            Opened::Pending(p) => {
+                let step = p.step();
+                let mut dsts = by_index(p.entries(), step, into)?;
+                match p.read_into(&mut dsts) {
+                    Ok(ck) => return Ok(ck),
+                    Err(e) if req.fallback && req.step.is_none() && falls_back(&e) => {
+                        tracing::warn!(
+                            "acp: step {step} cannot be loaded, loading the newest intact step: {e}"
+                        );
+                        self.load(req)?
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         };
-        let ck = load_with(self.shared(), req, &mut targets)?;
-        if !targets.filled {
-            let mut dsts = targets
-                .into
-                .iter_mut()
-                .map(|(name, d)| {
-                    let i = ck
-                        .entries()
-                        .iter()
-                        .position(|e| e.name == *name)
-                        .ok_or_else(|| not_in_step(name, ck.step()))?;
-                    Ok((i, &mut **d))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            ck.copy_into(&mut dsts)?;
+        let mut dsts = by_index(ck.entries(), ck.step(), into)?;
+        ck.copy_into(&mut dsts)?;
+        Ok(ck)
+    }
+
+    /// [`Engine::load`], except that a step of this rank to be read from
+    /// storage is not read yet: its file is opened and sized and its
+    /// header read (a few KiB) and checked against the index, and
+    /// [`Opened::Pending`] says what it holds, so that the caller can name
+    /// where each tensor goes before the one pass that reads, verifies and
+    /// copies it there ([`PendingLoad::read_into`]). That pass checks the
+    /// header's chunks too, and fails if they do not hold the header the
+    /// caller planned with: nothing from the file is trusted before it.
+    /// Every other source is loaded as [`Engine::load`] loads it
+    /// ([`Opened::Ready`]).
+    ///
+    /// The fallback of [`LoadRequest::fallback`] covers what this call
+    /// reads (a missing file, a bad header); a data chunk that fails its
+    /// digest is found by [`PendingLoad::read_into`], whose caller falls
+    /// back by loading again ([`Engine::load_into`] does).
+    ///
+    /// # Errors
+    /// As [`Engine::load`].
+    pub fn open_load(&self, req: &LoadRequest) -> Result<Opened> {
+        load_with(self, req, true)
+    }
+}
+
+/// Whether a load error lets `fallback` try an older step.
+fn falls_back(e: &Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Corrupt | ErrorKind::NotFound | ErrorKind::Io | ErrorKind::Unsupported
+    )
+}
+
+/// `into`'s tensors as `(index into entries, memory)`, each checked to be
+/// in `entries` (of `step`) with its length.
+fn by_index<'b>(
+    entries: &[Entry],
+    step: u64,
+    into: &'b mut [(&str, &mut [u8])],
+) -> Result<Vec<(usize, &'b mut [u8])>> {
+    into.iter_mut()
+        .map(|(name, d)| {
+            let i = entries
+                .iter()
+                .position(|e| e.name == *name)
+                .ok_or_else(|| not_in_step(name, step))?;
+            Ok((i, &mut **d))
+        })
+        .collect()
+}
+
+/// What [`Engine::open_load`] found.
+#[derive(Debug)]
+pub enum Opened {
+    /// Loaded and verified: from RAM, a replica, or another rank's file.
+    Ready(Checkpoint),
+    /// A committed step of this engine's rank to read from storage.
+    Pending(PendingLoad),
+}
+
+/// A committed step whose data file is open, sized and its header read,
+/// but not yet verified, nor its tensors read ([`Engine::open_load`]).
+/// Holds the file open, so retention removing the step meanwhile does not
+/// change what is read.
+#[derive(Debug)]
+pub struct PendingLoad {
+    engine: Engine,
+    file: StoredFile,
+    header: ParsedHeader,
+    t0: Instant,
+}
+
+impl PendingLoad {
+    /// The step.
+    #[must_use]
+    pub fn step(&self) -> u64 {
+        self.file.step
+    }
+
+    /// The tensors of the file, as its header lists them (verified by
+    /// [`PendingLoad::read_into`], which fails if they differ).
+    #[must_use]
+    pub fn entries(&self) -> &[Entry] {
+        &self.header.entries
+    }
+
+    /// The plain values saved with the step, from its header (verified as
+    /// [`PendingLoad::entries`]).
+    #[must_use]
+    pub fn values(&self) -> &serde_json::Value {
+        &self.header.values
+    }
+
+    /// The size of the step's image, in bytes.
+    #[must_use]
+    pub fn image_bytes(&self) -> u64 {
+        self.file.entry.size
+    }
+
+    /// Reads the whole file in one pass, verifying each digest chunk as it
+    /// lands and copying tensor `i` of [`PendingLoad::entries`] into each
+    /// `into` destination `(i, memory)` (exactly its length) by the thread
+    /// that checked its chunks, while they are in cache. The image is read
+    /// into a ring slot, which becomes resident as after [`Engine::load`]
+    /// (a pre-faulted slot costs less than fresh memory), or into private
+    /// memory when the ring has no room.
+    ///
+    /// Nothing reaches `into` before its digest chunk matched. On an
+    /// error, each destination holds its old bytes or verified bytes of
+    /// this step (per read it spans); nothing becomes resident. When the
+    /// verified header is not the one [`PendingLoad::entries`] and
+    /// [`PendingLoad::values`] came from, the load fails
+    /// ([`Error::Corrupt`]).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the tensor when an index is out of range
+    /// or a length differs (before anything is read); [`Error::Corrupt`]
+    /// naming the file and tensor; [`Error::Io`].
+    pub fn read_into(self, into: &mut [(usize, &mut [u8])]) -> Result<Checkpoint> {
+        let step = self.step();
+        let targets = into
+            .iter_mut()
+            .map(|(i, d)| {
+                let e = self.header.entries.get(*i).ok_or_else(|| {
+                    Error::invalid(
+                        format!("step {step}"),
+                        format!(
+                            "tensor index {i} out of range (there are {})",
+                            self.header.entries.len()
+                        ),
+                    )
+                })?;
+                if d.len() as u64 != e.len {
+                    return Err(Error::invalid(
+                        format!("tensor `{}`", e.name),
+                        format!(
+                            "destination has {} bytes, the checkpoint {}",
+                            d.len(),
+                            e.len
+                        ),
+                    ));
+                }
+                Ok((e.offset, &mut **d))
+            })
+            .collect::<Result<Vec<Target<'_>>>>()?;
+        let ck = read_stored(self.engine.shared(), &self.file, targets, self.t0)?;
+        // The placement and the values the caller planned with must be the
+        // ones the read verified.
+        if ck.entries() != self.header.entries.as_slice() || ck.values() != &self.header.values {
+            return Err(Error::corrupt(
+                &self.file.path,
+                None,
+                "the header read to plan the load differs from the verified one",
+            ));
         }
         Ok(ck)
     }
 }
 
-/// The caller's memory for tensors of a load ([`Engine::load_into`]), and
-/// whether the load already filled it.
-pub(super) struct Targets<'a, 'n, 'b> {
-    into: &'a mut [(&'n str, &'b mut [u8])],
-    filled: bool,
+impl Opened {
+    fn rejected(&self) -> bool {
+        match self {
+            Opened::Ready(c) => c.report.rejected.is_some(),
+            Opened::Pending(p) => p.file.rejected.is_some(),
+        }
+    }
+
+    fn with_rejected(self, rejected: Option<String>) -> Opened {
+        match self {
+            Opened::Ready(c) => Opened::Ready(c.with_rejected(rejected)),
+            Opened::Pending(mut p) => {
+                p.file.rejected = rejected;
+                Opened::Pending(p)
+            }
+        }
+    }
 }
 
 fn not_in_step(name: &str, step: u64) -> Error {
@@ -125,19 +296,17 @@ fn not_in_step(name: &str, step: u64) -> Error {
     )
 }
 
-pub(super) fn load(shared: &Shared, req: &LoadRequest) -> Result<Checkpoint> {
-    let mut none = Targets {
-        into: &mut [],
-        filled: false,
-    };
-    load_with(shared, req, &mut none)
+fn load(engine: &Engine, req: &LoadRequest) -> Result<Checkpoint> {
+    match load_with(engine, req, false)? {
+        Opened::Ready(ck) => Ok(ck),
+        Opened::Pending(p) => p.read_into(&mut []),
+    }
 }
 
-fn load_with(
-    shared: &Shared,
-    req: &LoadRequest,
-    targets: &mut Targets<'_, '_, '_>,
-) -> Result<Checkpoint> {
+/// Loads per `req`; with `defer`, a step read from storage is returned
+/// [`Opened::Pending`] (its header verified, its data not read).
+fn load_with(engine: &Engine, req: &LoadRequest, defer: bool) -> Result<Opened> {
+    let shared = engine.shared();
     let t0 = Instant::now();
     // This rank's RAM snapshots that `load` may serve without a step.
     let ram = if req.step.is_none() {
@@ -189,7 +358,7 @@ fn load_with(
     // `fallback` says, as for a resident copy of a committed step.
     let mut rejected: Option<String> = None;
     for step in ram_first {
-        match load_step(shared, step, req.rank, false, t0, targets) {
+        match load_step(engine, step, req.rank, false, t0, defer) {
             Ok(c) => return Ok(c),
             Err(e) => {
                 tracing::warn!(
@@ -217,30 +386,21 @@ fn load_with(
         let result = match (&req.tensors, req.rank) {
             (Some(names), Some(rank)) if rank != shared.cfg.rank => {
                 ranks::load_tensors(shared, step, rank, names, req.storage_only, t0)
+                    .map(Opened::Ready)
             }
-            _ => load_step(shared, step, req.rank, req.storage_only, t0, targets),
+            _ => load_step(engine, step, req.rank, req.storage_only, t0, defer),
         };
         match result {
             Ok(c) => {
                 if let Some(e) = &first_err {
                     tracing::warn!("acp: fell back to step {step}: {e}");
                 }
-                if c.report.rejected.is_none() && rejected.is_some() {
+                if !c.rejected() && rejected.is_some() {
                     return Ok(c.with_rejected(rejected));
                 }
                 return Ok(c);
             }
-            Err(e)
-                if req.fallback
-                    && req.step.is_none()
-                    && matches!(
-                        e.kind(),
-                        ErrorKind::Corrupt
-                            | ErrorKind::NotFound
-                            | ErrorKind::Io
-                            | ErrorKind::Unsupported
-                    ) =>
-            {
+            Err(e) if req.fallback && req.step.is_none() && falls_back(&e) => {
                 tracing::warn!("acp: step {step} cannot be loaded: {e}");
                 first_err.get_or_insert(e);
             }
@@ -290,16 +450,14 @@ fn ram_snapshots(shared: &Shared, req: &LoadRequest) -> Vec<u64> {
 }
 
 fn load_step(
-    shared: &Shared,
+    engine: &Engine,
     step: u64,
     rank: Option<u32>,
     storage_only: bool,
     t0: Instant,
-    targets: &mut Targets<'_, '_, '_>,
-) -> Result<Checkpoint> {
-    // Filled by an earlier step's read whose load then failed (the
-    // caller falls back to this one): those bytes are not this step's.
-    targets.filled = false;
+    defer: bool,
+) -> Result<Opened> {
+    let shared = engine.shared();
     let own = shared.cfg.rank;
     let rank = rank.unwrap_or(own);
     let index = match shared.root.read_index(step) {
@@ -307,7 +465,7 @@ fn load_step(
         // Not committed: only RAM copies (own, this node's, a peer's) can
         // have it, each checked against the digests recorded with it.
         Err(e) if e.kind() == ErrorKind::NotFound && !storage_only => {
-            return load_uncommitted(shared, step, rank, t0);
+            return load_uncommitted(shared, step, rank, t0).map(Opened::Ready);
         }
         Err(e) => return Err(e),
     };
@@ -326,7 +484,7 @@ fn load_step(
             .weight_map
             .iter()
             .filter(|(_, f)| **f == file_name)
-            .map(|(t, _)| t.as_str())
+            .map(|(t, _)| t.clone())
             .collect(),
         rank,
         world_size: index.world_size,
@@ -348,7 +506,8 @@ fn load_step(
                         true,
                         t0,
                         &expected,
-                    );
+                    )
+                    .map(Opened::Ready);
                 }
                 Err(e) => tracing::warn!(
                     "acp: rank {rank}'s resident copy of step {step} rejected, reading storage: {e}"
@@ -403,7 +562,7 @@ fn load_step(
                 t0,
                 &expected,
             )
-            .map(|c| c.with_rejected(rejected));
+            .map(|c| Opened::Ready(c.with_rejected(rejected)));
         }
     }
     if !storage_only {
@@ -415,53 +574,166 @@ fn load_step(
             return finish(
                 shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
             )
-            .map(|c| c.with_rejected(rejected));
+            .map(|c| Opened::Ready(c.with_rejected(rejected)));
         }
     }
     let path = shared.root.describe(step, &file_name);
     // The file's true size before any memory is sized by the index's.
     let opened = shared.root.open_file(step, &file_name);
     let file = check_file_size(opened, &path, entry.file_len(), &expected.tensors)?;
-    // Another rank's file is read into private memory: the ring holds this
-    // rank's own checkpoints only.
-    let fits = rank == own && entry.size <= shared.ring.max_image_bytes();
+    let stored = StoredFile {
+        step,
+        own: rank == own,
+        path,
+        file,
+        entry: entry.clone(),
+        expected,
+        rejected,
+    };
+    // Only this rank's own file is deferred: another rank's is read into
+    // private memory, whole, by `ranks` or here.
+    if defer && stored.own {
+        let header = read_header_for_plan(shared, &stored)?;
+        return Ok(Opened::Pending(PendingLoad {
+            engine: engine.clone(),
+            file: stored,
+            header,
+            t0,
+        }));
+    }
+    read_stored(shared, &stored, Vec::new(), t0).map(Opened::Ready)
+}
+
+/// A committed data file, opened and sized, that a load reads from
+/// storage.
+#[derive(Debug)]
+struct StoredFile {
+    step: u64,
+    /// Whether it is this engine's rank's file (which a ring slot may hold).
+    own: bool,
+    path: PathBuf,
+    file: File,
+    entry: FileEntry,
+    expected: Expected,
+    /// Why a resident copy was found but not used.
+    rejected: Option<String>,
+}
+
+/// Runs `f` on a verified reader of `stored`: through the I/O engine for
+/// a plain file, through its decoded frames for a compressed one.
+fn with_reader<T>(
+    shared: &Shared,
+    stored: &StoredFile,
+    f: &mut dyn FnMut(&mut dyn VerifiedRead) -> Result<T>,
+) -> Result<T> {
+    let (entry, path) = (&stored.entry, &stored.path);
+    if entry.stored_size.is_some() {
+        // A compressed file: its frames are read and decoded on this
+        // thread, each chunk then checked like a plain one.
+        let file = stored
+            .file
+            .try_clone()
+            .map_err(|e| Error::io("open", path, e))?;
+        let src = StoredSource::new(file, path.clone(), entry)?;
+        return f(&mut ChunkReader::new(src, entry)?);
+    }
+    let src = IoSource {
+        io: &*shared.io,
+        opts: &shared.io_opts,
+        file: &stored.file,
+        path,
+        len: entry.size,
+    };
+    f(&mut ChunkReader::new(src, entry)?)
+}
+
+/// What a load needs of a [`ChunkReader`], whatever its source.
+trait VerifiedRead {
+    fn header(&mut self) -> Result<ParsedHeader>;
+    fn read_verified_into(
+        &mut self,
+        dst: &mut [u8],
+        threads: usize,
+        io_chunk: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>>;
+}
+
+impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
+    fn header(&mut self) -> Result<ParsedHeader> {
+        ChunkReader::header(self).cloned()
+    }
+
+    fn read_verified_into(
+        &mut self,
+        dst: &mut [u8],
+        threads: usize,
+        io_chunk: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>> {
+        if targets.is_empty() {
+            return self.read_verified(dst, threads, io_chunk);
+        }
+        ChunkReader::read_verified_into(self, dst, threads, io_chunk, targets)
+    }
+}
+
+/// The header of `stored`, checked against the index like a loaded one,
+/// for planning a read. Of a plain file, read as is (a few KiB, buffered,
+/// where checking it would read its whole digest chunk): the read that
+/// follows checks the chunks
+/// under it against their digests, and [`PendingLoad::read_into`] refuses
+/// a header that differs from what that read verified. Of a compressed
+/// file, read from its decoded chunks, each checked against its digest.
+fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<ParsedHeader> {
+    let header = if stored.entry.stored_size.is_some() {
+        with_reader(shared, stored, &mut |r| r.header())?
+    } else {
+        use std::os::unix::fs::FileExt;
+        let path = &stored.path;
+        read_header(
+            path,
+            stored.entry.size,
+            crate::format::MAX_HEADER_BYTES,
+            |buf, at| {
+                stored
+                    .file
+                    .read_exact_at(buf, at)
+                    .map_err(|e| Error::io("read", path, e))
+            },
+        )?
+    };
+    check_header(&stored.path, &header, stored.step, &stored.expected)?;
+    Ok(header)
+}
+
+/// Reads `stored` whole, each chunk verified as it lands, into a ring slot
+/// (this rank's file, when the ring has room: it becomes resident) or
+/// private memory, copying file bytes into `targets` in the read's own pass
+/// ([`ChunkReader::read_verified_into`]). Nothing is sealed or handed out
+/// before every digest matched, and nothing reaches `targets` before its
+/// chunk matched.
+fn read_stored(
+    shared: &Shared,
+    stored: &StoredFile,
+    targets: Vec<Target<'_>>,
+    t0: Instant,
+) -> Result<Checkpoint> {
+    let (entry, path, step) = (&stored.entry, &stored.path, stored.step);
+    let fits = stored.own && entry.size <= shared.ring.max_image_bytes();
     let slot = if fits {
         shared.ring.acquire(entry.size, None)?
     } else {
         None
     };
-    // Each chunk is verified as it lands; nothing is sealed or handed out
-    // before every digest matched, and nothing reaches `targets` before
-    // its chunk matched.
+    let threads = shared.cfg.copy_threads;
     let io_chunk = shared.io_opts.chunk_bytes;
+    let mut targets = Some(targets);
     let mut read = |dst: &mut [u8]| {
-        if entry.stored_size.is_some() {
-            // A compressed file: its frames are read and decoded on this
-            // thread, each chunk then checked like a plain one.
-            let file = file.try_clone().map_err(|e| Error::io("open", &path, e))?;
-            let src = StoredSource::new(file, path.clone(), entry)?;
-            return read_placed(
-                ChunkReader::new(src, entry)?,
-                dst,
-                targets,
-                threads,
-                io_chunk,
-            );
-        }
-        let src = IoSource {
-            io: &*shared.io,
-            opts: &shared.io_opts,
-            file: &file,
-            path: &path,
-            len: entry.size,
-        };
-        read_placed(
-            ChunkReader::new(src, entry)?,
-            dst,
-            targets,
-            threads,
-            io_chunk,
-        )
+        with_reader(shared, stored, &mut |r| {
+            let targets = targets.take().unwrap_or_default();
+            r.read_verified_into(dst, threads, io_chunk, targets)
+        })
     };
     let backing = if let Some(mut slot) = slot {
         let digests = read(slot.image_mut())?;
@@ -470,7 +742,7 @@ fn load_step(
         shared.ring.set_state(pin.slot(), SlotState::Persisted);
         Backing::Slot(pin)
     } else {
-        let mut buf = heap(entry.size, &path)?;
+        let mut buf = heap(entry.size, path)?;
         read(&mut buf)?;
         Backing::Heap(buf, to_usize(entry.size))
     };
@@ -478,56 +750,13 @@ fn load_step(
         shared,
         step,
         backing,
-        &path,
+        path,
         Source::Storage,
         true,
         t0,
-        &expected,
+        &stored.expected,
     )
-    .map(|c| c.with_rejected(rejected))
-}
-
-/// Reads the whole file of `reader` into `dst`, verified
-/// ([`ChunkReader::read_verified`]); with tensors to fill, first reads and
-/// checks the header, then fills them in the read's own pass
-/// ([`ChunkReader::read_verified_into`]) and marks `targets` filled.
-fn read_placed<S: ChunkSource + Sync>(
-    mut reader: ChunkReader<S>,
-    dst: &mut [u8],
-    targets: &mut Targets<'_, '_, '_>,
-    threads: usize,
-    io_chunk: usize,
-) -> Result<Vec<Digest>> {
-    if targets.into.is_empty() {
-        return reader.read_verified(dst, threads, io_chunk);
-    }
-    let header = reader.header()?;
-    let step = header.step.unwrap_or_default();
-    let placed = targets
-        .into
-        .iter_mut()
-        .map(|(name, d)| {
-            let e = header
-                .entries
-                .iter()
-                .find(|e| e.name == *name)
-                .ok_or_else(|| not_in_step(name, step))?;
-            if d.len() as u64 != e.len {
-                return Err(Error::invalid(
-                    format!("tensor `{name}`"),
-                    format!(
-                        "destination has {} bytes, the checkpoint {}",
-                        d.len(),
-                        e.len
-                    ),
-                ));
-            }
-            Ok((e.offset, &mut **d))
-        })
-        .collect::<Result<Vec<Target<'_>>>>()?;
-    let digests = reader.read_verified_into(dst, threads, io_chunk, placed)?;
-    targets.filled = true;
-    Ok(digests)
+    .map(|c| c.with_rejected(stored.rejected.clone()))
 }
 
 /// Loads `rank`'s image of `step`, which is not committed, from RAM: this
@@ -558,7 +787,7 @@ fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Resul
     let mut tensors: Vec<String> = header.entries.into_iter().map(|e| e.name).collect();
     tensors.sort_unstable();
     let expected = Expected {
-        tensors: tensors.iter().map(String::as_str).collect(),
+        tensors,
         rank,
         world_size: shared.cfg.world_size,
     };
@@ -640,9 +869,10 @@ pub(super) fn slot_matches_entry(
 }
 
 /// What the index says of one data file, checked against its header.
-struct Expected<'a> {
+#[derive(Debug)]
+struct Expected {
     /// The tensors the index maps to the file, sorted.
-    tensors: Vec<&'a str>,
+    tensors: Vec<String>,
     rank: u32,
     world_size: u32,
 }
@@ -657,9 +887,9 @@ fn check_file_size(
     opened: Result<FileHandle>,
     path: &Path,
     size: u64,
-    tensors: &[&str],
+    tensors: &[String],
 ) -> Result<File> {
-    let first = tensors.first().copied();
+    let first = tensors.first().map(String::as_str);
     let file = match opened {
         Ok(f) => f.into_parts().0,
         Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
@@ -726,18 +956,11 @@ fn finish(
     source: Source,
     verified: bool,
     t0: Instant,
-    expected: &Expected<'_>,
+    expected: &Expected,
 ) -> Result<Checkpoint> {
     let image = backing.image();
     let header = parse_header(path, image, image.len() as u64)?;
-    if header.step.is_some_and(|s| s != step) {
-        return Err(Error::corrupt(
-            path,
-            None,
-            format!("header says step {:?}, expected {step}", header.step),
-        ));
-    }
-    check_agrees(path, &header, expected)?;
+    check_header(path, &header, step, expected)?;
     let report = LoadReport {
         source,
         bytes: image.len() as u64,
@@ -755,23 +978,42 @@ fn finish(
     })
 }
 
+/// A verified header must be of `step` and agree with the index
+/// ([`check_agrees`]).
+fn check_header(path: &Path, header: &ParsedHeader, step: u64, expected: &Expected) -> Result<()> {
+    if header.step.is_some_and(|s| s != step) {
+        return Err(Error::corrupt(
+            path,
+            None,
+            format!("header says step {:?}, expected {step}", header.step),
+        ));
+    }
+    check_agrees(path, header, expected)
+}
+
 /// The index and the file's header must tell the same story: the same
 /// tensors, rank and world size. (The digests vouch for the file; this
 /// catches an index changed where its digests do not reach.)
-fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected<'_>) -> Result<()> {
+fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected) -> Result<()> {
     let mut names: Vec<&str> = header.entries.iter().map(|e| e.name.as_str()).collect();
     names.sort_unstable();
     if names != expected.tensors {
         let odd = names
             .iter()
-            .find(|n| expected.tensors.binary_search(n).is_err())
+            .copied()
+            .find(|n| {
+                expected
+                    .tensors
+                    .binary_search_by(|t| t.as_str().cmp(n))
+                    .is_err()
+            })
             .or_else(|| {
                 expected
                     .tensors
                     .iter()
+                    .map(String::as_str)
                     .find(|n| names.binary_search(n).is_err())
-            })
-            .copied();
+            });
         return Err(Error::corrupt(
             path,
             odd,

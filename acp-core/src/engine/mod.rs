@@ -107,7 +107,7 @@ mod wait;
 
 pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};
 pub use handle::SaveHandle;
-pub use load::LoadRequest;
+pub use load::{LoadRequest, Opened, PendingLoad};
 pub use open::OpenReport;
 pub use policy::{Outcome, Persist, PersistStats};
 pub use save::{HostTensor, OnWait, SaveOptions, SavePlan, SaveReport};

@@ -1,0 +1,131 @@
+"""Restores into the caller's tensors from storage in one pass (issue 16
+target 4), and its failure rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import acp
+
+from .conftest import MakeCkpt
+
+
+def state(seed: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(256, 64, generator=g),
+            "b": torch.randn(64, generator=g).to(torch.bfloat16),
+            "idx": torch.randint(0, 1000, (300,), generator=g),
+        },
+        "epoch": seed,
+    }
+
+
+def template() -> dict[str, object]:
+    return {
+        "model": {
+            "w": torch.zeros(256, 64),
+            "b": torch.zeros(64, dtype=torch.bfloat16),
+            "idx": torch.zeros(300, dtype=torch.int64),
+        },
+        "epoch": -1,
+    }
+
+
+def same(a: dict[str, object], b: dict[str, object]) -> bool:
+    ma, mb = a["model"], b["model"]
+    assert isinstance(ma, dict)
+    assert isinstance(mb, dict)
+    return a["epoch"] == b["epoch"] and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def data_file(ckpt: acp.Checkpointer, step: int) -> Path:
+    (path,) = Path(ckpt.root).glob(f"*{step}/*.safetensors")
+    return path
+
+
+def test_a_storage_load_is_opened_pending_and_read_by_its_copy(ckpt: acp.Checkpointer) -> None:
+    saved = state(1)
+    ckpt.save(1, saved).wait()
+    loaded = ckpt.engine.load(1, storage_only=True, defer=True)
+    # Planned from the verified header: nothing read yet.
+    assert loaded.pending
+    assert not loaded.failed
+    assert loaded.source == "storage"
+    names = [e[0] for e in loaded.entries()]
+    w = torch.zeros(256, 64)
+    i = names.index("model.w")
+    loaded.copy_into([(i, w.data_ptr(), w.numel() * 4)])
+    assert not loaded.pending
+    model = saved["model"]
+    assert isinstance(model, dict)
+    assert torch.equal(w, model["w"])
+    assert loaded.report()["source"] == "storage"
+    # From RAM, nothing is deferred.
+    assert not ckpt.engine.load(1, defer=True).pending
+
+
+def test_load_into_from_storage_fills_every_tensor_and_keeps_its_plan(
+    ckpt: acp.Checkpointer,
+) -> None:
+    for step in (1, 2):
+        ckpt.save(step, state(step)).wait()
+    into = template()
+    for step in (1, 2, 1):  # the second load of a structure reuses its plan
+        stats = ckpt.load(step, into=into, storage_only=True)
+        assert stats.source == "storage"
+        assert stats.step == step
+        assert same(into, state(step))
+
+
+def test_a_chunk_failing_during_the_read_falls_back_to_the_previous_step(
+    ckpt: acp.Checkpointer,
+) -> None:
+    ckpt.save(1, state(1)).wait()
+    ckpt.save(2, state(2)).wait()
+    path = data_file(ckpt, 2)
+    with path.open("r+b") as f:  # a byte of the last tensor's data
+        f.seek(-10, 2)
+        b = f.read(1)
+        f.seek(-10, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    into = template()
+    with pytest.raises(acp.CheckpointCorrupt, match=path.name):
+        ckpt.load(into=into, storage_only=True)
+    # The values are assigned only after the tensors verified.
+    assert into["epoch"] == -1
+    stats = ckpt.load(into=into, storage_only=True, fallback=True)
+    assert stats.step == 1
+    assert same(into, state(1))
+
+
+def test_values_only_into_still_verifies_the_step(ckpt: acp.Checkpointer) -> None:
+    ckpt.save(1, state(1)).wait()
+    path = data_file(ckpt, 1)
+    with path.open("r+b") as f:
+        f.seek(-10, 2)
+        b = f.read(1)
+        f.seek(-10, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    into: dict[str, object] = {"epoch": -1}
+    with pytest.raises(acp.CheckpointCorrupt):
+        ckpt.load(1, into=into, storage_only=True)
+    assert into == {"epoch": -1}
+
+
+def test_a_device_or_strided_target_reads_the_image_then_copies(make_ckpt: MakeCkpt) -> None:
+    ckpt = make_ckpt()
+    saved = state(3)
+    ckpt.save(3, saved).wait()
+    into = template()
+    model = into["model"]
+    assert isinstance(model, dict)
+    # A non-contiguous target: copied out of the read image, not in the read.
+    model["w"] = torch.zeros(64, 256).t()
+    stats = ckpt.load(3, into=into, storage_only=True)
+    assert stats.source == "storage"
+    assert same(into, saved)

@@ -1,0 +1,109 @@
+"""``load(zero_copy=True)``: fresh tensors that view the loaded image (issue
+16 target 5): bit-exact while later saves run, the slot pinned until they
+are gone, and read-only."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import acp
+
+from .conftest import MakeCkpt
+
+
+def state(seed: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(128, 64, generator=g),
+        "b": torch.randn(64, generator=g).to(torch.bfloat16),
+        "p": torch.nn.Parameter(torch.randn(8, generator=g)),
+        "empty": torch.zeros(0),
+        "step": seed,
+    }
+
+
+def test_views_stay_exact_while_later_saves_run_and_dropping_them_frees_the_slot(
+    make_ckpt: MakeCkpt,
+) -> None:
+    ckpt = make_ckpt(ring_slots=2)
+    saved = state(1)
+    ckpt.save(1, saved).wait()
+    out = ckpt.load(1, zero_copy=True)
+    assert ckpt.last_load is not None
+    assert ckpt.last_load.source == "ram"
+    w = out["w"]
+    # A view of the slot, not a tensor of its own.
+    assert w._base is not None
+    assert isinstance(out["p"], torch.nn.Parameter)
+    for step in range(2, 7):
+        ckpt.save(step, state(step)).wait()
+        # The pinned slot keeps step 1 resident: saves use the other slot.
+        assert 1 in ckpt.snapshots()
+    for k in ("w", "b", "p", "empty"):
+        assert torch.equal(out[k], saved[k]), k  # type: ignore[arg-type]
+    assert out["step"] == 1
+    # A copying load of the same step still works beside the views.
+    assert torch.equal(ckpt.load(1)["w"], saved["w"])  # type: ignore[arg-type]
+    del out, w
+    gc.collect()
+    for step in range(7, 10):
+        ckpt.save(step, state(step)).wait()
+    assert 1 not in ckpt.snapshots()
+
+
+def test_views_of_a_storage_load_are_exact(make_ckpt: MakeCkpt) -> None:
+    ckpt = make_ckpt()
+    saved = state(4)
+    ckpt.save(4, saved).wait()
+    out = ckpt.load(4, zero_copy=True, storage_only=True)
+    assert ckpt.last_load is not None
+    assert ckpt.last_load.source == "storage"
+    assert out["w"]._base is not None
+    assert torch.equal(out["w"], saved["w"])  # type: ignore[arg-type]
+
+
+def test_zero_copy_with_into_is_refused(ckpt: acp.Checkpointer) -> None:
+    ckpt.save(1, state(1)).wait()
+    with pytest.raises(acp.InvalidInput, match="zero_copy"):
+        ckpt.load(1, into=state(0), zero_copy=True)
+
+
+def test_a_write_through_a_view_is_refused(tmp_path: Path, shm_dir: Path) -> None:
+    """The pages are read-only: an in-place op faults (the child dies of
+    SIGSEGV) instead of changing the resident checkpoint; a copy load in a
+    fresh process afterwards sees the saved bytes."""
+    script = textwrap.dedent(
+        f"""
+        import torch, acp
+        ckpt = acp.Checkpointer({str(tmp_path / "ckpt")!r}, shm_dir={str(shm_dir)!r},
+                                job="zc", ring_bytes=32 << 20, mlock=False)
+        ckpt.save(1, {{"w": torch.ones(1024)}}).wait()
+        out = ckpt.load(1, zero_copy=True)
+        print("loaded", flush=True)
+        out["w"].add_(1)
+        print("written", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,  # where a core dump would go
+    )
+    assert "loaded" in proc.stdout, proc.stderr
+    assert "written" not in proc.stdout
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr
+    with acp.Checkpointer(
+        tmp_path / "ckpt", shm_dir=shm_dir, job="zc", ring_bytes=32 << 20, mlock=False
+    ) as ckpt:
+        assert torch.equal(ckpt.load(1)["w"], torch.ones(1024))
