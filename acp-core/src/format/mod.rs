@@ -209,7 +209,9 @@ pub use dtype::Dtype;
 pub use header::{
     header_end, parse_header, read_header, ParsedHeader, MAX_HEADER_BYTES, PREFIX_BYTES,
 };
-pub use index::{data_file_name, validate_file_name, FileEntry, Index, INDEX_FILE_NAME};
+pub use index::{
+    data_file_name, validate_file_name, ChunkRef, FileEntry, Index, INDEX_FILE_NAME,
+};
 pub use layout::{
     check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,
     MAX_NAME_BYTES, MAX_VALUES_DEPTH,
@@ -222,10 +224,17 @@ pub use packed::{
 };
 
 /// The newest format version this build reads, and the one it writes for a
-/// step with a compressed data file (and in the compressed file's head).
-pub const FORMAT_VERSION: u32 = 2;
+/// step whose files reference chunks of earlier steps (and in the head of
+/// a container with reference frames).
+pub const FORMAT_VERSION: u32 = 3;
 
-/// The first version with compressed data files.
+/// The first version with incremental steps: index entries with `refs`,
+/// containers with reference frames.
+pub const INCREMENTAL_VERSION: u32 = 3;
+
+/// The first version with compressed data files: the version of a step
+/// with a compressed file and no references, and of a container without
+/// reference frames.
 pub const COMPRESSED_VERSION: u32 = 2;
 
 /// The version of plain data files (their `acp.version`) and of the index

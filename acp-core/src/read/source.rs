@@ -42,6 +42,13 @@ pub(crate) trait ChunkSource {
         false
     }
 
+    /// The file of an earlier step that holds the chunk at `offset`, when
+    /// this file references it (an incremental step): a bad chunk's error
+    /// names it too.
+    fn held_by(&self, _offset: u64) -> Option<&Path> {
+        None
+    }
+
     /// Reads the whole image into the start of `dst` (at least
     /// [`ChunkSource::len`] bytes, rounded up to 4096), handing each landed
     /// `piece`-byte part to `on_piece(i, bytes)` (part `i` starts at
