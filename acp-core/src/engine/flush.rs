@@ -240,8 +240,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 reuse: &reused,
                 pre: pre.as_ref().map(|(d, s)| (&d[..], &s[..])),
             };
-            let packed =
-                super::compress::write_packed(shared, &file, &path, image, chunk, mode)?;
+            let packed = super::compress::write_packed(shared, &file, &path, image, chunk, mode)?;
             digests = packed.digests;
             sums = packed.sums;
             stored_size = Some(packed.stored);

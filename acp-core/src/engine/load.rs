@@ -439,7 +439,8 @@ fn load_step(
             // A compressed file: its frames are read and decoded on this
             // thread, each chunk then checked like a plain one.
             let file = file.try_clone().map_err(|e| Error::io("open", &path, e))?;
-            let src = StoredSource::open(&*shared.root, step, &file_name, file, path.clone(), entry)?;
+            let src =
+                StoredSource::open(&*shared.root, step, &file_name, file, path.clone(), entry)?;
             return read_placed(
                 ChunkReader::new(src, entry)?,
                 dst,

@@ -59,7 +59,12 @@ pub(crate) fn referenced(root: &dyn Storage, steps: &[u64], plan: &[u64]) -> Res
     let mut held = std::collections::BTreeSet::new();
     for &kept in steps.iter().filter(|s| !plan.contains(s)) {
         let index = root.read_index(kept)?;
-        held.extend(index.files.values().flat_map(|f| f.refs.iter().map(|r| r.step)));
+        held.extend(
+            index
+                .files
+                .values()
+                .flat_map(|f| f.refs.iter().map(|r| r.step)),
+        );
     }
     Ok(plan.iter().copied().filter(|s| held.contains(s)).collect())
 }

@@ -209,9 +209,7 @@ pub use dtype::Dtype;
 pub use header::{
     header_end, parse_header, read_header, ParsedHeader, MAX_HEADER_BYTES, PREFIX_BYTES,
 };
-pub use index::{
-    data_file_name, validate_file_name, ChunkRef, FileEntry, Index, INDEX_FILE_NAME,
-};
+pub use index::{data_file_name, validate_file_name, ChunkRef, FileEntry, Index, INDEX_FILE_NAME};
 pub use layout::{
     check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,
     MAX_NAME_BYTES, MAX_VALUES_DEPTH,

@@ -82,7 +82,11 @@ impl<S: ChunkSource> PackedSource<S> {
                     format!(
                         "chunk {i}: the container {} a reference, the index {}",
                         if is_ref { "holds" } else { "does not hold" },
-                        if is_ref { "does not list one" } else { "lists one" }
+                        if is_ref {
+                            "does not list one"
+                        } else {
+                            "lists one"
+                        }
                     ),
                 ));
             }
