@@ -27,6 +27,7 @@ SHM_DIR = "ACP_SHM_DIR"
 COMPRESS = "ACP_COMPRESS"
 COMPRESS_LEVEL = "ACP_COMPRESS_LEVEL"
 COMPRESS_MODES = ("none", "zstd", "auto")
+INCREMENTAL = "ACP_INCREMENTAL"
 
 POLICIES = ("every", "interval", "coalesce")
 _TRUE = ("1", "true", "yes", "on")
@@ -108,6 +109,16 @@ def compress_settings(
     if compress_level is None:
         compress_level = env_int(COMPRESS_LEVEL, minimum=1, environ=environ)
     return compress, compress_level
+
+
+def incremental_setting(
+    incremental: bool | None, *, environ: Mapping[str, str] = os.environ
+) -> bool | None:
+    """``incremental``, from ``ACP_INCREMENTAL`` when the keyword is None
+    (None: the engine's default, on)."""
+    if incremental is None:
+        incremental = env_bool(INCREMENTAL, environ=environ)
+    return incremental
 
 
 @dataclass

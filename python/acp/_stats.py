@@ -38,6 +38,12 @@ class SaveStats:
     compressed file's length when compressed, 0 when not written."""
     compression_ratio: float | None = None
     """``stored_bytes / bytes`` of a persisted save; None otherwise."""
+    reused_chunks: int | None = None
+    """Chunks not written because the newest committed step already held
+    them (an incremental step references them); 0 for a step written
+    whole."""
+    reused_bytes: int | None = None
+    """The image bytes of those chunks: bytes not written."""
     engine_stall_secs: float | None = None
     slot_wait_secs: float | None = None
     queue_secs: float | None = None
@@ -178,6 +184,8 @@ class SaveHandle:
                     if r["outcome"] == "persisted" and r["bytes"] > 0
                     else None
                 ),
+                "reused_chunks": r["reused_chunks"],
+                "reused_bytes": r["reused_bytes"],
                 "engine_stall_secs": r["stall_secs"],
                 "slot_wait_secs": r["slot_wait_secs"],
                 "queue_secs": r["queue_secs"],

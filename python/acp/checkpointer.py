@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
-from acp._env import compress_settings, settings
+from acp._env import compress_settings, incremental_setting, settings
 from acp._load import load_into, load_state, run_transfers
 from acp._metrics import Metrics, logger
 from acp._plan import Plans, SavePlan, Spec
@@ -177,6 +177,12 @@ class Checkpointer:
             writes a plain file.
         compress_level: the zstd level, 1-19 (default 1, or
             ``ACP_COMPRESS_LEVEL``).
+        incremental: whether a persisted step references the chunks the
+            newest committed step already holds (same bytes at the same
+            place, e.g. frozen weights) instead of writing them again
+            (default True, or ``ACP_INCREMENTAL``). Each step stays
+            loadable on its own; retention keeps a step that a kept step
+            references. ``False`` writes every step whole.
     """
 
     def __init__(
@@ -216,6 +222,7 @@ class Checkpointer:
         replica_timeout: float | None = None,
         compress: str | None = None,
         compress_level: int | None = None,
+        incremental: bool | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         # The environment fills in what the keywords leave out (acp._env).
@@ -231,6 +238,7 @@ class Checkpointer:
         )
         self._replicas = _torch_replicas(env.replicas, env.replica_timeout)
         compress, compress_level = compress_settings(compress, compress_level)
+        incremental = incremental_setting(incremental)
         detected_rank, detected_world = rank_and_world_size()
         self.rank = detected_rank if rank is None else rank
         self.world_size = detected_world if world_size is None else world_size
@@ -281,6 +289,7 @@ class Checkpointer:
                 replicas_held=None if self._replicas is None else len(self._replicas.sources),
                 compress=compress,
                 compress_level=compress_level,
+                incremental=incremental,
             )
         if self._replicas is not None:
             self._replicas.attach(self._engine)

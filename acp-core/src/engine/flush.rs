@@ -126,6 +126,7 @@ fn run_one(shared: &Shared, job: Job) -> Option<Job> {
             Ok(rep) => {
                 st.counts
                     .committed(step, staged_at, rep.bytes, rep.stored_bytes);
+                st.counts.reused(rep.reused_chunks, rep.reused_bytes);
                 shared.release_superseded(&mut st, step);
                 // Older images whose flush failed are superseded now
                 // (not the one just committed, which a recovered slot
