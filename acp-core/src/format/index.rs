@@ -651,6 +651,67 @@ mod tests {
         parse(&idx.to_json()).unwrap();
     }
 
+    /// `sample()` at version 3 with chunks 1..3 of file 0 referencing
+    /// step 1000.
+    fn with_refs() -> Index {
+        let mut idx = sample();
+        idx.format_version = INCREMENTAL_VERSION;
+        let f = idx.files.get_mut(&data_file_name(0)).unwrap();
+        f.stored_size = Some(500);
+        f.refs = vec![ChunkRef {
+            first: 1,
+            count: 2,
+            step: 1000,
+            file: data_file_name(0),
+        }];
+        idx
+    }
+
+    #[test]
+    fn references_round_trip_and_are_checked() {
+        let idx = with_refs();
+        assert_eq!(parse(&idx.to_json()).unwrap(), idx);
+        let f = &idx.files[&data_file_name(0)];
+        assert!(f.held_by(0).is_none());
+        assert_eq!(f.held_by(2).unwrap().step, 1000);
+        assert_eq!(f.referenced_chunks(), 2);
+        assert_eq!(f.referenced_bytes(), 10_000 - 4096);
+
+        let edit = |e: &dyn Fn(&mut Index)| {
+            let mut idx = with_refs();
+            e(&mut idx);
+            idx.to_json()
+        };
+        fn file0(i: &mut Index) -> &mut FileEntry {
+            i.files.get_mut(&data_file_name(0)).unwrap()
+        }
+        refused(
+            &edit(&|i| i.format_version = COMPRESSED_VERSION),
+            "in an index of format version 2",
+        );
+        refused(
+            &edit(&|i| file0(i).stored_size = None),
+            "is not a container",
+        );
+        refused(&edit(&|i| file0(i).refs[0].count = 0), "covers no chunk");
+        refused(&edit(&|i| file0(i).refs[0].count = 3), "runs past");
+        refused(
+            &edit(&|i| file0(i).refs[0].step = 1200),
+            "not an earlier step",
+        );
+        refused(
+            &edit(&|i| file0(i).refs[0].file = "../x".to_owned()),
+            "file name",
+        );
+        refused(
+            &edit(&|i| {
+                let r = file0(i).refs[0].clone();
+                file0(i).refs.push(r);
+            }),
+            "before the previous one ends",
+        );
+    }
+
     #[test]
     fn newer_version_is_unsupported() {
         let next = FORMAT_VERSION + 1;
