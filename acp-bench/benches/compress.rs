@@ -316,7 +316,7 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
 /// tensor, every chunk of it new.
 fn train(data: &mut [u8], step: u64) {
     for (i, b) in data.iter_mut().step_by(64 << 10).enumerate() {
-        *b = b.wrapping_add(1 + (step as u8) ^ (i as u8));
+        *b = b.wrapping_add(((step as u8) ^ (i as u8)) | 1);
     }
 }
 
@@ -354,7 +354,7 @@ fn finetune(c: &mut Criterion, notes: &mut Notes) {
         )
         .unwrap_or_else(|e| panic!("opening the engine: {e}"));
         let mut step = 0u64;
-        let mut save = |step: u64, adapter: &[u8], adam: &[u8]| {
+        let save = |step: u64, adapter: &[u8], adam: &[u8]| {
             let host = [
                 HostTensor {
                     name: "base.w",

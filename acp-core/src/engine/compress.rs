@@ -1,6 +1,8 @@
 //! Compressed flushes: whether a flush compresses ([`Compress`]), and
-//! writing a sealed image as a compressed data file (the layout is in
-//! [`format`](crate::format), "Compressed data file").
+//! writing a sealed image as a container data file (the layout is in
+//! [`format`](crate::format), "Compressed data file"): each chunk a
+//! compressed or stored frame, or, for a chunk an incremental flush
+//! reuses ([`PackMode::reuse`]), a reference frame with no bytes.
 //!
 //! The frames are encoded by the flush, never by the save's stall: up to
 //! `copy_threads` named threads take the image's chunks in order, digest

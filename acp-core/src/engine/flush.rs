@@ -6,7 +6,9 @@
 //! in brackets):
 //! 1. create a pending place [`.pending-S-rR-pid-nonce/` under the root];
 //! 2. write `rank-R.safetensors` in it from the slot (O_DIRECT, chunks in
-//!    flight), hashing each chunk before it is submitted; fsync it;
+//!    flight), hashing each chunk before it is submitted; fsync it (an
+//!    incremental flush hashes the image first and leaves out the chunks
+//!    the newest committed step holds: `incremental.rs`);
 //! 3. write `model.safetensors.index.json` (sizes, digests, weight map)
 //!    durably; make the pending place durable [fsync the directory];
 //! 4. publish it — the commit [rename the pending directory to `step-S`,
