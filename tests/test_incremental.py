@@ -46,9 +46,12 @@ def test_an_incremental_step_reports_reuse_and_loads_back(
     first = ckpt.save(1, state(1)).wait()
     assert (first.reused_chunks, first.reused_bytes) == (0, 0)
     s = ckpt.save(2, state(2)).wait()
-    assert s.reused_chunks is not None and s.reused_chunks > 0
-    assert s.reused_bytes is not None and s.reused_bytes >= 512 * 512 * 4 - 2 * CHUNK
-    assert s.stored_bytes is not None and s.bytes is not None
+    assert s.reused_chunks is not None
+    assert s.reused_chunks > 0
+    assert s.reused_bytes is not None
+    assert s.reused_bytes >= 512 * 512 * 4 - 2 * CHUNK
+    assert s.stored_bytes is not None
+    assert s.bytes is not None
     assert s.stored_bytes < s.bytes - s.reused_bytes + CHUNK
     refs = entry_of(tmp_path / "ckpt", 2)["refs"]
     assert {r["step"] for r in refs} == {1}
