@@ -26,8 +26,10 @@
 //!   the fine-tuning case (90% of the bytes a frozen bf16 base, 10%
 //!   adapters and their fp32 Adam state changed every step), each save
 //!   written whole or incremental (it references the base's chunks), and
-//!   the last step restored from storage; notes `finetune_written_ratio`
-//!   and `finetune_restore_ratio` (incremental over full).
+//!   the last step restored from storage, warm and (where the page cache
+//!   can be dropped) cold: `finetune_restore_cold_{full,incremental}`;
+//!   notes `finetune_written_ratio`, `finetune_restore_ratio` and
+//!   `finetune_restore_cold_ratio` (incremental over full).
 //!
 //! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
 //!
@@ -343,6 +345,11 @@ fn finetune(c: &mut Criterion, notes: &mut Notes) {
         .throughput(Throughput::Bytes(total as u64));
     let mut written: Vec<(bool, u64, u64)> = Vec::new();
     let mut restores: Vec<(bool, f64)> = Vec::new();
+    let mut cold_restores: Vec<(bool, f64)> = Vec::new();
+    let cold = acp_bench::drop_caches();
+    if let Err(why) = &cold {
+        notes.set("finetune_restore_cold", format!("not measured: {why}"));
+    }
     for incremental in [false, true] {
         let kind = if incremental { "incremental" } else { "full" };
         let scratch = Scratch::new(&format!("compress-finetune-{kind}"));
@@ -426,6 +433,35 @@ fn finetune(c: &mut Criterion, notes: &mut Notes) {
         if let Some(m) = times.get(times.len() / 2) {
             restores.push((incremental, *m));
         }
+        // Cold: the page cache dropped before each load (when allowed).
+        if cold.is_ok() {
+            let mut cold_times = Vec::new();
+            g.bench_function(format!("finetune_restore_cold_{kind}"), |b| {
+                b.iter_custom(|iters| {
+                    let mut spent = Duration::ZERO;
+                    for _ in 0..iters {
+                        let _ = acp_bench::drop_caches();
+                        let t = Instant::now();
+                        let ck = engine
+                            .load(&acp_core::LoadRequest {
+                                step: Some(step),
+                                storage_only: true,
+                                ..acp_core::LoadRequest::default()
+                            })
+                            .unwrap_or_else(|e| panic!("restore: {e}"));
+                        let took = t.elapsed();
+                        drop(ck);
+                        cold_times.push(took.as_secs_f64());
+                        spent += took;
+                    }
+                    spent
+                });
+            });
+            cold_times.sort_by(f64::total_cmp);
+            if let Some(m) = cold_times.get(cold_times.len() / 2) {
+                cold_restores.push((incremental, *m));
+            }
+        }
         engine
             .close()
             .unwrap_or_else(|e| panic!("closing the engine: {e}"));
@@ -447,6 +483,15 @@ fn finetune(c: &mut Criterion, notes: &mut Notes) {
     let restore = |inc: bool| restores.iter().find(|(i, _)| *i == inc).map(|(_, s)| *s);
     if let (Some(full), Some(incr)) = (restore(false), restore(true)) {
         notes.set("finetune_restore_ratio", incr / full);
+    }
+    let cold = |inc: bool| {
+        cold_restores
+            .iter()
+            .find(|(i, _)| *i == inc)
+            .map(|(_, s)| *s)
+    };
+    if let (Some(full), Some(incr)) = (cold(false), cold(true)) {
+        notes.set("finetune_restore_cold_ratio", incr / full);
     }
 }
 
