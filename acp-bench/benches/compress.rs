@@ -29,7 +29,10 @@
 //!   the last step restored from storage, warm and (where the page cache
 //!   can be dropped) cold: `finetune_restore_cold_{full,incremental}`;
 //!   notes `finetune_written_ratio`, `finetune_restore_ratio` and
-//!   `finetune_restore_cold_ratio` (incremental over full).
+//!   `finetune_restore_cold_ratio` (incremental over full); and
+//!   `finetune_flush_{full,incremental}_200mbs` with the storage capped at
+//!   200 MB/s, note `finetune_flush_200mbs_speedup` (full over
+//!   incremental, medians of the steps after the first).
 //!
 //! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
 //!
@@ -466,7 +469,86 @@ fn finetune(c: &mut Criterion, notes: &mut Notes) {
             .close()
             .unwrap_or_else(|e| panic!("closing the engine: {e}"));
     }
+    // The flush against a storage of 200 MB/s (the throttle of the
+    // `flush` rows): what the bytes not written save there.
+    let mut slow: Vec<(bool, f64)> = Vec::new();
+    for incremental in [false, true] {
+        let kind = if incremental { "incremental" } else { "full" };
+        let scratch = Scratch::new(&format!("compress-finetune-slow-{kind}"));
+        let faults = std::sync::Arc::new(FaultInjector::counting());
+        faults.throttle(SLOW_STORAGE, FLUSH_CHUNK as u64);
+        let engine = Engine::open(
+            engine_config(&scratch, total, 2)
+                .with_chunk_bytes(FLUSH_CHUNK)
+                .with_incremental(incremental)
+                .with_faults(std::sync::Arc::clone(&faults))
+                .with_release_on_close(true),
+        )
+        .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+        let mut step = 0u64;
+        let mut times = Vec::new();
+        g.bench_function(format!("finetune_flush_{kind}_200mbs"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    step += 1;
+                    train(&mut adapter, step);
+                    train(&mut adam, step);
+                    let host = [
+                        HostTensor {
+                            name: "base.w",
+                            dtype: Dtype::BF16,
+                            shape: &sb,
+                            data: &base,
+                        },
+                        HostTensor {
+                            name: "lora.w",
+                            dtype: Dtype::BF16,
+                            shape: &sa,
+                            data: &adapter,
+                        },
+                        HostTensor {
+                            name: "lora.adam",
+                            dtype: Dtype::F32,
+                            shape: &so,
+                            data: &adam,
+                        },
+                    ];
+                    let h = engine
+                        .save(
+                            step,
+                            &host,
+                            &serde_json::json!(null),
+                            &SaveOptions::default(),
+                        )
+                        .unwrap_or_else(|e| panic!("save: {e}"));
+                    let t = Instant::now();
+                    h.wait().unwrap_or_else(|e| panic!("flush: {e}"));
+                    let took = t.elapsed();
+                    // The first step of a root has nothing to reuse.
+                    if step > 1 {
+                        times.push(took.as_secs_f64());
+                    }
+                    spent += took;
+                    engine
+                        .retain(2, None)
+                        .unwrap_or_else(|e| panic!("retain: {e}"));
+                }
+                spent
+            });
+        });
+        times.sort_by(f64::total_cmp);
+        if let Some(m) = times.get(times.len() / 2) {
+            slow.push((incremental, *m));
+        }
+        engine
+            .close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
     g.finish();
+    if let [(false, full), (true, incr)] = slow[..] {
+        notes.set("finetune_flush_200mbs_speedup", full / incr);
+    }
     let mean = |inc: bool| {
         let w: Vec<f64> = written
             .iter()

@@ -35,9 +35,11 @@ class SaveStats:
     """The data file's size (the plain image: the bytes staged)."""
     stored_bytes: int | None = None
     """Bytes written to storage for it: ``bytes`` when written plain, the
-    compressed file's length when compressed, 0 when not written."""
+    container's length when compressed or incremental (the chunks it
+    references take none), 0 when not written."""
     compression_ratio: float | None = None
-    """``stored_bytes / bytes`` of a persisted save; None otherwise."""
+    """``stored_bytes / bytes`` of a persisted save (compression and
+    reused chunks together); None otherwise."""
     reused_chunks: int | None = None
     """Chunks not written because the newest committed step already held
     them (an incremental step references them); 0 for a step written

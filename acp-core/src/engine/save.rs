@@ -65,7 +65,8 @@ pub struct SaveReport {
     /// Image bytes (the data file's size).
     pub bytes: u64,
     /// Bytes written to storage for the data file: `bytes` for a plain
-    /// file, the compressed file's length for a compressed one, 0 when
+    /// file, the container's length for a compressed or incremental one
+    /// (the chunks it references take no bytes there), 0 when
     /// nothing was written (skipped, resident, superseded). `stored_bytes
     /// / bytes` is the save's compression ratio.
     pub stored_bytes: u64,

@@ -226,10 +226,16 @@ impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
         let len = super::source::image_len(self, dst.len())?;
         let piece = piece.max(1);
         let pieces: Vec<(usize, &'a mut [u8])> = dst[..len].chunks_mut(piece).enumerate().collect();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, std::num::NonZero::get)
-            .clamp(1, DECODE_THREADS)
-            .min(pieces.len().max(1));
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        // A file with references mostly waits on reads of other files,
+        // not on decoding: as many reads in flight as a plain restore
+        // keeps, whatever the core count.
+        let threads = if self.refs.is_empty() {
+            cores.clamp(1, DECODE_THREADS)
+        } else {
+            DECODE_THREADS
+        }
+        .min(pieces.len().max(1));
         let mut shares: Vec<Vec<(usize, &'a mut [u8])>> =
             (0..threads).map(|_| Vec::new()).collect();
         for (n, p) in pieces.into_iter().enumerate() {
