@@ -600,3 +600,80 @@ fn hostile_references_are_refused() {
     assert_loads(&e, 3, &t2);
     e.close().unwrap();
 }
+
+#[test]
+fn ranks_commit_incremental_files_and_read_each_others() {
+    let s = setup();
+    let world = 2u32;
+    let engines: Vec<Engine> = (0..world)
+        .map(|r| {
+            Engine::open(
+                config(&s, &s.root, Compress::None, true)
+                    .with_job("incr-ranks")
+                    .with_rank(r)
+                    .with_world_size(world)
+                    .with_commit_timeout(std::time::Duration::from_secs(30)),
+            )
+            .unwrap()
+        })
+        .collect();
+    // Each rank's own tensors: a frozen base and a trained tail per rank.
+    let of = |r: u32, step: u64| -> Tensors {
+        vec![
+            (
+                format!("base.{r}"),
+                Dtype::BF16,
+                vec![200_000],
+                noise(10 + u64::from(r), 400_000),
+            ),
+            (
+                format!("tail.{r}"),
+                Dtype::U8,
+                vec![50_000],
+                noise(100 * step + u64::from(r), 50_000),
+            ),
+        ]
+    };
+    for step in [1, 2] {
+        let states: Vec<Tensors> = (0..world).map(|r| of(r, step)).collect();
+        let handles: Vec<_> = engines
+            .iter()
+            .zip(&states)
+            .map(|(e, ts)| {
+                e.save(step, &host(ts), &json!(null), &SaveOptions::default())
+                    .unwrap()
+            })
+            .collect();
+        for h in handles {
+            h.wait().unwrap();
+        }
+    }
+    let meta = &index(&s.root, 2)["metadata"]["acp"];
+    assert_eq!(meta["format_version"], json!(INCREMENTAL_VERSION));
+    for r in 0..world {
+        let name = format!("rank-{r:05}.safetensors");
+        let refs = meta["files"][&name]["refs"].as_array().unwrap();
+        assert!(
+            refs.iter().all(|x| x["step"] == 1 && x["file"] == name),
+            "{refs:?}"
+        );
+    }
+    for (r, e) in engines.iter().enumerate() {
+        let other = (r as u32 + 1) % world;
+        let ck = e
+            .load(&LoadRequest {
+                step: Some(2),
+                rank: Some(other),
+                storage_only: true,
+                ..LoadRequest::default()
+            })
+            .unwrap();
+        for (name, _, _, data) in &of(other, 2) {
+            assert_eq!(ck.tensor(name).unwrap().data, &data[..], "{name}");
+        }
+    }
+    assert!(verify(&s.root, None, true, &Quiet).unwrap().ok);
+    for e in engines {
+        e.close().unwrap();
+    }
+}
