@@ -3,6 +3,7 @@
 //! decoded chunks against the index as it checks a plain file's.
 
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::source::{ChunkSource, FileSource};
@@ -35,6 +36,11 @@ pub(crate) struct PackedSource<S> {
     /// The files of earlier steps that hold the referenced chunks, opened
     /// without their own references (one hop).
     held: Vec<StoredSource>,
+    /// For each of `held` that is a plain file, the same file opened again
+    /// with `O_DIRECT` where the file system allows it: whole aligned
+    /// chunks are read with it, as a plain restore reads, without the
+    /// page cache's copy.
+    direct: Vec<Option<File>>,
 }
 
 impl<S: ChunkSource> PackedSource<S> {
@@ -56,6 +62,7 @@ impl<S: ChunkSource> PackedSource<S> {
             table,
             refs: Vec::new(),
             held: Vec::new(),
+            direct: Vec::new(),
         })
     }
 
@@ -97,7 +104,12 @@ impl<S: ChunkSource> PackedSource<S> {
             let at = match opened.iter().position(|k| *k == key) {
                 Some(at) => at,
                 None => {
-                    self.held.push(held(r)?);
+                    let src = held(r)?;
+                    self.direct.push(match &src {
+                        StoredSource::Plain(f) => f.reopen_direct(),
+                        StoredSource::Packed(_) => None,
+                    });
+                    self.held.push(src);
                     opened.push(key);
                     opened.len() - 1
                 }
@@ -107,13 +119,22 @@ impl<S: ChunkSource> PackedSource<S> {
         Ok(())
     }
 
-    /// The file that holds chunk `i`, when this file references it.
-    fn holder(&self, i: u64) -> Option<&StoredSource> {
+    /// The file that holds chunk `i`, when this file references it, and
+    /// its `O_DIRECT` handle, when it has one.
+    fn holder_of(&self, i: u64) -> Option<(&StoredSource, Option<&File>)> {
         let at = self.refs.partition_point(|(r, _)| r.first + r.count <= i);
         self.refs
             .get(at)
             .filter(|(r, _)| r.holds(i))
-            .and_then(|(_, h)| self.held.get(*h))
+            .and_then(|(_, h)| {
+                let direct = self.direct.get(*h).and_then(Option::as_ref);
+                self.held.get(*h).map(|s| (s, direct))
+            })
+    }
+
+    /// The file that holds chunk `i`, when this file references it.
+    fn holder(&self, i: u64) -> Option<&StoredSource> {
+        self.holder_of(i).map(|(s, _)| s)
     }
 
     /// The head and frame table.
@@ -158,11 +179,17 @@ impl<S: ChunkSource> PackedSource<S> {
                 })?;
             let (from, to) = (offset.max(cs), end.min(ce));
             if frame.codec == FrameCodec::Reference {
-                if let Some(h) = self.holder(i) {
+                if let Some((h, direct)) = self.holder_of(i) {
                     // The same span of the file that holds the chunk; the
                     // reader checks it against this file's digest.
                     let at = to_usize(from - offset);
-                    h.read_at(&mut buf[at..at + to_usize(to - from)], from)?;
+                    let dst = &mut buf[at..at + to_usize(to - from)];
+                    match direct.filter(|_| direct_aligned(dst, from)) {
+                        Some(f) => f
+                            .read_exact_at(dst, from)
+                            .map_err(|e| Error::io("read", h.name(), e))?,
+                        None => h.read_at(dst, from)?,
+                    }
                     continue;
                 }
             }
@@ -454,6 +481,16 @@ fn held_file(
         .open_listed(r.step, &r.file, held.file_len())?
         .into_parts();
     StoredSource::new(file, path, held)
+}
+
+/// Whether a read of `dst` at file offset `offset` meets `O_DIRECT`'s
+/// alignment: memory, offset and length all multiples of 4096.
+fn direct_aligned(dst: &[u8], offset: u64) -> bool {
+    const ALIGN: usize = 4096;
+    dst.as_ptr() as usize % ALIGN == 0
+        && offset % ALIGN as u64 == 0
+        && dst.len() % ALIGN == 0
+        && !dst.is_empty()
 }
 
 /// A length within a frame or chunk held in memory.

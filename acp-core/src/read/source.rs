@@ -97,6 +97,22 @@ impl FileSource {
     }
 }
 
+impl FileSource {
+    /// The same file opened again (through `/proc/self/fd`, so the very
+    /// inode this handle holds, never a path that may have changed) with
+    /// `O_DIRECT`, for aligned reads that skip the page cache; `None`
+    /// where that is refused (tmpfs, no `/proc`).
+    pub(crate) fn reopen_direct(&self) -> Option<File> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+            .ok()
+    }
+}
+
 impl ChunkSource for FileSource {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.file
