@@ -22,6 +22,18 @@
 //!   storage (`storage_only`, every chunk verified; the page cache is
 //!   warm).
 //!
+//! - `finetune_flush_{full,incremental}` / `finetune_restore_{full,incremental}`:
+//!   the fine-tuning case (90% of the bytes a frozen bf16 base, 10%
+//!   adapters and their fp32 Adam state changed every step), each save
+//!   written whole or incremental (it references the base's chunks), and
+//!   the last step restored from storage, warm and (where the page cache
+//!   can be dropped) cold: `finetune_restore_cold_{full,incremental}`;
+//!   notes `finetune_written_ratio`, `finetune_restore_ratio` and
+//!   `finetune_restore_cold_ratio` (incremental over full); and
+//!   `finetune_flush_{full,incremental}_200mbs` with the storage capped at
+//!   200 MB/s, note `finetune_flush_200mbs_speedup` (full over
+//!   incremental, medians of the steps after the first).
+//!
 //! `ACP_BENCH_COMPRESS_LEVEL` sets the zstd level (default 1, the engine's).
 //!
 //! The notes give the compressed size over the plain size for each state
@@ -220,6 +232,9 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
                 .with_chunk_bytes(FLUSH_CHUNK)
                 .with_compress(mode)
                 .with_compress_level(level().max(1))
+                // Every iteration saves the same state: whole steps, or
+                // the incremental default would write only the header.
+                .with_incremental(false)
                 .with_faults(std::sync::Arc::clone(&faults))
                 .with_release_on_close(true),
         )
@@ -302,10 +317,271 @@ fn flush(c: &mut Criterion, notes: &mut Notes) {
     }
 }
 
+/// Changes one byte in every 64 KiB of `data` for step `step`: a trained
+/// tensor, every chunk of it new.
+fn train(data: &mut [u8], step: u64) {
+    for (i, b) in data.iter_mut().step_by(64 << 10).enumerate() {
+        *b = b.wrapping_add(((step as u8) ^ (i as u8)) | 1);
+    }
+}
+
+/// The fine-tuning case: 90% of the bytes frozen (a bf16 base), 10%
+/// trained every step (bf16 adapters, 2%, and their fp32 Adam state, 8%).
+/// Rows `finetune_flush_{full,incremental}` (a save of a new step, until
+/// committed) and `finetune_restore_{full,incremental}` (the last step
+/// loaded from storage, every chunk verified, the page cache warm); notes
+/// `finetune_written_ratio` (bytes an incremental save writes over a full
+/// save's) and `finetune_restore_ratio` (incremental restore over full,
+/// medians).
+fn finetune(c: &mut Criterion, notes: &mut Notes) {
+    let total = acp_bench::bench_bytes().min(512 << 20);
+    let base = bf16_normal(total * 9 / 20, 0.02, 6);
+    let mut adapter = bf16_normal(total / 100, 0.02, 7);
+    let mut adam = fp32_adam(total / 50, 8);
+    let shape = |d: &[u8], w: u64| [d.len() as u64 / w];
+    let (sb, sa, so) = (shape(&base, 2), shape(&adapter, 2), shape(&adam, 4));
+    let mut g = c.benchmark_group("compress_finetune");
+    g.sample_size(SAMPLES)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(measurement_time())
+        .throughput(Throughput::Bytes(total as u64));
+    let mut written: Vec<(bool, u64, u64)> = Vec::new();
+    let mut restores: Vec<(bool, f64)> = Vec::new();
+    let mut cold_restores: Vec<(bool, f64)> = Vec::new();
+    let cold = acp_bench::drop_caches();
+    if let Err(why) = &cold {
+        notes.set("finetune_restore_cold", format!("not measured: {why}"));
+    }
+    for incremental in [false, true] {
+        let kind = if incremental { "incremental" } else { "full" };
+        let scratch = Scratch::new(&format!("compress-finetune-{kind}"));
+        let engine = Engine::open(
+            engine_config(&scratch, total, 2)
+                .with_chunk_bytes(FLUSH_CHUNK)
+                .with_incremental(incremental)
+                .with_release_on_close(true),
+        )
+        .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+        let mut step = 0u64;
+        let save = |step: u64, adapter: &[u8], adam: &[u8]| {
+            let host = [
+                HostTensor {
+                    name: "base.w",
+                    dtype: Dtype::BF16,
+                    shape: &sb,
+                    data: &base,
+                },
+                HostTensor {
+                    name: "lora.w",
+                    dtype: Dtype::BF16,
+                    shape: &sa,
+                    data: adapter,
+                },
+                HostTensor {
+                    name: "lora.adam",
+                    dtype: Dtype::F32,
+                    shape: &so,
+                    data: adam,
+                },
+            ];
+            let h = engine
+                .save(
+                    step,
+                    &host,
+                    &serde_json::json!(null),
+                    &SaveOptions::default(),
+                )
+                .unwrap_or_else(|e| panic!("save: {e}"));
+            let t = Instant::now();
+            let r = h.wait().unwrap_or_else(|e| panic!("flush: {e}"));
+            (t.elapsed(), r)
+        };
+        g.bench_function(format!("finetune_flush_{kind}"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    step += 1;
+                    train(&mut adapter, step);
+                    train(&mut adam, step);
+                    let (took, r) = save(step, &adapter, &adam);
+                    // The first step of a root has nothing to reuse.
+                    if step > 1 {
+                        written.push((incremental, r.stored_bytes, r.bytes));
+                    }
+                    spent += took;
+                    engine
+                        .retain(2, None)
+                        .unwrap_or_else(|e| panic!("retain: {e}"));
+                }
+                spent
+            });
+        });
+        let mut times = Vec::new();
+        g.bench_function(format!("finetune_restore_{kind}"), |b| {
+            b.iter(|| {
+                let t = Instant::now();
+                let ck = engine
+                    .load(&acp_core::LoadRequest {
+                        step: Some(step),
+                        storage_only: true,
+                        ..acp_core::LoadRequest::default()
+                    })
+                    .unwrap_or_else(|e| panic!("restore: {e}"));
+                times.push(t.elapsed().as_secs_f64());
+                ck
+            });
+        });
+        times.sort_by(f64::total_cmp);
+        if let Some(m) = times.get(times.len() / 2) {
+            restores.push((incremental, *m));
+        }
+        // Cold: the page cache dropped before each load (when allowed).
+        if cold.is_ok() {
+            let mut cold_times = Vec::new();
+            g.bench_function(format!("finetune_restore_cold_{kind}"), |b| {
+                b.iter_custom(|iters| {
+                    let mut spent = Duration::ZERO;
+                    for _ in 0..iters {
+                        let _ = acp_bench::drop_caches();
+                        let t = Instant::now();
+                        let ck = engine
+                            .load(&acp_core::LoadRequest {
+                                step: Some(step),
+                                storage_only: true,
+                                ..acp_core::LoadRequest::default()
+                            })
+                            .unwrap_or_else(|e| panic!("restore: {e}"));
+                        let took = t.elapsed();
+                        drop(ck);
+                        cold_times.push(took.as_secs_f64());
+                        spent += took;
+                    }
+                    spent
+                });
+            });
+            cold_times.sort_by(f64::total_cmp);
+            if let Some(m) = cold_times.get(cold_times.len() / 2) {
+                cold_restores.push((incremental, *m));
+            }
+        }
+        engine
+            .close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
+    // The flush against a storage of 200 MB/s (the throttle of the
+    // `flush` rows): what the bytes not written save there.
+    let mut slow: Vec<(bool, f64)> = Vec::new();
+    for incremental in [false, true] {
+        let kind = if incremental { "incremental" } else { "full" };
+        let scratch = Scratch::new(&format!("compress-finetune-slow-{kind}"));
+        let faults = std::sync::Arc::new(FaultInjector::counting());
+        faults.throttle(SLOW_STORAGE, FLUSH_CHUNK as u64);
+        let engine = Engine::open(
+            engine_config(&scratch, total, 2)
+                .with_chunk_bytes(FLUSH_CHUNK)
+                .with_incremental(incremental)
+                .with_faults(std::sync::Arc::clone(&faults))
+                .with_release_on_close(true),
+        )
+        .unwrap_or_else(|e| panic!("opening the engine: {e}"));
+        let mut step = 0u64;
+        let mut times = Vec::new();
+        g.bench_function(format!("finetune_flush_{kind}_200mbs"), |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    step += 1;
+                    train(&mut adapter, step);
+                    train(&mut adam, step);
+                    let host = [
+                        HostTensor {
+                            name: "base.w",
+                            dtype: Dtype::BF16,
+                            shape: &sb,
+                            data: &base,
+                        },
+                        HostTensor {
+                            name: "lora.w",
+                            dtype: Dtype::BF16,
+                            shape: &sa,
+                            data: &adapter,
+                        },
+                        HostTensor {
+                            name: "lora.adam",
+                            dtype: Dtype::F32,
+                            shape: &so,
+                            data: &adam,
+                        },
+                    ];
+                    let h = engine
+                        .save(
+                            step,
+                            &host,
+                            &serde_json::json!(null),
+                            &SaveOptions::default(),
+                        )
+                        .unwrap_or_else(|e| panic!("save: {e}"));
+                    let t = Instant::now();
+                    h.wait().unwrap_or_else(|e| panic!("flush: {e}"));
+                    let took = t.elapsed();
+                    // The first step of a root has nothing to reuse.
+                    if step > 1 {
+                        times.push(took.as_secs_f64());
+                    }
+                    spent += took;
+                    engine
+                        .retain(2, None)
+                        .unwrap_or_else(|e| panic!("retain: {e}"));
+                }
+                spent
+            });
+        });
+        times.sort_by(f64::total_cmp);
+        if let Some(m) = times.get(times.len() / 2) {
+            slow.push((incremental, *m));
+        }
+        engine
+            .close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
+    g.finish();
+    if let [(false, full), (true, incr)] = slow[..] {
+        notes.set("finetune_flush_200mbs_speedup", full / incr);
+    }
+    let mean = |inc: bool| {
+        let w: Vec<f64> = written
+            .iter()
+            .filter(|(i, _, _)| *i == inc)
+            .map(|(_, s, _)| *s as f64)
+            .collect();
+        (!w.is_empty()).then(|| w.iter().sum::<f64>() / w.len() as f64)
+    };
+    if let (Some(full), Some(incr)) = (mean(false), mean(true)) {
+        notes.set("finetune_written_ratio", incr / full);
+        notes.set("finetune_written_bytes_full", full);
+        notes.set("finetune_written_bytes_incremental", incr);
+    }
+    let restore = |inc: bool| restores.iter().find(|(i, _)| *i == inc).map(|(_, s)| *s);
+    if let (Some(full), Some(incr)) = (restore(false), restore(true)) {
+        notes.set("finetune_restore_ratio", incr / full);
+    }
+    let cold = |inc: bool| {
+        cold_restores
+            .iter()
+            .find(|(i, _)| *i == inc)
+            .map(|(_, s)| *s)
+    };
+    if let (Some(full), Some(incr)) = (cold(false), cold(true)) {
+        notes.set("finetune_restore_cold_ratio", incr / full);
+    }
+}
+
 fn all(c: &mut Criterion) {
     let mut notes = Notes::new("compress");
     codec(c, &mut notes);
     flush(c, &mut notes);
+    finetune(c, &mut notes);
     notes.save();
 }
 

@@ -184,6 +184,9 @@ def _acp_checkpointer(ctx: Ctx, root: str, shm: str | None) -> Any:
         ring_bytes=2 * slot,
         keep_last=2,
         shm_dir=shm,
+        # The same state is saved step after step: write each step whole,
+        # as the peers do (incremental steps would leave out every chunk).
+        incremental=False,
     )
 
 

@@ -194,6 +194,9 @@ def _checkpointer(b: Bench, root: str) -> tuple[str, Any]:
         ring_bytes=RING_SLOTS * (b.bytes + 64 * MiB),
         keep_last=2,
         shm_dir=shm,
+        # The same state is saved step after step: write each step whole,
+        # as the peers do (incremental steps would leave out every chunk).
+        incremental=False,
     )
     return shm, ckpt
 

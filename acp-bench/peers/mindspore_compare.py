@@ -229,6 +229,8 @@ def _bench_acp_in(
         "ring_bytes": slots * (rows.nbytes + 64 * MiB),
         "ring_slots": slots,
         "keep_last": 2,
+        # The same parameters every step: written whole, as the peers do.
+        "incremental": False,
     }
 
     def into_net(ckpt: acp.Checkpointer, **kw: Any) -> None:

@@ -78,7 +78,7 @@ impl Drop for Scratch {
 /// big enough for an image of `image_bytes` of tensor data (plus header and
 /// control block); everything else at its default (`io_uring` where allowed,
 /// `O_DIRECT` where accepted, 4 MiB chunks, queue depth 8, copy threads =
-/// cores up to 8, verify always).
+/// cores up to 8, verify always), but every step written whole (`incremental` off).
 #[must_use]
 pub fn engine_config(scratch: &Scratch, image_bytes: usize, slots: usize) -> EngineConfig {
     let per_slot = image_bytes as u64 + image_bytes as u64 / 32 + (32 << 20);
@@ -87,6 +87,10 @@ pub fn engine_config(scratch: &Scratch, image_bytes: usize, slots: usize) -> Eng
         .with_job(scratch.job())
         .with_ring_slots(slots)
         .with_ring_bytes(per_slot * slots as u64)
+        // Benches save the same state step after step: whole steps, so
+        // every flush writes what a training step that changes its
+        // weights writes (the incremental rows turn it back on).
+        .with_incremental(false)
 }
 
 /// Drops the page cache (`echo 3 > /proc/sys/vm/drop_caches`) so the next

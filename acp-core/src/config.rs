@@ -179,6 +179,7 @@ pub struct EngineConfig {
     pub(crate) replicas_held: u32,
     pub(crate) compress: Compress,
     pub(crate) compress_level: i32,
+    pub(crate) incremental: bool,
     pub(crate) transport: Option<Arc<dyn crate::replica::Transport>>,
     #[cfg(feature = "test-util")]
     pub(crate) faults: Option<Arc<FaultInjector>>,
@@ -251,6 +252,7 @@ impl EngineConfig {
             replicas_held: 0,
             compress: Compress::None,
             compress_level: DEFAULT_COMPRESS_LEVEL,
+            incremental: true,
             transport: None,
             #[cfg(feature = "test-util")]
             faults: None,
@@ -272,6 +274,21 @@ impl EngineConfig {
     #[must_use]
     pub fn with_compress_level(mut self, level: i32) -> Self {
         self.compress_level = level;
+        self
+    }
+
+    /// Whether a persisted step references the chunks that the newest
+    /// committed step of the root already holds with the same digest
+    /// instead of writing them again (an incremental step; the layout is
+    /// in [`format`](crate::format), "Incremental steps"). Default: `true`:
+    /// a chunk that did not change costs a digest, not a write, and a step
+    /// with nothing to reuse is written exactly as without it. `false`
+    /// writes every step whole (plain safetensors files unless
+    /// compressed), for readers that predate format version 3 or storage
+    /// that must hold each step on its own.
+    #[must_use]
+    pub fn with_incremental(mut self, incremental: bool) -> Self {
+        self.incremental = incremental;
         self
     }
 

@@ -96,6 +96,9 @@ fn engine(s: &Setup, root: &Path, compress: Compress) -> Engine {
             .with_chunk_bytes(CHUNK)
             .with_copy_threads(2)
             .with_compress(compress)
+            // Compression alone: steps of the same tensors would otherwise
+            // reference each other (`incremental.rs` covers both).
+            .with_incremental(false)
             .with_release_on_close(true),
     )
     .unwrap()

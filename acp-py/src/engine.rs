@@ -113,7 +113,7 @@ impl Engine {
         keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
         commit_timeout=None, faults=None, release_on_close=None, shm_ttl=None,
         persist_every=None, persist_interval=None, persist_policy=None, background_nice=None,
-        replicas_held=None, compress=None, compress_level=None,
+        replicas_held=None, compress=None, compress_level=None, incremental=None,
     ))]
     #[expect(
         clippy::too_many_arguments,
@@ -152,6 +152,7 @@ impl Engine {
         replicas_held: Option<u32>,
         compress: Option<&str>,
         compress_level: Option<i32>,
+        incremental: Option<bool>,
     ) -> PyResult<Engine> {
         let mut c = EngineConfig::new(root)
             .with_rank(rank)
@@ -262,6 +263,9 @@ impl Engine {
         }
         if let Some(v) = compress_level {
             c = c.with_compress_level(v);
+        }
+        if let Some(v) = incremental {
+            c = c.with_incremental(v);
         }
         let mailbox = Arc::new(Mailbox::default());
         c = c.with_transport(Arc::clone(&mailbox) as Arc<dyn acp_core::Transport>);
@@ -560,7 +564,8 @@ impl Engine {
     /// What became of the saves so far: `staged`, `persisted`, `resident`,
     /// `superseded` and `skipped` counts, `bytes_written` to storage (plain
     /// image bytes) and `bytes_stored` (what the files take there,
-    /// compressed or not) with their `compression_ratio`, the
+    /// compressed or not) with their `compression_ratio`, `chunks_reused`
+    /// and `bytes_reused` (not written: incremental steps), the
     /// persist `queue_depth`, `newest_snapshot`, `newest_persisted` and
     /// `persisted_lag_secs` (how much older the newest persisted step's
     /// snapshot is than the newest snapshot).
@@ -578,6 +583,8 @@ impl Engine {
             "compression_ratio",
             (s.bytes_written > 0).then(|| s.bytes_stored as f64 / s.bytes_written as f64),
         )?;
+        d.set_item("chunks_reused", s.chunks_reused)?;
+        d.set_item("bytes_reused", s.bytes_reused)?;
         d.set_item("queue_depth", s.queue_depth)?;
         d.set_item("newest_snapshot", s.newest_snapshot)?;
         d.set_item("newest_persisted", s.newest_persisted)?;

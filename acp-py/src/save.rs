@@ -437,6 +437,8 @@ fn report_dict<'py>(py: Python<'py>, r: &SaveReport) -> PyResult<Bound<'py, PyDi
     d.set_item("skipped", r.skipped)?;
     d.set_item("bytes", r.bytes)?;
     d.set_item("stored_bytes", r.stored_bytes)?;
+    d.set_item("reused_chunks", r.reused_chunks)?;
+    d.set_item("reused_bytes", r.reused_bytes)?;
     d.set_item("stall_secs", r.stall_secs)?;
     d.set_item("slot_wait_secs", r.slot_wait_secs)?;
     d.set_item("queue_secs", r.queue_secs)?;

@@ -107,6 +107,7 @@ class Engine:
         replicas_held: int | None = None,
         compress: str | None = None,
         compress_level: int | None = None,
+        incremental: bool | None = None,
     ) -> Engine: ...
     @property
     def root(self) -> pathlib.Path: ...

@@ -189,6 +189,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("replica_timeout", _seconds()),
     Var("compress", _choice(*COMPRESS_MODES)),
     Var("compress_level", _integer(1, 19)),
+    Var("incremental", _flag),
 )
 """Every ``Checkpointer`` keyword a variable can give, named ``ACP_<KEYWORD>``."""
 

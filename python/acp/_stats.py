@@ -35,9 +35,17 @@ class SaveStats:
     """The data file's size (the plain image: the bytes staged)."""
     stored_bytes: int | None = None
     """Bytes written to storage for it: ``bytes`` when written plain, the
-    compressed file's length when compressed, 0 when not written."""
+    container's length when compressed or incremental (the chunks it
+    references take none), 0 when not written."""
     compression_ratio: float | None = None
-    """``stored_bytes / bytes`` of a persisted save; None otherwise."""
+    """``stored_bytes / bytes`` of a persisted save (compression and
+    reused chunks together); None otherwise."""
+    reused_chunks: int | None = None
+    """Chunks not written because the newest committed step already held
+    them (an incremental step references them); 0 for a step written
+    whole."""
+    reused_bytes: int | None = None
+    """The image bytes of those chunks: bytes not written."""
     engine_stall_secs: float | None = None
     slot_wait_secs: float | None = None
     queue_secs: float | None = None
@@ -182,6 +190,8 @@ class SaveHandle:
                     if r["outcome"] == "persisted" and r["bytes"] > 0
                     else None
                 ),
+                "reused_chunks": r["reused_chunks"],
+                "reused_bytes": r["reused_bytes"],
                 "engine_stall_secs": r["stall_secs"],
                 "slot_wait_secs": r["slot_wait_secs"],
                 "queue_secs": r["queue_secs"],

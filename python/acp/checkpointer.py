@@ -189,6 +189,12 @@ class Checkpointer:
             writes a plain file.
         compress_level: the zstd level, 1-19 (default 1, or
             ``ACP_COMPRESS_LEVEL``).
+        incremental: whether a persisted step references the chunks the
+            newest committed step already holds (same bytes at the same
+            place, e.g. frozen weights) instead of writing them again
+            (default True, or ``ACP_INCREMENTAL``). Each step stays
+            loadable on its own; retention keeps a step that a kept step
+            references. ``False`` writes every step whole.
     """
 
     @from_environment
@@ -229,6 +235,7 @@ class Checkpointer:
         replica_timeout: float | None = None,
         compress: str | None = None,
         compress_level: int | None = None,
+        incremental: bool | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         # ACP_* variables filled in what the keywords left out (acp._env).
@@ -282,6 +289,7 @@ class Checkpointer:
             replicas_held=None if self._replicas is None else len(self._replicas.sources),
             compress=compress,
             compress_level=compress_level,
+            incremental=incremental,
         )
         if self._replicas is not None:
             self._replicas.attach(self._engine)

@@ -1,6 +1,8 @@
 //! Compressed flushes: whether a flush compresses ([`Compress`]), and
-//! writing a sealed image as a compressed data file (the layout is in
-//! [`format`](crate::format), "Compressed data file").
+//! writing a sealed image as a container data file (the layout is in
+//! [`format`](crate::format), "Compressed data file"): each chunk a
+//! compressed or stored frame, or, for a chunk an incremental flush
+//! reuses ([`PackMode::reuse`]), a reference frame with no bytes.
 //!
 //! The frames are encoded by the flush, never by the save's stall: up to
 //! `copy_threads` named threads take the image's chunks in order, digest
@@ -94,6 +96,18 @@ pub(super) struct Packed {
     pub(super) stats: IoStats,
 }
 
+/// How [`write_packed`] makes each frame.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PackMode<'a> {
+    /// Whether a chunk that is written is compressed (else stored).
+    pub(super) compress: bool,
+    /// Chunks not written, by index (`true`): each becomes a reference
+    /// frame. Shorter than the chunk count means the rest are written.
+    pub(super) reuse: &'a [bool],
+    /// The chunks' digests and quick sums, when already taken.
+    pub(super) pre: Option<(&'a [Digest], &'a [u64])>,
+}
+
 /// One encoded chunk: (chunk, quick sum, plain digest, frame, codec,
 /// seconds spent encoding it).
 type Encoded = (usize, u64, Digest, Vec<u8>, FrameCodec, f64);
@@ -107,7 +121,8 @@ fn round_block(n: usize) -> usize {
 }
 
 /// Writes `image` (a sealed slot's plain image) to `file` (fresh, at
-/// `path`) as a compressed data file in `chunk`-byte chunks, and fsyncs
+/// `path`) as a container data file in `chunk`-byte chunks, each chunk a
+/// frame as `mode` says (compressed, stored, or a reference), and fsyncs
 /// it. Each encoded and each written chunk is noted as the flush's
 /// progress, for the watchdog.
 ///
@@ -121,6 +136,7 @@ pub(super) fn write_packed(
     path: &Path,
     image: &[u8],
     chunk: usize,
+    mode: PackMode<'_>,
 ) -> Result<Packed> {
     let len = image.len() as u64;
     let header = parse_header(path, image, len)?;
@@ -175,19 +191,22 @@ pub(super) fn write_packed(
                     let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         let start = i * chunk;
                         let bytes = &image[start..(start + chunk).min(image.len())];
-                        let runs = chunk_runs(header, start as u64, (start + bytes.len()) as u64);
-                        let (frame, codec) = encode_frame(what, bytes, &runs, level)?;
-                        // The quick sum before the digest, as in a plain
-                        // flush (`read/fast.rs` says why).
-                        let sum = crate::read::fast_sum(bytes);
-                        Ok((
-                            i,
-                            sum,
-                            digest(bytes),
-                            frame,
-                            codec,
-                            t.elapsed().as_secs_f64(),
-                        ))
+                        let (frame, codec) = if mode.reuse.get(i) == Some(&true) {
+                            (Vec::new(), FrameCodec::Reference)
+                        } else if mode.compress {
+                            let runs =
+                                chunk_runs(header, start as u64, (start + bytes.len()) as u64);
+                            encode_frame(what, bytes, &runs, level)?
+                        } else {
+                            (bytes.to_vec(), FrameCodec::Stored)
+                        };
+                        let (sum, dig) = match mode.pre {
+                            Some((d, s)) => (s[i], d[i]),
+                            // The quick sum before the digest, as in a
+                            // plain flush (`read/fast.rs` says why).
+                            None => (crate::read::fast_sum(bytes), digest(bytes)),
+                        };
+                        Ok((i, sum, dig, frame, codec, t.elapsed().as_secs_f64()))
                     }))
                     .unwrap_or_else(|_| {
                         Err(Error::invalid(
@@ -224,7 +243,12 @@ pub(super) fn write_packed(
             fill += frame.len();
             entries.push(FrameEntry {
                 stored: frame.len() as u64,
-                check: crate::format::digest(&frame),
+                // A reference frame's check is the chunk's plain digest.
+                check: if codec == FrameCodec::Reference {
+                    dig
+                } else {
+                    crate::format::digest(&frame)
+                },
                 codec,
             });
             digests.push(dig);
@@ -272,10 +296,12 @@ pub(super) fn write_packed(
     // The encoding's own rate: its busy time spread over the workers (the
     // flush's wall time when the storage is the faster side).
     let encode_wall = (encode_secs / workers as f64).min(t_flush.elapsed().as_secs_f64());
-    shared
-        .lock()
-        .rates
-        .packed(len, stored, encode_wall, write_secs);
+    if mode.compress {
+        shared
+            .lock()
+            .rates
+            .packed(len, stored, encode_wall, write_secs);
+    }
     Ok(Packed {
         digests,
         sums,

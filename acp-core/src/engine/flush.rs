@@ -6,7 +6,9 @@
 //! in brackets):
 //! 1. create a pending place [`.pending-S-rR-pid-nonce/` under the root];
 //! 2. write `rank-R.safetensors` in it from the slot (O_DIRECT, chunks in
-//!    flight), hashing each chunk before it is submitted; fsync it;
+//!    flight), hashing each chunk before it is submitted; fsync it (an
+//!    incremental flush hashes the image first and leaves out the chunks
+//!    the newest committed step holds: `incremental.rs`);
 //! 3. write `model.safetensors.index.json` (sizes, digests, weight map)
 //!    durably; make the pending place durable [fsync the directory];
 //! 4. publish it — the commit [rename the pending directory to `step-S`,
@@ -28,7 +30,7 @@ use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, digest, hex, parse_header, root_digest, Digest, FileEntry, Index, Manifest,
-    COMPRESSED_VERSION, INDEX_FILE_NAME, PLAIN_VERSION,
+    COMPRESSED_VERSION, INCREMENTAL_VERSION, INDEX_FILE_NAME, PLAIN_VERSION,
 };
 use crate::staging::{PinnedSlot, SlotState};
 use crate::storage::Pending;
@@ -57,6 +59,8 @@ impl Job {
             skipped: false,
             bytes: self.pin.image().len() as u64,
             stored_bytes: 0,
+            reused_chunks: 0,
+            reused_bytes: 0,
             stall_secs: self.stall_secs,
             slot_wait_secs: self.slot_wait_secs,
             queue_secs: 0.0,
@@ -124,6 +128,7 @@ fn run_one(shared: &Shared, job: Job) -> Option<Job> {
             Ok(rep) => {
                 st.counts
                     .committed(step, staged_at, rep.bytes, rep.stored_bytes);
+                st.counts.reused(rep.reused_chunks, rep.reused_bytes);
                 shared.release_superseded(&mut st, step);
                 // Older images whose flush failed are superseded now
                 // (not the one just committed, which a recovered slot
@@ -183,6 +188,19 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         );
         shared.lock().committed.clear();
     }
+    if job.overwrite && root.is_committed(step) {
+        // The bytes of a step that later steps reference stay where they
+        // are: replacing the step would leave those steps without them.
+        let referrers = super::incremental::referrers(shared, step)?;
+        if !referrers.is_empty() {
+            return Err(Error::invalid(
+                format!("step {step}"),
+                format!(
+                    "steps {referrers:?} reference its chunks (incremental), so it cannot be overwritten; remove them first or save under another step"
+                ),
+            ));
+        }
+    }
     let pending = root.create_pending(step)?;
     let result = (|| {
         let file_name = data_file_name(rank);
@@ -196,13 +214,64 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let mut sums: Vec<u64> = Vec::with_capacity(digests.capacity());
         shared.note_progress(format!("step {step}: writing {}", path.display()));
         let compress = shared.lock().rates.choose(shared.cfg.compress);
+        // An incremental flush takes the digests first, to know which
+        // chunks the newest committed step already holds.
+        let base = if shared.cfg.incremental {
+            super::incremental::base(shared, step, &file_name, chunk as u64)
+        } else {
+            None
+        };
+        let pre = match &base {
+            Some(_) => Some(super::incremental::prehash(
+                image,
+                chunk,
+                shared.cfg.copy_threads,
+                &path,
+            )?),
+            None => None,
+        };
+        let reuse = match (&base, &pre) {
+            (Some(b), Some((d, _))) => super::incremental::reuse(b, d, len, chunk as u64),
+            _ => Vec::new(),
+        };
+        let refs = super::incremental::runs(&reuse);
+        let reused: Vec<bool> = reuse.iter().map(Option::is_some).collect();
         let mut stored_size = None;
-        let stats = if compress {
-            let packed = super::compress::write_packed(shared, &file, &path, image, chunk)?;
+        let stats = if compress || !refs.is_empty() {
+            let mode = super::compress::PackMode {
+                compress,
+                reuse: &reused,
+                pre: pre.as_ref().map(|(d, s)| (&d[..], &s[..])),
+            };
+            let packed = super::compress::write_packed(shared, &file, &path, image, chunk, mode)?;
             digests = packed.digests;
             sums = packed.sums;
             stored_size = Some(packed.stored);
             packed.stats
+        } else if let Some((d, s)) = pre {
+            // Nothing to reuse: the plain file, its digests already taken.
+            digests = d;
+            sums = s;
+            let t_write = Instant::now();
+            let stats = shared.io.write_to(
+                &file,
+                &path,
+                job.pin.padded(),
+                len,
+                &shared.io_opts,
+                &mut |i, _| {
+                    shared.note_progress(format!(
+                        "step {step}: writing {} (chunk {i})",
+                        path.display()
+                    ));
+                    Ok(())
+                },
+            )?;
+            shared
+                .lock()
+                .rates
+                .plain(len, t_write.elapsed().as_secs_f64());
+            stats
         } else {
             let t_write = Instant::now();
             let stats = shared.io.write_to(
@@ -258,7 +327,22 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             chunks: digests.iter().map(hex).collect(),
             root: hex(&root_digest(&digests)),
             stored_size,
+            refs,
         };
+        let (reused_chunks, reused_bytes) = (entry.referenced_chunks(), entry.referenced_bytes());
+        // The steps referenced must still be there when this one commits
+        // (retention keeps a step that a committed step references, not
+        // one that a pending step does).
+        for held in super::incremental::held_steps(&entry.refs) {
+            if !root.is_committed(held) {
+                return Err(Error::invalid(
+                    format!("step {step}"),
+                    format!(
+                        "step {held}, whose chunks it references, was removed while it was written; the next save writes them again"
+                    ),
+                ));
+            }
+        }
         let tensors: Vec<String> = header.entries.into_iter().map(|e| e.name).collect();
         if shared.cfg.world_size == 1 {
             let index = Index {
@@ -316,6 +400,8 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             skipped: false,
             bytes: len,
             stored_bytes: stored_size.unwrap_or(len),
+            reused_chunks,
+            reused_bytes,
             stall_secs: job.stall_secs,
             slot_wait_secs: job.slot_wait_secs,
             queue_secs: queue_secs.max(0.0),
@@ -337,11 +423,19 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
 /// with a compressed file needs a reader that knows them; an all-plain
 /// step stays readable by readers that predate compression.
 fn version_of<'a>(files: impl IntoIterator<Item = &'a FileEntry>) -> u32 {
-    if files.into_iter().any(|f| f.stored_size.is_some()) {
-        COMPRESSED_VERSION
-    } else {
-        PLAIN_VERSION
-    }
+    files
+        .into_iter()
+        .map(|f| {
+            if !f.refs.is_empty() {
+                INCREMENTAL_VERSION
+            } else if f.stored_size.is_some() {
+                COMPRESSED_VERSION
+            } else {
+                PLAIN_VERSION
+            }
+        })
+        .max()
+        .unwrap_or(PLAIN_VERSION)
 }
 
 /// How often the ranks look for each other's progress on storage.

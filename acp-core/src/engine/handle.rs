@@ -143,6 +143,8 @@ impl SaveHandle {
             skipped: true,
             bytes: 0,
             stored_bytes: 0,
+            reused_chunks: 0,
+            reused_bytes: 0,
             stall_secs: 0.0,
             slot_wait_secs: 0.0,
             queue_secs: 0.0,

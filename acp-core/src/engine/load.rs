@@ -584,6 +584,7 @@ fn load_step(
     let stored = StoredFile {
         step,
         own: rank == own,
+        name: file_name,
         path,
         file,
         entry: entry.clone(),
@@ -611,6 +612,8 @@ struct StoredFile {
     step: u64,
     /// Whether it is this engine's rank's file (which a ring slot may hold).
     own: bool,
+    /// Its name in the step directory.
+    name: String,
     path: PathBuf,
     file: File,
     entry: FileEntry,
@@ -634,7 +637,14 @@ fn with_reader<T>(
             .file
             .try_clone()
             .map_err(|e| Error::io("open", path, e))?;
-        let src = StoredSource::new(file, path.clone(), entry)?;
+        let src = StoredSource::open(
+            &*shared.root,
+            stored.step,
+            &stored.name,
+            file,
+            path.clone(),
+            entry,
+        )?;
         return f(&mut ChunkReader::new(src, entry)?);
     }
     let src = IoSource {

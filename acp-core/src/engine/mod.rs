@@ -92,6 +92,7 @@ mod copy;
 mod flush;
 mod handle;
 mod hash;
+mod incremental;
 mod load;
 mod open;
 mod policy;

@@ -76,6 +76,11 @@ pub struct PersistStats {
     /// Bytes those persists' data files take in storage: `bytes_written`
     /// when they are plain, less when compressed.
     pub bytes_stored: u64,
+    /// Chunks those persists did not write because the root's newest
+    /// committed step already held them (incremental steps).
+    pub chunks_reused: u64,
+    /// The image bytes of those chunks: bytes not written.
+    pub bytes_reused: u64,
     /// Persists queued, deferred or running now.
     pub queue_depth: usize,
     /// The newest step staged by this engine.
@@ -146,6 +151,8 @@ pub(super) struct Counts {
     pub(super) skipped: u64,
     pub(super) bytes_written: u64,
     pub(super) bytes_stored: u64,
+    pub(super) chunks_reused: u64,
+    pub(super) bytes_reused: u64,
     /// The newest staged step and when it was sealed.
     pub(super) newest_snapshot: Option<(u64, Instant)>,
     /// The newest persisted step and when its snapshot was staged.
@@ -173,6 +180,13 @@ impl Counts {
         }
     }
 
+    /// That persist referenced `chunks` chunks (`bytes` image bytes)
+    /// instead of writing them.
+    pub(super) fn reused(&mut self, chunks: u64, bytes: u64) {
+        self.chunks_reused += chunks;
+        self.bytes_reused += bytes;
+    }
+
     pub(super) fn stats(&self, queue_depth: usize) -> PersistStats {
         let lag = match (self.newest_snapshot, self.newest_persisted) {
             (Some((_, snap)), Some((_, pers))) => {
@@ -188,6 +202,8 @@ impl Counts {
             skipped: self.skipped,
             bytes_written: self.bytes_written,
             bytes_stored: self.bytes_stored,
+            chunks_reused: self.chunks_reused,
+            bytes_reused: self.bytes_reused,
             queue_depth,
             newest_snapshot: self.newest_snapshot.map(|(s, _)| s),
             newest_persisted: self.newest_persisted.map(|(s, _)| s),

@@ -92,7 +92,7 @@ fn open_peer_slot(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> O
 /// compressed file is decoded as it is read.
 fn storage(root: &dyn Storage, step: u64, name: &str, entry: &FileEntry) -> Result<StoredSource> {
     let (file, path) = root.open_listed(step, name, entry.file_len())?.into_parts();
-    StoredSource::new(file, path, entry)
+    StoredSource::open(root, step, name, file, path, entry)
 }
 
 /// An image read chunk by chunk into memory of its full size (untouched

@@ -2,6 +2,15 @@
 //! engine after each commit (`keep_last`/`keep_every` in the
 //! configuration) and by [`Engine::retain`], and by `acp gc`
 //! ([`crate::ops::gc`]) on a root without an engine.
+//!
+//! A step whose chunks a kept step references (an incremental step's
+//! `refs`) is kept whole, listed and loadable, until no kept step
+//! references it: keeping the step rather than only its files keeps every
+//! directory of the root a complete step, so `steps()`, `load`, `verify`
+//! and the commit protocol need no second kind of directory, at the cost
+//! of the chunks of it that nothing references. A reference names the
+//! file that holds the bytes (one hop), so a step in the middle of a run
+//! of incremental steps goes as soon as retention drops it.
 
 use super::state::Shared;
 use super::Engine;
@@ -40,11 +49,49 @@ pub(crate) fn check_keep_last(keep_last: usize) -> Result<()> {
     Ok(())
 }
 
-/// Deletes the committed steps of `root` that [`retention_plan`] removes;
-/// returns them.
+/// The steps of `plan` (those [`retention_plan`] drops from `steps`) that
+/// a kept step references: they stay. Read from the kept steps' indexes.
+///
+/// # Errors
+/// The error of reading a kept step's index, which names it: a step whose
+/// references are unknown keeps retention from removing anything.
+pub(crate) fn referenced(root: &dyn Storage, steps: &[u64], plan: &[u64]) -> Result<Vec<u64>> {
+    let mut held = std::collections::BTreeSet::new();
+    for &kept in steps.iter().filter(|s| !plan.contains(s)) {
+        let index = root.read_index(kept)?;
+        held.extend(
+            index
+                .files
+                .values()
+                .flat_map(|f| f.refs.iter().map(|r| r.step)),
+        );
+    }
+    Ok(plan.iter().copied().filter(|s| held.contains(s)).collect())
+}
+
+/// The steps retention removes from `root`: [`retention_plan`]'s, less
+/// those a kept step references ([`referenced`]). Returns them and the
+/// steps kept only because they are referenced.
+///
+/// # Errors
+/// As [`referenced`]; [`Error::Io`] listing the root.
+pub(crate) fn removable(
+    root: &dyn Storage,
+    keep_last: usize,
+    keep_every: Option<u64>,
+) -> Result<(Vec<u64>, Vec<u64>)> {
+    let steps = root.steps()?;
+    let plan = retention_plan(&steps, keep_last, keep_every);
+    let held = referenced(root, &steps, &plan)?;
+    let remove = plan.into_iter().filter(|s| !held.contains(s)).collect();
+    Ok((remove, held))
+}
+
+/// Deletes the committed steps of `root` that retention removes
+/// ([`removable`]); returns them.
 fn retain(root: &dyn Storage, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
     check_keep_last(keep_last)?;
-    let deleted = retention_plan(&root.steps()?, keep_last, keep_every);
+    let (deleted, _) = removable(root, keep_last, keep_every)?;
     for &step in &deleted {
         root.remove_step(step)?;
     }
@@ -65,7 +112,8 @@ impl Shared {
 
 impl Engine {
     /// Deletes committed steps that are neither among the newest `keep_last`
-    /// nor a multiple of `keep_every`; returns the deleted steps. The newest
+    /// nor a multiple of `keep_every`, nor referenced by a step that is
+    /// kept (incremental steps); returns the deleted steps. The newest
     /// step is always kept.
     ///
     /// # Errors

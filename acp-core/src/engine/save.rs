@@ -136,10 +136,17 @@ pub struct SaveReport {
     /// Image bytes (the data file's size).
     pub bytes: u64,
     /// Bytes written to storage for the data file: `bytes` for a plain
-    /// file, the compressed file's length for a compressed one, 0 when
+    /// file, the container's length for a compressed or incremental one
+    /// (the chunks it references take no bytes there), 0 when
     /// nothing was written (skipped, resident, superseded). `stored_bytes
     /// / bytes` is the save's compression ratio.
     pub stored_bytes: u64,
+    /// Chunks of the image not written because the root's newest
+    /// committed step already held them (an incremental step references
+    /// them); 0 for a step written whole.
+    pub reused_chunks: u64,
+    /// The image bytes of those chunks: bytes not written.
+    pub reused_bytes: u64,
     /// The stall: from `begin_save` to `finish`, in seconds.
     pub stall_secs: f64,
     /// Waiting for a free slot (part of the stall), in seconds.

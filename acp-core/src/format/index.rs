@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::digest::{root_digest, unhex, Digest};
 use super::json::{escaped, shown, unique_map};
 use super::layout::name_problem;
-use super::{COMPRESSED_VERSION, FORMAT_VERSION};
+use super::{COMPRESSED_VERSION, FORMAT_VERSION, INCREMENTAL_VERSION};
 use crate::error::{Error, Result};
 
 /// The index's file name in a step directory.
@@ -36,6 +36,38 @@ pub struct FileEntry {
     /// are the plain image's either way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_size: Option<u64>,
+    /// The chunks this file does not hold (an incremental step, format
+    /// version 3): each run is read from the same chunks of a file of an
+    /// earlier step, the one that physically holds them. Empty for a file
+    /// that holds all of its chunks. Sorted, never overlapping.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refs: Vec<ChunkRef>,
+}
+
+/// A run of chunks of a data file held by the file of an earlier step:
+/// chunks `first..first + count` of this file are the same chunks (same
+/// index, same `chunk_bytes`, so the same byte spans) of data file `file`
+/// of step `step`, which holds their bytes itself (one hop: never a
+/// reference of its own).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChunkRef {
+    /// The first chunk of the run.
+    pub first: u64,
+    /// The number of chunks in the run, at least 1.
+    pub count: u64,
+    /// The earlier step whose file holds the bytes.
+    pub step: u64,
+    /// That step's data file name (a plain name, checked like every file
+    /// name of an index).
+    pub file: String,
+}
+
+impl ChunkRef {
+    /// Whether chunk `i` is in the run.
+    #[must_use]
+    pub fn holds(&self, i: u64) -> bool {
+        i >= self.first && i - self.first < self.count
+    }
 }
 
 impl FileEntry {
@@ -44,6 +76,33 @@ impl FileEntry {
     #[must_use]
     pub fn file_len(&self) -> u64 {
         self.stored_size.unwrap_or(self.size)
+    }
+
+    /// The reference that covers chunk `i`, when the file does not hold it.
+    #[must_use]
+    pub fn held_by(&self, i: u64) -> Option<&ChunkRef> {
+        // Runs are sorted and disjoint (checked by the parser).
+        let at = self.refs.partition_point(|r| r.first + r.count <= i);
+        self.refs.get(at).filter(|r| r.holds(i))
+    }
+
+    /// The number of chunks this file references instead of holding.
+    #[must_use]
+    pub fn referenced_chunks(&self) -> u64 {
+        self.refs.iter().map(|r| r.count).sum()
+    }
+
+    /// The plain bytes of the chunks this file references.
+    #[must_use]
+    pub fn referenced_bytes(&self) -> u64 {
+        self.refs
+            .iter()
+            .flat_map(|r| r.first..r.first + r.count)
+            .map(|i| {
+                let (s, e) = super::digest::chunk_span(i, self.chunk_bytes, self.size);
+                e - s
+            })
+            .sum()
     }
 }
 
@@ -212,6 +271,7 @@ impl Index {
         for (name, file) in &files {
             validate_file_name(path, name)?;
             check_file(path, name, file, world_size)?;
+            check_refs(path, name, file, step)?;
             sum = sum.checked_add(file.size).ok_or_else(|| {
                 corrupt("the file sizes add up to more than a u64 holds".to_owned())
             })?;
@@ -220,6 +280,13 @@ impl Index {
             if let Some((name, _)) = files.iter().find(|(_, f)| f.stored_size.is_some()) {
                 return Err(corrupt(format!(
                     "`metadata.acp.files.{name}` is compressed in an index of format version {format_version}"
+                )));
+            }
+        }
+        if format_version < INCREMENTAL_VERSION {
+            if let Some((name, _)) = files.iter().find(|(_, f)| !f.refs.is_empty()) {
+                return Err(corrupt(format!(
+                    "`metadata.acp.files.{name}` references chunks of earlier steps in an index of format version {format_version}"
                 )));
             }
         }
@@ -296,6 +363,59 @@ pub(super) fn check_file(path: &Path, name: &str, file: &FileEntry, world_size: 
     Ok(())
 }
 
+/// Checks the references of one `files` entry of step `step`: each run
+/// is at least one chunk, within the file's chunks, after the previous
+/// run, names a strictly earlier step and a plain file name; and a file
+/// with references is a container ([`FileEntry::stored_size`]), since a
+/// safetensors file cannot leave chunks out. Where the referenced chunks
+/// are is checked when the file is opened (`read`), against the
+/// referenced step's own index.
+pub(super) fn check_refs(path: &Path, name: &str, file: &FileEntry, step: u64) -> Result<()> {
+    let bad = |reason: String| {
+        Error::corrupt(path, None, format!("`metadata.acp.files.{name}`: {reason}"))
+    };
+    if file.refs.is_empty() {
+        return Ok(());
+    }
+    if file.stored_size.is_none() {
+        return Err(bad(
+            "references chunks but is not a container (no `stored_size`)".to_owned(),
+        ));
+    }
+    let chunks = file.chunks.len() as u64;
+    let mut next = 0u64;
+    for (k, r) in file.refs.iter().enumerate() {
+        if r.count == 0 {
+            return Err(bad(format!("reference {k} covers no chunk")));
+        }
+        let end = r
+            .first
+            .checked_add(r.count)
+            .filter(|e| *e <= chunks)
+            .ok_or_else(|| {
+                bad(format!(
+                    "reference {k} (chunks {}+{}) runs past the file's {chunks} chunks",
+                    r.first, r.count
+                ))
+            })?;
+        if r.first < next {
+            return Err(bad(format!(
+                "reference {k} starts at chunk {}, before the previous one ends ({next})",
+                r.first
+            )));
+        }
+        if r.step >= step {
+            return Err(bad(format!(
+                "reference {k} names step {}, not an earlier step than {step}",
+                r.step
+            )));
+        }
+        validate_file_name(path, &r.file)?;
+        next = end;
+    }
+    Ok(())
+}
+
 /// The data file name of `rank`: `rank-{rank:05}.safetensors`.
 #[must_use]
 pub fn data_file_name(rank: u32) -> String {
@@ -352,6 +472,7 @@ mod tests {
             chunks: digests.iter().map(hex).collect(),
             root: hex(&root_digest(&digests)),
             stored_size: None,
+            refs: Vec::new(),
         }
     }
 
@@ -528,6 +649,67 @@ mod tests {
                 .collect::<Vec<_>>(),
         ));
         parse(&idx.to_json()).unwrap();
+    }
+
+    /// `sample()` at version 3 with chunks 1..3 of file 0 referencing
+    /// step 1000.
+    fn with_refs() -> Index {
+        let mut idx = sample();
+        idx.format_version = INCREMENTAL_VERSION;
+        let f = idx.files.get_mut(&data_file_name(0)).unwrap();
+        f.stored_size = Some(500);
+        f.refs = vec![ChunkRef {
+            first: 1,
+            count: 2,
+            step: 1000,
+            file: data_file_name(0),
+        }];
+        idx
+    }
+
+    #[test]
+    fn references_round_trip_and_are_checked() {
+        let idx = with_refs();
+        assert_eq!(parse(&idx.to_json()).unwrap(), idx);
+        let f = &idx.files[&data_file_name(0)];
+        assert!(f.held_by(0).is_none());
+        assert_eq!(f.held_by(2).unwrap().step, 1000);
+        assert_eq!(f.referenced_chunks(), 2);
+        assert_eq!(f.referenced_bytes(), 10_000 - 4096);
+
+        let edit = |e: &dyn Fn(&mut Index)| {
+            let mut idx = with_refs();
+            e(&mut idx);
+            idx.to_json()
+        };
+        fn file0(i: &mut Index) -> &mut FileEntry {
+            i.files.get_mut(&data_file_name(0)).unwrap()
+        }
+        refused(
+            &edit(&|i| i.format_version = COMPRESSED_VERSION),
+            "in an index of format version 2",
+        );
+        refused(
+            &edit(&|i| file0(i).stored_size = None),
+            "is not a container",
+        );
+        refused(&edit(&|i| file0(i).refs[0].count = 0), "covers no chunk");
+        refused(&edit(&|i| file0(i).refs[0].count = 3), "runs past");
+        refused(
+            &edit(&|i| file0(i).refs[0].step = 1200),
+            "not an earlier step",
+        );
+        refused(
+            &edit(&|i| file0(i).refs[0].file = "../x".to_owned()),
+            "file name",
+        );
+        refused(
+            &edit(&|i| {
+                let r = file0(i).refs[0].clone();
+                file0(i).refs.push(r);
+            }),
+            "before the previous one ends",
+        );
     }
 
     #[test]

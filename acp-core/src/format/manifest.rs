@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::index::{check_file, validate_file_name, FileEntry};
+use super::index::{check_file, check_refs, validate_file_name, FileEntry};
 use super::layout::name_problem;
 use super::{data_file_name, FORMAT_VERSION};
 use crate::error::{Error, Result};
@@ -81,6 +81,7 @@ impl Manifest {
             return Err(corrupt(format!("names file `{}` for rank {rank}", m.file)));
         }
         check_file(path, &m.file, &m.entry, m.world_size)?;
+        check_refs(path, &m.file, &m.entry, m.step)?;
         for t in &m.tensors {
             if let Some(p) = name_problem(t) {
                 return Err(Error::corrupt(path, Some(t), p));
@@ -111,6 +112,7 @@ mod tests {
                 chunks: d.iter().map(hex).collect(),
                 root: hex(&root_digest(&d)),
                 stored_size: None,
+                refs: Vec::new(),
             },
             tensors: vec!["a".into(), "b.c".into()],
         }

@@ -1,11 +1,14 @@
 //! The on-disk and in-RAM format of an acp checkpoint.
 //!
-//! This module's docs are the format's specification. Version 2
+//! This module's docs are the format's specification. Version 3
 //! ([`FORMAT_VERSION`]) is described here: version 1 ([`PLAIN_VERSION`])
-//! with compressed data files added. A step whose files are all plain is
-//! written as version 1, so a build that predates compression still reads
-//! it; a step with a compressed file is version 2, which such a build
-//! refuses as [`Unsupported`](crate::Error::Unsupported). All integers on
+//! with compressed data files added in version 2 ([`COMPRESSED_VERSION`])
+//! and incremental steps, whose files reference chunks of earlier steps,
+//! in version 3 ([`INCREMENTAL_VERSION`]). Each step is written in the
+//! oldest version that holds it: all plain files, version 1, which a build
+//! that predates compression still reads; a compressed file and no
+//! references, version 2; references, version 3. A build refuses a newer
+//! version as [`Unsupported`](crate::Error::Unsupported). All integers on
 //! disk are little-endian; all text is UTF-8.
 //!
 //! # Directory layout
@@ -95,15 +98,17 @@
 //!
 //! ```text
 //! offset 0   magic  "ACPZ\r\n\x1a\n" (8 bytes; as a safetensors prefix, far past any header)
-//!        8   u32    container version (2)
+//!        8   u32    container version (2; 3 when a frame is a reference)
 //!        12  u32    n, the number of frames = ceil(image_len / chunk_bytes)
 //!        16  u64    image_len (the index's size)
 //!        24  u64    chunk_bytes (the index's chunk_bytes)
 //!        32  [32]   blake3 of the frame table
 //!        64  n × 64 frame table, one entry per chunk, in order:
 //!                   u64 offset, u64 stored length, u64 decoded length,
-//!                   u8 codec (0 stored, 1 byte-grouped zstd), 7 zero bytes,
-//!                   [32] blake3 of the frame's bytes
+//!                   u8 codec (0 stored, 1 byte-grouped zstd, 2 reference),
+//!                   7 zero bytes,
+//!                   [32] blake3 of the frame's bytes (of a reference: the
+//!                   chunk's plain digest)
 //!        64 + 64n   the frames, back to back, to the end of the file
 //! ```
 //!
@@ -126,6 +131,53 @@
 //! nor expand past its chunk. The decoded chunk is then checked against
 //! the index's digest like any plain chunk.
 //!
+//! # Incremental steps
+//!
+//! A chunk of a step's file whose digest equals the digest of the same
+//! chunk (same index, same `chunk_bytes`, so the same byte span) of the
+//! same rank's file in the newest committed step before it is not written
+//! again (see [`EngineConfig::with_incremental`](crate::EngineConfig::with_incremental)).
+//! The file is then a container as above, whose frames for those chunks
+//! have codec 2, "reference": no bytes (stored length 0, the offset where
+//! the previous frame ends), the chunk's length, and the chunk's plain
+//! digest as the check; the other frames are compressed or stored as the
+//! step's `compress` says. Its head says container version 3. The index
+//! entry lists the references as runs:
+//!
+//! ```text
+//! "refs": [ {"first": 1, "count": 40, "step": 1000, "file": "rank-00000.safetensors"}, ... ]
+//! ```
+//!
+//! Chunks `first..first + count` of this file are those chunks of data
+//! file `file` of step `step`. The rules, each checked by a reader:
+//! - runs are sorted, disjoint, at least one chunk, within the file's
+//!   chunks; `step` is strictly earlier than the index's step; `file` is a
+//!   plain file name ([`validate_file_name`]), opened only as a file of
+//!   step directory `step` of the same root, never as a path;
+//! - an entry with `refs` has `stored_size` (it is a container), and its
+//!   container's reference frames are exactly the chunks `refs` lists;
+//! - one hop: the referenced step's index lists `file` with the same
+//!   `chunk_bytes`, the same span and the same digest for each referenced
+//!   chunk, and holds that chunk itself (no `refs` entry of its own covers
+//!   it): a writer names the file that physically holds the bytes, never
+//!   a step that references them in turn.
+//!
+//! A referenced chunk is read from the holding file (decoded when that is
+//! compressed, its frame check first) and checked against the digest of
+//! the referring index like any chunk, so verification means what it
+//! means for a whole file; an error names the referring file, the
+//! tensors, and the file that holds the bytes. Reads stay per chunk and
+//! parallel. `acp export` writes the plain image back.
+//!
+//! A step that a committed step references is kept whole by retention and
+//! `acp gc` until no kept step references it, and is not overwritten (a
+//! save with `overwrite` of it is refused). An incremental step is
+//! written and committed by the same protocol as any other; the files it
+//! references were committed, and fsynced, before it, and are never
+//! changed by it, so a crash at any point leaves the previous step as it
+//! was. Before the commit the writer checks that every step it references
+//! is still committed.
+//!
 //! # Index
 //!
 //! `model.safetensors.index.json` has the shape of a sharded safetensors
@@ -146,7 +198,8 @@
 //!           "chunk_bytes": 4096,                   digest chunk, > 0
 //!           "chunks": ["<64 hex>", "<64 hex>", "<64 hex>"],
 //!           "root": "<64 hex>",
-//!           "stored_size": 4711                    only for a compressed file (v2)
+//!           "stored_size": 4711,                   only for a container (v2)
+//!           "refs": [...]                          only for an incremental file (v3)
 //!         }, ...
 //!       }
 //!     }
@@ -209,7 +262,7 @@ pub use dtype::Dtype;
 pub use header::{
     header_end, parse_header, read_header, ParsedHeader, MAX_HEADER_BYTES, PREFIX_BYTES,
 };
-pub use index::{data_file_name, validate_file_name, FileEntry, Index, INDEX_FILE_NAME};
+pub use index::{data_file_name, validate_file_name, ChunkRef, FileEntry, Index, INDEX_FILE_NAME};
 pub use layout::{
     check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,
     MAX_NAME_BYTES, MAX_VALUES_DEPTH,
@@ -222,10 +275,17 @@ pub use packed::{
 };
 
 /// The newest format version this build reads, and the one it writes for a
-/// step with a compressed data file (and in the compressed file's head).
-pub const FORMAT_VERSION: u32 = 2;
+/// step whose files reference chunks of earlier steps (and in the head of
+/// a container with reference frames).
+pub const FORMAT_VERSION: u32 = 3;
 
-/// The first version with compressed data files.
+/// The first version with incremental steps: index entries with `refs`,
+/// containers with reference frames.
+pub const INCREMENTAL_VERSION: u32 = 3;
+
+/// The first version with compressed data files: the version of a step
+/// with a compressed file and no references, and of a container without
+/// reference frames.
 pub const COMPRESSED_VERSION: u32 = 2;
 
 /// The version of plain data files (their `acp.version`) and of the index

@@ -30,6 +30,10 @@ pub enum FrameCodec {
     Stored,
     /// Byte-grouped zstd ([`crate::codec`]).
     GroupedZstd,
+    /// No bytes in this file: the chunk is held by the file of an earlier
+    /// step that the index's `refs` name (container version 3). The
+    /// frame's check is the chunk's plain digest.
+    Reference,
 }
 
 impl FrameCodec {
@@ -37,6 +41,7 @@ impl FrameCodec {
         match self {
             FrameCodec::Stored => 0,
             FrameCodec::GroupedZstd => 1,
+            FrameCodec::Reference => 2,
         }
     }
 
@@ -46,6 +51,7 @@ impl FrameCodec {
         match self {
             FrameCodec::Stored => "stored",
             FrameCodec::GroupedZstd => "zstd",
+            FrameCodec::Reference => "reference",
         }
     }
 }
@@ -212,7 +218,14 @@ pub fn packed_head_of(image_len: u64, chunk_bytes: u64, frames: &[FrameEntry]) -
     }
     let mut out = Vec::with_capacity(PACKED_HEAD_BYTES as usize + table.len());
     out.extend_from_slice(&PACKED_MAGIC);
-    out.extend_from_slice(&super::FORMAT_VERSION.to_le_bytes());
+    // A container without reference frames stays readable by the builds
+    // that know compressed files only.
+    let version = if frames.iter().any(|f| f.codec == FrameCodec::Reference) {
+        super::INCREMENTAL_VERSION
+    } else {
+        super::COMPRESSED_VERSION
+    };
+    out.extend_from_slice(&version.to_le_bytes());
     // Chunk counts are bounded by the index (a u64 image of >= 4 KiB
     // chunks); a u32 holds every count a writer makes.
     out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
@@ -318,6 +331,7 @@ pub fn read_packed_table(
         let codec = match e[24] {
             0 => FrameCodec::Stored,
             1 => FrameCodec::GroupedZstd,
+            2 if version >= super::INCREMENTAL_VERSION => FrameCodec::Reference,
             c => return Err(bad(format!("frame {i} has unknown codec {c}"))),
         };
         if offset != expect {
@@ -350,6 +364,11 @@ pub fn read_packed_table(
             }
             FrameCodec::GroupedZstd if stored >= raw => {
                 return Err(bad(format!("compressed frame {i} of {stored} bytes is not smaller than its {raw}-byte chunk")));
+            }
+            FrameCodec::Reference if stored != 0 => {
+                return Err(bad(format!(
+                    "reference frame {i} holds {stored} bytes (a reference holds none)"
+                )));
             }
             _ => {}
         }
@@ -422,6 +441,11 @@ pub fn decode_frame(
             Ok(())
         }
         FrameCodec::GroupedZstd => codec::decode(frame_bytes, dst).map_err(fail),
+        // The reader resolves references before it decodes (`read`); a
+        // reference reached here is one the index does not list.
+        FrameCodec::Reference => Err(fail(
+            "a reference frame that the index does not resolve".to_owned(),
+        )),
     }
 }
 

@@ -265,6 +265,7 @@ fn an_index_of_version_1_with_a_compressed_file_is_corrupt_and_version_2_is_read
             chunks: d.iter().map(hex).collect(),
             root: hex(&root_digest(&d)),
             stored_size: Some(100),
+            refs: Vec::new(),
         },
     );
     let mut idx = Index {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{open_root, shown};
-use crate::engine::retention::check_keep_last;
+use crate::engine::retention::{check_keep_last, removable};
 use crate::error::Result;
 use crate::storage::Storage;
 
@@ -37,6 +37,10 @@ pub struct GcReport {
     pub removed_steps: Vec<u64>,
     /// Committed steps kept.
     pub kept_steps: Vec<u64>,
+    /// Of those, the steps retention would have removed but a kept step
+    /// references (incremental steps): they go once nothing kept does.
+    #[serde(default)]
+    pub referenced_steps: Vec<u64>,
     /// Unfinished-save entries removed (names in the root).
     pub removed_unfinished: Vec<String>,
     /// Bytes freed (approximate: the files' sizes).
@@ -45,7 +49,8 @@ pub struct GcReport {
 
 pub use crate::engine::retention::retention_plan;
 
-/// Applies retention to `root` (removing each step by renaming it out of
+/// Applies retention to `root` (never removing a step that a kept step
+/// references; removing each step by renaming it out of
 /// view, syncing the root, then deleting it, so a reader never sees half a
 /// step) and, when asked, removes unfinished saves older than the given
 /// age. Safe beside a live trainer: it never removes the newest step, and
@@ -59,9 +64,10 @@ pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
         check_keep_last(k)?;
     }
     let steps = root.steps()?;
-    let remove = opts
-        .keep_last
-        .map_or_else(Vec::new, |k| retention_plan(&steps, k, opts.keep_every));
+    let (remove, referenced_steps) = match opts.keep_last {
+        Some(k) => removable(&root, k, opts.keep_every)?,
+        None => (Vec::new(), Vec::new()),
+    };
     let mut freed = 0;
     for &step in &remove {
         freed += root.step_bytes(step);
@@ -96,6 +102,7 @@ pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
             .filter(|s| !remove.contains(s))
             .collect(),
         removed_steps: remove,
+        referenced_steps,
         removed_unfinished,
         freed_bytes: freed,
     })

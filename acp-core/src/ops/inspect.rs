@@ -40,6 +40,16 @@ pub struct FileInfo {
     /// compressed (the others did not shrink and were stored as they are).
     #[serde(default)]
     pub compressed_chunks: usize,
+    /// Chunks the file references instead of holding (an incremental
+    /// step: their bytes are in the files of earlier steps).
+    #[serde(default)]
+    pub reused_chunks: u64,
+    /// The image bytes of those chunks.
+    #[serde(default)]
+    pub reused_bytes: u64,
+    /// The earlier steps whose files hold them.
+    #[serde(default)]
+    pub references_steps: Vec<u64>,
     /// The header's `__metadata__` other than the values (`acp.version`,
     /// `format`, ...).
     pub metadata: BTreeMap<String, String>,
@@ -127,14 +137,25 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
             chunks: entry.chunks.len(),
             root: entry.root.clone(),
             data_start: h.data_start,
-            codec: if entry.stored_size.is_some() {
-                "zstd"
-            } else {
-                "none"
+            // A container written only to leave chunks out (incremental,
+            // not compressed) stores the rest as they are.
+            codec: match (entry.stored_size, compressed_chunks) {
+                (None, _) => "none",
+                (Some(_), 0) if !entry.refs.is_empty() => "stored",
+                (Some(_), _) => "zstd",
             }
             .to_owned(),
             stored_size: entry.file_len(),
             compressed_chunks,
+            reused_chunks: entry.referenced_chunks(),
+            reused_bytes: entry.referenced_bytes(),
+            references_steps: entry
+                .refs
+                .iter()
+                .map(|r| r.step)
+                .collect::<std::collections::BTreeSet<u64>>()
+                .into_iter()
+                .collect(),
             metadata,
             values: h.values.clone(),
         });

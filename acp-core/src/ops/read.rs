@@ -26,5 +26,8 @@ pub(crate) fn open(
 ) -> Result<DataFile> {
     validate_file_name(&root.describe(step, INDEX_FILE_NAME), name)?;
     let (file, path) = root.open_listed(step, name, entry.file_len())?.into_parts();
-    ChunkReader::new(StoredSource::new(file, path, entry)?, entry)
+    ChunkReader::new(
+        StoredSource::open(root, step, name, file, path, entry)?,
+        entry,
+    )
 }

@@ -34,6 +34,9 @@ fn config(f: &Fixture) -> EngineConfig {
         .with_ring_bytes(16 << 20)
         .with_chunk_bytes(4096)
         .with_mlock(false)
+        // Whole steps: these tests read the data files as plain
+        // safetensors (`tests/incremental.rs` covers the references).
+        .with_incremental(false)
 }
 
 fn f32s(v: &[f32]) -> Vec<u8> {

@@ -171,6 +171,17 @@ pub fn inspect(r: &InspectReport) -> String {
                 f.chunks
             );
         }
+        if f.reused_chunks > 0 {
+            let steps: Vec<String> = f.references_steps.iter().map(u64::to_string).collect();
+            let _ = writeln!(
+                s,
+                "    incremental: {} of {} chunk(s) ({}) reused from step(s) {}",
+                f.reused_chunks,
+                f.chunks,
+                bytes(f.reused_bytes),
+                steps.join(", ")
+            );
+        }
         for (k, v) in &f.metadata {
             let _ = writeln!(s, "    {k}: {v}");
         }
@@ -357,6 +368,13 @@ pub fn gc(r: &GcReport) -> String {
         bytes(r.freed_bytes),
         r.kept_steps.len()
     );
+    if !r.referenced_steps.is_empty() {
+        let _ = writeln!(
+            s,
+            "  kept {:?}: later kept steps reference their chunks (incremental)",
+            r.referenced_steps
+        );
+    }
     for n in &r.removed_unfinished {
         let _ = writeln!(s, "  {verb} {n}");
     }

@@ -117,11 +117,25 @@ pub(crate) struct Mismatch {
     /// Why its compressed frame did not decode, when it is one's (the
     /// chunk then has no bytes to digest).
     pub(crate) frame: Option<String>,
+    /// The file of an earlier step the chunk's bytes were read from, when
+    /// this file references the chunk.
+    pub(crate) held_by: Option<std::path::PathBuf>,
 }
 
 impl Mismatch {
     /// Why the chunk is bad, for people; the tensors are listed apart.
     pub(crate) fn reason(&self) -> String {
+        let mut reason = self.own_reason();
+        if let Some(held) = &self.held_by {
+            reason = format!(
+                "{reason} (the chunk is referenced: its bytes are read from {})",
+                held.display()
+            );
+        }
+        reason
+    }
+
+    fn own_reason(&self) -> String {
         let (start, end) = (self.start, self.end);
         if let Some(why) = &self.frame {
             return format!("bytes {start}..{end}: {why}");
@@ -239,6 +253,7 @@ impl<S: ChunkSource> ChunkReader<S> {
                     .collect()
             }),
             frame: None,
+            held_by: self.src.held_by(start).map(Path::to_path_buf),
         }
     }
 

@@ -3,13 +3,16 @@
 //! decoded chunks against the index as it checks a plain file's.
 
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::source::{ChunkSource, FileSource};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    chunk_span, decode_frame, read_header, read_packed_table, FileEntry, PackedTable,
+    chunk_span, decode_frame, read_header, read_packed_table, validate_file_name, ChunkRef,
+    FileEntry, FrameCodec, PackedTable, INDEX_FILE_NAME,
 };
+use crate::storage::Storage;
 
 /// The most threads a whole-file read decodes on.
 const DECODE_THREADS: usize = 8;
@@ -26,6 +29,18 @@ const GUESS_HEADER_BYTES: u64 = 1 << 20;
 pub(crate) struct PackedSource<S> {
     inner: S,
     table: PackedTable,
+    /// The index's references of the file, sorted by chunk (an
+    /// incremental step's), each with the position in `held` of the file
+    /// that holds its chunks.
+    refs: Vec<(ChunkRef, usize)>,
+    /// The files of earlier steps that hold the referenced chunks, opened
+    /// without their own references (one hop).
+    held: Vec<StoredSource>,
+    /// For each of `held` that is a plain file, the same file opened again
+    /// with `O_DIRECT` where the file system allows it: whole aligned
+    /// chunks are read with it, as a plain restore reads, without the
+    /// page cache's copy.
+    direct: Vec<Option<File>>,
 }
 
 impl<S: ChunkSource> PackedSource<S> {
@@ -42,7 +57,84 @@ impl<S: ChunkSource> PackedSource<S> {
             entry.chunk_bytes,
             &mut |b, o| inner.read_at(b, o),
         )?;
-        Ok(PackedSource { inner, table })
+        Ok(PackedSource {
+            inner,
+            table,
+            refs: Vec::new(),
+            held: Vec::new(),
+            direct: Vec::new(),
+        })
+    }
+
+    /// Resolves the file's references (`entry.refs`) through `held`,
+    /// which opens the file that holds each run (one per distinct step and
+    /// file): the container's reference frames must be exactly the chunks
+    /// the index references.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] naming the file for a reference frame the index
+    /// does not list or a listed chunk that is not one; `held`'s errors.
+    fn resolve(
+        &mut self,
+        entry: &FileEntry,
+        held: &mut dyn FnMut(&ChunkRef) -> Result<StoredSource>,
+    ) -> Result<()> {
+        for (i, frame) in self.table.frames.iter().enumerate() {
+            let i = i as u64;
+            let is_ref = frame.codec == FrameCodec::Reference;
+            if is_ref != entry.held_by(i).is_some() {
+                return Err(Error::corrupt(
+                    self.inner.name(),
+                    None,
+                    format!(
+                        "chunk {i}: the container {} a reference, the index {}",
+                        if is_ref { "holds" } else { "does not hold" },
+                        if is_ref {
+                            "does not list one"
+                        } else {
+                            "lists one"
+                        }
+                    ),
+                ));
+            }
+        }
+        let mut opened: Vec<(u64, String)> = Vec::new();
+        for r in &entry.refs {
+            let key = (r.step, r.file.clone());
+            let at = match opened.iter().position(|k| *k == key) {
+                Some(at) => at,
+                None => {
+                    let src = held(r)?;
+                    self.direct.push(match &src {
+                        StoredSource::Plain(f) => f.reopen_direct(),
+                        StoredSource::Packed(_) => None,
+                    });
+                    self.held.push(src);
+                    opened.push(key);
+                    opened.len() - 1
+                }
+            };
+            self.refs.push((r.clone(), at));
+        }
+        Ok(())
+    }
+
+    /// The file that holds chunk `i`, when this file references it, and
+    /// its `O_DIRECT` handle, when it has one.
+    fn holder_of(&self, i: u64) -> Option<(&StoredSource, Option<&File>)> {
+        let at = self.refs.partition_point(|(r, _)| r.first + r.count <= i);
+        self.refs
+            .get(at)
+            .filter(|(r, _)| r.holds(i))
+            .and_then(|(_, h)| {
+                let direct = self.direct.get(*h).and_then(Option::as_ref);
+                self.held.get(*h).map(|s| (s, direct))
+            })
+    }
+
+    /// The file that holds chunk `i`, when this file references it.
+    fn holder(&self, i: u64) -> Option<&StoredSource> {
+        self.holder_of(i).map(|(s, _)| s)
     }
 
     /// The head and frame table.
@@ -85,9 +177,24 @@ impl<S: ChunkSource> PackedSource<S> {
                 .ok_or_else(|| {
                     Error::corrupt(self.inner.name(), None, format!("no frame for chunk {i}"))
                 })?;
+            let (from, to) = (offset.max(cs), end.min(ce));
+            if frame.codec == FrameCodec::Reference {
+                if let Some((h, direct)) = self.holder_of(i) {
+                    // The same span of the file that holds the chunk; the
+                    // reader checks it against this file's digest.
+                    let at = to_usize(from - offset);
+                    let dst = &mut buf[at..at + to_usize(to - from)];
+                    match direct.filter(|_| direct_aligned(dst, from)) {
+                        Some(f) => f
+                            .read_exact_at(dst, from)
+                            .map_err(|e| Error::io("read", h.name(), e))?,
+                        None => h.read_at(dst, from)?,
+                    }
+                    continue;
+                }
+            }
             stored.resize(to_usize(frame.stored), 0);
             self.inner.read_at(&mut stored, frame.offset)?;
-            let (from, to) = (offset.max(cs), end.min(ce));
             let whole = from == cs && to == ce;
             let at = to_usize(from - offset);
             // A read of the whole chunk decodes in place; a part decodes
@@ -146,10 +253,16 @@ impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
         let len = super::source::image_len(self, dst.len())?;
         let piece = piece.max(1);
         let pieces: Vec<(usize, &'a mut [u8])> = dst[..len].chunks_mut(piece).enumerate().collect();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, std::num::NonZero::get)
-            .clamp(1, DECODE_THREADS)
-            .min(pieces.len().max(1));
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        // A file with references mostly waits on reads of other files,
+        // not on decoding: as many reads in flight as a plain restore
+        // keeps, whatever the core count.
+        let threads = if self.refs.is_empty() {
+            cores.clamp(1, DECODE_THREADS)
+        } else {
+            DECODE_THREADS
+        }
+        .min(pieces.len().max(1));
         let mut shares: Vec<Vec<(usize, &'a mut [u8])>> =
             (0..threads).map(|_| Vec::new()).collect();
         for (n, p) in pieces.into_iter().enumerate() {
@@ -205,6 +318,11 @@ impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
     fn decodes(&self) -> bool {
         true
     }
+
+    fn held_by(&self, offset: u64) -> Option<&Path> {
+        self.holder(offset / self.table.chunk_bytes.max(1))
+            .map(ChunkSource::name)
+    }
 }
 
 /// A committed data file as its index entry describes it: plain, or
@@ -231,6 +349,36 @@ impl StoredSource {
         } else {
             Ok(StoredSource::Plain(raw))
         }
+    }
+
+    /// [`StoredSource::new`] for file `name` of committed `step` of
+    /// `root`, with the chunks it references (an incremental step) read
+    /// from the files of the earlier steps that hold them, opened through
+    /// `root` by step number and checked file name only (never a path
+    /// from the index). Each referenced file must be listed by its step's
+    /// index with the same chunk size, hold the referenced chunks itself
+    /// (one hop), and record the same digests for them as this file's
+    /// index does; the bytes read are then checked against this file's
+    /// digests like any others.
+    ///
+    /// # Errors
+    /// As [`StoredSource::new`]; [`Error::Corrupt`] naming this step's
+    /// index for a reference that does not resolve as above (a missing
+    /// step or file included).
+    pub(crate) fn open(
+        root: &dyn Storage,
+        step: u64,
+        name: &str,
+        file: File,
+        path: PathBuf,
+        entry: &FileEntry,
+    ) -> Result<StoredSource> {
+        let mut src = StoredSource::new(file, path, entry)?;
+        if let StoredSource::Packed(p) = &mut src {
+            let index_path = root.describe(step, INDEX_FILE_NAME);
+            p.resolve(entry, &mut |r| held_file(root, &index_path, name, entry, r))?;
+        }
+        Ok(src)
     }
 
     /// The compressed file's table, when it is one.
@@ -267,6 +415,82 @@ impl ChunkSource for StoredSource {
     fn decodes(&self) -> bool {
         matches!(self, StoredSource::Packed(_))
     }
+
+    fn held_by(&self, offset: u64) -> Option<&Path> {
+        match self {
+            StoredSource::Plain(_) => None,
+            StoredSource::Packed(s) => s.held_by(offset),
+        }
+    }
+}
+
+/// Opens the file that reference `r` of file `name` (index entry `entry`,
+/// index at `index_path`) names, after checking it against its own step's
+/// index as [`StoredSource::open`] says.
+fn held_file(
+    root: &dyn Storage,
+    index_path: &Path,
+    name: &str,
+    entry: &FileEntry,
+    r: &ChunkRef,
+) -> Result<StoredSource> {
+    let bad = |reason: String| {
+        Error::corrupt(
+            index_path,
+            None,
+            format!(
+                "`metadata.acp.files.{name}`: chunks {}+{} reference step {} file {}: {reason}",
+                r.first, r.count, r.step, r.file
+            ),
+        )
+    };
+    validate_file_name(index_path, &r.file)?;
+    let index = root.read_index(r.step).map_err(|e| match e.kind() {
+        ErrorKind::Io => e,
+        _ => bad(format!("that step cannot be read ({e})")),
+    })?;
+    let held = index
+        .files
+        .get(&r.file)
+        .ok_or_else(|| bad("that step's index does not list the file".to_owned()))?;
+    if held.chunk_bytes != entry.chunk_bytes {
+        return Err(bad(format!(
+            "it has chunks of {} bytes, this file {}",
+            held.chunk_bytes, entry.chunk_bytes
+        )));
+    }
+    for i in r.first..r.first + r.count {
+        if held.held_by(i).is_some() {
+            return Err(bad(format!(
+                "it references chunk {i} itself (a reference must name the file that holds the bytes)"
+            )));
+        }
+        let here = chunk_span(i, entry.chunk_bytes, entry.size);
+        let there = chunk_span(i, held.chunk_bytes, held.size);
+        let (mine, theirs) = (
+            usize::try_from(i).ok().and_then(|i| entry.chunks.get(i)),
+            usize::try_from(i).ok().and_then(|i| held.chunks.get(i)),
+        );
+        if here != there || mine.is_none() || mine != theirs {
+            return Err(bad(format!(
+                "its chunk {i} is not this file's (another span or digest)"
+            )));
+        }
+    }
+    let (file, path) = root
+        .open_listed(r.step, &r.file, held.file_len())?
+        .into_parts();
+    StoredSource::new(file, path, held)
+}
+
+/// Whether a read of `dst` at file offset `offset` meets `O_DIRECT`'s
+/// alignment: memory, offset and length all multiples of 4096.
+fn direct_aligned(dst: &[u8], offset: u64) -> bool {
+    const ALIGN: usize = 4096;
+    dst.as_ptr() as usize % ALIGN == 0
+        && offset % ALIGN as u64 == 0
+        && dst.len() % ALIGN == 0
+        && !dst.is_empty()
 }
 
 /// A length within a frame or chunk held in memory.

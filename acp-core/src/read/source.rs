@@ -42,6 +42,13 @@ pub(crate) trait ChunkSource {
         false
     }
 
+    /// The file of an earlier step that holds the chunk at `offset`, when
+    /// this file references it (an incremental step): a bad chunk's error
+    /// names it too.
+    fn held_by(&self, _offset: u64) -> Option<&Path> {
+        None
+    }
+
     /// Reads the whole image into the start of `dst` (at least
     /// [`ChunkSource::len`] bytes, rounded up to 4096), handing each landed
     /// `piece`-byte part to `on_piece(i, bytes)` (part `i` starts at
@@ -87,6 +94,22 @@ impl FileSource {
     /// `len` bytes.
     pub(crate) fn new(file: File, path: PathBuf, len: u64) -> FileSource {
         FileSource { file, path, len }
+    }
+}
+
+impl FileSource {
+    /// The same file opened again (through `/proc/self/fd`, so the very
+    /// inode this handle holds, never a path that may have changed) with
+    /// `O_DIRECT`, for aligned reads that skip the page cache; `None`
+    /// where that is refused (tmpfs, no `/proc`).
+    pub(crate) fn reopen_direct(&self) -> Option<File> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+            .ok()
     }
 }
 

@@ -108,6 +108,7 @@ impl ReplicaMeta {
             root: hex(&root_digest(&self.digests)),
             // A replica is the RAM image, which is always plain.
             stored_size: None,
+            refs: Vec::new(),
         }
     }
 
