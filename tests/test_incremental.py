@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import acp
-from acp import _env
 
 from .conftest import MakeCkpt
 
@@ -82,10 +81,13 @@ def test_acp_incremental_turns_it_off(
     assert "refs" not in entry_of(tmp_path / "ckpt", 2)
 
 
-def test_a_keyword_overrides_acp_incremental_and_bad_values_are_config_errors() -> None:
-    env = {"ACP_INCREMENTAL": "0"}
-    assert _env.incremental_setting(True, environ=env) is True
-    assert _env.incremental_setting(None, environ=env) is False
-    assert _env.incremental_setting(None, environ={}) is None
+def test_a_keyword_overrides_acp_incremental_and_bad_values_are_config_errors(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_INCREMENTAL", "0")
+    ckpt = make_ckpt(chunk_bytes=CHUNK, incremental=True)
+    ckpt.save(1, state(1)).wait()
+    assert ckpt.save(2, state(2)).wait().reused_chunks > 0
+    monkeypatch.setenv("ACP_INCREMENTAL", "maybe")
     with pytest.raises(acp.ConfigError, match="ACP_INCREMENTAL"):
-        _env.incremental_setting(None, environ={"ACP_INCREMENTAL": "maybe"})
+        make_ckpt(chunk_bytes=CHUNK)
