@@ -147,22 +147,7 @@ impl Checkpoint {
     /// a length differs, before anything is copied.
     pub fn copy_into(&self, dsts: &mut [(usize, &mut [u8])]) -> Result<()> {
         for (i, d) in dsts.iter() {
-            let Some(e) = self.entries.get(*i) else {
-                return Err(Error::invalid(
-                    format!("tensor index {i}"),
-                    format!("step {} has {} tensors", self.step, self.entries.len()),
-                ));
-            };
-            if d.len() as u64 != e.len {
-                return Err(Error::invalid(
-                    format!("tensor `{}`", e.name),
-                    format!(
-                        "destination has {} bytes, the checkpoint {}",
-                        d.len(),
-                        e.len
-                    ),
-                ));
-            }
+            destination(&self.entries, self.step, *i, d.len())?;
         }
         let pairs = dsts
             .iter_mut()
@@ -174,4 +159,23 @@ impl Checkpoint {
         copy::parallel_copy(pairs, self.copy_threads);
         Ok(())
     }
+}
+
+/// Entry `i` of `entries` (of step `step`), checked as the destination of
+/// `len` bytes: [`Error::Invalid`] naming the tensor when `i` is out of
+/// range or the lengths differ.
+pub(super) fn destination(entries: &[Entry], step: u64, i: usize, len: usize) -> Result<&Entry> {
+    let Some(e) = entries.get(i) else {
+        return Err(Error::invalid(
+            format!("tensor index {i}"),
+            format!("step {step} has {} tensors", entries.len()),
+        ));
+    };
+    if len as u64 != e.len {
+        return Err(Error::invalid(
+            format!("tensor `{}`", e.name),
+            format!("destination has {len} bytes, the checkpoint {}", e.len),
+        ));
+    }
+    Ok(e)
 }

@@ -248,31 +248,15 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             sums = packed.sums;
             stored_size = Some(packed.stored);
             packed.stats
-        } else if let Some((d, s)) = pre {
-            // Nothing to reuse: the plain file, its digests already taken.
-            digests = d;
-            sums = s;
-            let t_write = Instant::now();
-            let stats = shared.io.write_to(
-                &file,
-                &path,
-                job.pin.padded(),
-                len,
-                &shared.io_opts,
-                &mut |i, _| {
-                    shared.note_progress(format!(
-                        "step {step}: writing {} (chunk {i})",
-                        path.display()
-                    ));
-                    Ok(())
-                },
-            )?;
-            shared
-                .lock()
-                .rates
-                .plain(len, t_write.elapsed().as_secs_f64());
-            stats
         } else {
+            // A plain file: its digests taken as it is written, unless the
+            // incremental check took them already (and found nothing to
+            // reuse).
+            let hashed = pre.is_some();
+            if let Some((d, s)) = pre {
+                digests = d;
+                sums = s;
+            }
             let t_write = Instant::now();
             let stats = shared.io.write_to(
                 &file,
@@ -281,9 +265,11 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 len,
                 &shared.io_opts,
                 &mut |i, bytes| {
-                    debug_assert_eq!(i, digests.len());
-                    sums.push(crate::read::fast_sum(bytes));
-                    digests.push(digest(bytes));
+                    if !hashed {
+                        debug_assert_eq!(i, digests.len());
+                        sums.push(crate::read::fast_sum(bytes));
+                        digests.push(digest(bytes));
+                    }
                     shared.note_progress(format!(
                         "step {step}: writing {} (chunk {i})",
                         path.display()

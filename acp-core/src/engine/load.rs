@@ -234,25 +234,7 @@ impl PendingLoad {
         let targets = into
             .iter_mut()
             .map(|(i, d)| {
-                let e = self.header.entries.get(*i).ok_or_else(|| {
-                    Error::invalid(
-                        format!("step {step}"),
-                        format!(
-                            "tensor index {i} out of range (there are {})",
-                            self.header.entries.len()
-                        ),
-                    )
-                })?;
-                if d.len() as u64 != e.len {
-                    return Err(Error::invalid(
-                        format!("tensor `{}`", e.name),
-                        format!(
-                            "destination has {} bytes, the checkpoint {}",
-                            d.len(),
-                            e.len
-                        ),
-                    ));
-                }
+                let e = super::checkpoint::destination(&self.header.entries, step, *i, d.len())?;
                 Ok((e.offset, &mut **d))
             })
             .collect::<Result<Vec<Target<'_>>>>()?;
