@@ -212,6 +212,7 @@ READS: dict[str, tuple[str, object]] = {
     "ACP_REPLICA_TIMEOUT": ("120", 120.0),
     "ACP_COMPRESS": ("zstd", "zstd"),
     "ACP_COMPRESS_LEVEL": ("3", 3),
+    "ACP_INCREMENTAL": ("0", False),
 }
 
 # A value of each variable that is refused, and a word of what is accepted.
@@ -243,6 +244,7 @@ REFUSED: dict[str, tuple[str, str]] = {
     "ACP_REPLICA_TIMEOUT": ("nan", "more than 0"),
     "ACP_COMPRESS": ("lz4", "none, zstd, auto"),
     "ACP_COMPRESS_LEVEL": ("22", "from 1 to 19"),
+    "ACP_INCREMENTAL": ("maybe", "true"),
 }
 
 
@@ -322,6 +324,7 @@ def test_each_variable_reaches_the_engine_and_its_keyword_wins(
         "ACP_RELEASE_ON_CLOSE": False,
         "ACP_PERSIST_POLICY": "every",
         "ACP_COMPRESS": "none",
+        "ACP_INCREMENTAL": True,
     }.get(var.name, 7)
     assert engine_keywords(**{var.keyword: other})[var.keyword] == other
 
