@@ -398,20 +398,6 @@ impl ChunkSource for StoredSource {
         }
     }
 
-    /// The source's own whole read: a compressed file's frames decoded on
-    /// several threads ([`PackedSource`]'s), not one after the other.
-    fn read_all<'a>(
-        &self,
-        dst: &'a mut [u8],
-        piece: usize,
-        on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
-    ) -> Result<u64> {
-        match self {
-            StoredSource::Plain(s) => s.read_all(dst, piece, on_piece),
-            StoredSource::Packed(s) => s.read_all(dst, piece, on_piece),
-        }
-    }
-
     fn len(&self) -> u64 {
         match self {
             StoredSource::Plain(s) => s.len(),
