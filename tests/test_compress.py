@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import acp
-from acp import _env
 
 from .conftest import MakeCkpt
 
@@ -64,16 +63,8 @@ def test_compress_from_the_environment(
     check(ckpt.load(4, storage_only=True), want)
 
 
-def test_a_keyword_overrides_acp_compress() -> None:
-    env = {"ACP_COMPRESS": "zstd", "ACP_COMPRESS_LEVEL": "7"}
-    assert _env.compress_settings(None, None, environ=env) == ("zstd", 7)
-    assert _env.compress_settings("none", 2, environ=env) == ("none", 2)
-    assert _env.compress_settings(None, None, environ={}) == (None, None)
-
-
 def test_bad_compress_values_are_config_errors(make_ckpt: MakeCkpt) -> None:
-    with pytest.raises(acp.ConfigError, match="ACP_COMPRESS"):
-        _env.compress_settings(None, None, environ={"ACP_COMPRESS": "lz4"})
+    # ACP_COMPRESS / ACP_COMPRESS_LEVEL: tests/test_env_config.py, with every variable.
     with pytest.raises(acp.ConfigError, match="compress"):
         make_ckpt(compress="lz4")
     with pytest.raises(acp.ConfigError, match="compress_level"):

@@ -303,19 +303,3 @@ def from_environment(init: Callable[P, R]) -> Callable[P, R]:
             raise again from e
 
     return wrapper
-
-
-def compress_settings(
-    compress: str | None,
-    compress_level: int | None,
-    *,
-    environ: Mapping[str, str] = os.environ,
-) -> tuple[str | None, int | None]:
-    """``compress`` and ``compress_level``, each from ``ACP_COMPRESS`` /
-    ``ACP_COMPRESS_LEVEL`` when its keyword is None (None: the engine's
-    default, plain files, level 1)."""
-    if compress is None:
-        compress = BY_KEYWORD["compress"].read(environ)
-    if compress_level is None:
-        compress_level = BY_KEYWORD["compress_level"].read(environ)
-    return compress, compress_level
