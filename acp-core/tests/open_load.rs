@@ -15,11 +15,11 @@
 
 use std::os::unix::fs::FileExt;
 
-use acp_core::{Compress, Dtype, Error, HostTensor, LoadRequest, Opened, SaveOptions, Source};
+use acp_core::{Compress, Error, LoadRequest, Opened, Source};
 use serde_json::json;
 
 mod six_tensors;
-use six_tensors::{committed, fresh_engine, name, tensor, TENSORS, TENSOR_BYTES};
+use six_tensors::{committed, fresh_engine, name, save_six, tensor, TENSORS, TENSOR_BYTES};
 
 fn storage(step: Option<u64>) -> LoadRequest {
     LoadRequest {
@@ -139,23 +139,7 @@ fn load_into_falls_back_when_the_newest_step_fails_during_the_read() {
     let data: Vec<Vec<u8>> = (0..TENSORS)
         .map(|i| tensor(i).iter().map(|b| !b).collect())
         .collect();
-    let names: Vec<String> = (0..TENSORS).map(name).collect();
-    let shape = [TENSOR_BYTES as u64];
-    let host: Vec<HostTensor<'_>> = names
-        .iter()
-        .zip(&data)
-        .map(|(n, d)| HostTensor {
-            name: n,
-            dtype: Dtype::U8,
-            shape: &shape,
-            data: d,
-        })
-        .collect();
-    engine
-        .save(2, &host, &json!({"step": 2}), &SaveOptions::default())
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_six(&engine, 2, &data);
     engine.close().unwrap();
     let file2 = root.join("step-000000000002/rank-00000.safetensors");
     let len = std::fs::metadata(&file2).unwrap().len();
@@ -166,6 +150,7 @@ fn load_into_falls_back_when_the_newest_step_fails_during_the_read() {
     f.write_all_at(&[0x42], len - 100).unwrap();
 
     let engine = fresh_engine(&root, dir.path(), "fallback", |c| c);
+    let names: Vec<String> = (0..TENSORS).map(name).collect();
     let mut bufs: Vec<Vec<u8>> = (0..TENSORS).map(|_| vec![0xee; TENSOR_BYTES]).collect();
     let mut into: Vec<(&str, &mut [u8])> = names
         .iter()

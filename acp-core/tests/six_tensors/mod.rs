@@ -73,11 +73,20 @@ pub(crate) fn committed(dir: &Path, compress: Compress) -> (PathBuf, PathBuf) {
     let engine =
         Engine::open(config(&root, &shm, IoChoice::Auto, 2).with_compress(compress)).unwrap();
     let data: Vec<Vec<u8>> = (0..TENSORS).map(tensor).collect();
-    let names: Vec<String> = (0..TENSORS).map(name).collect();
+    save_six(&engine, 1, &data);
+    engine.close().unwrap();
+    let file = root.join("step-000000000001/rank-00000.safetensors");
+    (root, file)
+}
+
+/// Saves `data` (one buffer per tensor, named [`name`]) as `step` with
+/// `engine` and waits for its commit.
+pub(crate) fn save_six(engine: &Engine, step: u64, data: &[Vec<u8>]) {
+    let names: Vec<String> = (0..data.len()).map(name).collect();
     let shape = [TENSOR_BYTES as u64];
     let host: Vec<HostTensor<'_>> = names
         .iter()
-        .zip(&data)
+        .zip(data)
         .map(|(n, d)| HostTensor {
             name: n,
             dtype: Dtype::U8,
@@ -86,11 +95,8 @@ pub(crate) fn committed(dir: &Path, compress: Compress) -> (PathBuf, PathBuf) {
         })
         .collect();
     engine
-        .save(1, &host, &json!({"step": 1}), &SaveOptions::default())
+        .save(step, &host, &json!({"step": step}), &SaveOptions::default())
         .unwrap()
         .wait()
         .unwrap();
-    engine.close().unwrap();
-    let file = root.join("step-000000000001/rank-00000.safetensors");
-    (root, file)
 }
