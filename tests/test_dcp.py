@@ -245,6 +245,26 @@ def test_writer_and_reader_on_a_root_path(tmp_path: Path, shm_dir: Path) -> None
         reader.close()
 
 
+def test_an_engine_on_a_root_path_reads_the_acp_variables(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACP_COMPRESS", "zstd")
+    monkeypatch.setenv("ACP_REPLICAS", "1")  # a Checkpointer's setting: no engine keyword
+    root = tmp_path / "ckpt"
+    opts: dict[str, Any] = {"job": f"dcp-{tmp_path.name}", "ring_bytes": 32 << 20}
+    opts.update(shm_dir=str(shm_dir), mlock=False)
+    writer = acp.dcp.StorageWriter(root, **opts)
+    try:
+        dcp.save({"w": torch.arange(4096.0)}, checkpoint_id=2, storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+    index = json.loads((root / "step-000000000002/model.safetensors.index.json").read_text())
+    assert index["metadata"]["acp"]["format_version"] == 2  # written compressed
+    monkeypatch.setenv("ACP_RING_SLOTS", "two")
+    with pytest.raises(acp.ConfigError, match="ACP_RING_SLOTS='two'"):
+        acp.dcp.StorageReader(root, **opts)
+
+
 def test_metadata_is_stored_as_json_not_pickle(make_ckpt: MakeCkpt) -> None:
     ckpt = make_ckpt()
     state = {"layer": {"w": torch.ones(8, 8), "b": torch.zeros(8)}}

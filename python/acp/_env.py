@@ -195,6 +195,10 @@ VARIABLES: tuple[Var, ...] = (
 
 BY_KEYWORD: dict[str, Var] = {v.keyword: v for v in VARIABLES}
 
+CHECKPOINTER_ONLY = frozenset({"replicas", "replica_timeout"})
+"""The variables' keywords that a ``Checkpointer`` acts on itself and a bare
+engine (``acp.dcp`` opened on a root path) has none of."""
+
 NO_VARIABLE: dict[str, str] = {
     "root": "required: the training script names its checkpoint directory",
     "rank": "torch.distributed, else the launcher's RANK or RANK_ID",

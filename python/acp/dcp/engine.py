@@ -10,6 +10,7 @@ from typing import Any
 from torch.futures import Future
 
 from acp import _acp
+from acp._env import CHECKPOINTER_ONLY, fill
 from acp.checkpointer import Checkpointer, internals, rank_and_world_size
 
 __all__ = ["EngineRef", "done_future", "parse_step", "valid_checkpoint_id"]
@@ -65,6 +66,10 @@ class EngineRef:
             self.engine = internals(target).engine
             self.rank, self.world_size = target.rank, target.world_size
         elif isinstance(target, (str, os.PathLike)):
+            # The ACP_* variables fill in what the options leave out, as for
+            # a Checkpointer (replicas are a Checkpointer's, not an engine's).
+            filled, _ = fill(engine_kwargs)
+            engine_kwargs = {k: v for k, v in filled.items() if k not in CHECKPOINTER_ONLY}
             rank, world = rank_and_world_size()
             engine_kwargs.setdefault("rank", rank)
             engine_kwargs.setdefault("world_size", world)
