@@ -382,7 +382,8 @@ fn unhashed_child() {
     };
     let faults = Arc::new(FaultInjector::counting());
     faults.set_hook(|_, _, path| {
-        if path.to_string_lossy().contains("pending-100-") {
+        // The storage names a pending step `.pending-{step:012}-r…`.
+        if path.to_string_lossy().contains(".pending-000000000100-") {
             std::thread::park();
         }
     });
