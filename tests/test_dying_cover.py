@@ -88,7 +88,9 @@ def test_survivors_write_a_dead_ranks_share_and_the_step_commits(tmp_path: Path)
     assert "covered by this rank: [3]" in stderr[2], stderr[2]
     for r in (0, 1):
         other = dying(out, r)
-        assert pick(other) == (True, 2, [3], []), other
+        # A rank whose roll call sees the step committed (rank 2's cover
+        # done) stops calling and names no dead rank (acp.cover.roll_call).
+        assert pick(other) in ((True, 2, [3], []), (True, 2, [], [])), other
     index = json.loads((root / "step-000000000002" / "model.safetensors.index.json").read_text())
     assert sorted(index["metadata"]["acp"]["files"]) == [
         f"rank-{r:05}.safetensors" for r in range(4)
