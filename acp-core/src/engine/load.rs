@@ -305,12 +305,13 @@ fn load_with(engine: &Engine, req: &LoadRequest, defer: bool) -> Result<Opened> 
     let (ram_first, candidates): (Vec<u64>, Vec<u64>) = match req.step {
         Some(s) => (Vec::new(), vec![s]),
         None => {
-            let mut steps = shared.root.steps()?;
-            // A step directory whose index is gone was committed once (the
-            // index is in place before the rename that commits): its loss
-            // is corruption to report, not a step to skip in silence.
-            steps.extend(shared.root.steps_without_index()?);
-            steps.sort_unstable();
+            // Every step directory, by name: one whose index is gone was
+            // committed once (the index is in place before the rename that
+            // commits), and reading its index reports that corruption
+            // rather than skipping the step in silence. Nothing is looked
+            // up per step: on a cold cache that cost more than a small
+            // step's read.
+            let steps = shared.root.step_dirs()?;
             // RAM snapshots newer than every committed step come first.
             let newest = steps.last().copied();
             let ram_first: Vec<u64> = ram

@@ -235,9 +235,10 @@ impl LocalStorage {
         Ok(Some(trash))
     }
 
-    /// The step directories (`step-…`, not symlinks) and whether each holds
-    /// an index file (a regular one).
-    fn step_dirs(&self) -> Result<Vec<(u64, bool)>> {
+    /// The step directories (`step-…`, not symlinks: the listing's own
+    /// file type, no lookup), ascending, and, with `look_inside`, whether
+    /// each holds an index file (a regular one; one lookup per step).
+    fn listed(&self, look_inside: bool) -> Result<Vec<(u64, bool)>> {
         let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
         let mut steps = Vec::new();
         for ent in rd {
@@ -248,8 +249,10 @@ impl LocalStorage {
             if !ent.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
-            let index = fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME));
-            steps.push((step, index.is_ok_and(|m| m.is_file())));
+            let index = look_inside
+                && fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME))
+                    .is_ok_and(|m| m.is_file());
+            steps.push((step, index));
         }
         steps.sort_unstable();
         Ok(steps)
@@ -416,29 +419,14 @@ impl Storage for LocalStorage {
 
     fn steps(&self) -> Result<Vec<u64>> {
         Ok(self
-            .step_dirs()?
+            .listed(true)?
             .into_iter()
             .filter_map(|(s, index)| index.then_some(s))
             .collect())
     }
 
-    fn steps_without_index(&self) -> Result<Vec<u64>> {
-        let rd = fs::read_dir(&self.path).map_err(|e| Error::io("list", &self.path, e))?;
-        let mut steps = Vec::new();
-        for ent in rd {
-            let ent = ent.map_err(|e| Error::io("list", &self.path, e))?;
-            let Some(step) = ent.file_name().to_str().and_then(parse_step_dir_name) else {
-                continue;
-            };
-            if !ent.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
-            if fs::symlink_metadata(ent.path().join(INDEX_FILE_NAME)).is_err() {
-                steps.push(step);
-            }
-        }
-        steps.sort_unstable();
-        Ok(steps)
+    fn step_dirs(&self) -> Result<Vec<u64>> {
+        Ok(self.listed(false)?.into_iter().map(|(s, _)| s).collect())
     }
 
     fn is_committed(&self, step: u64) -> bool {
@@ -737,6 +725,27 @@ mod tests {
             let e = check_writable_root(p, 1000, mode, 1000).unwrap_err();
             assert!(e.to_string().contains("/ckpt has mode"), "{e}");
         }
+    }
+
+    #[test]
+    fn step_dirs_go_by_name_and_steps_by_index() {
+        let t = tempfile::tempdir().unwrap();
+        let root = LocalStorage::open(t.path()).unwrap();
+        let dir = |s: u64| t.path().join(step_dir_name(s));
+        for s in [3, 7, 9] {
+            fs::create_dir(dir(s)).unwrap();
+        }
+        fs::write(dir(3).join(INDEX_FILE_NAME), b"{}").unwrap();
+        fs::write(dir(7).join(INDEX_FILE_NAME), b"{}").unwrap();
+        // Step 9's index is gone (damage); step 11 is a file, step 12 a
+        // symlink to a step directory, neither a step directory.
+        fs::write(dir(11), b"junk").unwrap();
+        std::os::unix::fs::symlink(dir(7), dir(12)).unwrap();
+        fs::create_dir(t.path().join(".pending-000000000013-x")).unwrap();
+        assert_eq!(root.steps().unwrap(), vec![3, 7]);
+        assert_eq!(root.step_dirs().unwrap(), vec![3, 7, 9]);
+        let missing = root.read_index(9).unwrap_err();
+        assert_eq!(missing.kind(), crate::ErrorKind::Corrupt, "{missing}");
     }
 
     #[test]

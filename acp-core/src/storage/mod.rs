@@ -316,12 +316,17 @@ pub trait Storage: Send + Sync + Debug {
     /// [`Error::Io`](crate::Error::Io) listing the storage.
     fn steps(&self) -> Result<Vec<u64>>;
 
-    /// Steps that were committed but whose index is gone (only damage
-    /// leaves one: the commit publishes the index with the step).
+    /// Every step that has a step directory, ascending, known by its name
+    /// alone (one listing, nothing opened or looked up inside): the
+    /// committed steps and any whose index damage removed (the commit
+    /// publishes the index with the step, so nothing else leaves one). For
+    /// a caller that reads the index of the step it picks next, which tells
+    /// the two apart ([`Storage::read_index`] reports a missing index as
+    /// corruption), without paying a lookup per step on a cold cache.
     ///
     /// # Errors
     /// [`Error::Io`](crate::Error::Io) listing the storage.
-    fn steps_without_index(&self) -> Result<Vec<u64>>;
+    fn step_dirs(&self) -> Result<Vec<u64>>;
 
     /// Whether `step` is committed.
     fn is_committed(&self, step: u64) -> bool;
