@@ -104,7 +104,7 @@ COMPARE_ARGS ?= --size-gib 0.25 1 --repeats 5
 SCALING_ARGS ?=
 GOODPUT_ARGS ?=
 
-bench-compare: build-dev ## acp next to torch.save, safetensors, DCP, MindSpore and the raw baselines.
+bench-compare: build-dev ## acp next to torch.save, safetensors, DCP, MindSpore and the raw baselines, with a verdict line per issue-16 target.
 	$(PY) acp-bench/peers/compare.py $(COMPARE_ARGS) --out $(RESULTS)/compare
 
 bench-scaling: build-dev ## Stall and flush against state size and tensor count, with PNG plots.

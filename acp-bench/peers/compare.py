@@ -35,7 +35,9 @@ once just before). acp's RAM ring is shared memory: dropping caches does not tou
 
 Output: a Markdown table per size with GB/s and the ratio to the fastest memcpy, a table of
 acp against each peer (peer time / acp time: above 1, acp is faster), and ``--json`` with
-every run; ``--out DIR`` writes both (``compare.md``, ``compare.json``). More peers plug in
+every run, and one verdict line per issue-16 target the run measures (verified restore from
+RAM, stall, save until committed, cold restore: each a ratio of two medians of this run and
+met or MISSED); ``--out DIR`` writes both (``compare.md``, ``compare.json``). More peers plug in
 with ``--plugin file.py``, whose ``register(compare)`` returns a list of ``compare.Group``;
 see ``Group``.
 """

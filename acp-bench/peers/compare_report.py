@@ -61,8 +61,85 @@ def md_tables(case: str, ctx: Ctx) -> str:
             f"| {r.group} | {r.op} | {r.median:.4f} | {min(r.runs):.4f} | {max(r.runs):.4f} | "
             f"{ctx.bytes / r.median / 1e9:.2f} | {ratio} | {floor_name} | {note} |"
         )
-    lines += ["", _peer_table(ctx)]
+    lines += ["", _peer_table(ctx), "", *verdicts(ctx)]
     return "\n".join(lines)
+
+
+def _ratio_line(name: str, target: float, num: Row | None, den: float | None, what: str) -> str:
+    if num is None or den is None:
+        return f"- {name}: not measured in this run ({what})"
+    ratio = num.median / den
+    verdict = "met" if ratio <= target else "MISSED"
+    return f"- {name}: {ratio:.2f}x {what} (target <= {target}x): **{verdict}**"
+
+
+def verdicts(ctx: Ctx) -> list[str]:
+    """One line per issue-16 target that this run measures, each a ratio of
+    two medians of this run and the target's verdict."""
+    floors = _floors(ctx)
+    copy, write, read = (floors.get(k) for k in ("copy", "write", "read"))
+    ram = _find(ctx, "ckpt.load(into=state) from RAM")
+    cold = _find(ctx, "ckpt.load(into=state) from storage, cold")
+    warm_st = next(
+        (r for r in ctx.rows if r.op.startswith("safetensors load_file") and r.cache == "warm"),
+        None,
+    )
+    cold_torch = next(
+        (r for r in ctx.rows if r.op.startswith("torch.load") and r.cache.startswith("cold")),
+        None,
+    )
+    out = ["Issue 16's targets in this run (same-run medians):", ""]
+    out.append(
+        _ratio_line(
+            "1. verified restore from RAM",
+            1.3,
+            ram,
+            copy.median if copy else None,
+            "the fastest memcpy",
+        )
+    )
+    if ram and warm_st:
+        faster = ram.median < warm_st.median
+        out.append(
+            f"- 1b. against safetensors `load_file` + copy from a warm page cache: acp "
+            f"{ram.median:.4f} s, safetensors {warm_st.median:.4f} s: "
+            f"**{'met' if faster else 'MISSED'}** (target: acp faster)"
+        )
+    out.append(
+        _ratio_line(
+            "2. save stall",
+            1.2,
+            _find(ctx, "ckpt.save [stall]"),
+            copy.median if copy else None,
+            "the fastest memcpy",
+        )
+    )
+    out.append(
+        _ratio_line(
+            "3. save until committed",
+            1.1,
+            _find(ctx, "ckpt.save [total]"),
+            copy.median + write.median if copy and write else None,
+            "memcpy + the raw O_DIRECT write and fsync",
+        )
+    )
+    out.append(
+        _ratio_line(
+            "4. cold restore from storage",
+            1.2,
+            cold,
+            read.median + copy.median if read and copy else None,
+            "the raw O_DIRECT read + a memcpy of the same bytes (the scatter)",
+        )
+    )
+    if cold and cold_torch:
+        faster = cold.median < cold_torch.median
+        out.append(
+            f"- 4b. against `torch.load` + copy, cold: acp {cold.median:.4f} s, "
+            f"torch.load {cold_torch.median:.4f} s: "
+            f"**{'met' if faster else 'MISSED'}** (target: acp faster)"
+        )
+    return out
 
 
 def _peer_table(ctx: Ctx) -> str:
