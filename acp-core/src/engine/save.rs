@@ -411,8 +411,10 @@ impl Engine {
             // superseded (RAM snapshots the policy kept) or is being
             // flushed: persisting the newest resident step lets the ring
             // reuse the others' slots, and its own once persisted. Never
-            // drop the only copy of the newest step instead.
-            if shared.lock().in_flight == 0 {
+            // drop the only copy of the newest step instead. A superseded
+            // snapshot still pinned (its hash or send running) frees its
+            // slot by itself: wait for it instead.
+            if shared.lock().in_flight == 0 && !shared.ring.freeing() {
                 if let Err(e) = self.persist_newest() {
                     tracing::warn!(
                         step,

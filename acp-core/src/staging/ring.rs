@@ -322,6 +322,14 @@ impl Ring {
             .clone()
     }
 
+    /// Whether a slot released while pinned (a superseded snapshot being
+    /// hashed or sent) becomes free once its pins drop: a ring waiting
+    /// for room then needs no other way to make it.
+    #[must_use]
+    pub fn freeing(&self) -> bool {
+        self.inner.lock().slots.iter().any(|e| e.free_on_unpin)
+    }
+
     /// The recorded digests of slot `slot`, if any.
     #[must_use]
     pub fn digests(&self, slot: usize) -> Option<Vec<Digest>> {
@@ -383,6 +391,14 @@ impl Ring {
             e.free_on_unpin = true;
             e.has_digests = false;
             e.quick_sums = None;
+            // Free in the control block at once (the pins read the mapped
+            // bytes, not the block): a process that dies before they drop
+            // leaves no released image for a later open to take for a
+            // resident step and persist.
+            if let Some(m) = &mut e.mem {
+                m.ctrl.clear_digests();
+                m.ctrl.set_state(SlotState::Free);
+            }
             return released;
         }
         e.free();
