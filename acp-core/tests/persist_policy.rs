@@ -364,7 +364,59 @@ fn a_ram_snapshot_changed_in_ram_is_rejected_naming_the_slot_and_tensor() {
         .to_string();
     assert!(e.contains(&name), "{e}");
     assert!(e.contains("`a`") || e.contains("`b`"), "{e}");
-    engine.close().unwrap();
+    // `close` persists the newest resident step, but not under digests
+    // its bytes no longer give: step 2 is not committed.
+    let e = engine
+        .close()
+        .err()
+        .expect("close refuses the changed step");
+    assert!(e.to_string().contains("changed in RAM"), "{e}");
+    assert_eq!(engine.steps().unwrap(), [1]);
+}
+
+#[test]
+fn a_snapshot_changed_in_ram_after_its_hash_is_not_committed_by_its_persist() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 3, PersistPolicy::Every(1))).unwrap();
+    save(&engine, 1, Persist::Always).wait().unwrap();
+    save(&engine, 2, Persist::Never).wait().unwrap();
+    // Hashed in the background: its persist takes those digests.
+    engine.wait_idle(None).unwrap();
+    let (path, offset, len) = slot_of(&shm, 2);
+    let at = offset + len / 2;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+    }
+    let handle = engine.persist_newest().unwrap().expect("step 2 to persist");
+    let e = handle
+        .wait()
+        .err()
+        .expect("the persist of a changed image fails");
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        e.to_string().contains(&name) && e.to_string().contains("changed in RAM"),
+        "{e}"
+    );
+    // Nothing of step 2 was committed; step 1 is intact.
+    assert_eq!(engine.steps().unwrap(), [1]);
+    let ck = engine
+        .load(&LoadRequest {
+            storage_only: true,
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    assert_eq!(ck.step(), 1);
+    check(&ck).unwrap();
+    drop(ck);
+    let _ = engine.close();
 }
 
 /// The child side of the restart test: step 100's persist hangs in storage

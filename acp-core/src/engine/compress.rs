@@ -104,8 +104,12 @@ pub(super) struct PackMode<'a> {
     /// Chunks not written, by index (`true`): each becomes a reference
     /// frame. Shorter than the chunk count means the rest are written.
     pub(super) reuse: &'a [bool],
-    /// The chunks' digests and quick sums, when already taken.
+    /// The chunks' digests and quick sums, when already taken: each
+    /// chunk must still give its sum as it is written.
     pub(super) pre: Option<(&'a [Digest], &'a [u64])>,
+    /// The ring slot holding the image, named when a chunk changed since
+    /// `pre` was taken.
+    pub(super) slot: usize,
 }
 
 /// One encoded chunk: (chunk, quick sum, plain digest, frame, codec,
@@ -201,6 +205,13 @@ pub(super) fn write_packed(
                             (bytes.to_vec(), FrameCodec::Stored)
                         };
                         let (sum, dig) = match mode.pre {
+                            // Taken before: the bytes must still give the
+                            // sum taken with the digest.
+                            Some((_, s)) if s.get(i) != Some(&crate::read::fast_sum(bytes)) => {
+                                return Err(super::flush::changed_since_hashed(
+                                    shared, mode.slot, i,
+                                ));
+                            }
                             Some((d, s)) => (s[i], d[i]),
                             // The quick sum before the digest, as in a
                             // plain flush (`read/fast.rs` says why).

@@ -214,21 +214,33 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let mut sums: Vec<u64> = Vec::with_capacity(digests.capacity());
         shared.note_progress(format!("step {step}: writing {}", path.display()));
         let compress = shared.lock().rates.choose(shared.cfg.compress);
-        // An incremental flush takes the digests first, to know which
-        // chunks the newest committed step already holds.
+        // Digests this process recorded for the slot's image already (a
+        // snapshot hashed while it waited, a verified read): taken as they
+        // are, not computed again.
+        let n = image.len().div_ceil(chunk.max(1));
+        let recorded = match (shared.ring.digests(slot), shared.ring.quick_sums(slot)) {
+            (Some(d), Some(s))
+                if chunk == shared.cfg.chunk_bytes && d.len() == n && s.len() == n =>
+            {
+                Some((d, s))
+            }
+            _ => None,
+        };
+        // An incremental flush needs the digests first, to know which
+        // chunks the newest committed step already holds; when a probe of
+        // a few chunks finds none (training changes them all), the step is
+        // written whole, hashed as it is written.
         let base = if shared.cfg.incremental {
             super::incremental::base(shared, step, &file_name, chunk as u64)
         } else {
             None
         };
-        let pre = match &base {
-            Some(_) => Some(super::incremental::prehash(
-                image,
-                chunk,
-                shared.cfg.copy_threads,
-                &path,
-            )?),
-            None => None,
+        let pre = match (&base, recorded) {
+            (_, Some(r)) => Some(r),
+            (Some(b), None) if super::incremental::likely_reuse(b, image, chunk) => Some(
+                super::incremental::prehash(image, chunk, shared.cfg.copy_threads, &path)?,
+            ),
+            _ => None,
         };
         let reuse = match (&base, &pre) {
             (Some(b), Some((d, _))) => super::incremental::reuse(b, d, len, chunk as u64),
@@ -242,6 +254,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 compress,
                 reuse: &reused,
                 pre: pre.as_ref().map(|(d, s)| (&d[..], &s[..])),
+                slot,
             };
             let packed = super::compress::write_packed(shared, &file, &path, image, chunk, mode)?;
             digests = packed.digests;
@@ -269,6 +282,11 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                         debug_assert_eq!(i, digests.len());
                         sums.push(crate::read::fast_sum(bytes));
                         digests.push(digest(bytes));
+                    } else if sums.get(i) != Some(&crate::read::fast_sum(bytes)) {
+                        // Digests taken before the write vouch for the
+                        // bytes they were taken from: a chunk that changed
+                        // in RAM since is not committed under them.
+                        return Err(changed_since_hashed(shared, slot, i));
                     }
                     shared.note_progress(format!(
                         "step {step}: writing {} (chunk {i})",
@@ -539,4 +557,14 @@ fn wait_for_commit(shared: &Shared, step: u64, our_root: &str) -> Result<()> {
             || format!("step {step}: rank 0 did not commit (ranks [0] did not answer)"),
         )?;
     }
+}
+
+/// The error of a flush that finds chunk `i` of slot `slot` no longer
+/// giving the quick sum taken with its digest.
+pub(super) fn changed_since_hashed(shared: &Shared, slot: usize, i: usize) -> Error {
+    Error::corrupt(
+        shared.ring.slot_path(slot),
+        None,
+        format!("chunk {i} changed in RAM after it was hashed; the step is not committed"),
+    )
 }

@@ -80,11 +80,23 @@ pub(super) fn hash_slot(
     if ring.digests(slot).is_some() {
         return true;
     }
-    let digests = crate::read::digests_of(pin.image(), shared.cfg.chunk_bytes, threads);
+    // The quick sums too, from the same bytes: a load in this process
+    // checks them, and a persist of the snapshot takes these digests
+    // instead of hashing again, checking each chunk's sum as it writes it.
+    let path = ring.slot_path(slot);
+    let (digests, sums) =
+        match super::incremental::prehash(pin.image(), shared.cfg.chunk_bytes, threads, &path) {
+            Ok(pair) => pair,
+            Err(e) => {
+                tracing::warn!(step, "acp: RAM snapshot not hashed: {e}");
+                return false;
+            }
+        };
     // Still this image (the pin guarantees it) and still complete: a slot
     // released meanwhile (superseded) ignores the digests.
     if ring.generation(slot) == Some(pin.generation()) {
         ring.set_digests(slot, &digests);
+        ring.record_quick_sums(slot, &digests, sums);
         tracing::debug!(step, slot, "acp: RAM snapshot hashed");
     }
     ring.digests(slot).is_some()

@@ -74,6 +74,42 @@ pub(super) fn base(shared: &Shared, step: u64, file: &str, chunk: u64) -> Option
     })
 }
 
+/// Chunks [`likely_reuse`] hashes at most.
+const PROBES: usize = 8;
+
+/// Whether `image` (in `chunk`-byte chunks) likely shares chunks with
+/// `base`: up to [`PROBES`] chunks spread evenly over it are hashed, and
+/// one that equals the base's chunk at the same span says yes. Training
+/// changes every chunk of a state; a fine-tuned one keeps most of them
+/// (a frozen base), so a probe that finds none spares the flush hashing
+/// the whole image before it writes anything (it then writes the step
+/// whole and takes the digests as it writes, overlapped with the writes),
+/// at the cost of writing whole the rare step that shares few chunks, all
+/// away from the probes: still a complete, verified step.
+pub(super) fn likely_reuse(base: &Base, image: &[u8], chunk: usize) -> bool {
+    let chunk = chunk.max(1);
+    let n = image.len().div_ceil(chunk);
+    let len = image.len() as u64;
+    let probes = n.min(PROBES);
+    (0..probes).any(|k| {
+        // Evenly spread, the first and the last chunk included.
+        let i = if probes <= 1 {
+            0
+        } else {
+            k * (n - 1) / (probes - 1)
+        };
+        let i64 = i as u64;
+        let (s, e) = chunk_span(i64, chunk as u64, len);
+        let same_span =
+            i < base.digests.len() && chunk_span(i64, chunk as u64, base.size) == (s, e);
+        same_span && base.digests[i] == Some(digest(&image[to_index(s)..to_index(e)]))
+    })
+}
+
+fn to_index(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
 /// The quick sum and digest of each `chunk`-byte chunk of `image`, over up
 /// to `threads` threads (contiguous runs of chunks). The sum of a chunk is
 /// taken before its digest, as in a plain flush (`read/fast.rs` says why).
@@ -187,6 +223,45 @@ mod tests {
         let r = runs(&[a.clone(), a.clone(), None, a.clone(), b.clone(), b]);
         let got: Vec<(u64, u64, u64)> = r.iter().map(|r| (r.first, r.count, r.step)).collect();
         assert_eq!(got, vec![(0, 2, 1), (3, 1, 1), (4, 2, 2)]);
+    }
+
+    fn base_of(image: &[u8], chunk: usize) -> Base {
+        let digests = crate::format::chunk_digests(image, chunk);
+        Base {
+            size: image.len() as u64,
+            holders: vec![(1, "f".to_owned()); digests.len()],
+            digests: digests.into_iter().map(Some).collect(),
+        }
+    }
+
+    #[test]
+    fn likely_reuse_finds_a_frozen_part_and_not_a_trained_state() {
+        let chunk = 4096;
+        let old: Vec<u8> = (0..64 * chunk).map(|i| (i % 251) as u8).collect();
+        let base = base_of(&old, chunk);
+        // Every chunk changed (training): no probe matches.
+        let trained: Vec<u8> = old.iter().map(|b| b.wrapping_add(1)).collect();
+        assert!(!likely_reuse(&base, &trained, chunk));
+        // The first three quarters frozen, the rest trained.
+        let mut tuned = old.clone();
+        for b in &mut tuned[48 * chunk..] {
+            *b = b.wrapping_add(1);
+        }
+        assert!(likely_reuse(&base, &tuned, chunk));
+        // Only the last chunk unchanged: the last probe finds it.
+        let mut last = trained.clone();
+        last[63 * chunk..].copy_from_slice(&old[63 * chunk..]);
+        assert!(likely_reuse(&base, &last, chunk));
+        // The same bytes at another span (a longer image) do not count.
+        let mut longer = old.clone();
+        longer.push(0);
+        assert!(
+            likely_reuse(&base, &longer, chunk),
+            "the first chunks keep their span"
+        );
+        let shifted: Vec<u8> = std::iter::once(0).chain(old.iter().copied()).collect();
+        assert!(!likely_reuse(&base, &shifted, chunk));
+        assert!(!likely_reuse(&base, &[], chunk));
     }
 
     #[test]

@@ -70,7 +70,7 @@ use std::path::Path;
 pub(crate) use fast::{fast_sum, sums_match};
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};
-pub(crate) use whole::{digests_of, Target};
+pub(crate) use whole::Target;
 
 use crate::error::{Error, Result};
 use crate::format::{
