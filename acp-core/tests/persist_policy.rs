@@ -366,10 +366,7 @@ fn a_ram_snapshot_changed_in_ram_is_rejected_naming_the_slot_and_tensor() {
     assert!(e.contains("`a`") || e.contains("`b`"), "{e}");
     // `close` persists the newest resident step, but not under digests
     // its bytes no longer give: step 2 is not committed.
-    let e = engine
-        .close()
-        .err()
-        .expect("close refuses the changed step");
+    let e = engine.close().expect_err("close refuses the changed step");
     assert!(e.to_string().contains("changed in RAM"), "{e}");
     assert_eq!(engine.steps().unwrap(), [1]);
 }
@@ -398,8 +395,7 @@ fn a_snapshot_changed_in_ram_after_its_hash_is_not_committed_by_its_persist() {
     let handle = engine.persist_newest().unwrap().expect("step 2 to persist");
     let e = handle
         .wait()
-        .err()
-        .expect("the persist of a changed image fails");
+        .expect_err("the persist of a changed image fails");
     let name = path.file_name().unwrap().to_string_lossy().into_owned();
     assert!(
         e.to_string().contains(&name) && e.to_string().contains("changed in RAM"),
