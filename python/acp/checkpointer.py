@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp, cover
 from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
+from acp._coalesce import Coalescer
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
 from acp._load import load_into, load_state, read_failed, run_transfers
@@ -254,9 +255,15 @@ class Checkpointer:
         recover_together = coordinated and persist_on_open is None
         if recover_together:
             persist_on_open = False
-        if persist_every is None and persist_interval is None and persist_policy is None:
-            # One rank coalesces; several persist every save (see above).
-            persist_policy = "coalesce" if self.world_size == 1 else None
+        agreed, persist_policy, ring_slots = _persist_mode(
+            self.world_size,
+            coordinated,
+            persist_every=persist_every,
+            persist_interval=persist_interval,
+            persist_policy=persist_policy,
+            ring_slots=ring_slots,
+            ring_bytes=ring_bytes,
+        )
         self._engine = _acp.Engine(
             os.fspath(root),
             job=job,
@@ -301,6 +308,11 @@ class Checkpointer:
             self._coordinator = self._coordinate(
                 store, job, commit_timeout, recover_together=recover_together
             )
+        self._coalescer = (
+            Coalescer(self._engine, self._coordinator)
+            if agreed and self._coordinator is not None
+            else None
+        )
         self._adapters = Adapters()
         # The last save's and load(into=)'s plans, reused while the state's
         # signature stays the same (acp._plan).
@@ -496,6 +508,40 @@ class Checkpointer:
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
+        coalescer = self._coalescer if persist is None else None
+        try:
+            result, handle = self._stage(
+                t0,
+                step,
+                state,
+                overwrite=overwrite,
+                metadata=metadata,
+                replicated=replicated,
+                persist=persist,
+                hold=coalescer is not None,
+            )
+        except BaseException:
+            if coalescer is not None:
+                coalescer.staged(step, None)  # rank 0 decides it "not persisted"
+            raise
+        if coalescer is not None:
+            coalescer.staged(step, handle)
+        return result
+
+    def _stage(
+        self,
+        t0: float,
+        step: int,
+        state: object,
+        *,
+        overwrite: bool,
+        metadata: dict[str, str] | None,
+        replicated: bool | Collection[str],
+        persist: bool | None,
+        hold: bool,
+    ) -> tuple[SaveHandle, _acp.SaveHandle | None]:
+        """``_save``'s work: the save handle, and the engine's handle of
+        the staged save (None when skipped)."""
         kept, flat, tensors, specs, values_json, frameworks = self._plan_save(state, replicated)
         tensor_bytes = (
             kept.tensor_bytes if kept is not None else sum(t.info.nbytes for t in tensors)
@@ -509,9 +555,13 @@ class Checkpointer:
         engine_plan = self._engine_plan(kept, replicated, tensors, specs, values_json)
         t1 = perf_counter()
         if engine_plan is not None:
-            staging = self._engine.begin_save_planned(step, engine_plan, overwrite, extra, persist)
+            staging = self._engine.begin_save_planned(
+                step, engine_plan, overwrite, extra, persist, hold=hold
+            )
         else:
-            staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
+            staging = self._engine.begin_save(
+                step, specs, values_json, overwrite, extra, persist, hold=hold
+            )
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
@@ -578,7 +628,7 @@ class Checkpointer:
             self._stall_max = max(self._stall_max, stall)
             self._last_save = result
         self._metrics.saved(result)
-        return result
+        return result, None if staging is None else handle
 
     # --- loading ----------------------------------------------------------
 
@@ -874,6 +924,10 @@ class Checkpointer:
         self._plans.clear()
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
+        if self._coalescer is not None:
+            # The held saves are decided first: a rank never lets go of a
+            # step that rank 0 chose to persist.
+            self._coalescer.close()
         if self._replicas is not None:
             self._replicas.close()
         try:
@@ -943,6 +997,36 @@ def _torch_replicas(replicas: int | None, timeout: float | None) -> TorchReplica
     from .replica import DEFAULT_TIMEOUT, TorchReplicas
 
     return TorchReplicas(replicas, DEFAULT_TIMEOUT if timeout is None else timeout)
+
+
+def _persist_mode(
+    world_size: int,
+    coordinated: bool,
+    *,
+    persist_every: int | None,
+    persist_interval: float | None,
+    persist_policy: str | None,
+    ring_slots: int | None,
+    ring_bytes: int | None,
+) -> tuple[bool, str | None, int | None]:
+    """The default persist policy: whether the ranks coalesce together
+    (``acp._coalesce``), and the engine's ``persist_policy`` and
+    ``ring_slots``. One rank coalesces in its engine; several with a store
+    coalesce together (the engine persists what rank 0 decides, every save
+    held until then); several without a store persist every save."""
+    agreed = False
+    if persist_every is None and persist_interval is None:
+        if persist_policy is None and world_size == 1:
+            persist_policy = "coalesce"
+        elif persist_policy in (None, "coalesce") and world_size > 1:
+            agreed = coordinated
+            persist_policy = None if agreed else persist_policy
+    if agreed and ring_slots is None and ring_bytes is None:
+        # A slot for the persist in flight, one for the newest snapshot and
+        # one to stage into: snapshots keep cycling meanwhile. The
+        # self-sized budget gives slots memory only as images need it.
+        ring_slots = 3
+    return agreed, persist_policy, ring_slots
 
 
 def _step(step: object) -> int:
