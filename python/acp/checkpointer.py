@@ -132,7 +132,8 @@ class Checkpointer:
             each naming the sizes and the fix (``docker run --shm-size``,
             ``ACP_SHM_DIR``, or an explicit ``ring_bytes``, which always wins).
             ``ACP_RING_BYTES`` gives it when the keyword does not.
-        ring_slots: slots in the ring (default 2).
+        ring_slots: slots in the ring (default 2; 3 with several ranks
+            coalescing together and no ``ring_bytes``: see below).
         shm_dir: the directory of the ring's slot files (default
             ``/dev/shm``; ``ACP_SHM_DIR`` gives it when the keyword does not).
         keep_last, keep_every: retention: keep the newest ``keep_last``
@@ -170,14 +171,27 @@ class Checkpointer:
             Default, unless the environment gives a policy
             (``ACP_PERSIST_EVERY``, ``ACP_PERSIST_INTERVAL``,
             ``ACP_PERSIST_POLICY``; read only when none of the three
-            keywords is given): ``"coalesce"`` with one rank; with several,
-            every save (``persist_every=1``), since every rank must write
-            the same steps and the ranks have no agreement on which
-            snapshot to coalesce to. With several ranks only
-            ``persist_every`` is allowed (the same steps on every rank).
-            Give the ring 3 slots or more when most saves are not
-            persisted, so snapshots keep cycling while a persist is in
-            flight.
+            keywords is given): ``"coalesce"``. With several ranks every
+            rank must write the same steps, so with a store they coalesce
+            together: rank 0 decides each save on a background thread
+            (persisted iff the step it chose last has finished: committed
+            by every rank, or failed) and posts the decision in the store;
+            every rank holds each save resident until it reads the
+            decision, so a rank ahead of rank 0 still has the chosen step.
+            A step is persisted at the first save after the previous
+            persist finished; the saves in between stay RAM snapshots on
+            every rank, never written. A decision that does not come within
+            ``commit_timeout`` (rank 0 gone) releases the hold, with a log
+            line. Without a store several ranks persist every save.
+            ``persist_interval`` is refused with several ranks (each rank
+            would time it alone). Give the ring 3 slots or more when most
+            saves are not persisted, so snapshots keep cycling while a
+            persist is in flight; with several ranks coalescing and neither
+            ``ring_slots`` nor ``ring_bytes`` given, the ring has 3 (the
+            self-sized budget gives a slot memory only as images need it,
+            but each slot holds at most a third of it). Every persisted step
+            is written by every rank; a RAM-only step is lost if its node is
+            lost before it is persisted or replicated.
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
@@ -389,9 +403,10 @@ class Checkpointer:
         (it survives a crash of the process, not the loss of the node).
         ``persist=True`` also writes and commits it to storage,
         ``persist=False`` keeps it in RAM only, and None (default) lets the
-        persist policy decide (``persist_every``, ...; by default, with one
-        rank, the newest snapshot whenever the previous persist has
-        finished; with several, every save). The newest snapshot is
+        persist policy decide (``persist_every``, ...; by default the
+        newest snapshot whenever the previous persist has finished, agreed
+        by the ranks when there are several with a store; several without
+        a store persist every save). The newest snapshot is
         committed anyway by
         ``close()``, the dying checkpoint, a restarted trainer on this node
         and ``acp persist``.
