@@ -204,6 +204,22 @@ def test_a_rank_ahead_of_rank_0_still_persists_the_chosen_step(
     assert _strays(root) == []
 
 
+def test_wait_returns_once_the_decisions_are_applied(tmp_path: Path, shm_dir: Path) -> None:
+    """``wait()`` on a rank waits for rank 0's decisions on its held saves,
+    then for the persists they queued: the chosen step is committed."""
+    root = tmp_path / "ckpt"
+    store = _Store()
+    ckpts = _in_threads(lambda r: _open(root, shm_dir, store, r, 2), 2)
+    try:
+        ckpts[1].save(1, _state(1, 1))
+        ckpts[0].save(1, _state(1, 0))
+        ckpts[1].wait(120)
+        assert ckpts[1].engine.held() == []
+        assert ckpts[1].steps() == [1]
+    finally:
+        _in_threads(lambda r: ckpts[r].close(), 2)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_saving_in_lockstep_on_slow_storage_write_only_decided_steps(
     tmp_path: Path, shm_dir: Path, world: int

@@ -93,6 +93,8 @@ class Coalescer:
         self._cv = threading.Condition()
         self._queue: collections.deque[_Held] = collections.deque()
         self._closing = False
+        # A save taken off the queue and not decided yet.
+        self._busy = False
         # Rank 0: the handle of the persist chosen last.
         self._chosen: _Handle | None = None
         self.decisions: collections.deque[tuple[int, bool]] = collections.deque(maxlen=_REMEMBERED)
@@ -111,6 +113,13 @@ class Coalescer:
             self._queue.append(_Held(step, handle, time.monotonic() + self._timeout))
             self._cv.notify_all()
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Waits until every save registered so far is decided on this rank
+        (each wait for rank 0 bounded by its deadline), at most ``timeout``
+        seconds; whether they are."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
     def close(self) -> None:
         """Decides the saves still held (waiting at most until each one's
         deadline for rank 0's decision), then stops the thread."""
@@ -127,11 +136,14 @@ class Coalescer:
     def _run(self) -> None:
         while True:
             with self._cv:
+                self._busy = False
+                self._cv.notify_all()
                 while not self._queue and not self._closing:
                     self._cv.wait()
                 if not self._queue:
                     return
                 held = self._queue.popleft()
+                self._busy = True
             try:
                 if self._leader:
                     self._lead(held)

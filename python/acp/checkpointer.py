@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp, cover
-from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
+from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, EngineClosed, InvalidInput
 from acp._coalesce import Coalescer
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
@@ -852,8 +852,18 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every save so far has finished (committed or failed;
-        a RAM snapshot once it is hashed, so that ``load()`` can serve it)."""
+        a RAM snapshot once it is hashed, so that ``load()`` can serve it;
+        with several ranks coalescing, once the ranks' decision is applied)."""
         self._check_open()
+        if self._coalescer is not None:
+            started = perf_counter()
+            if not self._coalescer.drain(timeout):
+                raise AcpTimeout(
+                    f"rank {self.rank}: persist decisions (coalescing) of {self.root}: "
+                    f"timed out after {timeout:.3f} s"
+                )
+            if timeout is not None:
+                timeout = max(0.0, timeout - (perf_counter() - started))
         self._engine.wait_idle(timeout)
         self._metrics.collect()
 
