@@ -224,7 +224,7 @@ def test_wait_returns_once_the_decisions_are_applied(tmp_path: Path, shm_dir: Pa
 def test_ranks_saving_in_lockstep_on_slow_storage_write_only_decided_steps(
     tmp_path: Path, shm_dir: Path, world: int
 ) -> None:
-    """Each rank saves steps 1..24 on its own thread, at its own pace
+    """Each rank saves steps 1..40 on its own thread, at its own pace
     between barriers, to a storage throttled so that a persist takes many
     saves: every committed step is one rank 0 decided to persist (or the
     last, committed by close), every rank applied the same decisions and
@@ -238,12 +238,15 @@ def test_ranks_saving_in_lockstep_on_slow_storage_write_only_decided_steps(
         world,
     )
     barrier = threading.Barrier(world)
-    steps = 24
+    steps = 40
     decisions: list[list[tuple[int, bool]]] = [[] for _ in range(world)]
 
     def train(rank: int) -> None:
         for step in range(1, steps + 1):
             barrier.wait(timeout=120)
+            # The step's compute, longer on some ranks than others (the
+            # invariants below hold whatever the timing).
+            time.sleep(0.005 * (1 + (step + rank) % 3))
             ckpts[rank].save(step, _state(step, rank))
         ckpts[rank].close()
         decisions[rank] = _decisions(ckpts[rank])
