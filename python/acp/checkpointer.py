@@ -537,7 +537,11 @@ class Checkpointer:
             )
         except BaseException:
             if coalescer is not None:
-                coalescer.staged(step, None)  # rank 0 decides it "not persisted"
+                # Rank 0 decides it "not persisted"; a hold that was staged
+                # before the error (nothing decides it now) is let go.
+                coalescer.staged(step, None)
+                with contextlib.suppress(AcpError):
+                    self._engine.decide(step, False)
             raise
         if coalescer is not None:
             coalescer.staged(step, handle)
