@@ -18,6 +18,14 @@ slots create them; DCP's first async_save sets up its stager and threads):
 - ``acp via dcp``: ``dcp.async_save`` with ``acp.dcp.StorageWriter`` and
   ``acp.dcp.Stager`` (the stager copies the whole local state: no dedup).
 
+``--policy`` measures the persist policy instead: each rank saves
+``--policy-saves`` steps back to back, one per ``--step-ms`` of simulated
+compute, once with the default policy (several ranks coalescing together:
+rank 0 decides, every rank holds each save until it knows) and once with
+``persist_every=1``; the table gives the saves per persist, the median
+stall, the wall time until every step chosen is committed (``close``) and
+the bytes written.
+
 Measured per save and rank: the **stall** (until ``save``/``async_save``
 returns, i.e. what training waits for) and **save → commit** (from the call
 to its completion: acp's handle, DCP's future; with several ranks that is
@@ -151,6 +159,55 @@ def bench_dcp(args: argparse.Namespace, state: Any, ring: int) -> dict[str, Any]
     return out
 
 
+POLICIES = {"coalesce (agreed)": {}, "every save": {"persist_every": 1}}
+
+
+def bench_policy(args: argparse.Namespace, state: Any, ring: int) -> dict[str, Any]:
+    """Each policy: ``--policy-saves`` saves, one per ``--step-ms`` of
+    simulated compute (ranks in step by a barrier, as collectives keep
+    them), then ``close`` (which commits the newest step)."""
+    import torch.distributed as dist
+
+    import acp
+
+    out = {}
+    for name, kwargs in POLICIES.items():
+        root = Path(args.dir) / name.split()[0]
+        ckpt = acp.Checkpointer(
+            root,
+            job=str(root),
+            shm_dir=args.shm,
+            ring_bytes=ring,
+            ring_slots=3,
+            mlock=False,
+            **kwargs,
+        )
+        stalls = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        for step in range(1, args.policy_saves + 1):
+            dist.barrier()
+            time.sleep(args.step_ms / 1e3)  # the training step's compute
+            t = time.perf_counter()
+            ckpt.save(step, state)
+            stalls.append(time.perf_counter() - t)
+        ckpt.close()
+        dist.barrier()
+        wall = time.perf_counter() - t0
+        out[name] = {
+            "saves": args.policy_saves,
+            # Committed by the policy, and the newest by close.
+            "persisted": len(list(root.glob("step-*"))),
+            "stall": statistics.median(stalls),
+            "wall": wall,
+            "written": dir_bytes(root),
+        }
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -158,8 +215,11 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     state = make_state(args.mib)
     state_bytes = sum(t.numel() * 4 for t in state["model"].values())
-    ring = 2 * (state_bytes + (16 << 20))
-    runs = {**bench_acp(args, state, ring), **bench_dcp(args, state, ring)}
+    ring = 3 * (state_bytes + (16 << 20))
+    if args.policy:
+        runs = bench_policy(args, state, ring)
+    else:
+        runs = {**bench_acp(args, state, ring), **bench_dcp(args, state, ring)}
     out = {"rank": rank, "world": world, "state_bytes": state_bytes, "runs": runs}
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -192,6 +252,11 @@ def run(args: argparse.Namespace) -> dict[int, list[dict[str, Any]]]:
             str(args.saves),
             "--warmup",
             str(args.warmup),
+            "--policy-saves",
+            str(args.policy_saves),
+            "--step-ms",
+            str(args.step_ms),
+            *(["--policy"] if args.policy else []),
         ]
         started = time.perf_counter()
         proc = subprocess.run(
@@ -236,6 +301,28 @@ def table(results: dict[int, list[dict[str, Any]]], mib: int) -> str:
     return "\n".join(lines)
 
 
+def policy_table(results: dict[int, list[dict[str, Any]]], mib: int, step_ms: float) -> str:
+    lines = [
+        f"State: {mib} MiB per rank; one save per {step_ms:.0f} ms of compute. "
+        "Stall: median over saves, slowest rank; written: every rank's files.",
+        "",
+        "| ranks | policy | saves | persisted | saves per persist | stall (ms) "
+        "| wall (s) | written (MiB) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, ranks in results.items():
+        for name in POLICIES:
+            rows = [r["runs"][name] for r in ranks]
+            r0 = rows[0]
+            persisted = max(r0["persisted"], 1)
+            lines.append(
+                f"| {n} | {name} | {r0['saves']} | {r0['persisted']} | "
+                f"{r0['saves'] / persisted:.1f} | {max(r['stall'] for r in rows) * 1e3:.1f} | "
+                f"{max(r['wall'] for r in rows):.1f} | {r0['written'] / 2**20:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -244,6 +331,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured saves first")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--json", default=None, help="write every measurement here")
+    p.add_argument("--policy", action="store_true", help="measure the persist policy instead")
+    p.add_argument("--policy-saves", type=int, default=40, help="saves per policy (--policy)")
+    p.add_argument("--step-ms", type=float, default=50.0, help="compute per step (--policy)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shm", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -252,7 +342,10 @@ def main() -> None:
         worker(args)
         return
     results = run(args)
-    print(table(results, args.mib))
+    if args.policy:
+        print(policy_table(results, args.mib, args.step_ms))
+    else:
+        print(table(results, args.mib))
     if args.json:
         Path(args.json).write_text(json.dumps({"mib": args.mib, "results": results}, indent=1))
 

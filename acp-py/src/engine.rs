@@ -385,8 +385,9 @@ impl Engine {
     /// the JSON `values_json` in a ring slot. Returns the `Staging` to fill,
     /// or `None` when the save was skipped because no slot was free.
     /// `persist`: True persists the save, False keeps it a RAM snapshot,
-    /// None lets the engine's persist policy decide.
-    #[pyo3(signature = (step, specs, values_json, overwrite=false, extra_metadata=None, persist=None))]
+    /// None lets the engine's persist policy decide. `hold=True` (with
+    /// `persist=None`) holds the snapshot until `decide(step, persist)`.
+    #[pyo3(signature = (step, specs, values_json, overwrite=false, extra_metadata=None, persist=None, hold=false))]
     #[expect(
         clippy::too_many_arguments,
         reason = "one argument per SaveOptions field"
@@ -400,6 +401,7 @@ impl Engine {
         overwrite: bool,
         extra_metadata: Option<BTreeMap<String, String>>,
         persist: Option<bool>,
+        hold: bool,
     ) -> PyResult<Option<Staging>> {
         let specs = tensor_specs(specs)?;
         start_save(
@@ -407,7 +409,7 @@ impl Engine {
             &self.get()?,
             overwrite,
             extra_metadata,
-            persist,
+            persist_of(persist, hold)?,
             |engine, opts| {
                 let staging = engine.begin_save_json(step, &specs, values_json, opts)?;
                 staging.map(Staging::new).transpose()
@@ -436,7 +438,11 @@ impl Engine {
     }
 
     /// `begin_save` of the tensors and values of `plan`.
-    #[pyo3(signature = (step, plan, overwrite=false, extra_metadata=None, persist=None))]
+    #[pyo3(signature = (step, plan, overwrite=false, extra_metadata=None, persist=None, hold=false))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one argument per SaveOptions field"
+    )]
     fn begin_save_planned(
         &self,
         py: Python<'_>,
@@ -445,13 +451,14 @@ impl Engine {
         overwrite: bool,
         extra_metadata: Option<BTreeMap<String, String>>,
         persist: Option<bool>,
+        hold: bool,
     ) -> PyResult<Option<Staging>> {
         start_save(
             py,
             &self.get()?,
             overwrite,
             extra_metadata,
-            persist,
+            persist_of(persist, hold)?,
             |engine, opts| {
                 let staging = engine.begin_save_planned(step, &plan.core, opts)?;
                 Ok(staging.map(|s| Staging::planned(s, plan)))
@@ -601,6 +608,22 @@ impl Engine {
             .map(SaveHandle::new)
     }
 
+    /// Decides a held save of `step` (`begin_save(..., hold=True)`): True
+    /// queues its persist (its save handle completes when committed),
+    /// False lets it go (a RAM snapshot, released once a newer step is
+    /// sealed). Returns whether `step` was held (False when decided
+    /// already, persisted as the newest step meanwhile, or let go at
+    /// close).
+    fn decide(&self, py: Python<'_>, step: u64, persist: bool) -> PyResult<bool> {
+        let engine = self.get()?;
+        py.detach(|| engine.decide(step, persist)).map_err(err)
+    }
+
+    /// The steps of the held saves not decided yet, in save order.
+    fn held(&self) -> PyResult<Vec<u64>> {
+        Ok(self.get()?.held())
+    }
+
     /// Deletes committed steps that are neither among the newest `keep_last`
     /// nor a multiple of `keep_every`; returns the deleted steps.
     #[pyo3(signature = (keep_last, keep_every=None))]
@@ -698,6 +721,23 @@ fn persist_policy_of(
     }
 }
 
+/// A save's `persist=` and `hold=` keywords as one choice; `hold` only
+/// with `persist=None` (a held save's persist is decided later).
+fn persist_of(persist: Option<bool>, hold: bool) -> PyResult<Persist> {
+    Ok(match (persist, hold) {
+        (None, false) => Persist::Policy,
+        (None, true) => Persist::Hold,
+        (Some(true), false) => Persist::Always,
+        (Some(false), false) => Persist::Never,
+        (Some(p), true) => {
+            return Err(invalid(
+                "save",
+                format!("hold=True decides the persist later; persist={p} decides it now"),
+            ))
+        }
+    })
+}
+
 /// Tensor specs from `(name, dtype name, shape)` tuples.
 fn tensor_specs(specs: Vec<(String, String, Vec<u64>)>) -> PyResult<Vec<TensorSpec>> {
     specs
@@ -723,7 +763,7 @@ fn start_save(
     engine: &acp_core::Engine,
     overwrite: bool,
     extra_metadata: Option<BTreeMap<String, String>>,
-    persist: Option<bool>,
+    persist: Persist,
     begin: impl FnOnce(&acp_core::Engine, &SaveOptions) -> Result<Option<Staging>, Error> + Send,
 ) -> PyResult<Option<Staging>> {
     let raised: Arc<Mutex<Option<PyErr>>> = Arc::default();
@@ -738,11 +778,7 @@ fn start_save(
         overwrite,
         extra_metadata: extra_metadata.unwrap_or_default(),
         on_wait: Some(on_wait),
-        persist: match persist {
-            None => Persist::Policy,
-            Some(true) => Persist::Always,
-            Some(false) => Persist::Never,
-        },
+        persist,
     };
     py.detach(|| begin(engine, &opts)).map_err(|e| {
         raised

@@ -13,7 +13,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp, cover
-from acp._acp import AcpError, CheckpointNotFound, EngineClosed, InvalidInput
+from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, EngineClosed, InvalidInput
+from acp._coalesce import Coalescer
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
 from acp._load import load_into, load_state, read_failed, run_transfers
@@ -131,7 +132,8 @@ class Checkpointer:
             each naming the sizes and the fix (``docker run --shm-size``,
             ``ACP_SHM_DIR``, or an explicit ``ring_bytes``, which always wins).
             ``ACP_RING_BYTES`` gives it when the keyword does not.
-        ring_slots: slots in the ring (default 2).
+        ring_slots: slots in the ring (default 2; 3 with several ranks
+            coalescing together and no ``ring_bytes``: see below).
         shm_dir: the directory of the ring's slot files (default
             ``/dev/shm``; ``ACP_SHM_DIR`` gives it when the keyword does not).
         keep_last, keep_every: retention: keep the newest ``keep_last``
@@ -169,14 +171,27 @@ class Checkpointer:
             Default, unless the environment gives a policy
             (``ACP_PERSIST_EVERY``, ``ACP_PERSIST_INTERVAL``,
             ``ACP_PERSIST_POLICY``; read only when none of the three
-            keywords is given): ``"coalesce"`` with one rank; with several,
-            every save (``persist_every=1``), since every rank must write
-            the same steps and the ranks have no agreement on which
-            snapshot to coalesce to. With several ranks only
-            ``persist_every`` is allowed (the same steps on every rank).
-            Give the ring 3 slots or more when most saves are not
-            persisted, so snapshots keep cycling while a persist is in
-            flight.
+            keywords is given): ``"coalesce"``. With several ranks every
+            rank must write the same steps, so with a store they coalesce
+            together: rank 0 decides each save on a background thread
+            (persisted iff the step it chose last has finished: committed
+            by every rank, or failed) and posts the decision in the store;
+            every rank holds each save resident until it reads the
+            decision, so a rank ahead of rank 0 still has the chosen step.
+            A step is persisted at the first save after the previous
+            persist finished; the saves in between stay RAM snapshots on
+            every rank, never written. A decision that does not come within
+            ``commit_timeout`` (rank 0 gone) releases the hold, with a log
+            line. Without a store several ranks persist every save.
+            ``persist_interval`` is refused with several ranks (each rank
+            would time it alone). Give the ring 3 slots or more when most
+            saves are not persisted, so snapshots keep cycling while a
+            persist is in flight; with several ranks coalescing and neither
+            ``ring_slots`` nor ``ring_bytes`` given, the ring has 3 (the
+            self-sized budget gives a slot memory only as images need it,
+            but each slot holds at most a third of it). Every persisted step
+            is written by every rank; a RAM-only step is lost if its node is
+            lost before it is persisted or replicated.
         background_nice: the niceness (0-19) of the flush thread and its
             I/O threads, which also get the lowest best-effort I/O priority
             (default 10; 0 leaves priorities alone).
@@ -254,9 +269,15 @@ class Checkpointer:
         recover_together = coordinated and persist_on_open is None
         if recover_together:
             persist_on_open = False
-        if persist_every is None and persist_interval is None and persist_policy is None:
-            # One rank coalesces; several persist every save (see above).
-            persist_policy = "coalesce" if self.world_size == 1 else None
+        agreed, persist_policy, ring_slots = _persist_mode(
+            self.world_size,
+            coordinated,
+            persist_every=persist_every,
+            persist_interval=persist_interval,
+            persist_policy=persist_policy,
+            ring_slots=ring_slots,
+            ring_bytes=ring_bytes,
+        )
         self._engine = _acp.Engine(
             os.fspath(root),
             job=job,
@@ -301,6 +322,11 @@ class Checkpointer:
             self._coordinator = self._coordinate(
                 store, job, commit_timeout, recover_together=recover_together
             )
+        self._coalescer = (
+            Coalescer(self._engine, self._coordinator)
+            if agreed and self._coordinator is not None
+            else None
+        )
         self._adapters = Adapters()
         # The last save's and load(into=)'s plans, reused while the state's
         # signature stays the same (acp._plan).
@@ -377,9 +403,10 @@ class Checkpointer:
         (it survives a crash of the process, not the loss of the node).
         ``persist=True`` also writes and commits it to storage,
         ``persist=False`` keeps it in RAM only, and None (default) lets the
-        persist policy decide (``persist_every``, ...; by default, with one
-        rank, the newest snapshot whenever the previous persist has
-        finished; with several, every save). The newest snapshot is
+        persist policy decide (``persist_every``, ...; by default the
+        newest snapshot whenever the previous persist has finished, agreed
+        by the ranks when there are several with a store; several without
+        a store persist every save). The newest snapshot is
         committed anyway by
         ``close()``, the dying checkpoint, a restarted trainer on this node
         and ``acp persist``.
@@ -496,6 +523,44 @@ class Checkpointer:
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
+        coalescer = self._coalescer if persist is None else None
+        try:
+            result, handle = self._stage(
+                t0,
+                step,
+                state,
+                overwrite=overwrite,
+                metadata=metadata,
+                replicated=replicated,
+                persist=persist,
+                hold=coalescer is not None,
+            )
+        except BaseException:
+            if coalescer is not None:
+                # Rank 0 decides it "not persisted"; a hold that was staged
+                # before the error (nothing decides it now) is let go.
+                coalescer.staged(step, None)
+                with contextlib.suppress(AcpError):
+                    self._engine.decide(step, False)
+            raise
+        if coalescer is not None:
+            coalescer.staged(step, handle)
+        return result
+
+    def _stage(
+        self,
+        t0: float,
+        step: int,
+        state: object,
+        *,
+        overwrite: bool,
+        metadata: dict[str, str] | None,
+        replicated: bool | Collection[str],
+        persist: bool | None,
+        hold: bool,
+    ) -> tuple[SaveHandle, _acp.SaveHandle | None]:
+        """``_save``'s work: the save handle, and the engine's handle of
+        the staged save (None when skipped)."""
         kept, flat, tensors, specs, values_json, frameworks = self._plan_save(state, replicated)
         tensor_bytes = (
             kept.tensor_bytes if kept is not None else sum(t.info.nbytes for t in tensors)
@@ -509,9 +574,13 @@ class Checkpointer:
         engine_plan = self._engine_plan(kept, replicated, tensors, specs, values_json)
         t1 = perf_counter()
         if engine_plan is not None:
-            staging = self._engine.begin_save_planned(step, engine_plan, overwrite, extra, persist)
+            staging = self._engine.begin_save_planned(
+                step, engine_plan, overwrite, extra, persist, hold=hold
+            )
         else:
-            staging = self._engine.begin_save(step, specs, values_json, overwrite, extra, persist)
+            staging = self._engine.begin_save(
+                step, specs, values_json, overwrite, extra, persist, hold=hold
+            )
         # From here until finish() returns, any exception (one raised by a
         # signal handler included: SIGTERM during the copy) aborts the
         # staging, so a half-filled slot is never sealed.
@@ -578,7 +647,7 @@ class Checkpointer:
             self._stall_max = max(self._stall_max, stall)
             self._last_save = result
         self._metrics.saved(result)
-        return result
+        return result, None if staging is None else handle
 
     # --- loading ----------------------------------------------------------
 
@@ -787,8 +856,18 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every save so far has finished (committed or failed;
-        a RAM snapshot once it is hashed, so that ``load()`` can serve it)."""
+        a RAM snapshot once it is hashed, so that ``load()`` can serve it;
+        with several ranks coalescing, once the ranks' decision is applied)."""
         self._check_open()
+        if self._coalescer is not None:
+            started = perf_counter()
+            if not self._coalescer.drain(timeout):
+                raise AcpTimeout(
+                    f"rank {self.rank}: persist decisions (coalescing) of {self.root}: "
+                    f"timed out after {timeout:.3f} s"
+                )
+            if timeout is not None:
+                timeout = max(0.0, timeout - (perf_counter() - started))
         self._engine.wait_idle(timeout)
         self._metrics.collect()
 
@@ -874,6 +953,10 @@ class Checkpointer:
         self._plans.clear()
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
+        if self._coalescer is not None:
+            # The held saves are decided first: a rank never lets go of a
+            # step that rank 0 chose to persist.
+            self._coalescer.close()
         if self._replicas is not None:
             self._replicas.close()
         try:
@@ -943,6 +1026,36 @@ def _torch_replicas(replicas: int | None, timeout: float | None) -> TorchReplica
     from .replica import DEFAULT_TIMEOUT, TorchReplicas
 
     return TorchReplicas(replicas, DEFAULT_TIMEOUT if timeout is None else timeout)
+
+
+def _persist_mode(
+    world_size: int,
+    coordinated: bool,
+    *,
+    persist_every: int | None,
+    persist_interval: float | None,
+    persist_policy: str | None,
+    ring_slots: int | None,
+    ring_bytes: int | None,
+) -> tuple[bool, str | None, int | None]:
+    """The default persist policy: whether the ranks coalesce together
+    (``acp._coalesce``), and the engine's ``persist_policy`` and
+    ``ring_slots``. One rank coalesces in its engine; several with a store
+    coalesce together (the engine persists what rank 0 decides, every save
+    held until then); several without a store persist every save."""
+    agreed = False
+    if persist_every is None and persist_interval is None:
+        if persist_policy is None and world_size == 1:
+            persist_policy = "coalesce"
+        elif persist_policy in (None, "coalesce") and world_size > 1:
+            agreed = coordinated
+            persist_policy = None if agreed else persist_policy
+    if agreed and ring_slots is None and ring_bytes is None:
+        # A slot for the persist in flight, one for the newest snapshot and
+        # one to stage into: snapshots keep cycling meanwhile. The
+        # self-sized budget gives slots memory only as images need it.
+        ring_slots = 3
+    return agreed, persist_policy, ring_slots
 
 
 def _step(step: object) -> int:

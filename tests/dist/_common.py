@@ -31,6 +31,9 @@ def shm_dir(rank: int) -> str:
 def checkpointer(root: str, job: str, rank: int, **kwargs: Any) -> acp.Checkpointer:
     kwargs.setdefault("ring_bytes", 8 << 20)
     kwargs.setdefault("commit_timeout", 60)
+    # These scripts count on every save being committed (the default with
+    # several ranks coalesces: tests/test_coalesce_ranks.py).
+    kwargs.setdefault("persist_every", 1)
     return acp.Checkpointer(root, job=job, shm_dir=shm_dir(rank), mlock=False, **kwargs)
 
 

@@ -285,7 +285,8 @@ impl Engine {
 
     /// Persists the newest resident step when it is not committed (a RAM
     /// snapshot the policy did not persist: [`Engine::persist_newest`]),
-    /// drains the flush queue and stops the flush thread. Resident slots stay
+    /// lets go of the held saves not decided ([`Engine::decide`]), drains
+    /// the flush queue and stops the flush thread. Resident slots stay
     /// in shared memory, unless `release_on_close` is set and every
     /// resident step is committed: then this rank's ring files are removed. Further saves fail with [`Error::Closed`]. Never
     /// waits longer than the watchdog allows for a stuck flush.
@@ -304,7 +305,12 @@ impl Engine {
         let newest = if closed {
             Ok(None)
         } else {
-            self.persist_newest()
+            // The newest step is persisted, held or not (a held one as
+            // its own save); the held saves nobody decided are snapshots
+            // from then on, released as superseded ones.
+            let newest = self.persist_newest();
+            self.release_holds();
+            newest
         };
         let drained = self.wait_idle(None);
         drop(

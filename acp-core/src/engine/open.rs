@@ -272,6 +272,13 @@ impl Engine {
     /// [`Error::Closed`].
     pub fn persist_resident(&self, step: u64) -> Result<SaveHandle> {
         let shared = self.shared();
+        // A held save is persisted as its own save (its handle completes).
+        let held = Shared::take_held(&mut shared.lock(), step);
+        if let Some(job) = held {
+            let done = Arc::clone(&job.done);
+            self.enqueue(job)?;
+            return Ok(SaveHandle::from_completion(done));
+        }
         if shared.lock().committed.contains(&step) || shared.root.is_committed(step) {
             return Err(Error::Exists {
                 step,
@@ -295,17 +302,84 @@ impl Engine {
         Ok(SaveHandle::from_completion(done))
     }
 
+    /// Decides a held save of `step` ([`Persist::Hold`](super::Persist)):
+    /// `persist` queues its persist (flush and commit, as any persisted
+    /// save; its save handle completes when committed); otherwise the hold
+    /// ends and it is a RAM snapshot like one the policy kept: released at
+    /// once when a newer step has been sealed (its handle says
+    /// superseded), else kept as the newest (resident) until a newer one
+    /// is. Returns whether `step` was held: false when it never was, was
+    /// decided already, or the engine persisted it as its newest resident
+    /// step meanwhile (the dying checkpoint) or let it go at `close`.
+    ///
+    /// Decide from another thread than the saves', or before the ring
+    /// fills: a save waiting for a slot that only holds free does not
+    /// persist a held snapshot to make room (the ranks must agree on it).
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when `persist` and the engine is closing (the
+    /// save's handle says so too).
+    pub fn decide(&self, step: u64, persist: bool) -> Result<bool> {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        let Some(job) = Shared::take_held(&mut st, step) else {
+            return Ok(false);
+        };
+        if !persist {
+            shared.let_go(&mut st, job);
+            return Ok(true);
+        }
+        st.counts.last_queued = Some(Instant::now());
+        drop(st);
+        // An enqueue failure (engine closed) completes the save's handle.
+        self.enqueue(job)?;
+        Ok(true)
+    }
+
+    /// The steps of the held saves not decided yet, in save order.
+    #[must_use]
+    pub fn held(&self) -> Vec<u64> {
+        self.shared().lock().held.iter().map(|j| j.step).collect()
+    }
+
+    /// Lets go of every held save not decided (`close`, after it queued
+    /// the newest resident step's persist): each is a RAM snapshot from
+    /// then on. Returns their steps.
+    pub(super) fn release_holds(&self) -> Vec<u64> {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        let held = std::mem::take(&mut st.held);
+        let steps: Vec<u64> = held.iter().map(|j| j.step).collect();
+        for job in held {
+            shared.let_go(&mut st, job);
+        }
+        drop(st);
+        if !steps.is_empty() {
+            tracing::info!(?steps, "acp: held snapshots never decided, let go at close");
+        }
+        steps
+    }
+
     /// Queues the persist of the newest resident step of this rank's ring
     /// when no persist of it is queued or running and it is newer than
     /// every committed step, whatever the policy chose for it at its save
     /// (the dying checkpoint, `close`, and a full ring use it). Returns its
     /// handle, or `None` when there is nothing to persist: the newest
     /// complete image is persisted, being persisted, older than the newest
-    /// committed step, or one whose flush failed.
+    /// committed step, or one whose flush failed. A held save
+    /// ([`Persist::Hold`](super::Persist)) is persisted as its own save:
+    /// its handle completes with the persist, and it is no longer held.
     ///
     /// # Errors
     /// [`Error::Closed`].
     pub fn persist_newest(&self) -> Result<Option<SaveHandle>> {
+        self.persist_newest_of(true)
+    }
+
+    /// [`Engine::persist_newest`]; with `held` false, `None` when the
+    /// newest resident step is held (a full ring: only its caller decides
+    /// a held save).
+    pub(super) fn persist_newest_of(&self, held: bool) -> Result<Option<SaveHandle>> {
         let shared = self.shared();
         let Some(info) = shared.ring.complete().into_iter().next() else {
             return Ok(None);
@@ -315,7 +389,7 @@ impl Engine {
         }
         let generation = shared.ring.generation(info.slot);
         {
-            let st = shared.lock();
+            let mut st = shared.lock();
             let newer = st.committed.last().is_none_or(|l| info.step > *l);
             let failed = st
                 .failed_slots
@@ -323,6 +397,29 @@ impl Engine {
                 .any(|f| Some(f.generation) == generation && f.slot == info.slot);
             if !newer || failed || st.queued.contains(&info.step) {
                 return Ok(None);
+            }
+            let holds = st
+                .held
+                .iter()
+                .any(|j| j.step == info.step && j.pin.slot() == info.slot);
+            if holds && !held {
+                return Ok(None);
+            }
+            if holds {
+                if let Some(job) = Shared::take_held(&mut st, info.step) {
+                    st.counts.last_queued = Some(Instant::now());
+                    drop(st);
+                    tracing::info!(
+                        step = info.step,
+                        "acp: persisting the newest resident step (held)"
+                    );
+                    let done = Arc::clone(&job.done);
+                    self.enqueue(job)?;
+                    return Ok(Some(SaveHandle::watched(
+                        done,
+                        Arc::downgrade(&self.inner.shared),
+                    )));
+                }
             }
         }
         // Being persisted, it is no longer a kept snapshot to release.

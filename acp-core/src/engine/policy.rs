@@ -10,6 +10,12 @@
 //! supersedes it (the ring never reuses the slot of the newest step); the
 //! dying checkpoint, `close`, persist-on-open and `acp persist` persist the
 //! newest resident step whatever the policy chose for it.
+//!
+//! A save may also be **held** ([`Persist::Hold`]): the caller decides
+//! later ([`Engine::decide`](super::Engine::decide)), e.g. once the ranks
+//! of a job agree on which snapshot to persist. A held snapshot keeps its
+//! slot whatever newer snapshots are sealed, until it is decided or the
+//! engine closes.
 
 use std::time::Instant;
 
@@ -27,6 +33,13 @@ pub enum Persist {
     /// unless the dying checkpoint, `close` or a restart persists it as
     /// the newest resident step.
     Never,
+    /// Held: kept resident and exempt from the release of superseded
+    /// snapshots until [`Engine::decide`](super::Engine::decide) persists
+    /// it or lets it go, whatever the policy. For callers that decide
+    /// later, together with other ranks, which snapshots to persist (the
+    /// coalescing policy with several ranks). Its handle completes once it
+    /// is decided: when persisted, or at once when let go.
+    Hold,
 }
 
 /// What became of a save ([`SaveReport::outcome`](super::SaveReport)).
@@ -103,6 +116,9 @@ pub(super) enum Decision {
     Defer,
     /// Keep it resident only.
     Keep,
+    /// Keep it resident and held until the caller decides
+    /// ([`Persist::Hold`]).
+    Hold,
 }
 
 /// The policy's choice for a sealed save of `step` asked to be persisted
@@ -119,6 +135,7 @@ pub(super) fn decide(
     match persist {
         Persist::Always => return Decision::Queue,
         Persist::Never => return Decision::Keep,
+        Persist::Hold => return Decision::Hold,
         Persist::Policy => {}
     }
     let due = match policy {
@@ -284,6 +301,11 @@ mod tests {
             assert_eq!(
                 decide(p, Persist::Never, 100, now, None, 0),
                 Decision::Keep,
+                "{p:?}"
+            );
+            assert_eq!(
+                decide(p, Persist::Hold, 100, now, None, 0),
+                Decision::Hold,
                 "{p:?}"
             );
         }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::state::Shared;
 use super::wait::WATCH_TICK;
 use super::{Engine, Persist, SaveHandle, Staging};
 use crate::config::WhenFull;
@@ -380,7 +381,13 @@ impl Engine {
     ) -> Result<Option<StagingSlot>> {
         let shared = self.shared();
         // A resident image of the same step (an older attempt) must not be
-        // confused with the new one.
+        // confused with the new one; held, it is let go first.
+        {
+            let mut st = shared.lock();
+            if let Some(job) = Shared::take_held(&mut st, step) {
+                shared.let_go(&mut st, job);
+            }
+        }
         for info in shared.ring.complete() {
             if info.step == step {
                 shared.ring.release(info.slot);
@@ -411,11 +418,12 @@ impl Engine {
             // superseded (RAM snapshots the policy kept) or is being
             // flushed: persisting the newest resident step lets the ring
             // reuse the others' slots, and its own once persisted. Never
-            // drop the only copy of the newest step instead. A superseded
+            // drop the only copy of the newest step instead. A held one is
+            // its caller's to decide: the ring waits for that. A superseded
             // snapshot still pinned (its hash or send running) frees its
             // slot by itself: wait for it instead.
             if shared.lock().in_flight == 0 && !shared.ring.freeing() {
-                if let Err(e) = self.persist_newest() {
+                if let Err(e) = self.persist_newest_of(false) {
                     tracing::warn!(
                         step,
                         "acp: persisting the newest resident step to make room: {e}"

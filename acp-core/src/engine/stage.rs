@@ -155,7 +155,9 @@ impl Staging {
     /// save kept resident is complete at once (outcome
     /// [`Outcome::Resident`](super::Outcome)); a deferred one completes
     /// when persisted, or as [`Outcome::Superseded`](super::Outcome) when
-    /// a newer save takes its place first.
+    /// a newer save takes its place first. A held save
+    /// ([`Persist::Hold`](super::Persist)) completes once decided
+    /// ([`Engine::decide`](super::Engine::decide)).
     #[must_use]
     pub fn finish(mut self) -> SaveHandle {
         let done = handle::Completion::new(self.step);
@@ -190,7 +192,7 @@ impl Staging {
             st.counts.last_queued,
             st.in_flight,
         );
-        if decision != Decision::Keep {
+        if matches!(decision, Decision::Queue | Decision::Defer) {
             // This step is to be persisted: one waiting for the persist in
             // flight is superseded (never the newest: this one is newer).
             Shared::supersede_deferred(&mut st);
@@ -208,6 +210,21 @@ impl Staging {
                 st.in_flight += 1;
                 st.queued.push(self.step);
                 st.deferred = Some(job);
+            }
+            Decision::Hold => {
+                let snap = Snapshot {
+                    slot: job.pin.slot(),
+                    generation: job.pin.generation(),
+                    step: self.step,
+                };
+                // Held with its pin until decided (`Engine::decide`);
+                // hashed meanwhile, so `load` can verify it.
+                st.held.push(job);
+                let wake = Shared::want_hash(&mut st, snap);
+                drop(st);
+                if wake {
+                    engine.wake_hasher();
+                }
             }
             Decision::Keep => {
                 st.counts.resident += 1;

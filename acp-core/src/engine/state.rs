@@ -84,6 +84,12 @@ pub(super) struct EngineState {
     pub(super) hash_woken: bool,
     /// Whether the flush thread is hashing a RAM snapshot now.
     pub(super) hashing: bool,
+    /// Held snapshots ([`Persist::Hold`](crate::Persist)) waiting for
+    /// [`Engine::decide`](super::Engine::decide), in save order. Each job
+    /// pins its slot, so the ring never reuses it, and none is in
+    /// `snapshots`, so `release_superseded` never frees it; not counted in
+    /// `in_flight` (nothing is queued until it is decided).
+    pub(super) held: Vec<super::flush::Job>,
 }
 
 /// A RAM snapshot kept resident: its slot, the slot's generation, its step.
@@ -148,6 +154,40 @@ impl Shared {
             self.ring.release_generation(s.slot, s.generation);
             false
         });
+    }
+
+    /// Takes the held job of `step` out of `held`, if any.
+    pub(super) fn take_held(st: &mut EngineState, step: u64) -> Option<super::flush::Job> {
+        let i = st.held.iter().position(|j| j.step == step)?;
+        Some(st.held.remove(i))
+    }
+
+    /// Lets go of a held job as a RAM snapshot the caller chose not to
+    /// persist: its handle completes as superseded when a newer step was
+    /// sealed since (its slot is then released at once), else as resident
+    /// (kept, released like any snapshot once a newer one is sealed).
+    /// Called with the state locked.
+    pub(super) fn let_go(&self, st: &mut EngineState, job: super::flush::Job) {
+        let newer = st.counts.newest_snapshot.is_some_and(|(s, _)| s > job.step);
+        let outcome = if newer {
+            st.counts.superseded += 1;
+            super::Outcome::Superseded
+        } else {
+            st.counts.resident += 1;
+            super::Outcome::Resident
+        };
+        st.snapshots.push(Snapshot {
+            slot: job.pin.slot(),
+            generation: job.pin.generation(),
+            step: job.step,
+        });
+        let report = job.unflushed(outcome);
+        let done = std::sync::Arc::clone(&job.done);
+        // The pin drops first, so a release below frees the slot now.
+        drop(job);
+        let newest = st.counts.newest_snapshot.map_or(0, |(s, _)| s);
+        self.release_superseded(st, newest);
+        done.complete(Ok(report));
     }
 
     pub(super) fn note_progress(&self, what: impl Into<String>) {
