@@ -2,6 +2,8 @@
 //! the flush's digests, or by a load's full check) is checked again at
 //! every load, so a byte changed after any number of good loads is still
 //! caught, reported naming the slot file and tensor, and storage is read.
+//! The sums live in the slot's control block, so a new process's first
+//! load checks them too.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
@@ -149,13 +151,57 @@ fn a_new_process_proves_the_slot_before_trusting_it() {
     e.close().unwrap();
     drop(e);
     // Changed while no process held the ring: the next one's first load
-    // has no sums of its own and checks the digests.
+    // finds a chunk that no longer gives the sum the flush recorded, and
+    // checks the digests, which name the file.
     let (file, image) = slot_of(&shm, 1);
     flip(&file, image + (20 << 20));
     let e = engine(&root, &shm);
     let ck = load(&e, 1);
     assert_eq!(ck.report().source, Source::Storage);
     assert!(ck.report().rejected.is_some());
+    assert_intact(&ck, &data);
+    drop(ck);
+    e.close().unwrap();
+}
+
+#[test]
+fn the_flush_sums_reach_the_next_process() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save(&e, 1, &data);
+    e.close().unwrap();
+    drop(e);
+    // The ring as the next process finds it: the flush's sums beside the
+    // digests, one per 64 KiB chunk.
+    let (file, _) = slot_of(&shm, 1);
+    let peek = acp_core::staging::peek_slot(&file).unwrap().unwrap();
+    let name = file.file_name().unwrap().to_str().unwrap();
+    let (prefix, index) = name.rsplit_once("-s").unwrap();
+    let (ring, _) = acp_core::staging::Ring::open(acp_core::staging::RingOptions {
+        dir: shm.clone(),
+        prefix: prefix.to_owned(),
+        job_tag: peek.job_tag,
+        rank: peek.rank,
+        slots: index.parse::<usize>().unwrap() + 1,
+        budget: 128 << 20,
+        chunk_bytes: 64 << 10,
+        mlock: false,
+    })
+    .unwrap();
+    let slot = index.parse().unwrap();
+    let digests = ring.digests(slot).unwrap();
+    assert_eq!(digests.len() as u64, peek.image_len.div_ceil(64 << 10));
+    assert_eq!(ring.quick_sums(slot).map(|s| s.len()), Some(digests.len()));
+    drop(ring);
+    // And serves it, checked, from RAM.
+    let e = engine(&root, &shm);
+    let ck = load(&e, 1);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().verified);
+    assert!(ck.report().rejected.is_none());
     assert_intact(&ck, &data);
     drop(ck);
     e.close().unwrap();

@@ -285,7 +285,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         };
         let flush_secs = t_flush.elapsed().as_secs_f64();
         shared.ring.set_digests(slot, &digests);
-        shared.ring.record_quick_sums(slot, &digests, sums);
+        shared.ring.record_quick_sums(slot, &digests, &sums);
 
         let t_commit = Instant::now();
         shared.note_progress(format!(

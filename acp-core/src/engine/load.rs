@@ -802,11 +802,13 @@ fn verify_in_place(
 
 /// Checks the image of this rank's resident slot `info` (whose recorded
 /// digests are `entry`'s: [`slot_matches_entry`]) before it is used: by the
-/// quick sums recorded beside those digests in this process when there are
-/// some and every chunk still gives its sum, else by the blake3 check
-/// against `entry` ([`verify_in_place`]), which records the quick sums for
-/// the next load. A quick sum that differs only sends the image to the
-/// blake3 check, whose error names the file and tensor.
+/// quick sums recorded beside those digests in the slot's control block
+/// (by its flush, or by an earlier full check, in this process or an
+/// earlier one) when there are some and every chunk still gives its sum,
+/// else by the blake3 check against `entry` ([`verify_in_place`]), which
+/// records the quick sums for the next load. A quick sum that differs only
+/// sends the image to the blake3 check, whose error names the file and
+/// tensor.
 ///
 /// # Errors
 /// As [`verify_in_place`].
@@ -831,7 +833,7 @@ fn check_resident(
     }
     let (digests, sums) =
         ChunkReader::new(MemSource::new(image, path), entry)?.verify_in_place_with_sums(threads)?;
-    ring.record_quick_sums(info.slot, &digests, sums);
+    ring.record_quick_sums(info.slot, &digests, &sums);
     Ok(())
 }
 

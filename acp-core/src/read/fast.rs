@@ -6,25 +6,57 @@
 //! A resident slot is a cache of a committed file: its bytes were hashed
 //! with blake3 by the flush (or by a verified read), and those digests are
 //! compared with the index's before the slot is used. The quick sums are
-//! computed from the same chunk bytes in the same pass as those digests,
-//! and kept in this process's ring table (never in shared memory, so no
-//! other process can change them). A chunk whose bytes still give its
-//! recorded sum is, but for a chance of 2⁻⁶⁴ per changed chunk, the chunk
-//! the blake3 digest describes: any accidental change (a stray write, a
-//! bit flip, another process reusing the file) is caught. xxh3 is not a
-//! cryptographic hash, so a writer who crafts bytes to collide could pass
-//! it; such a writer runs as the ring's owner (slots are mode `0600`) and
-//! could rewrite the index too, which blake3 does not stop either.
+//! computed from the same chunk bytes in the same pass as those digests
+//! (by the flush, or by the first full check of a slot that has none) and
+//! recorded in the slot's control block beside them, in a record bound to
+//! those digests by a tag (the staging module docs give the bytes), so a
+//! restarted process's first load checks xxh3, not blake3. A chunk whose
+//! bytes still give its recorded sum is, but for a chance of 2⁻⁶⁴ per
+//! changed chunk, the chunk the blake3 digest describes: any accidental
+//! change (a stray write, a bit flip, another process reusing the file) is
+//! caught.
 //!
-//! Where a digest and a sum are taken from shared memory, the sum is
-//! taken first: a digest that still matches then vouches for bytes at
-//! least as new as those the sum describes, so a change made before the
-//! digest was taken either fails the digest or leaves a sum that the bytes
-//! no longer give.
+//! The blake3 digests stay the integrity of record: storage is checked
+//! against them only, and a slot is used only when its recorded digests
+//! are the committed index's. The sums only stand in for re-hashing a slot
+//! whose digests already matched, and they are as safe as those recorded
+//! digests are. Both live in the same control block of the same slot file:
+//! a file created `0600` (another mode is reset to it at open) with
+//! `O_NOFOLLOW` in a per-user directory that must be owned by this user
+//! with mode `0700` (opened `O_DIRECTORY | O_NOFOLLOW`, checked with
+//! `fstat`), refused when another user owns it, and `flock`ed by the one
+//! process that holds the ring. Only this user (or root) can write it, and
+//! such a writer could as well rewrite the recorded digests, or the
+//! committed files and index in storage, which blake3 does not stop
+//! either; xxh3 not being a cryptographic hash (a crafted collision would
+//! pass it) gives such a writer nothing new. Against anyone else the slot
+//! file cannot be written at all.
+//!
+//! A sums record is believed only while its tag is the xxh3 of the digests
+//! recorded now (and their chunk size): digests recorded again, by this
+//! version or by one that knows nothing of sums, leave the old record
+//! unbelieved, and a record with another magic (none written, a later
+//! layout) is no record. A slot laid out without room for sums (an older
+//! version's) has none, and is checked with blake3 at every first load.
+//!
+//! Where a digest and a sum are both taken from bytes in shared memory,
+//! the sum is taken first: a digest that still matches then vouches for
+//! bytes at least as new as those the sum describes, so a change made
+//! before the digest was taken either fails the digest or leaves a sum that
+//! the bytes no longer give.
 //!
 //! A chunk whose sum differs is not an error by itself: the caller falls
 //! back to the full blake3 check, which names the file and tensor when the
-//! bytes really changed.
+//! bytes really changed, and records fresh sums when they did not.
+//!
+//! # What each `Verify` mode checks from RAM
+//!
+//! - `Verify::Always` (the default): the slot's recorded digests must be
+//!   the index's, then every chunk of the image is checked: against its
+//!   recorded sum when there is one, else (or when a sum differs) against
+//!   the index's blake3 digest.
+//! - `Verify::StorageOnly`: the recorded digests must be the index's; the
+//!   image's bytes are trusted without hashing.
 //!
 //! xxh3 runs at several times blake3's speed per core (tens of GB/s with
 //! AVX2, picked at run time), so a check over all copy threads costs about
