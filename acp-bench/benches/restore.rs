@@ -23,8 +23,17 @@
 //!   into the destination;
 //! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
 //!   default: every chunk checked against the xxh3 sums the flush recorded
-//!   beside its blake3 digests; a new process's first load hashes blake3)
+//!   beside its blake3 digests in the slot's control block)
 //!   and `copy_into`;
+//! - `acp_load_ram_new_process`: the first load of a new process (a
+//!   restart): the engine closed and opened again on the same ring
+//!   (untimed), then `load` from the resident slot, checked against the
+//!   xxh3 sums the flush recorded in the slot's control block, and
+//!   `copy_into`; each iteration paired with a `memcpy_nt` right before it,
+//!   and followed (untimed for criterion, in the notes) by the same with
+//!   the slot's sums unmade before the open (its digests recorded again):
+//!   that load re-hashes the slot with blake3, as every new process's
+//!   first load did before the sums were kept in the slot;
 //! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
 //!   engine; the resident slot is trusted, no hashing).
 //!
@@ -108,6 +117,43 @@ fn load_into_fused(
         .unwrap_or_else(|e| panic!("loading {req:?} into: {e}"));
     assert_eq!(ck.report().source, Source::Storage, "{req:?}");
     ck
+}
+
+/// Unmakes the quick sums recorded beside the digests of the slot holding
+/// `step` in the ring of `cfg` (no engine holds it): its digests are
+/// recorded again, as a slot filled by a version without sums has them.
+fn unmake_sums(scratch: &Scratch, cfg: &acp_core::EngineConfig, step: u64) {
+    use acp_core::staging::{peek_slot, user_dir, Ring, RingOptions};
+    let dir = user_dir(scratch.shm());
+    let found = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+        .filter_map(|e| Some(e.ok()?.path()))
+        .find_map(|p| {
+            let peek = peek_slot(&p).ok()??;
+            (peek.is_complete() && peek.step == step).then_some((p, peek))
+        });
+    let Some((path, peek)) = found else {
+        panic!("no slot holds step {step} in {}", dir.display());
+    };
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let (prefix, index) = name.rsplit_once("-s").expect("a slot file name");
+    let slot: usize = index.parse().expect("a slot index");
+    let (ring, _) = Ring::open(RingOptions {
+        dir: scratch.shm().to_path_buf(),
+        prefix: prefix.to_owned(),
+        job_tag: peek.job_tag,
+        rank: peek.rank,
+        slots: 2.max(slot + 1),
+        budget: cfg.ring_bytes(),
+        chunk_bytes: acp_core::config::DEFAULT_CHUNK_BYTES as u64,
+        mlock: false,
+    })
+    .unwrap_or_else(|e| panic!("opening the ring of {}: {e}", path.display()));
+    let digests = ring
+        .digests(slot)
+        .unwrap_or_else(|| panic!("{} has no digests", path.display()));
+    ring.set_digests(slot, &digests);
+    assert!(ring.quick_sums(slot).is_none(), "sums unmade");
 }
 
 /// Copies each tensor `(file offset, destination offset, len)` of
@@ -360,7 +406,6 @@ fn restore(c: &mut Criterion) {
             timed
         });
     });
-    drop(pairs);
     zstd.close()
         .unwrap_or_else(|e| panic!("closing the zstd engine: {e}"));
     drop(zstd);
@@ -370,6 +415,61 @@ fn restore(c: &mut Criterion) {
         .close()
         .unwrap_or_else(|e| panic!("closing the engine: {e}"));
     drop(engine);
+
+    // The first load of a new process (a restart): the engine closed and
+    // opened again on the same ring, untimed, then one load, paired with a
+    // memcpy run right before it. Each iteration then also times, untimed
+    // for criterion, the same after the slot's sums were unmade (its
+    // digests recorded again): what a new process's first load did before
+    // the sums were kept in the slot (a blake3 pass over the image).
+    g.sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(measurement_time() / 2);
+    let cfg = || engine_config(&scratch, set.total, 2);
+    let mut live: Option<Engine> = None;
+    let mut paired_first = Paired::default();
+    let mut paired_first_blake3 = Paired::default();
+    let reopen = |live: &mut Option<Engine>, unmake: bool| -> Engine {
+        if let Some(e) = live.take() {
+            e.close()
+                .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+        }
+        if unmake {
+            unmake_sums(&scratch, &cfg(), step);
+        }
+        Engine::open(cfg()).unwrap_or_else(|e| panic!("opening the engine again: {e}"))
+    };
+    g.bench_function("acp_load_ram_new_process", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                for unmake in [false, true] {
+                    let e = reopen(&mut live, unmake);
+                    let t = Instant::now();
+                    copy_pairs_parallel(&mut pairs, n);
+                    black_box(&mut pairs);
+                    let base = t.elapsed();
+                    let t = Instant::now();
+                    let ck = load_into(&e, &ram, &set, &mut dst);
+                    let took = t.elapsed();
+                    if unmake {
+                        paired_first_blake3.push(base, took);
+                    } else {
+                        timed += took;
+                        paired_first.push(base, took);
+                    }
+                    drop(ck);
+                    live = Some(e);
+                }
+            }
+            timed
+        });
+    });
+    drop(pairs);
+    if let Some(e) = live.take() {
+        e.close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
     drop(scratch);
 
     let scratch2 = Scratch::new("restore-trusted");
@@ -441,6 +541,14 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "paired ram",
         paired_ram.summary("memcpy_nt", "acp_load_ram"),
+    );
+    notes.set(
+        "paired ram, first load of a new process",
+        paired_first.summary("memcpy_nt", "acp_load_ram_new_process"),
+    );
+    notes.set(
+        "paired ram, first load of a new process, no sums in the slot",
+        paired_first_blake3.summary("memcpy_nt", "acp_load_ram_new_process, no sums"),
     );
     notes.set(
         "acp_load_storage: median LoadReport.secs, before copy_into (ms)",
