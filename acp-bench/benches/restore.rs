@@ -429,6 +429,7 @@ fn restore(c: &mut Criterion) {
     let mut live: Option<Engine> = None;
     let mut paired_first = Paired::default();
     let mut paired_first_blake3 = Paired::default();
+    let (mut first_secs, mut first_blake3_secs) = (Vec::new(), Vec::new());
     let reopen = |live: &mut Option<Engine>, unmake: bool| -> Engine {
         if let Some(e) = live.take() {
             e.close()
@@ -454,9 +455,11 @@ fn restore(c: &mut Criterion) {
                     let took = t.elapsed();
                     if unmake {
                         paired_first_blake3.push(base, took);
+                        first_blake3_secs.push(ck.report().secs);
                     } else {
                         timed += took;
                         paired_first.push(base, took);
+                        first_secs.push(ck.report().secs);
                     }
                     drop(ck);
                     live = Some(e);
@@ -557,6 +560,14 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "acp_load_ram: median LoadReport.secs, before copy_into (ms)",
         median(&ram_secs) * 1e3,
+    );
+    notes.set(
+        "acp_load_ram_new_process: median LoadReport.secs, before copy_into (ms)",
+        median(&first_secs) * 1e3,
+    );
+    notes.set(
+        "acp_load_ram_new_process, no sums: median LoadReport.secs, before copy_into (ms)",
+        median(&first_blake3_secs) * 1e3,
     );
     notes.set("ring mlocked", mlocked);
     notes.save();

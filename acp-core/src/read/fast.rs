@@ -101,6 +101,95 @@ pub(crate) fn sums_match(image: &[u8], chunk: usize, sums: &[u64], threads: usiz
     !differs.into_inner()
 }
 
+/// One destination piece of a fused check and copy: the chunk holding it,
+/// its offset in the image, and the memory it goes to.
+type Piece<'t> = (usize, usize, &'t mut [u8]);
+
+/// Checks each `chunk`-byte piece of `image` against its sum in `sums`
+/// and, once it matched, copies the bytes of it that `targets` (image
+/// offset, destination) take into their destinations while they are hot
+/// in cache: one pass over the image, on up to `threads` threads, each a
+/// contiguous run of chunks. Every chunk is checked, whether or not a
+/// destination takes bytes of it.
+///
+/// Returns whether every chunk matched (and there is one sum per chunk,
+/// and every target lies inside the image). Nothing reaches a destination
+/// before the chunk it comes from matched its sum; when one differs, each
+/// thread stops at its next chunk, and every destination holds its old
+/// bytes or bytes of chunks that matched (a mix). A target outside the
+/// image makes it return `false` before anything is copied.
+pub(crate) fn check_and_copy(
+    image: &[u8],
+    chunk: usize,
+    sums: &[u64],
+    targets: Vec<(u64, &mut [u8])>,
+    threads: usize,
+) -> bool {
+    let chunk = chunk.max(1);
+    let n = image.len().div_ceil(chunk);
+    if n != sums.len() {
+        return false;
+    }
+    // Every destination cut at chunk boundaries, in chunk order.
+    let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(targets.len() + n);
+    for (off, mut dst) in targets {
+        let Some(mut at) = usize::try_from(off)
+            .ok()
+            .filter(|o| o.checked_add(dst.len()).is_some_and(|e| e <= image.len()))
+        else {
+            return false;
+        };
+        while !dst.is_empty() {
+            let k = at / chunk;
+            let take = ((k + 1) * chunk - at).min(dst.len());
+            let (head, tail) = std::mem::take(&mut dst).split_at_mut(take);
+            pieces.push((k, at, head));
+            dst = tail;
+            at += take;
+        }
+    }
+    pieces.sort_by_key(|p| p.0);
+    let runs = if threads <= 1 || image.len() < PARALLEL_MIN_BYTES || n < 2 {
+        1
+    } else {
+        threads.min(n)
+    };
+    let per = n.div_ceil(runs);
+    // One run per thread: its chunks and the pieces in them.
+    let mut work: Vec<(usize, Vec<Piece<'_>>)> = (0..runs).map(|r| (r * per, Vec::new())).collect();
+    for p in pieces {
+        if let Some(w) = work.get_mut(p.0 / per) {
+            w.1.push(p);
+        }
+    }
+    let differs = AtomicBool::new(false);
+    let run = |(first, pieces): (usize, Vec<Piece<'_>>)| {
+        let mut pieces = pieces.into_iter().peekable();
+        for k in first..(first + per).min(n) {
+            if differs.load(Ordering::Relaxed) {
+                return;
+            }
+            let start = k * chunk;
+            let bytes = &image[start..(start + chunk).min(image.len())];
+            if sums.get(k) != Some(&fast_sum(bytes)) {
+                differs.store(true, Ordering::Relaxed);
+                return;
+            }
+            while let Some((_, at, dst)) = pieces.next_if(|p| p.0 == k) {
+                dst.copy_from_slice(&image[at..at + dst.len()]);
+            }
+        }
+    };
+    if runs == 1 {
+        for w in work {
+            run(w);
+        }
+    } else {
+        crate::io::run_on_threads("acp-check", work, run);
+    }
+    !differs.into_inner()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,5 +233,82 @@ mod tests {
         let s = sums(&data, 1 << 20);
         assert!(!sums_match(&data, 1 << 20, &s[..2], 2));
         assert!(!sums_match(&data[..2 << 20], 1 << 20, &s, 2));
+    }
+
+    /// Targets over `data`: pieces crossing chunk edges, one inside a
+    /// chunk, one empty, one at the end, given out of order.
+    fn places(len: usize) -> Vec<(usize, usize)> {
+        vec![
+            (len - 1000, 1000),
+            (0, 3 << 20),
+            ((5 << 20) + 17, 9 << 20),
+            ((3 << 20) + 5, 100),
+            (4 << 20, 0),
+        ]
+    }
+
+    fn fused(data: &[u8], s: &[u64], threads: usize) -> (bool, Vec<Vec<u8>>) {
+        let mut bufs: Vec<Vec<u8>> = places(data.len())
+            .iter()
+            .map(|&(_, n)| vec![0xAA; n])
+            .collect();
+        let targets = places(data.len())
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
+            .collect();
+        let ok = check_and_copy(data, 1 << 20, s, targets, threads);
+        (ok, bufs)
+    }
+
+    #[test]
+    fn fused_check_copies_every_target_when_all_match() {
+        let data = image((20 << 20) + 123);
+        let s = sums(&data, 1 << 20);
+        for threads in [1, 2, 3, 8] {
+            let (ok, bufs) = fused(&data, &s, threads);
+            assert!(ok, "threads {threads}");
+            for (&(at, n), b) in places(data.len()).iter().zip(&bufs) {
+                assert!(b[..] == data[at..at + n], "threads {threads}, at {at}");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_check_copies_nothing_of_a_chunk_that_differs() {
+        let mut data = image((20 << 20) + 123);
+        let s = sums(&data, 1 << 20);
+        // A byte of chunk 7, inside the third target.
+        data[(7 << 20) + 9] ^= 1;
+        for threads in [1, 2, 3, 8] {
+            let (ok, bufs) = fused(&data, &s, threads);
+            assert!(!ok, "threads {threads}");
+            let (at, n) = places(data.len())[2];
+            let b = &bufs[2];
+            // Each byte holds its old value or the image's, and none of
+            // chunk 7 (nor after it on the same thread) arrived.
+            for (j, &v) in b.iter().enumerate() {
+                let k = (at + j) >> 20;
+                assert!(v == 0xAA || (k != 7 && v == data[at + j]), "byte {j}");
+            }
+            assert!(b[(7 << 20) - at..(8 << 20) - at].iter().all(|&v| v == 0xAA));
+            assert_eq!(b.len(), n);
+        }
+    }
+
+    #[test]
+    fn fused_check_refuses_a_target_outside_the_image() {
+        let data = image(3 << 20);
+        let s = sums(&data, 1 << 20);
+        let mut b = [0u8; 10];
+        assert!(!check_and_copy(
+            &data,
+            1 << 20,
+            &s,
+            vec![((3 << 20) - 5, &mut b[..])],
+            2
+        ));
+        assert!(b.iter().all(|&v| v == 0));
+        assert!(!check_and_copy(&data, 1 << 20, &s[..2], Vec::new(), 2));
     }
 }

@@ -68,7 +68,7 @@ mod whole;
 
 use std::path::Path;
 
-pub(crate) use fast::{fast_sum, sums_match};
+pub(crate) use fast::{check_and_copy, fast_sum, sums_match};
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};
 pub(crate) use whole::{digests_of, Target};
