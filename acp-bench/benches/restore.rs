@@ -25,11 +25,17 @@
 //!   default: every chunk checked against the xxh3 sums the flush recorded
 //!   beside its blake3 digests in the slot's control block)
 //!   and `copy_into`;
+//! - `acp_load_into_ram`: the same load through `Engine::load_into`, which
+//!   checks each chunk against its sum and copies it into the destination
+//!   tensors while it is in cache, in one pass on the copy threads; each
+//!   iteration paired with a `memcpy_nt` right before it, and followed
+//!   (untimed for criterion, in the notes) by an `acp_load_ram` (check
+//!   pass, then copy);
 //! - `acp_load_ram_new_process`: the first load of a new process (a
 //!   restart): the engine closed and opened again on the same ring
-//!   (untimed), then `load` from the resident slot, checked against the
-//!   xxh3 sums the flush recorded in the slot's control block, and
-//!   `copy_into`; each iteration paired with a `memcpy_nt` right before it,
+//!   (untimed), then `Engine::load_into` from the resident slot, checked
+//!   against the xxh3 sums the flush recorded in the slot's control block
+//!   in the copy's pass; each iteration paired with a `memcpy_nt` right before it,
 //!   and followed (untimed for criterion, in the notes) by the same with
 //!   the slot's sums unmade before the open (its digests recorded again):
 //!   that load re-hashes the slot with blake3, as every new process's
@@ -95,7 +101,8 @@ fn load_into(engine: &Engine, req: &LoadRequest, set: &TensorSet, dst: &mut [u8]
 }
 
 /// [`load_into`] through [`Engine::load_into`]: the tensors are filled by
-/// the load itself.
+/// the load itself (from storage, in the read's pass; from a resident
+/// slot, in the pass that checks it).
 fn load_into_fused(
     engine: &Engine,
     req: &LoadRequest,
@@ -115,7 +122,12 @@ fn load_into_fused(
     let ck = engine
         .load_into(req, &mut into)
         .unwrap_or_else(|e| panic!("loading {req:?} into: {e}"));
-    assert_eq!(ck.report().source, Source::Storage, "{req:?}");
+    let want = if req.storage_only {
+        Source::Storage
+    } else {
+        Source::Ram
+    };
+    assert_eq!(ck.report().source, want, "{req:?}");
     ck
 }
 
@@ -406,6 +418,30 @@ fn restore(c: &mut Criterion) {
             timed
         });
     });
+    let mut paired_ram_into = Paired::default();
+    let mut paired_ram_into_vs_load = Paired::default();
+    g.bench_function("acp_load_into_ram", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                copy_pairs_parallel(&mut pairs, n);
+                black_box(&mut pairs);
+                let base = t.elapsed();
+                let t = Instant::now();
+                let ck = load_into_fused(&engine, &ram, &set, &mut dst);
+                let took = t.elapsed();
+                timed += took;
+                paired_ram_into.push(base, took);
+                drop(ck);
+                // The same load checked, then copied (untimed for criterion).
+                let t = Instant::now();
+                drop(load_into(&engine, &ram, &set, &mut dst));
+                paired_ram_into_vs_load.push(t.elapsed(), took);
+            }
+            timed
+        });
+    });
     zstd.close()
         .unwrap_or_else(|e| panic!("closing the zstd engine: {e}"));
     drop(zstd);
@@ -451,7 +487,7 @@ fn restore(c: &mut Criterion) {
                     black_box(&mut pairs);
                     let base = t.elapsed();
                     let t = Instant::now();
-                    let ck = load_into(&e, &ram, &set, &mut dst);
+                    let ck = load_into_fused(&e, &ram, &set, &mut dst);
                     let took = t.elapsed();
                     if unmake {
                         paired_first_blake3.push(base, took);
@@ -544,6 +580,14 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "paired ram",
         paired_ram.summary("memcpy_nt", "acp_load_ram"),
+    );
+    notes.set(
+        "paired ram, load_into",
+        paired_ram_into.summary("memcpy_nt", "acp_load_into_ram"),
+    );
+    notes.set(
+        "paired ram, load_into vs load + copy_into",
+        paired_ram_into_vs_load.summary("acp_load_ram", "acp_load_into_ram"),
     );
     notes.set(
         "paired ram, first load of a new process",
