@@ -131,41 +131,45 @@ fn load_into_fused(
     ck
 }
 
-/// Unmakes the quick sums recorded beside the digests of the slot holding
-/// `step` in the ring of `cfg` (no engine holds it): its digests are
+/// Unmakes the quick sums recorded beside the digests of every slot
+/// holding `step` in the ring of `cfg` (no engine holds it; a load from
+/// storage may have put the step in a second slot): their digests are
 /// recorded again, as a slot filled by a version without sums has them.
 fn unmake_sums(scratch: &Scratch, cfg: &acp_core::EngineConfig, step: u64) {
     use acp_core::staging::{peek_slot, user_dir, Ring, RingOptions};
     let dir = user_dir(scratch.shm());
-    let found = std::fs::read_dir(&dir)
+    let found: Vec<(usize, String, acp_core::staging::SlotPeek)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
-        .filter_map(|e| Some(e.ok()?.path()))
-        .find_map(|p| {
-            let peek = peek_slot(&p).ok()??;
-            (peek.is_complete() && peek.step == step).then_some((p, peek))
-        });
-    let Some((path, peek)) = found else {
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let peek = peek_slot(&path).ok()??;
+            let name = path.file_name()?.to_str()?.to_owned();
+            let (prefix, index) = name.rsplit_once("-s")?;
+            (peek.is_complete() && peek.step == step)
+                .then(|| Some((index.parse().ok()?, prefix.to_owned(), peek)))?
+        })
+        .collect();
+    let Some((_, prefix, peek)) = found.first() else {
         panic!("no slot holds step {step} in {}", dir.display());
     };
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let (prefix, index) = name.rsplit_once("-s").expect("a slot file name");
-    let slot: usize = index.parse().expect("a slot index");
     let (ring, _) = Ring::open(RingOptions {
         dir: scratch.shm().to_path_buf(),
-        prefix: prefix.to_owned(),
+        prefix: prefix.clone(),
         job_tag: peek.job_tag,
         rank: peek.rank,
-        slots: 2.max(slot + 1),
+        slots: found.iter().map(|f| f.0 + 1).max().unwrap_or(2).max(2),
         budget: cfg.ring_bytes(),
         chunk_bytes: acp_core::config::DEFAULT_CHUNK_BYTES as u64,
         mlock: false,
     })
-    .unwrap_or_else(|e| panic!("opening the ring of {}: {e}", path.display()));
-    let digests = ring
-        .digests(slot)
-        .unwrap_or_else(|| panic!("{} has no digests", path.display()));
-    ring.set_digests(slot, &digests);
-    assert!(ring.quick_sums(slot).is_none(), "sums unmade");
+    .unwrap_or_else(|e| panic!("opening the ring in {}: {e}", dir.display()));
+    for (slot, _, _) in &found {
+        let digests = ring
+            .digests(*slot)
+            .unwrap_or_else(|| panic!("slot {slot} of step {step} has no digests"));
+        ring.set_digests(*slot, &digests);
+        assert!(ring.quick_sums(*slot).is_none(), "sums unmade");
+    }
 }
 
 /// Copies each tensor `(file offset, destination offset, len)` of

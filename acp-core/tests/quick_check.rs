@@ -164,6 +164,8 @@ fn a_new_process_proves_the_slot_before_trusting_it() {
     e.close().unwrap();
 }
 
+/// The flush's sums reach the next process; a slot without them (an older
+/// version's) still loads from RAM, by blake3, which records them.
 #[test]
 fn the_flush_sums_reach_the_next_process() {
     let t = tempfile::tempdir().unwrap();
@@ -180,7 +182,7 @@ fn the_flush_sums_reach_the_next_process() {
     let peek = acp_core::staging::peek_slot(&file).unwrap().unwrap();
     let name = file.file_name().unwrap().to_str().unwrap();
     let (prefix, index) = name.rsplit_once("-s").unwrap();
-    let (ring, _) = acp_core::staging::Ring::open(acp_core::staging::RingOptions {
+    let opts = || acp_core::staging::RingOptions {
         dir: shm.clone(),
         prefix: prefix.to_owned(),
         job_tag: peek.job_tag,
@@ -189,22 +191,33 @@ fn the_flush_sums_reach_the_next_process() {
         budget: 128 << 20,
         chunk_bytes: 64 << 10,
         mlock: false,
-    })
-    .unwrap();
+    };
+    let (ring, _) = acp_core::staging::Ring::open(opts()).unwrap();
     let slot = index.parse().unwrap();
     let digests = ring.digests(slot).unwrap();
     assert_eq!(digests.len() as u64, peek.image_len.div_ceil(64 << 10));
     assert_eq!(ring.quick_sums(slot).map(|s| s.len()), Some(digests.len()));
+    // Unmade (the digests recorded again, as by a version without sums).
+    ring.set_digests(slot, &digests);
+    assert_eq!(ring.quick_sums(slot), None);
     drop(ring);
-    // And serves it, checked, from RAM.
+    let (ring, _) = acp_core::staging::Ring::open(opts()).unwrap();
+    assert_eq!(ring.quick_sums(slot), None);
+    drop(ring);
+    // Served, checked against the digests, from RAM.
     let e = engine(&root, &shm);
-    let ck = load(&e, 1);
+    let (ck, _) = load_into(&e, &data);
     assert_eq!(ck.report().source, Source::Ram);
     assert!(ck.report().verified);
     assert!(ck.report().rejected.is_none());
     assert_intact(&ck, &data);
     drop(ck);
     e.close().unwrap();
+    drop(e);
+    let (ring, _) = acp_core::staging::Ring::open(opts()).unwrap();
+    // Its blake3 check recorded the sums again.
+    assert_eq!(ring.quick_sums(slot).map(|s| s.len()), Some(digests.len()));
+    drop(ring);
 }
 
 /// `load_into` of step 1 into fresh buffers filled with 0xEE.
