@@ -247,7 +247,7 @@ pub(super) fn sums_tag(digests: &[Digest], chunk_bytes: u64) -> u64 {
     for d in digests {
         b.extend_from_slice(d);
     }
-    crate::read::fast_sum(&b)
+    twox_hash::XxHash3_64::oneshot(&b)
 }
 
 /// Rounds `v` up to a multiple of `to` (a power of two); `None` on overflow.
