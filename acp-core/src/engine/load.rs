@@ -70,8 +70,10 @@ impl Engine {
     /// [`Engine::load`], then copies each tensor `into[k].0` into
     /// `into[k].1` (exactly its length). From storage, the tensors are
     /// filled in the read's own pass ([`Engine::open_load`], then
-    /// [`PendingLoad::read_into`]); from any other source, they are copied
-    /// once the load succeeded.
+    /// [`PendingLoad::read_into`]); from this rank's resident slot, in the
+    /// pass that checks it (each chunk against its quick sum, then copied,
+    /// the same way); from any other source, they are copied once the load
+    /// succeeded.
     ///
     /// Nothing reaches `into` before its digest chunk matched. On an error,
     /// each tensor of `into` holds its old bytes or bytes of the step
@@ -121,8 +123,10 @@ impl Engine {
     /// copies it there ([`PendingLoad::read_into`]). That pass checks the
     /// header's chunks too, and fails if they do not hold the header the
     /// caller planned with: nothing from the file is trusted before it.
-    /// Every other source is loaded as [`Engine::load`] loads it
-    /// ([`Opened::Ready`]).
+    /// A step held by this rank's resident slot (with [`Verify::Always`])
+    /// is [`Opened::Pending`] too, planned from the slot's header: its
+    /// check is the copy's pass ([`PendingLoad::read_into`]). Every other
+    /// source is loaded as [`Engine::load`] loads it ([`Opened::Ready`]).
     ///
     /// The fallback of [`LoadRequest::fallback`] covers what this call
     /// reads (a missing file, a bad header); a data chunk that fails its
