@@ -610,11 +610,11 @@ fn restore(c: &mut Criterion) {
         median(&ram_secs) * 1e3,
     );
     notes.set(
-        "acp_load_ram_new_process: median LoadReport.secs, before copy_into (ms)",
+        "acp_load_ram_new_process: median LoadReport.secs, the check and copy in one pass (ms)",
         median(&first_secs) * 1e3,
     );
     notes.set(
-        "acp_load_ram_new_process, no sums: median LoadReport.secs, before copy_into (ms)",
+        "acp_load_ram_new_process, no sums: median LoadReport.secs, the blake3 check before the copy (ms)",
         median(&first_blake3_secs) * 1e3,
     );
     notes.set("ring mlocked", mlocked);
