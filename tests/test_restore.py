@@ -65,8 +65,15 @@ def test_a_storage_load_is_opened_pending_and_read_by_its_copy(ckpt: acp.Checkpo
     assert isinstance(model, dict)
     assert torch.equal(w, model["w"])
     assert loaded.report()["source"] == "storage"
-    # From RAM, nothing is deferred.
-    assert not ckpt.engine.load(1, defer=True).pending
+    # From RAM, the slot's check is done by the copy: pending, from RAM.
+    from_ram = ckpt.engine.load(1, defer=True)
+    assert from_ram.pending
+    assert from_ram.source == "ram"
+    w2 = torch.zeros(256, 64)
+    from_ram.copy_into([(i, w2.data_ptr(), w2.numel() * 4)])
+    assert not from_ram.pending
+    assert torch.equal(w2, model["w"])
+    assert from_ram.report()["source"] == "ram"
 
 
 def test_load_into_from_storage_fills_every_tensor_and_keeps_its_plan(

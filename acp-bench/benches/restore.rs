@@ -23,8 +23,23 @@
 //!   into the destination;
 //! - `acp_load_ram`: `load` from the resident slot (verify `Always`, the
 //!   default: every chunk checked against the xxh3 sums the flush recorded
-//!   beside its blake3 digests; a new process's first load hashes blake3)
+//!   beside its blake3 digests in the slot's control block)
 //!   and `copy_into`;
+//! - `acp_load_into_ram`: the same load through `Engine::load_into`, which
+//!   checks each chunk against its sum and copies it into the destination
+//!   tensors while it is in cache, in one pass on the copy threads; each
+//!   iteration paired with a `memcpy_nt` right before it, and followed
+//!   (untimed for criterion, in the notes) by an `acp_load_ram` (check
+//!   pass, then copy);
+//! - `acp_load_ram_new_process`: the first load of a new process (a
+//!   restart): the engine closed and opened again on the same ring
+//!   (untimed), then `Engine::load_into` from the resident slot, checked
+//!   against the xxh3 sums the flush recorded in the slot's control block
+//!   in the copy's pass; each iteration paired with a `memcpy_nt` right before it,
+//!   and followed (untimed for criterion, in the notes) by the same with
+//!   the slot's sums unmade before the open (its digests recorded again):
+//!   that load re-hashes the slot with blake3, as every new process's
+//!   first load did before the sums were kept in the slot;
 //! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
 //!   engine; the resident slot is trusted, no hashing).
 //!
@@ -86,7 +101,8 @@ fn load_into(engine: &Engine, req: &LoadRequest, set: &TensorSet, dst: &mut [u8]
 }
 
 /// [`load_into`] through [`Engine::load_into`]: the tensors are filled by
-/// the load itself.
+/// the load itself (from storage, in the read's pass; from a resident
+/// slot, in the pass that checks it).
 fn load_into_fused(
     engine: &Engine,
     req: &LoadRequest,
@@ -106,8 +122,54 @@ fn load_into_fused(
     let ck = engine
         .load_into(req, &mut into)
         .unwrap_or_else(|e| panic!("loading {req:?} into: {e}"));
-    assert_eq!(ck.report().source, Source::Storage, "{req:?}");
+    let want = if req.storage_only {
+        Source::Storage
+    } else {
+        Source::Ram
+    };
+    assert_eq!(ck.report().source, want, "{req:?}");
     ck
+}
+
+/// Unmakes the quick sums recorded beside the digests of every slot
+/// holding `step` in the ring of `cfg` (no engine holds it; a load from
+/// storage may have put the step in a second slot): their digests are
+/// recorded again, as a slot filled by a version without sums has them.
+fn unmake_sums(scratch: &Scratch, cfg: &acp_core::EngineConfig, step: u64) {
+    use acp_core::staging::{peek_slot, user_dir, Ring, RingOptions};
+    let dir = user_dir(scratch.shm());
+    let found: Vec<(usize, String, acp_core::staging::SlotPeek)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let peek = peek_slot(&path).ok()??;
+            let name = path.file_name()?.to_str()?.to_owned();
+            let (prefix, index) = name.rsplit_once("-s")?;
+            (peek.is_complete() && peek.step == step)
+                .then(|| Some((index.parse().ok()?, prefix.to_owned(), peek)))?
+        })
+        .collect();
+    let Some((_, prefix, peek)) = found.first() else {
+        panic!("no slot holds step {step} in {}", dir.display());
+    };
+    let (ring, _) = Ring::open(RingOptions {
+        dir: scratch.shm().to_path_buf(),
+        prefix: prefix.clone(),
+        job_tag: peek.job_tag,
+        rank: peek.rank,
+        slots: found.iter().map(|f| f.0 + 1).max().unwrap_or(2).max(2),
+        budget: cfg.ring_bytes(),
+        chunk_bytes: acp_core::config::DEFAULT_CHUNK_BYTES as u64,
+        mlock: false,
+    })
+    .unwrap_or_else(|e| panic!("opening the ring in {}: {e}", dir.display()));
+    for (slot, _, _) in &found {
+        let digests = ring
+            .digests(*slot)
+            .unwrap_or_else(|| panic!("slot {slot} of step {step} has no digests"));
+        ring.set_digests(*slot, &digests);
+        assert!(ring.quick_sums(*slot).is_none(), "sums unmade");
+    }
 }
 
 /// Copies each tensor `(file offset, destination offset, len)` of
@@ -360,7 +422,30 @@ fn restore(c: &mut Criterion) {
             timed
         });
     });
-    drop(pairs);
+    let mut paired_ram_into = Paired::default();
+    let mut paired_ram_into_vs_load = Paired::default();
+    g.bench_function("acp_load_into_ram", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                copy_pairs_parallel(&mut pairs, n);
+                black_box(&mut pairs);
+                let base = t.elapsed();
+                let t = Instant::now();
+                let ck = load_into_fused(&engine, &ram, &set, &mut dst);
+                let took = t.elapsed();
+                timed += took;
+                paired_ram_into.push(base, took);
+                drop(ck);
+                // The same load checked, then copied (untimed for criterion).
+                let t = Instant::now();
+                drop(load_into(&engine, &ram, &set, &mut dst));
+                paired_ram_into_vs_load.push(t.elapsed(), took);
+            }
+            timed
+        });
+    });
     zstd.close()
         .unwrap_or_else(|e| panic!("closing the zstd engine: {e}"));
     drop(zstd);
@@ -370,6 +455,64 @@ fn restore(c: &mut Criterion) {
         .close()
         .unwrap_or_else(|e| panic!("closing the engine: {e}"));
     drop(engine);
+
+    // The first load of a new process (a restart): the engine closed and
+    // opened again on the same ring, untimed, then one load, paired with a
+    // memcpy run right before it. Each iteration then also times, untimed
+    // for criterion, the same after the slot's sums were unmade (its
+    // digests recorded again): what a new process's first load did before
+    // the sums were kept in the slot (a blake3 pass over the image).
+    g.sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(50))
+        .measurement_time(measurement_time() / 2);
+    let cfg = || engine_config(&scratch, set.total, 2);
+    let mut live: Option<Engine> = None;
+    let mut paired_first = Paired::default();
+    let mut paired_first_blake3 = Paired::default();
+    let (mut first_secs, mut first_blake3_secs) = (Vec::new(), Vec::new());
+    let reopen = |live: &mut Option<Engine>, unmake: bool| -> Engine {
+        if let Some(e) = live.take() {
+            e.close()
+                .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+        }
+        if unmake {
+            unmake_sums(&scratch, &cfg(), step);
+        }
+        Engine::open(cfg()).unwrap_or_else(|e| panic!("opening the engine again: {e}"))
+    };
+    g.bench_function("acp_load_ram_new_process", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                for unmake in [false, true] {
+                    let e = reopen(&mut live, unmake);
+                    let t = Instant::now();
+                    copy_pairs_parallel(&mut pairs, n);
+                    black_box(&mut pairs);
+                    let base = t.elapsed();
+                    let t = Instant::now();
+                    let ck = load_into_fused(&e, &ram, &set, &mut dst);
+                    let took = t.elapsed();
+                    if unmake {
+                        paired_first_blake3.push(base, took);
+                        first_blake3_secs.push(ck.report().secs);
+                    } else {
+                        timed += took;
+                        paired_first.push(base, took);
+                        first_secs.push(ck.report().secs);
+                    }
+                    drop(ck);
+                    live = Some(e);
+                }
+            }
+            timed
+        });
+    });
+    drop(pairs);
+    if let Some(e) = live.take() {
+        e.close()
+            .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+    }
     drop(scratch);
 
     let scratch2 = Scratch::new("restore-trusted");
@@ -443,12 +586,36 @@ fn restore(c: &mut Criterion) {
         paired_ram.summary("memcpy_nt", "acp_load_ram"),
     );
     notes.set(
+        "paired ram, load_into",
+        paired_ram_into.summary("memcpy_nt", "acp_load_into_ram"),
+    );
+    notes.set(
+        "paired ram, load_into vs load + copy_into",
+        paired_ram_into_vs_load.summary("acp_load_ram", "acp_load_into_ram"),
+    );
+    notes.set(
+        "paired ram, first load of a new process",
+        paired_first.summary("memcpy_nt", "acp_load_ram_new_process"),
+    );
+    notes.set(
+        "paired ram, first load of a new process, no sums in the slot",
+        paired_first_blake3.summary("memcpy_nt", "acp_load_ram_new_process, no sums"),
+    );
+    notes.set(
         "acp_load_storage: median LoadReport.secs, before copy_into (ms)",
         median(&storage_secs) * 1e3,
     );
     notes.set(
         "acp_load_ram: median LoadReport.secs, before copy_into (ms)",
         median(&ram_secs) * 1e3,
+    );
+    notes.set(
+        "acp_load_ram_new_process: median LoadReport.secs, the check and copy in one pass (ms)",
+        median(&first_secs) * 1e3,
+    );
+    notes.set(
+        "acp_load_ram_new_process, no sums: median LoadReport.secs, the blake3 check before the copy (ms)",
+        median(&first_blake3_secs) * 1e3,
     );
     notes.set("ring mlocked", mlocked);
     notes.save();

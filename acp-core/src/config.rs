@@ -83,11 +83,16 @@ impl Default for PersistPolicy {
 /// How much of a checkpoint is re-hashed when it is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Verify {
-    /// Verify every chunk against the manifest, from storage and from RAM.
+    /// Verify every chunk: from storage against the manifest's blake3
+    /// digests; from a resident slot whose recorded digests are the
+    /// manifest's, against the xxh3 sum recorded beside each digest (the
+    /// blake3 digest when it has none, or when a sum differs; `read/fast.rs`
+    /// says what the sums prove).
     #[default]
     Always,
     /// Verify what is read from storage; trust resident slots written by
-    /// this process or a previous one on this node.
+    /// this process or a previous one on this node (their recorded digests
+    /// must still be the manifest's; their bytes are not hashed).
     StorageOnly,
 }
 

@@ -2,7 +2,8 @@
 //! restore from storage into the caller's memory:
 //! - a step read from storage comes back pending, its entries and values
 //!   from the verified header, its data not read (nothing resident yet);
-//!   from RAM, it comes back ready;
+//!   from a resident slot, it comes back pending too, its source RAM (the
+//!   slot's check is done by the copy);
 //! - `read_into` fills the destinations named by entry index with the saved
 //!   bytes, and the step becomes resident as after `load`;
 //! - a changed header is refused, naming the file, by `open_load` (which
@@ -57,12 +58,30 @@ fn a_storage_step_opens_pending_and_its_read_fills_the_destinations() {
     }
     drop(ck);
     assert_eq!(engine.resident_steps(), vec![1]);
-    // Resident now: nothing to defer.
+    // Resident now: pending from RAM, checked and copied in one pass.
     let req = LoadRequest {
         step: Some(1),
         ..LoadRequest::default()
     };
-    assert!(matches!(engine.open_load(&req).unwrap(), Opened::Ready(_)));
+    let Opened::Pending(p) = engine.open_load(&req).unwrap() else {
+        panic!("a resident load is checked by its copy");
+    };
+    assert_eq!(p.source(), Source::Ram);
+    let mut bufs: Vec<Vec<u8>> = (0..TENSORS).map(|_| vec![0; TENSOR_BYTES]).collect();
+    let mut into: Vec<(usize, &mut [u8])> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(k, b)| {
+            let i = p.entries().iter().position(|e| e.name == name(k)).unwrap();
+            (i, b.as_mut_slice())
+        })
+        .collect();
+    let ck = p.read_into(&mut into).unwrap();
+    assert_eq!(ck.report().source, Source::Ram);
+    for (k, b) in bufs.iter().enumerate() {
+        assert!(*b == tensor(k), "w.{k}");
+    }
+    drop(ck);
     engine.close().unwrap();
 }
 

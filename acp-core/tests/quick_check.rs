@@ -2,6 +2,8 @@
 //! the flush's digests, or by a load's full check) is checked again at
 //! every load, so a byte changed after any number of good loads is still
 //! caught, reported naming the slot file and tensor, and storage is read.
+//! The sums live in the slot's control block, so a new process's first
+//! load checks them too.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
@@ -149,7 +151,8 @@ fn a_new_process_proves_the_slot_before_trusting_it() {
     e.close().unwrap();
     drop(e);
     // Changed while no process held the ring: the next one's first load
-    // has no sums of its own and checks the digests.
+    // finds a chunk that no longer gives the sum the flush recorded, and
+    // checks the digests, which name the file.
     let (file, image) = slot_of(&shm, 1);
     flip(&file, image + (20 << 20));
     let e = engine(&root, &shm);
@@ -157,6 +160,171 @@ fn a_new_process_proves_the_slot_before_trusting_it() {
     assert_eq!(ck.report().source, Source::Storage);
     assert!(ck.report().rejected.is_some());
     assert_intact(&ck, &data);
+    drop(ck);
+    e.close().unwrap();
+}
+
+/// The flush's sums reach the next process; a slot without them (an older
+/// version's) still loads from RAM, by blake3, which records them.
+#[test]
+fn the_flush_sums_reach_the_next_process() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save(&e, 1, &data);
+    e.close().unwrap();
+    drop(e);
+    // The ring as the next process finds it: the flush's sums beside the
+    // digests, one per 64 KiB chunk.
+    let (file, _) = slot_of(&shm, 1);
+    let peek = acp_core::staging::peek_slot(&file).unwrap().unwrap();
+    let name = file.file_name().unwrap().to_str().unwrap();
+    let (prefix, index) = name.rsplit_once("-s").unwrap();
+    let opts = || acp_core::staging::RingOptions {
+        dir: shm.clone(),
+        prefix: prefix.to_owned(),
+        job_tag: peek.job_tag,
+        rank: peek.rank,
+        slots: index.parse::<usize>().unwrap() + 1,
+        budget: 128 << 20,
+        chunk_bytes: 64 << 10,
+        mlock: false,
+    };
+    let (ring, _) = acp_core::staging::Ring::open(opts()).unwrap();
+    let slot = index.parse().unwrap();
+    let digests = ring.digests(slot).unwrap();
+    assert_eq!(digests.len() as u64, peek.image_len.div_ceil(64 << 10));
+    assert_eq!(ring.quick_sums(slot).map(|s| s.len()), Some(digests.len()));
+    // Unmade (the digests recorded again, as by a version without sums).
+    ring.set_digests(slot, &digests);
+    assert_eq!(ring.quick_sums(slot), None);
+    drop(ring);
+    let (ring, _) = acp_core::staging::Ring::open(opts()).unwrap();
+    assert_eq!(ring.quick_sums(slot), None);
+    drop(ring);
+    // Served, checked against the digests, from RAM.
+    let e = engine(&root, &shm);
+    let (ck, _) = load_into(&e, &data);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().verified);
+    assert!(ck.report().rejected.is_none());
+    assert_intact(&ck, &data);
+    drop(ck);
+    e.close().unwrap();
+    drop(e);
+    let (ring, _) = acp_core::staging::Ring::open(opts()).unwrap();
+    // Its blake3 check recorded the sums again.
+    assert_eq!(ring.quick_sums(slot).map(|s| s.len()), Some(digests.len()));
+    drop(ring);
+}
+
+/// `load_into` of step 1 into fresh buffers filled with 0xEE.
+fn load_into(e: &Engine, data: &[(String, Vec<u8>)]) -> (acp_core::Checkpoint, Vec<Vec<u8>>) {
+    let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
+    let mut into: Vec<(&str, &mut [u8])> = data
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
+        .collect();
+    let ck = e
+        .load_into(
+            &LoadRequest {
+                step: Some(1),
+                ..LoadRequest::default()
+            },
+            &mut into,
+        )
+        .unwrap();
+    (ck, bufs)
+}
+
+fn assert_filled(bufs: &[Vec<u8>], data: &[(String, Vec<u8>)]) {
+    for (b, (n, d)) in bufs.iter().zip(data) {
+        assert!(b == d, "tensor `{n}`");
+    }
+}
+
+/// The offset of tensor `name` in the image of step 1.
+fn offset_of(e: &Engine, name: &str) -> u64 {
+    let ck = load(e, 1);
+    ck.entries().iter().find(|x| x.name == name).unwrap().offset
+}
+
+#[test]
+fn load_into_from_ram_checks_each_chunk_as_it_copies_it() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save(&e, 1, &data);
+    // The resident slot's check waits for the copy.
+    let req = LoadRequest {
+        step: Some(1),
+        ..LoadRequest::default()
+    };
+    match e.open_load(&req).unwrap() {
+        acp_core::Opened::Pending(p) => assert_eq!(p.source(), Source::Ram),
+        acp_core::Opened::Ready(_) => panic!("a resident step is checked by its copy"),
+    }
+    for _ in 0..2 {
+        let (ck, bufs) = load_into(&e, &data);
+        assert_eq!(ck.report().source, Source::Ram);
+        assert!(ck.report().verified);
+        assert!(ck.report().rejected.is_none());
+        assert_filled(&bufs, &data);
+        assert_intact(&ck, &data);
+    }
+    // A byte deep in `b.w` changed after the seal: its chunk differs from
+    // its sum, the blake3 check names the slot file and the tensor, and
+    // the tensors are read from storage.
+    let (file, image) = slot_of(&shm, 1);
+    flip(&file, image + offset_of(&e, "b.w") + (7 << 20) + 1);
+    let (ck, bufs) = load_into(&e, &data);
+    assert_eq!(ck.report().source, Source::Storage);
+    let why = ck.report().rejected.clone().unwrap();
+    assert!(
+        why.contains(file.file_name().unwrap().to_str().unwrap()),
+        "{why}"
+    );
+    assert!(why.contains("`b.w`"), "{why}");
+    assert_filled(&bufs, &data);
+    drop(ck);
+    e.close().unwrap();
+}
+
+#[test]
+fn a_new_process_load_into_checks_the_sums_in_the_slot() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save(&e, 1, &data);
+    let a = offset_of(&e, "a.w");
+    e.close().unwrap();
+    drop(e);
+    // Intact: served from RAM by the first load of the next process.
+    let e = engine(&root, &shm);
+    let (ck, bufs) = load_into(&e, &data);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().rejected.is_none());
+    assert_filled(&bufs, &data);
+    drop(ck);
+    e.close().unwrap();
+    drop(e);
+    // Changed while no process held the ring: caught, named, and read
+    // from storage.
+    let (file, image) = slot_of(&shm, 1);
+    flip(&file, image + a + 12345);
+    let e = engine(&root, &shm);
+    let (ck, bufs) = load_into(&e, &data);
+    assert_eq!(ck.report().source, Source::Storage);
+    let why = ck.report().rejected.clone().unwrap();
+    assert!(why.contains("`a.w`"), "{why}");
+    assert_filled(&bufs, &data);
     drop(ck);
     e.close().unwrap();
 }

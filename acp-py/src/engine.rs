@@ -487,7 +487,9 @@ impl Engine {
     /// and `tensors` only those of its tensors. With `defer`, a step read
     /// from storage comes back pending (`Loaded.pending`): its header read
     /// (verified later, by the read), its data read by the first
-    /// `copy_into`, into the caller's tensors in the read's own pass.
+    /// `copy_into`, into the caller's tensors in the read's own pass; so
+    /// does one held by this rank's resident slot (`source` "ram"), whose
+    /// check is that copy's pass.
     #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None, defer=false))]
     #[expect(
         clippy::too_many_arguments,

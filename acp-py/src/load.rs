@@ -170,16 +170,23 @@ impl Loaded {
         self.step
     }
 
-    /// Where it came from: "ram", "storage" or "peer" ("storage" while a
-    /// deferred storage read is pending).
+    /// Where it came from: "ram", "storage" or "peer"; while pending,
+    /// where its bytes will come from ("storage", or "ram" for a resident
+    /// slot whose check is done by the copy), unless that check fails and
+    /// storage is read instead (`report()` then says so).
     #[getter]
     fn source(&self) -> &'static str {
-        self.ready
-            .get()
-            .map_or("storage", |c| source_name(c.report().source))
+        if let Some(c) = self.ready.get() {
+            return source_name(c.report().source);
+        }
+        match self.pending.lock().as_deref() {
+            Ok(Pending::Read(p)) => source_name(p.source()),
+            _ => "storage",
+        }
     }
 
-    /// Whether its data is still to be read (a deferred storage load).
+    /// Whether its data is still to be read (a deferred storage load), or
+    /// checked (a resident slot, checked by the copy).
     #[getter]
     fn pending(&self) -> bool {
         self.ready.get().is_none() && !self.failed()

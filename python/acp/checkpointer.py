@@ -83,7 +83,8 @@ class Internals:
         defer: bool = False,
     ) -> _acp.Loaded:
         """The engine's load of ``step`` (checked by the caller); with
-        ``defer``, a step read from storage comes back pending."""
+        ``defer``, a step read from storage, or held by this rank's
+        resident slot, comes back pending (read, or checked, by its copy)."""
         loaded = self.engine.load(step, storage_only, fallback, rank, defer=defer)
         self.loaded_from([loaded.source])
         return loaded
@@ -682,9 +683,11 @@ class Checkpointer:
         is copied. Keys present in the checkpoint but not at the top level of
         ``into`` are not loaded. From storage, ``into``'s tensors are filled
         in the read's own pass (each chunk verified, then copied, no second
-        pass over a full copy); when the load raises, each of them holds
-        its old bytes or verified bytes of the step that failed (a mix)
-        and must not be used, and no other value was assigned; with
+        pass over a full copy), and from RAM in the pass that checks the
+        resident copy (each chunk against its recorded sum, then copied);
+        when the load raises, each of them holds its old bytes or verified
+        bytes of the step that failed (a mix) and must not be used, and no
+        other value was assigned; with
         ``fallback``, a step whose data fails verification during that
         read is skipped (logged) and the next intact one is loaded into
         every tensor. ``fallback`` (with ``step=None``) falls back

@@ -214,9 +214,10 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let mut sums: Vec<u64> = Vec::with_capacity(digests.capacity());
         shared.note_progress(format!("step {step}: writing {}", path.display()));
         let compress = shared.lock().rates.choose(shared.cfg.compress);
-        // Digests this process recorded for the slot's image already (a
-        // snapshot hashed while it waited, a verified read): taken as they
-        // are, not computed again.
+        // Digests and quick sums recorded for the slot's image already (a
+        // snapshot hashed while it waited, a verified read, the process of
+        // this rank that sealed it): taken as they are, not computed again;
+        // each chunk must still give its sum as it is written.
         let n = image.len().div_ceil(chunk.max(1));
         let recorded = match (shared.ring.digests(slot), shared.ring.quick_sums(slot)) {
             (Some(d), Some(s))
@@ -303,7 +304,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         };
         let flush_secs = t_flush.elapsed().as_secs_f64();
         shared.ring.set_digests(slot, &digests);
-        shared.ring.record_quick_sums(slot, &digests, sums);
+        shared.ring.record_quick_sums(slot, &digests, &sums);
 
         let t_commit = Instant::now();
         shared.note_progress(format!(

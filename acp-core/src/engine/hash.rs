@@ -96,7 +96,7 @@ pub(super) fn hash_slot(
     // released meanwhile (superseded) ignores the digests.
     if ring.generation(slot) == Some(pin.generation()) {
         ring.set_digests(slot, &digests);
-        ring.record_quick_sums(slot, &digests, sums);
+        ring.record_quick_sums(slot, &digests, &sums);
         tracing::debug!(step, slot, "acp: RAM snapshot hashed");
     }
     ring.digests(slot).is_some()

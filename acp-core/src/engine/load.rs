@@ -18,9 +18,9 @@ use crate::format::{
     data_file_name, parse_header, read_header, unhex, Entry, FileEntry, ParsedHeader,
 };
 use crate::read::{
-    sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
+    check_and_copy, sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
 };
-use crate::staging::{Ring, SlotInfo, SlotState};
+use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState};
 use crate::storage::FileHandle;
 
 /// Which step to load, and from where.
@@ -70,8 +70,10 @@ impl Engine {
     /// [`Engine::load`], then copies each tensor `into[k].0` into
     /// `into[k].1` (exactly its length). From storage, the tensors are
     /// filled in the read's own pass ([`Engine::open_load`], then
-    /// [`PendingLoad::read_into`]); from any other source, they are copied
-    /// once the load succeeded.
+    /// [`PendingLoad::read_into`]); from this rank's resident slot, in the
+    /// pass that checks it (each chunk against its quick sum, then copied,
+    /// the same way); from any other source, they are copied once the load
+    /// succeeded.
     ///
     /// Nothing reaches `into` before its digest chunk matched. On an error,
     /// each tensor of `into` holds its old bytes or bytes of the step
@@ -121,8 +123,10 @@ impl Engine {
     /// copies it there ([`PendingLoad::read_into`]). That pass checks the
     /// header's chunks too, and fails if they do not hold the header the
     /// caller planned with: nothing from the file is trusted before it.
-    /// Every other source is loaded as [`Engine::load`] loads it
-    /// ([`Opened::Ready`]).
+    /// A step held by this rank's resident slot (with [`Verify::Always`])
+    /// is [`Opened::Pending`] too, planned from the slot's header: its
+    /// check is the copy's pass ([`PendingLoad::read_into`]). Every other
+    /// source is loaded as [`Engine::load`] loads it ([`Opened::Ready`]).
     ///
     /// The fallback of [`LoadRequest::fallback`] covers what this call
     /// reads (a missing file, a bad header); a data chunk that fails its
@@ -167,27 +171,68 @@ fn by_index<'b>(
 pub enum Opened {
     /// Loaded and verified: from RAM, a replica, or another rank's file.
     Ready(Checkpoint),
-    /// A committed step of this engine's rank to read from storage.
+    /// A committed step of this engine's rank to read from storage, or
+    /// held by its resident slot, to check by the copy
+    /// ([`PendingLoad::read_into`]).
     Pending(PendingLoad),
 }
 
-/// A committed step whose data file is open, sized and its header read,
-/// but not yet verified, nor its tensors read ([`Engine::open_load`]).
-/// Holds the file open, so retention removing the step meanwhile does not
-/// change what is read.
+/// A committed step whose header was read but not yet verified, nor its
+/// tensors read ([`Engine::open_load`]): a data file open and sized
+/// (held open, so retention removing the step meanwhile does not change
+/// what is read), or this rank's resident slot, pinned, whose check waits
+/// for the copy ([`PendingLoad::read_into`]).
 #[derive(Debug)]
 pub struct PendingLoad {
     engine: Engine,
-    file: StoredFile,
+    what: Deferred,
     header: ParsedHeader,
     t0: Instant,
+}
+
+/// Where a pending load's bytes are.
+#[derive(Debug)]
+enum Deferred {
+    /// In storage.
+    Stored(Box<StoredFile>),
+    /// In this rank's ring slot.
+    Resident(Box<ResidentSlot>),
+}
+
+/// This rank's resident slot holding a committed step, whose recorded
+/// digests are the index's ([`slot_matches_entry`]), pinned; its bytes not
+/// checked yet.
+#[derive(Debug)]
+struct ResidentSlot {
+    step: u64,
+    rank: u32,
+    pin: PinnedSlot,
+    info: SlotInfo,
+    /// The slot file, for messages.
+    path: PathBuf,
+    entry: FileEntry,
+    expected: Expected,
+    rejected: Option<String>,
 }
 
 impl PendingLoad {
     /// The step.
     #[must_use]
     pub fn step(&self) -> u64 {
-        self.file.step
+        match &self.what {
+            Deferred::Stored(f) => f.step,
+            Deferred::Resident(r) => r.step,
+        }
+    }
+
+    /// Where its bytes will come from: [`Source::Storage`], or
+    /// [`Source::Ram`] for a resident slot whose check is done by the copy.
+    #[must_use]
+    pub fn source(&self) -> Source {
+        match &self.what {
+            Deferred::Stored(_) => Source::Storage,
+            Deferred::Resident(_) => Source::Ram,
+        }
     }
 
     /// The tensors of the file, as its header lists them (verified by
@@ -207,7 +252,10 @@ impl PendingLoad {
     /// The size of the step's image, in bytes.
     #[must_use]
     pub fn image_bytes(&self) -> u64 {
-        self.file.entry.size
+        match &self.what {
+            Deferred::Stored(f) => f.entry.size,
+            Deferred::Resident(r) => r.entry.size,
+        }
     }
 
     /// Reads the whole file in one pass, verifying each digest chunk as it
@@ -218,12 +266,21 @@ impl PendingLoad {
     /// (a pre-faulted slot costs less than fresh memory), or into private
     /// memory when the ring has no room.
     ///
-    /// Nothing reaches `into` before its digest chunk matched. On an
-    /// error, each destination holds its old bytes or verified bytes of
-    /// this step (per read it spans); nothing becomes resident. When the
-    /// verified header is not the one [`PendingLoad::entries`] and
-    /// [`PendingLoad::values`] came from, the load fails
-    /// ([`Error::Corrupt`]).
+    /// From a resident slot ([`PendingLoad::source`] is [`Source::Ram`]),
+    /// the same pass over the slot: each chunk checked against the quick
+    /// sum recorded beside its digest (`read/fast.rs`) and copied while in
+    /// cache. A slot without sums is checked against the digests first,
+    /// then copied. A chunk whose sum differs sends the slot to the full
+    /// blake3 check: if the bytes pass it, they are copied; if not, the
+    /// slot is dropped (the reason goes in [`LoadReport::rejected`]) and
+    /// the step is read from storage into `into` as above.
+    ///
+    /// Nothing reaches `into` before its digest chunk matched (its digest,
+    /// or its quick sum from RAM). On an error, each destination holds its
+    /// old bytes or checked bytes of this step (per read it spans);
+    /// nothing becomes resident. When the verified header is not the one
+    /// [`PendingLoad::entries`] and [`PendingLoad::values`] came from, the
+    /// load fails ([`Error::Corrupt`]).
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the tensor when an index is out of range
@@ -231,24 +288,146 @@ impl PendingLoad {
     /// naming the file and tensor; [`Error::Io`].
     pub fn read_into(self, into: &mut [(usize, &mut [u8])]) -> Result<Checkpoint> {
         let step = self.step();
+        for (i, d) in into.iter() {
+            super::checkpoint::destination(&self.header.entries, step, *i, d.len())?;
+        }
+        match self.what {
+            Deferred::Stored(file) => {
+                read_stored_into(&self.engine, &file, &self.header, self.t0, into)
+            }
+            Deferred::Resident(slot) => {
+                read_resident_into(&self.engine, slot, &self.header, self.t0, into)
+            }
+        }
+    }
+}
+
+/// [`PendingLoad::read_into`] of `file`, planned with `planned`, `into`
+/// checked against it.
+fn read_stored_into(
+    engine: &Engine,
+    file: &StoredFile,
+    planned: &ParsedHeader,
+    t0: Instant,
+    into: &mut [(usize, &mut [u8])],
+) -> Result<Checkpoint> {
+    let targets = into
+        .iter_mut()
+        .filter_map(|(i, d)| Some((planned.entries.get(*i)?.offset, &mut **d)))
+        .collect::<Vec<Target<'_>>>();
+    let ck = read_stored(engine.shared(), file, targets, t0)?;
+    check_planned(&ck, planned, &file.path)?;
+    Ok(ck)
+}
+
+/// The placement and the values a caller planned with (`planned`) must be
+/// the ones the load verified.
+fn check_planned(ck: &Checkpoint, planned: &ParsedHeader, path: &Path) -> Result<()> {
+    if ck.entries() != planned.entries.as_slice() || ck.values() != &planned.values {
+        return Err(Error::corrupt(
+            path,
+            None,
+            "the header read to plan the load differs from the verified one",
+        ));
+    }
+    Ok(())
+}
+
+/// [`PendingLoad::read_into`] of the resident slot `slot`, planned with
+/// `planned`, `into` checked against it.
+fn read_resident_into(
+    engine: &Engine,
+    slot: Box<ResidentSlot>,
+    planned: &ParsedHeader,
+    t0: Instant,
+    into: &mut [(usize, &mut [u8])],
+) -> Result<Checkpoint> {
+    let shared = engine.shared();
+    let ring = &shared.ring;
+    let threads = shared.cfg.copy_threads;
+    let image = slot.pin.image();
+    let chunk = to_usize(slot.entry.chunk_bytes);
+    // The check and the copy in one pass, when the slot has sums.
+    let copied = ring.quick_sums(slot.info.slot).is_some_and(|sums| {
         let targets = into
             .iter_mut()
-            .map(|(i, d)| {
-                let e = super::checkpoint::destination(&self.header.entries, step, *i, d.len())?;
-                Ok((e.offset, &mut **d))
-            })
-            .collect::<Result<Vec<Target<'_>>>>()?;
-        let ck = read_stored(self.engine.shared(), &self.file, targets, self.t0)?;
-        // The placement and the values the caller planned with must be the
-        // ones the read verified.
-        if ck.entries() != self.header.entries.as_slice() || ck.values() != &self.header.values {
-            return Err(Error::corrupt(
-                &self.file.path,
-                None,
-                "the header read to plan the load differs from the verified one",
-            ));
+            .filter_map(|(i, d)| Some((planned.entries.get(*i)?.offset, &mut **d)))
+            .collect::<Vec<Target<'_>>>();
+        check_and_copy(image, chunk, &sums, targets, threads)
+    });
+    if !copied {
+        // No sums, or a chunk that differs from its sum: the full check.
+        if let Err(e) = check_resident(ring, &slot.info, image, &slot.path, &slot.entry, threads) {
+            // The resident copy is only a cache of the committed one:
+            // drop it and read storage.
+            tracing::warn!(
+                "acp: resident copy of step {} rejected, reading storage: {e}",
+                slot.step
+            );
+            let (index, step, rank) = (slot.info.slot, slot.step, slot.rank);
+            drop(slot.pin);
+            ring.release(index);
+            return storage_instead(engine, step, rank, planned, t0, into, e.to_string());
         }
-        Ok(ck)
+    }
+    let ck = finish(
+        shared,
+        slot.step,
+        Backing::Slot(slot.pin),
+        &slot.path,
+        Source::Ram,
+        true,
+        t0,
+        &slot.expected,
+    )?
+    .with_rejected(slot.rejected);
+    check_planned(&ck, planned, &slot.path)?;
+    if !copied {
+        let mut dsts: Vec<(usize, &mut [u8])> =
+            into.iter_mut().map(|(i, d)| (*i, &mut **d)).collect();
+        ck.copy_into(&mut dsts)?;
+    }
+    Ok(ck)
+}
+
+/// Reads `step` of `rank` from storage into `into`, planned with
+/// `planned` (from a resident slot that failed its check, for the reason
+/// `why`).
+fn storage_instead(
+    engine: &Engine,
+    step: u64,
+    rank: u32,
+    planned: &ParsedHeader,
+    t0: Instant,
+    into: &mut [(usize, &mut [u8])],
+    why: String,
+) -> Result<Checkpoint> {
+    match load_step(engine, step, Some(rank), true, t0, true)? {
+        Opened::Pending(mut p) => {
+            let path = match &p.what {
+                Deferred::Stored(f) => f.path.clone(),
+                Deferred::Resident(r) => r.path.clone(),
+            };
+            if p.header.entries != planned.entries || p.header.values != planned.values {
+                return Err(Error::corrupt(
+                    &path,
+                    None,
+                    "the header read to plan the load differs from the verified one",
+                ));
+            }
+            if let Deferred::Stored(f) = &mut p.what {
+                f.rejected = Some(why);
+            }
+            p.read_into(into)
+        }
+        Opened::Ready(ck) => {
+            let path = engine.shared().root.describe(step, &data_file_name(rank));
+            check_planned(&ck, planned, &path)?;
+            let mut dsts: Vec<(usize, &mut [u8])> =
+                into.iter_mut().map(|(i, d)| (*i, &mut **d)).collect();
+            ck.copy_into(&mut dsts)?;
+            Ok(ck.with_rejected(Some(why)))
+        }
     }
 }
 
@@ -256,7 +435,10 @@ impl Opened {
     fn rejected(&self) -> bool {
         match self {
             Opened::Ready(c) => c.report.rejected.is_some(),
-            Opened::Pending(p) => p.file.rejected.is_some(),
+            Opened::Pending(p) => match &p.what {
+                Deferred::Stored(f) => f.rejected.is_some(),
+                Deferred::Resident(r) => r.rejected.is_some(),
+            },
         }
     }
 
@@ -264,7 +446,10 @@ impl Opened {
         match self {
             Opened::Ready(c) => Opened::Ready(c.with_rejected(rejected)),
             Opened::Pending(mut p) => {
-                p.file.rejected = rejected;
+                match &mut p.what {
+                    Deferred::Stored(f) => f.rejected = rejected,
+                    Deferred::Resident(r) => r.rejected = rejected,
+                }
                 Opened::Pending(p)
             }
         }
@@ -520,6 +705,32 @@ fn load_step(
                 continue;
             }
             let verified = shared.cfg.verify == Verify::Always;
+            if verified && defer {
+                // The check waits for the copy, which does both in one
+                // pass ([`PendingLoad::read_into`]); planned from the
+                // slot's header, compared with the checked one then.
+                match plan_resident(&pin, &slot_path, step, &expected) {
+                    Ok(header) => {
+                        return Ok(Opened::Pending(PendingLoad {
+                            engine: engine.clone(),
+                            what: Deferred::Resident(Box::new(ResidentSlot {
+                                step,
+                                rank,
+                                pin,
+                                info,
+                                path: slot_path,
+                                entry: entry.clone(),
+                                expected,
+                                rejected,
+                            })),
+                            header,
+                            t0,
+                        }));
+                    }
+                    // Checked now, which names what is wrong.
+                    Err(e) => tracing::debug!("acp: resident copy of step {step}: {e}"),
+                }
+            }
             if verified {
                 if let Err(e) =
                     check_resident(&shared.ring, &info, pin.image(), &slot_path, entry, threads)
@@ -580,12 +791,27 @@ fn load_step(
         let header = read_header_for_plan(shared, &stored)?;
         return Ok(Opened::Pending(PendingLoad {
             engine: engine.clone(),
-            file: stored,
+            what: Deferred::Stored(Box::new(stored)),
             header,
             t0,
         }));
     }
     read_stored(shared, &stored, Vec::new(), t0).map(Opened::Ready)
+}
+
+/// The header of the resident image `pin` (the slot file `path`), not yet
+/// checked, checked against the index like a loaded one, for planning a
+/// load whose copy checks it ([`read_resident_into`]).
+fn plan_resident(
+    pin: &PinnedSlot,
+    path: &Path,
+    step: u64,
+    expected: &Expected,
+) -> Result<ParsedHeader> {
+    let image = pin.image();
+    let header = parse_header(path, image, image.len() as u64)?;
+    check_header(path, &header, step, expected)?;
+    Ok(header)
 }
 
 /// A committed data file, opened and sized, that a load reads from
@@ -803,11 +1029,13 @@ fn verify_in_place(
 
 /// Checks the image of this rank's resident slot `info` (whose recorded
 /// digests are `entry`'s: [`slot_matches_entry`]) before it is used: by the
-/// quick sums recorded beside those digests in this process when there are
-/// some and every chunk still gives its sum, else by the blake3 check
-/// against `entry` ([`verify_in_place`]), which records the quick sums for
-/// the next load. A quick sum that differs only sends the image to the
-/// blake3 check, whose error names the file and tensor.
+/// quick sums recorded beside those digests in the slot's control block
+/// (by its flush, or by an earlier full check, in this process or an
+/// earlier one) when there are some and every chunk still gives its sum,
+/// else by the blake3 check against `entry` ([`verify_in_place`]), which
+/// records the quick sums for the next load. A quick sum that differs only
+/// sends the image to the blake3 check, whose error names the file and
+/// tensor.
 ///
 /// # Errors
 /// As [`verify_in_place`].
@@ -832,7 +1060,7 @@ fn check_resident(
     }
     let (digests, sums) =
         ChunkReader::new(MemSource::new(image, path), entry)?.verify_in_place_with_sums(threads)?;
-    ring.record_quick_sums(info.slot, &digests, sums);
+    ring.record_quick_sums(info.slot, &digests, &sums);
     Ok(())
 }
 

@@ -6,25 +6,57 @@
 //! A resident slot is a cache of a committed file: its bytes were hashed
 //! with blake3 by the flush (or by a verified read), and those digests are
 //! compared with the index's before the slot is used. The quick sums are
-//! computed from the same chunk bytes in the same pass as those digests,
-//! and kept in this process's ring table (never in shared memory, so no
-//! other process can change them). A chunk whose bytes still give its
-//! recorded sum is, but for a chance of 2⁻⁶⁴ per changed chunk, the chunk
-//! the blake3 digest describes: any accidental change (a stray write, a
-//! bit flip, another process reusing the file) is caught. xxh3 is not a
-//! cryptographic hash, so a writer who crafts bytes to collide could pass
-//! it; such a writer runs as the ring's owner (slots are mode `0600`) and
-//! could rewrite the index too, which blake3 does not stop either.
+//! computed from the same chunk bytes in the same pass as those digests
+//! (by the flush, or by the first full check of a slot that has none) and
+//! recorded in the slot's control block beside them, in a record bound to
+//! those digests by a tag (the staging module docs give the bytes), so a
+//! restarted process's first load checks xxh3, not blake3. A chunk whose
+//! bytes still give its recorded sum is, but for a chance of 2⁻⁶⁴ per
+//! changed chunk, the chunk the blake3 digest describes: any accidental
+//! change (a stray write, a bit flip, another process reusing the file) is
+//! caught.
 //!
-//! Where a digest and a sum are taken from shared memory, the sum is
-//! taken first: a digest that still matches then vouches for bytes at
-//! least as new as those the sum describes, so a change made before the
-//! digest was taken either fails the digest or leaves a sum that the bytes
-//! no longer give.
+//! The blake3 digests stay the integrity of record: storage is checked
+//! against them only, and a slot is used only when its recorded digests
+//! are the committed index's. The sums only stand in for re-hashing a slot
+//! whose digests already matched, and they are as safe as those recorded
+//! digests are. Both live in the same control block of the same slot file:
+//! a file created `0600` (another mode is reset to it at open) with
+//! `O_NOFOLLOW` in a per-user directory that must be owned by this user
+//! with mode `0700` (opened `O_DIRECTORY | O_NOFOLLOW`, checked with
+//! `fstat`), refused when another user owns it, and `flock`ed by the one
+//! process that holds the ring. Only this user (or root) can write it, and
+//! such a writer could as well rewrite the recorded digests, or the
+//! committed files and index in storage, which blake3 does not stop
+//! either; xxh3 not being a cryptographic hash (a crafted collision would
+//! pass it) gives such a writer nothing new. Against anyone else the slot
+//! file cannot be written at all.
+//!
+//! A sums record is believed only while its tag is the xxh3 of the digests
+//! recorded now (and their chunk size): digests recorded again, by this
+//! version or by one that knows nothing of sums, leave the old record
+//! unbelieved, and a record with another magic (none written, a later
+//! layout) is no record. A slot laid out without room for sums (an older
+//! version's) has none, and is checked with blake3 at every first load.
+//!
+//! Where a digest and a sum are both taken from bytes in shared memory,
+//! the sum is taken first: a digest that still matches then vouches for
+//! bytes at least as new as those the sum describes, so a change made
+//! before the digest was taken either fails the digest or leaves a sum that
+//! the bytes no longer give.
 //!
 //! A chunk whose sum differs is not an error by itself: the caller falls
 //! back to the full blake3 check, which names the file and tensor when the
-//! bytes really changed.
+//! bytes really changed, and records fresh sums when they did not.
+//!
+//! # What each `Verify` mode checks from RAM
+//!
+//! - `Verify::Always` (the default): the slot's recorded digests must be
+//!   the index's, then every chunk of the image is checked: against its
+//!   recorded sum when there is one, else (or when a sum differs) against
+//!   the index's blake3 digest.
+//! - `Verify::StorageOnly`: the recorded digests must be the index's; the
+//!   image's bytes are trusted without hashing.
 //!
 //! xxh3 runs at several times blake3's speed per core (tens of GB/s with
 //! AVX2, picked at run time), so a check over all copy threads costs about
@@ -66,6 +98,95 @@ pub(crate) fn sums_match(image: &[u8], chunk: usize, sums: &[u64], threads: usiz
             differs.store(true, Ordering::Relaxed);
         }
     });
+    !differs.into_inner()
+}
+
+/// One destination piece of a fused check and copy: the chunk holding it,
+/// its offset in the image, and the memory it goes to.
+type Piece<'t> = (usize, usize, &'t mut [u8]);
+
+/// Checks each `chunk`-byte piece of `image` against its sum in `sums`
+/// and, once it matched, copies the bytes of it that `targets` (image
+/// offset, destination) take into their destinations while they are hot
+/// in cache: one pass over the image, on up to `threads` threads, each a
+/// contiguous run of chunks. Every chunk is checked, whether or not a
+/// destination takes bytes of it.
+///
+/// Returns whether every chunk matched (and there is one sum per chunk,
+/// and every target lies inside the image). Nothing reaches a destination
+/// before the chunk it comes from matched its sum; when one differs, each
+/// thread stops at its next chunk, and every destination holds its old
+/// bytes or bytes of chunks that matched (a mix). A target outside the
+/// image makes it return `false` before anything is copied.
+pub(crate) fn check_and_copy(
+    image: &[u8],
+    chunk: usize,
+    sums: &[u64],
+    targets: Vec<(u64, &mut [u8])>,
+    threads: usize,
+) -> bool {
+    let chunk = chunk.max(1);
+    let n = image.len().div_ceil(chunk);
+    if n != sums.len() {
+        return false;
+    }
+    // Every destination cut at chunk boundaries, in chunk order.
+    let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(targets.len() + n);
+    for (off, mut dst) in targets {
+        let Some(mut at) = usize::try_from(off)
+            .ok()
+            .filter(|o| o.checked_add(dst.len()).is_some_and(|e| e <= image.len()))
+        else {
+            return false;
+        };
+        while !dst.is_empty() {
+            let k = at / chunk;
+            let take = ((k + 1) * chunk - at).min(dst.len());
+            let (head, tail) = std::mem::take(&mut dst).split_at_mut(take);
+            pieces.push((k, at, head));
+            dst = tail;
+            at += take;
+        }
+    }
+    pieces.sort_by_key(|p| p.0);
+    let runs = if threads <= 1 || image.len() < PARALLEL_MIN_BYTES || n < 2 {
+        1
+    } else {
+        threads.min(n)
+    };
+    let per = n.div_ceil(runs);
+    // One run per thread: its chunks and the pieces in them.
+    let mut work: Vec<(usize, Vec<Piece<'_>>)> = (0..runs).map(|r| (r * per, Vec::new())).collect();
+    for p in pieces {
+        if let Some(w) = work.get_mut(p.0 / per) {
+            w.1.push(p);
+        }
+    }
+    let differs = AtomicBool::new(false);
+    let run = |(first, pieces): (usize, Vec<Piece<'_>>)| {
+        let mut pieces = pieces.into_iter().peekable();
+        for k in first..(first + per).min(n) {
+            if differs.load(Ordering::Relaxed) {
+                return;
+            }
+            let start = k * chunk;
+            let bytes = &image[start..(start + chunk).min(image.len())];
+            if sums.get(k) != Some(&fast_sum(bytes)) {
+                differs.store(true, Ordering::Relaxed);
+                return;
+            }
+            while let Some((_, at, dst)) = pieces.next_if(|p| p.0 == k) {
+                dst.copy_from_slice(&image[at..at + dst.len()]);
+            }
+        }
+    };
+    if runs == 1 {
+        for w in work {
+            run(w);
+        }
+    } else {
+        crate::io::run_on_threads("acp-check", work, run);
+    }
     !differs.into_inner()
 }
 
@@ -112,5 +233,82 @@ mod tests {
         let s = sums(&data, 1 << 20);
         assert!(!sums_match(&data, 1 << 20, &s[..2], 2));
         assert!(!sums_match(&data[..2 << 20], 1 << 20, &s, 2));
+    }
+
+    /// Targets over `data`: pieces crossing chunk edges, one inside a
+    /// chunk, one empty, one at the end, given out of order.
+    fn places(len: usize) -> Vec<(usize, usize)> {
+        vec![
+            (len - 1000, 1000),
+            (0, 3 << 20),
+            ((5 << 20) + 17, 9 << 20),
+            ((3 << 20) + 5, 100),
+            (4 << 20, 0),
+        ]
+    }
+
+    fn fused(data: &[u8], s: &[u64], threads: usize) -> (bool, Vec<Vec<u8>>) {
+        let mut bufs: Vec<Vec<u8>> = places(data.len())
+            .iter()
+            .map(|&(_, n)| vec![0xAA; n])
+            .collect();
+        let targets = places(data.len())
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
+            .collect();
+        let ok = check_and_copy(data, 1 << 20, s, targets, threads);
+        (ok, bufs)
+    }
+
+    #[test]
+    fn fused_check_copies_every_target_when_all_match() {
+        let data = image((20 << 20) + 123);
+        let s = sums(&data, 1 << 20);
+        for threads in [1, 2, 3, 8] {
+            let (ok, bufs) = fused(&data, &s, threads);
+            assert!(ok, "threads {threads}");
+            for (&(at, n), b) in places(data.len()).iter().zip(&bufs) {
+                assert!(b[..] == data[at..at + n], "threads {threads}, at {at}");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_check_copies_nothing_of_a_chunk_that_differs() {
+        let mut data = image((20 << 20) + 123);
+        let s = sums(&data, 1 << 20);
+        // A byte of chunk 7, inside the third target.
+        data[(7 << 20) + 9] ^= 1;
+        for threads in [1, 2, 3, 8] {
+            let (ok, bufs) = fused(&data, &s, threads);
+            assert!(!ok, "threads {threads}");
+            let (at, n) = places(data.len())[2];
+            let b = &bufs[2];
+            // Each byte holds its old value or the image's, and none of
+            // chunk 7 (nor after it on the same thread) arrived.
+            for (j, &v) in b.iter().enumerate() {
+                let k = (at + j) >> 20;
+                assert!(v == 0xAA || (k != 7 && v == data[at + j]), "byte {j}");
+            }
+            assert!(b[(7 << 20) - at..(8 << 20) - at].iter().all(|&v| v == 0xAA));
+            assert_eq!(b.len(), n);
+        }
+    }
+
+    #[test]
+    fn fused_check_refuses_a_target_outside_the_image() {
+        let data = image(3 << 20);
+        let s = sums(&data, 1 << 20);
+        let mut b = [0u8; 10];
+        assert!(!check_and_copy(
+            &data,
+            1 << 20,
+            &s,
+            vec![((3 << 20) - 5, &mut b[..])],
+            2
+        ));
+        assert!(b.iter().all(|&v| v == 0));
+        assert!(!check_and_copy(&data, 1 << 20, &s[..2], Vec::new(), 2));
     }
 }

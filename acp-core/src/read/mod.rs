@@ -44,8 +44,9 @@
 //! # The RAM tier's quick check
 //!
 //! A resident slot already proved against the index's digests may be
-//! checked again with a per-chunk xxh3 sum recorded in this process beside
-//! them ([`sums_match`]; what it proves is in `fast.rs`); a sum that
+//! checked again with a per-chunk xxh3 sum recorded beside them in the
+//! slot's control block ([`sums_match`]; what it proves, and why it may
+//! live in shared memory, is in `fast.rs`); a sum that
 //! differs sends the caller back to the blake3 check, never to an error.
 //!
 //! # Errors
@@ -67,7 +68,7 @@ mod whole;
 
 use std::path::Path;
 
-pub(crate) use fast::{fast_sum, sums_match};
+pub(crate) use fast::{check_and_copy, fast_sum, sums_match};
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};
 pub(crate) use whole::Target;

@@ -23,6 +23,16 @@ pub(super) const DIGEST_LEN: u64 = 32;
 pub(super) const HEADER_BYTES: usize = 4096;
 /// [`DIGEST_LEN`] as a `usize`.
 pub(super) const DIGEST_BYTES: usize = 32;
+/// Bytes per recorded quick sum (xxh3-64), in the sums record.
+pub(super) const SUM_LEN: u64 = 8;
+/// [`SUM_LEN`] as a `usize`.
+pub(super) const SUM_BYTES: usize = 8;
+/// The first bytes of a sums record; a record whose magic differs (none
+/// written, a later layout) is no record.
+pub(super) const SUMS_MAGIC: [u8; 8] = *b"ACPXXH31";
+/// Bytes of a sums record before the sums: the magic, then the `u64` tag
+/// ([`sums_tag`]).
+pub(super) const SUMS_FIXED: usize = 16;
 
 /// Byte offsets of the control-block fields.
 pub(super) mod off {
@@ -215,6 +225,31 @@ impl Header {
     }
 }
 
+/// Offset of the sums record of a slot whose digest area holds `count`
+/// digests: right after them.
+pub(super) fn sums_at(count: usize) -> usize {
+    HEADER_BYTES + count * DIGEST_BYTES
+}
+
+/// Bytes of the sums record for `count` sums.
+pub(super) fn sums_record_len(count: usize) -> usize {
+    SUMS_FIXED + count * SUM_BYTES
+}
+
+/// The tag that binds a sums record to the digests it was taken beside:
+/// the xxh3-64 of the chunk size and every digest. A record is believed
+/// only while its tag is that of the digests recorded now, so digests
+/// recorded again by any writer (one that knows nothing of sums
+/// included) leave the old record unbelieved.
+pub(super) fn sums_tag(digests: &[Digest], chunk_bytes: u64) -> u64 {
+    let mut b = Vec::with_capacity(8 + digests.len() * DIGEST_BYTES);
+    b.extend_from_slice(&chunk_bytes.to_le_bytes());
+    for d in digests {
+        b.extend_from_slice(d);
+    }
+    twox_hash::XxHash3_64::oneshot(&b)
+}
+
 /// Rounds `v` up to a multiple of `to` (a power of two); `None` on overflow.
 pub(super) fn round_up(v: u64, to: u64) -> Option<u64> {
     Some(v.checked_add(to - 1)? & !(to - 1))
@@ -238,7 +273,8 @@ pub(super) struct Layout {
 
 impl Layout {
     /// The layout for `slots` slots sharing `budget` bytes, with a digest
-    /// area that holds one digest per `chunk_bytes` of the largest image.
+    /// area that holds one digest and one quick sum per `chunk_bytes` of
+    /// the largest image, and the sums record's fixed part.
     ///
     /// # Errors
     /// [`Error::Invalid`] when there are no slots, the chunk size is 0, or
@@ -255,8 +291,9 @@ impl Layout {
         let per_slot = round_down(budget / n, PAGE);
         let digests = per_slot.div_ceil(chunk_bytes);
         let digest_area = digests
-            .checked_mul(DIGEST_LEN)
-            .and_then(|b| round_up(b.max(1), PAGE))
+            .checked_mul(DIGEST_LEN + SUM_LEN)
+            .and_then(|b| b.checked_add(SUMS_FIXED as u64))
+            .and_then(|b| round_up(b, PAGE))
             .ok_or_else(|| Error::invalid(what, "digest area overflows"))?;
         let ctrl_len = HEADER_PAGE + digest_area;
         let max_image = round_down(per_slot.saturating_sub(ctrl_len), PAGE);
@@ -360,9 +397,10 @@ mod tests {
         assert_eq!(l.max_image, (4 << 20) - 8192);
         assert_eq!(l.capacity_for(0), 2 << 20);
         assert_eq!(l.capacity_for((2 << 20) + 1), l.max_image);
-        // 1000 digests of 32 bytes need 8 pages.
+        // 1000 digests of 32 bytes and their 8-byte sums, behind the
+        // record's 16 bytes, need 10 pages.
         let l = Layout::new(1000 * 4096 * 3, 3, 4096).unwrap();
-        assert_eq!(l.ctrl_len, 4096 + 32000_u64.div_ceil(4096) * 4096);
+        assert_eq!(l.ctrl_len, 4096 + 40016_u64.div_ceil(4096) * 4096);
         assert!(Layout::new(8192, 1, 4096).is_err());
         assert!(Layout::new(1 << 30, 0, 4096).is_err());
         assert!(Layout::new(1 << 30, 1, 0).is_err());

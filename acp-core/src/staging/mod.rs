@@ -52,8 +52,8 @@
 //! ```text
 //!  0 ─────── 4096 ───────────────── image_offset ─────────────── file end
 //!  │ header  │ digest area         │ image area (capacity bytes)      │
-//!  │ page    │ 32 B per chunk      │ image_len bytes of image, then   │
-//!  │         │ (digest_count used) │ zero padding to 4096, then slack │
+//!  │ page    │ 40 B per chunk + 16 │ image_len bytes of image, then   │
+//!  │         │ (digests, then sums)│ zero padding to 4096, then slack │
 //! ```
 //!
 //! # Control block
@@ -79,10 +79,25 @@
 //! |    112 |    … | origin record   | the ring's checkpoint root and job id ([`Ring::record_origin`]; zero when not recorded) |
 //! |      … |    … | reserved        | zero |
 //! |   4096 |    … | digest area     | `digest_count` × 32-byte blake3 chunk digests |
+//! | 4096 + 32 × `digest_count` | 8 | sums magic | `b"ACPXXH31"` when a sums record follows |
+//! | … + 8 |    8 | sums tag        | xxh3-64 of `chunk_bytes` (8 bytes LE) then every recorded digest |
+//! | … + 16 | 8 × `digest_count` | quick sums | xxh3-64 of each chunk ([`Ring::record_quick_sums`]) |
 //!
-//! The digest area holds one digest per `chunk_bytes` of the largest image
-//! the budget allows a slot, rounded up to 4096 bytes, so every slot of a
-//! ring has the same `image_offset` whatever its current size.
+//! The digest area holds one digest and one quick sum per `chunk_bytes` of
+//! the largest image the budget allows a slot, plus the sums record's
+//! 16 bytes, rounded up to 4096 bytes, so every slot of a ring has the same
+//! `image_offset` whatever its current size. A slot laid out by an older
+//! version (32 bytes per chunk) keeps its layout, version `1` and its
+//! digests; a sums record that does not fit before its `image_offset` is
+//! not written, and the slot has no sums.
+//!
+//! The sums record is written after the digests (magic zeroed, tag and
+//! sums written, magic last) and believed only while its magic is ours and
+//! its tag is that of the digests and chunk size recorded now: recording
+//! digests (or clearing them) zeroes the magic of the record beside the
+//! old ones first, and digests recorded by a writer that knows nothing of
+//! the record leave a tag that no longer matches. What the sums prove, and
+//! why they may live in shared memory, is in `read/fast.rs`.
 //!
 //! A control block whose magic, version, job tag or rank is not ours, whose
 //! state code is unknown, or that claims a complete image with inconsistent
@@ -129,8 +144,9 @@
 //! Acquire stores the state `Staging` before it changes anything else.
 //! Seal stores `step` and `image_len` after the caller's image bytes, then
 //! a release fence, then the state word `Resident`. Digests are recorded
-//! with `digests_valid = 0` first and `1` last; freeing clears
-//! `digests_valid` before the state becomes `Free`. A process death (even
+//! with `digests_valid = 0` first and `1` last, the quick sums after
+//! them; freeing clears the sums and then `digests_valid` before the
+//! state becomes `Free`. A process death (even
 //! `SIGKILL`) loses no store already made: the bytes are in the shared
 //! file, not in the process. So the next [`Ring::open`] finds:
 //!

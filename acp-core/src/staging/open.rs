@@ -214,7 +214,6 @@ impl Recovery<'_> {
             pins: 0,
             free_on_unpin: false,
             has_digests,
-            quick_sums: None,
             generation: h.generation,
         })
     }
@@ -274,7 +273,6 @@ impl Recovery<'_> {
             pins: 0,
             free_on_unpin: false,
             has_digests: false,
-            quick_sums: None,
             generation,
         })
     }

@@ -135,7 +135,6 @@ impl Ring {
         e.step = 0;
         e.len = 0;
         e.has_digests = false;
-        e.quick_sums = None;
         e.free_on_unpin = false;
         e.generation = e.generation.wrapping_add(1);
         let generation = e.generation;
@@ -269,8 +268,8 @@ impl Ring {
             );
             return;
         };
-        // New digests: sums taken beside the old ones no longer vouch.
-        e.quick_sums = None;
+        // New digests unmake the sums taken beside the old ones
+        // (`Control::set_digests` clears them first).
         let stored = e
             .mem
             .as_mut()
@@ -287,11 +286,14 @@ impl Ring {
     }
 
     /// Records the quick sum of each digest chunk of slot `slot`'s image,
-    /// computed from the same bytes, in the same pass, as `digests`. Kept
-    /// only while `digests` are the slot's recorded digests (checked here)
-    /// and until the slot's digests are set again, it is acquired, or
-    /// released; ignored otherwise. In this process's memory only.
-    pub fn record_quick_sums(&self, slot: usize, digests: &[Digest], sums: Vec<u64>) {
+    /// computed from the same bytes, in the same pass, as `digests`, in the
+    /// slot's control block beside them (so a later process finds them).
+    /// Recorded only while `digests` are the slot's recorded digests
+    /// (checked here); they stay believed until the slot's digests are
+    /// set again or cleared (acquire, release), which unmakes them. Ignored
+    /// otherwise, and for a slot whose digest area has no room for them
+    /// (laid out by an older version).
+    pub fn record_quick_sums(&self, slot: usize, digests: &[Digest], sums: &[u64]) {
         let mut t = self.inner.lock();
         let Some(e) = t
             .slots
@@ -300,26 +302,26 @@ impl Ring {
         else {
             return;
         };
-        let same = sums.len() == digests.len()
-            && e.mem
-                .as_ref()
-                .and_then(|m| m.ctrl.digests())
-                .is_some_and(|d| d == digests);
-        if same {
-            e.quick_sums = Some(sums);
+        let Some(m) = e.mem.as_mut() else {
+            return;
+        };
+        if sums.len() == digests.len() && m.ctrl.digests().is_some_and(|d| d == digests) {
+            m.ctrl.set_sums(sums);
         }
     }
 
-    /// The quick sums recorded for slot `slot` ([`Ring::record_quick_sums`]),
-    /// if any.
+    /// The quick sums recorded for slot `slot` ([`Ring::record_quick_sums`],
+    /// by this process or an earlier one), if any.
     #[must_use]
     pub fn quick_sums(&self, slot: usize) -> Option<Vec<u64>> {
         let t = self.inner.lock();
         t.slots
             .get(slot)
             .filter(|e| e.is_available() && e.has_digests)?
-            .quick_sums
-            .clone()
+            .mem
+            .as_ref()?
+            .ctrl
+            .sums()
     }
 
     /// Whether a slot released while pinned (a superseded snapshot being
@@ -390,7 +392,6 @@ impl Ring {
             let released = !e.free_on_unpin;
             e.free_on_unpin = true;
             e.has_digests = false;
-            e.quick_sums = None;
             // Free in the control block at once (the pins read the mapped
             // bytes, not the block): a process that dies before they drop
             // leaves no released image for a later open to take for a

@@ -15,7 +15,10 @@ use std::sync::Arc;
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use super::control::{off, Header, DIGEST_BYTES, HEADER_BYTES, HEADER_PAGE, PAGE};
+use super::control::{
+    off, sums_at, sums_record_len, sums_tag, Header, DIGEST_BYTES, HEADER_BYTES, HEADER_PAGE, PAGE,
+    SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
+};
 use super::SlotState;
 use crate::format::Digest;
 
@@ -212,9 +215,86 @@ impl Control {
         self.publish(off::STATE, state.code());
     }
 
-    /// Marks the recorded digests invalid.
+    /// Marks the recorded digests invalid, and the quick sums beside them.
     pub(super) fn clear_digests(&mut self) {
+        self.clear_sums();
         self.publish(off::DIGESTS_VALID, 0);
+    }
+
+    /// Unmakes the sums record beside the digests recorded now, if any
+    /// (zeroes its magic). A record left elsewhere is no longer bound to
+    /// the digests by its tag ([`sums_tag`]).
+    fn clear_sums(&mut self) {
+        let mut c = [0u8; 4];
+        self.read(off::DIGEST_COUNT, &mut c);
+        let Ok(count) = usize::try_from(u32::from_le_bytes(c)) else {
+            return;
+        };
+        let at = sums_at(count);
+        if self.ptr(at, SUMS_MAGIC.len()).is_some() {
+            self.write(at, &[0u8; 8]);
+        }
+    }
+
+    /// The chunk size of the recorded digests.
+    fn chunk_bytes(&self) -> u64 {
+        let mut b = [0u8; 8];
+        self.read(off::CHUNK_BYTES, &mut b);
+        u64::from_le_bytes(b)
+    }
+
+    /// Records `sums`, the quick sum of each chunk the recorded digests
+    /// describe, in the sums record after the digests: magic cleared, tag
+    /// and sums written, magic last. Returns `false` (and writes nothing)
+    /// when no digests are recorded, the counts differ, or the record does
+    /// not fit the digest area (a slot laid out before sums had room).
+    pub(super) fn set_sums(&mut self, sums: &[u64]) -> bool {
+        let Some(digests) = self.digests() else {
+            return false;
+        };
+        let at = sums_at(digests.len());
+        if sums.len() != digests.len() || self.ptr(at, sums_record_len(sums.len())).is_none() {
+            return false;
+        }
+        self.write(at, &[0u8; 8]);
+        let tag = sums_tag(&digests, self.chunk_bytes());
+        self.write(at + SUMS_MAGIC.len(), &tag.to_le_bytes());
+        let body: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+        self.write(at + SUMS_FIXED, &body);
+        fence(Ordering::Release);
+        self.write(at, &SUMS_MAGIC);
+        true
+    }
+
+    /// The recorded quick sums: only when the digests are recorded, a
+    /// sums record follows them with our magic, and its tag is that of the
+    /// digests and chunk size recorded now.
+    pub(super) fn sums(&self) -> Option<Vec<u64>> {
+        let digests = self.digests()?;
+        let at = sums_at(digests.len());
+        self.ptr(at, sums_record_len(digests.len()))?;
+        let mut fixed = [0u8; SUMS_FIXED];
+        self.read(at, &mut fixed);
+        let (magic, tag) = fixed.split_at(SUMS_MAGIC.len());
+        if magic != SUMS_MAGIC
+            || tag
+                != sums_tag(&digests, self.chunk_bytes())
+                    .to_le_bytes()
+                    .as_slice()
+        {
+            return None;
+        }
+        let mut body = vec![0u8; digests.len() * SUM_BYTES];
+        self.read(at + SUMS_FIXED, &mut body);
+        Some(
+            body.chunks_exact(SUM_BYTES)
+                .map(|b| {
+                    let mut a = [0u8; SUM_BYTES];
+                    a.copy_from_slice(b);
+                    u64::from_le_bytes(a)
+                })
+                .collect(),
+        )
     }
 
     /// Writes a whole header: every field but the state word first, then
@@ -478,6 +558,39 @@ mod tests {
         let mut img = [0u8; 4];
         f.read_exact_at(&mut img, 8192).unwrap();
         assert_eq!(&img, b"new!");
+    }
+
+    #[test]
+    fn sums_follow_the_digests_and_need_room() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(3 * 4096).unwrap();
+        // SAFETY: the file is private to this test.
+        let mut mem = unsafe { SlotMem::map(&f, 3 * 4096, 8192) }.unwrap();
+        mem.ctrl.write_header(&header());
+        assert!(!mem.ctrl.set_sums(&[1]), "no digests recorded");
+        assert!(mem.ctrl.set_digests(&[[1; 32], [2; 32]], 4096));
+        assert!(!mem.ctrl.set_sums(&[1]), "a sum per digest");
+        assert!(mem.ctrl.set_sums(&[5, 6]));
+        assert_eq!(mem.ctrl.sums(), Some(vec![5, 6]));
+        // The record's bytes: magic, tag, then the sums, after the digests.
+        let mut rec = [0u8; 32];
+        f.read_exact_at(&mut rec, 4096 + 64).unwrap();
+        assert_eq!(&rec[..8], b"ACPXXH31");
+        assert_eq!(rec[16..24], 5u64.to_le_bytes());
+        // Unmade with the digests, and by digests recorded again.
+        mem.ctrl.clear_digests();
+        assert_eq!(mem.ctrl.sums(), None);
+        assert!(mem.ctrl.set_digests(&[[1; 32], [2; 32]], 4096));
+        assert_eq!(mem.ctrl.sums(), None);
+        assert!(mem.ctrl.set_sums(&[5, 6]));
+        assert!(mem.ctrl.set_digests(&[[1; 32], [3; 32]], 4096));
+        assert_eq!(mem.ctrl.sums(), None);
+        // A digest area full of digests (as an older layout sized it)
+        // has no room for the record: digests kept, no sums.
+        assert!(mem.ctrl.set_digests(&vec![[3; 32]; 128], 4096));
+        assert!(!mem.ctrl.set_sums(&[7; 128]));
+        assert_eq!(mem.ctrl.sums(), None);
+        assert_eq!(mem.ctrl.digests().map(|d| d.len()), Some(128));
     }
 
     #[test]

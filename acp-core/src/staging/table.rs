@@ -50,13 +50,6 @@ pub(super) struct Entry {
     /// Released while pinned: freed when the last pin drops.
     pub(super) free_on_unpin: bool,
     pub(super) has_digests: bool,
-    /// The quick sum of each digest chunk ([`Ring::record_quick_sums`]),
-    /// computed in this process from the bytes the recorded digests
-    /// describe. Held here, not in the slot file, so that no other process
-    /// can change them; cleared with the digests and at every acquire.
-    ///
-    /// [`Ring::record_quick_sums`]: super::Ring::record_quick_sums
-    pub(super) quick_sums: Option<Vec<u64>>,
     pub(super) generation: u64,
 }
 
@@ -66,12 +59,12 @@ impl Entry {
         self.state.is_complete() && !self.free_on_unpin && self.mem.is_some()
     }
 
-    /// Marks the slot `Free` here and in its control block (digests first).
+    /// Marks the slot `Free` here and in its control block (digests, and
+    /// the quick sums beside them, first).
     pub(super) fn free(&mut self) {
         self.state = SlotState::Free;
         self.free_on_unpin = false;
         self.has_digests = false;
-        self.quick_sums = None;
         if let Some(m) = &mut self.mem {
             m.ctrl.clear_digests();
             m.ctrl.set_state(SlotState::Free);
