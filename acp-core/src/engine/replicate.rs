@@ -14,7 +14,7 @@ use super::{Engine, Inner, Source};
 use crate::error::{Error, Result};
 use crate::format::{unhex, Digest, FileEntry};
 use crate::read::{ChunkReader, MemSource};
-use crate::replica::{ReplicaHandle, ReplicaMeta};
+use crate::replica::{ReplicaHandle, ReplicaMeta, ReplicaWriter};
 use crate::staging::{peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, SlotFile};
 
 /// An engine reachable without keeping it open ([`crate::replica::Loopback`]).
@@ -33,14 +33,28 @@ impl Engine {
     }
 
     /// Pins this rank's resident image of `step` and describes it for a
-    /// replica: the chunk digests the flush recorded, else computed now
-    /// (and recorded in the slot, so a restore of the step from this
-    /// node's RAM can be verified before it is committed). The image stays
-    /// in its slot while the pin lives. Never call it in the stall.
+    /// replica: [`Engine::pin_resident`], then
+    /// [`Engine::resident_digests`]. The image stays in its slot while the
+    /// pin lives. Never call it in the stall.
     ///
     /// # Errors
     /// [`Error::NotFound`] when no slot of this rank holds `step`.
     pub fn resident_replica(&self, step: u64) -> Result<(ReplicaMeta, PinnedSlot)> {
+        let pin = self.pin_resident(step)?;
+        let meta = ReplicaMeta {
+            digests: self.resident_digests(&pin),
+            ..self.resident_meta(&pin)
+        };
+        Ok((meta, pin))
+    }
+
+    /// Pins this rank's resident image of `step` (in its slot while the
+    /// pin lives), for a transport that sends the bytes before their
+    /// digests ([`Engine::resident_digests`]).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when no slot of this rank holds `step`.
+    pub fn pin_resident(&self, step: u64) -> Result<PinnedSlot> {
         let shared = self.shared();
         let not_found = || Error::NotFound {
             what: format!(
@@ -55,26 +69,53 @@ impl Engine {
             .find(|i| i.step == step)
             .ok_or_else(not_found)?;
         let pin = shared.ring.pin(info.slot).map_err(|_| not_found())?;
-        let chunk = shared.cfg.chunk_bytes as u64;
-        let recorded = shared
+        // The slot may have been freed and filled again between the two
+        // calls: the pin holds whatever it holds now.
+        if pin.step() != step {
+            return Err(not_found());
+        }
+        Ok(pin)
+    }
+
+    /// The metadata of `pin` (from [`Engine::pin_resident`]), without
+    /// digests.
+    #[must_use]
+    pub fn resident_meta(&self, pin: &PinnedSlot) -> ReplicaMeta {
+        let shared = self.shared();
+        ReplicaMeta {
+            rank: shared.cfg.rank,
+            step: pin.step(),
+            len: pin.image().len() as u64,
+            chunk_bytes: shared.cfg.chunk_bytes as u64,
+            digests: Vec::new(),
+        }
+    }
+
+    /// The chunk digests of the image `pin` holds: those the flush (or an
+    /// earlier call) recorded in its slot, else computed now on the
+    /// engine's copy threads and recorded there, so the flush, the hash of
+    /// a RAM snapshot, and a restore of the step from this node's RAM
+    /// use them rather than hashing the image again. Never call it in the
+    /// stall.
+    #[must_use]
+    pub fn resident_digests(&self, pin: &PinnedSlot) -> Vec<Digest> {
+        let shared = self.shared();
+        let chunk = shared.cfg.chunk_bytes;
+        let image = pin.image();
+        let want = image.len().div_ceil(chunk.max(1));
+        if let Some(d) = shared
             .ring
-            .digests(info.slot)
-            .filter(|d| d.len() as u64 == info.len.div_ceil(chunk));
-        let meta = match recorded {
-            Some(digests) => ReplicaMeta {
-                rank: shared.cfg.rank,
-                step,
-                len: info.len,
-                chunk_bytes: chunk,
-                digests,
-            },
-            None => {
-                let meta = ReplicaMeta::of_image(shared.cfg.rank, step, pin.image(), chunk);
-                shared.ring.set_digests(info.slot, &meta.digests);
-                meta
-            }
-        };
-        Ok((meta, pin))
+            .digests(pin.slot())
+            .filter(|d| d.len() == want)
+        {
+            return d;
+        }
+        let digests = crate::read::digests_of(image, chunk, shared.cfg.copy_threads);
+        // The pin keeps this image in the slot, so the digests are its own.
+        if shared.ring.generation(pin.slot()) == Some(pin.generation()) {
+            shared.ring.set_digests(pin.slot(), &digests);
+        }
+        digests
     }
 
     /// Sends this rank's resident image of `step` to its holders (the
@@ -151,6 +192,25 @@ impl Engine {
         fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
         self.shared().replicas.receive(meta, fill)
+    }
+
+    /// A replica slot for rank `rank`'s image of `step` (`len` bytes,
+    /// digests in chunks of `chunk_bytes`), staging: a transport reads the
+    /// image straight into [`ReplicaWriter::image_mut`], then seals it
+    /// with the digests that come after it ([`ReplicaWriter::finish`]).
+    /// Dropped unfinished, the slot is free again and the older replica
+    /// stays.
+    ///
+    /// # Errors
+    /// As [`Engine::receive_replica`].
+    pub fn begin_replica(
+        &self,
+        rank: u32,
+        step: u64,
+        len: u64,
+        chunk_bytes: u64,
+    ) -> Result<ReplicaWriter> {
+        self.shared().replicas.begin(rank, step, len, chunk_bytes)
     }
 
     /// The other ranks' images this rank holds complete, with the digests
