@@ -317,7 +317,9 @@ impl Engine {
             return Ok(digests_bytes(py, image.known_digests()));
         }
         let engine = self.get()?;
-        let digests = py.detach(|| engine.resident_digests(image.pin()));
+        let digests = py
+            .detach(|| engine.resident_digests(image.pin()))
+            .map_err(err)?;
         Ok(digests_bytes(py, &digests))
     }
 

@@ -150,7 +150,11 @@ impl Mailbox {
         if image.len() as u64 != meta.len {
             return Err(Error::invalid(
                 meta.what(),
-                format!("{} bytes received for an image of {}", image.len(), meta.len),
+                format!(
+                    "{} bytes received for an image of {}",
+                    image.len(),
+                    meta.len
+                ),
             ));
         }
         self.images
@@ -249,11 +253,7 @@ impl Receipt {
         }
     }
 
-    pub(crate) fn peer(
-        peer: u32,
-        meta: ReplicaMeta,
-        mailbox: Arc<Mailbox>,
-    ) -> Result<Receipt> {
+    pub(crate) fn peer(peer: u32, meta: ReplicaMeta, mailbox: Arc<Mailbox>) -> Result<Receipt> {
         let image = ImageBuf::new(meta.len)?;
         Ok(Receipt {
             what: format!("{} from rank {peer}", meta.what()),

@@ -221,15 +221,16 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         } else {
             None
         };
-        let pre = match &base {
-            Some(_) => Some(super::incremental::prehash(
-                image,
-                chunk,
-                shared.cfg.copy_threads,
-                &path,
-            )?),
-            None => None,
-        };
+        // Hashed once with the replica send of this image: whichever of
+        // the two comes first hashes, the other takes its digests.
+        let pre = super::replicate::hash_once(
+            shared,
+            slot,
+            job.pin.generation(),
+            image,
+            base.is_some(),
+            &path,
+        )?;
         let reuse = match (&base, &pre) {
             (Some(b), Some((d, _))) => super::incremental::reuse(b, d, len, chunk as u64),
             _ => Vec::new(),

@@ -42,7 +42,7 @@ impl Engine {
     pub fn resident_replica(&self, step: u64) -> Result<(ReplicaMeta, PinnedSlot)> {
         let pin = self.pin_resident(step)?;
         let meta = ReplicaMeta {
-            digests: self.resident_digests(&pin),
+            digests: self.resident_digests(&pin)?,
             ..self.resident_meta(&pin)
         };
         Ok((meta, pin))
@@ -92,30 +92,27 @@ impl Engine {
     }
 
     /// The chunk digests of the image `pin` holds: those the flush (or an
-    /// earlier call) recorded in its slot, else computed now on the
-    /// engine's copy threads and recorded there, so the flush, the hash of
-    /// a RAM snapshot, and a restore of the step from this node's RAM
-    /// use them rather than hashing the image again. Never call it in the
+    /// earlier call) recorded in its slot, else taken now on the engine's
+    /// copy threads with the chunks' quick sums, as a flush takes them, and
+    /// recorded, so that the flush of the same image, the hash of a RAM
+    /// snapshot and a restore of the step from this node's RAM use them
+    /// rather than hashing it again ([`hash_once`]). Never call it in the
     /// stall.
-    #[must_use]
-    pub fn resident_digests(&self, pin: &PinnedSlot) -> Vec<Digest> {
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a hashing thread cannot start.
+    pub fn resident_digests(&self, pin: &PinnedSlot) -> Result<Vec<Digest>> {
         let shared = self.shared();
-        let chunk = shared.cfg.chunk_bytes;
-        let image = pin.image();
-        let want = image.len().div_ceil(chunk.max(1));
-        if let Some(d) = shared
-            .ring
-            .digests(pin.slot())
-            .filter(|d| d.len() == want)
-        {
-            return d;
-        }
-        let digests = crate::read::digests_of(image, chunk, shared.cfg.copy_threads);
-        // The pin keeps this image in the slot, so the digests are its own.
-        if shared.ring.generation(pin.slot()) == Some(pin.generation()) {
-            shared.ring.set_digests(pin.slot(), &digests);
-        }
-        digests
+        let path = shared.ring.slot_path(pin.slot());
+        let hashed = hash_once(
+            shared,
+            pin.slot(),
+            pin.generation(),
+            pin.image(),
+            true,
+            &path,
+        )?;
+        Ok(hashed.map(|(d, _)| d).unwrap_or_default())
     }
 
     /// Sends this rank's resident image of `step` to its holders (the
@@ -279,6 +276,52 @@ impl Engine {
     pub fn pin_replica(&self, rank: u32, step: u64) -> Option<(ReplicaMeta, PinnedSlot, PathBuf)> {
         self.shared().replicas.pin(rank, step)
     }
+}
+
+/// The chunk digests and quick sums of `image`, this rank's image in slot
+/// `slot` of generation `generation` (kept there by the caller's pin),
+/// hashed once: those recorded in the slot, else, when `compute`, taken
+/// now on the copy threads (each chunk's quick sum before its digest, as a
+/// flush takes them) and recorded; `None` when none are recorded and not
+/// `compute`. The flush and the replica send of a save both want them at
+/// once, on the two threads that start when the save returns: the store's
+/// hashing lock makes the second wait for the first one's rather than
+/// hash the image again. `path` names the image in errors.
+///
+/// # Errors
+/// [`Error::Io`] when a hashing thread cannot start.
+pub(super) fn hash_once(
+    shared: &Shared,
+    slot: usize,
+    generation: u64,
+    image: &[u8],
+    compute: bool,
+    path: &Path,
+) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
+    let ring = &shared.ring;
+    let chunk = shared.cfg.chunk_bytes;
+    let want = image.len().div_ceil(chunk.max(1));
+    let _hashing = shared.replicas.hashing();
+    let recorded = || {
+        let digests = ring.digests(slot).filter(|d| d.len() == want)?;
+        let sums = ring.quick_sums(slot).filter(|s| s.len() == want)?;
+        Some((digests, sums))
+    };
+    if ring.generation(slot) == Some(generation) {
+        if let Some(got) = recorded() {
+            return Ok(Some(got));
+        }
+    }
+    if !compute {
+        return Ok(None);
+    }
+    let (digests, sums) = super::incremental::prehash(image, chunk, shared.cfg.copy_threads, path)?;
+    // The caller's pin keeps this image in the slot: still this generation.
+    if ring.generation(slot) == Some(generation) {
+        ring.set_digests(slot, &digests);
+        ring.record_quick_sums(slot, &digests, sums.clone());
+    }
+    Ok(Some((digests, sums)))
 }
 
 /// An image of one rank's file found in RAM outside this rank's ring,

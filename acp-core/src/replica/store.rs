@@ -12,9 +12,7 @@ use std::thread::JoinHandle;
 use super::{ReplicaMeta, Transport};
 use crate::error::{Error, Result};
 use crate::format::Digest;
-use crate::staging::{
-    replica_files, replica_prefix, PinnedSlot, Ring, RingOptions, StagingSlot,
-};
+use crate::staging::{replica_files, replica_prefix, PinnedSlot, Ring, RingOptions, StagingSlot};
 
 /// Slots of a replica ring: the newest complete replica stays while the
 /// next is received.
@@ -68,6 +66,9 @@ pub(crate) struct Store {
     /// The one thread that sends this rank's images, in the order they
     /// were queued; started by the first send, joined by [`Store::stop`].
     sender: Mutex<Option<Worker>>,
+    /// Held while an image of this rank's ring is hashed for a flush or a
+    /// replica send, so the second one finds the first one's digests.
+    hashing: Mutex<()>,
 }
 
 /// A job of the sending thread.
@@ -89,6 +90,7 @@ impl Store {
             rings: Mutex::new(BTreeMap::new()),
             transport,
             sender: Mutex::new(None),
+            hashing: Mutex::new(()),
         };
         if store.opts.max_sources > 0 {
             let found =
@@ -112,6 +114,12 @@ impl Store {
             }
         }
         store
+    }
+
+    /// The lock under which an image of this rank's ring is hashed for a
+    /// flush or a replica send (`engine::replicate::hash_once`).
+    pub(crate) fn hashing(&self) -> MutexGuard<'_, ()> {
+        self.hashing.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
