@@ -117,11 +117,12 @@ class TorchReplicas:
         self._thread: threading.Thread | None = None
         self._broken: str | None = None  # the first failed exchange
 
-    def attach(self, engine: _acp.Engine) -> None:
-        """Starts the background exchange for ``engine``."""
+    def attach(self, engine: _acp.Engine, sends: list[Any] | None = None) -> None:
+        """Starts the background exchange for ``engine``; it first waits
+        for ``sends`` (a restore's, posted but not yet complete)."""
         self._engine = engine
         self._thread = threading.Thread(
-            target=self._run, name=f"acp-replicas-r{self.rank}", daemon=True
+            target=self._run, args=(sends or [],), name=f"acp-replicas-r{self.rank}", daemon=True
         )
         self._thread.start()
 
@@ -140,7 +141,18 @@ class TorchReplicas:
             self._thread.join()
             self._thread = None
 
-    def _run(self) -> None:
+    def _run(self, sends: list[Any]) -> None:
+        try:
+            self._wait(sends)
+        except BaseException as e:  # the restore's sends: reported, as an exchange's
+            self._broken = f"the restore's sends failed: {e}"
+            logger.warning(
+                "acp: rank %d: the restore's replica sends failed, replicas are off until "
+                "the next Checkpointer: %s",
+                self.rank,
+                e,
+            )
+        del sends
         while (job := self._jobs.get()) is not None:
             step, fut = job
             if self._broken is not None:
@@ -298,6 +310,7 @@ class TorchReplicas:
         for inc in incoming:
             if inc is not None:
                 self._finish(inc)
-        self._wait(works)
-        self.attach(e)
+        # This rank's sends complete on the replica thread (which waits for
+        # them before any exchange), so its own load overlaps them.
+        self.attach(e, sends=works)
         return step
