@@ -96,7 +96,8 @@ impl Engine {
     /// copy threads with the chunks' quick sums, as a flush takes them, and
     /// recorded, so that the flush of the same image, the hash of a RAM
     /// snapshot and a restore of the step from this node's RAM use them
-    /// rather than hashing it again ([`hash_once`]). Never call it in the
+    /// rather than hashing it again (the flush and this call hash under
+    /// one lock: the second takes the first one's). Never call it in the
     /// stall.
     ///
     /// # Errors
