@@ -113,6 +113,9 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
         "mlock": False,
         "commit_timeout": 600,
         "chunk_bytes": CHUNK,
+        # Two steps per root on disk (the newest and its incremental base),
+        # not every step: 12 GiB for the default run otherwise.
+        "keep_last": 2,
     }
     with_rep = acp.Checkpointer(
         Path(a.work, "root"), job="bench", replicas=1, replica_timeout=600, **common

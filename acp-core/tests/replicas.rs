@@ -557,3 +557,99 @@ fn acp_persist_with_named_ranks_takes_their_replicas() {
     );
     assert!(c.root.join("step-000000000020").exists());
 }
+
+/// Every rank saves `step` (committed); each rank's image then reaches its
+/// holder through [`Engine::begin_replica`]: the bytes written straight
+/// into the replica slot, `tamper` applied to them (by source rank), then
+/// sealed with the digests the sender took.
+fn save_and_receive_into_slots(c: &Cluster, step: u64, tamper: impl Fn(u32, &mut [u8])) {
+    let handles: Vec<_> = (0..WORLD).map(|r| save(c.engine(r), r, step)).collect();
+    for h in handles {
+        h.wait().unwrap();
+    }
+    for r in 0..WORLD {
+        let (meta, pin) = c.engine(r).resident_replica(step).unwrap();
+        let holder = c.engine((r + 2) % WORLD);
+        let mut w = holder
+            .begin_replica(r, step, meta.len, meta.chunk_bytes)
+            .unwrap();
+        w.image_mut().copy_from_slice(pin.image());
+        tamper(r, w.image_mut());
+        w.finish(meta.digests.clone()).unwrap();
+    }
+}
+
+#[test]
+fn a_replica_received_straight_into_its_slot_restores_bit_exact() {
+    let mut c = Cluster::new();
+    save_and_receive_into_slots(&c, 10, |_, _| {});
+    let held: Vec<_> = c.engine(0).replicas();
+    assert_eq!(held.len(), 1);
+    let (meta, _) = c.engine(2).resident_replica(10).unwrap();
+    assert_eq!(held[0], meta, "the holder records the sender's digests");
+    c.lose_node_b();
+    for r in [2, 3] {
+        assert_eq!(load(c.engine(r), r, 10), (Source::Peer, true), "rank {r}");
+    }
+}
+
+#[test]
+fn a_replica_corrupted_on_its_way_into_the_slot_is_rejected_by_name() {
+    let mut c = Cluster::new();
+    save_and_receive_into_slots(&c, 10, |r, image| {
+        if r == 2 {
+            image[1000] ^= 0x5a;
+        }
+    });
+    c.lose_node_b();
+    let ck = c
+        .engine(2)
+        .load(&LoadRequest {
+            step: Some(10),
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    assert_eq!(ck.report().source, Source::Storage);
+    let why = ck.report().rejected.clone().unwrap();
+    assert!(
+        why.contains("rank 2's image of step 10") && why.contains("replica"),
+        "{why}"
+    );
+    assert_eq!(load(c.engine(3), 3, 10), (Source::Peer, true));
+}
+
+#[test]
+fn an_unfinished_or_misdescribed_replica_slot_holds_nothing() {
+    let c = Cluster::new();
+    save_and_receive_into_slots(&c, 10, |_, _| {});
+    // Resident only: rank 2 alone saves step 20.
+    let resident = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    save_with(c.engine(2), 2, 20, &resident).wait().unwrap();
+    let (meta, pin) = c.engine(2).resident_replica(20).unwrap();
+    let holder = c.engine(0);
+    // Dropped before its digests came: nothing new is held, the older
+    // replica stays.
+    let mut w = holder
+        .begin_replica(2, 20, meta.len, meta.chunk_bytes)
+        .unwrap();
+    w.image_mut().copy_from_slice(pin.image());
+    drop(w);
+    let steps = |e: &Engine| e.replicas().iter().map(|m| m.step).collect::<Vec<_>>();
+    assert_eq!(steps(holder), vec![10]);
+    // Digests that do not describe the image are refused.
+    let mut w = holder
+        .begin_replica(2, 20, meta.len, meta.chunk_bytes)
+        .unwrap();
+    w.image_mut().copy_from_slice(pin.image());
+    let err = w.finish(meta.digests[1..].to_vec()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+    assert_eq!(steps(holder), vec![10]);
+    // Another chunk size is refused before anything is received.
+    let err = holder
+        .begin_replica(2, 20, meta.len, meta.chunk_bytes * 2)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+}

@@ -15,7 +15,9 @@ use pyo3::types::PyDict;
 
 use crate::errors::{err, invalid};
 use crate::load::Loaded;
-use crate::replica::{meta_from, meta_tuple, Mailbox, MetaOut, MetaTuple, ReplicaImage};
+use crate::replica::{
+    digests_bytes, meta_from, meta_tuple, Mailbox, MetaOut, MetaTuple, Receipt, ReplicaImage,
+};
 use crate::save::{SaveHandle, SavePlan, Staging};
 use crate::tensors::{host_slices, HostRange};
 
@@ -288,6 +290,80 @@ impl Engine {
         let engine = self.get()?;
         let (meta, pin) = py.detach(|| engine.resident_replica(step)).map_err(err)?;
         Ok(ReplicaImage::new(meta, pin))
+    }
+
+    /// This rank's resident image of `step`, pinned, without digests: a
+    /// transport sends the bytes, then `resident_digests(image)`.
+    fn pin_resident(&self, py: Python<'_>, step: u64) -> PyResult<ReplicaImage> {
+        let engine = self.get()?;
+        let (meta, pin) = py
+            .detach(|| {
+                let pin = engine.pin_resident(step)?;
+                Ok::<_, Error>((engine.resident_meta(&pin), pin))
+            })
+            .map_err(err)?;
+        Ok(ReplicaImage::new(meta, pin))
+    }
+
+    /// The chunk digests of `image` (32 bytes each, concatenated): those it
+    /// was pinned with, else those of this rank's resident image it holds,
+    /// recorded by the flush or computed now (GIL released) and recorded.
+    fn resident_digests<'py>(
+        &self,
+        py: Python<'py>,
+        image: &ReplicaImage,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        if !image.known_digests().is_empty() {
+            return Ok(digests_bytes(py, image.known_digests()));
+        }
+        let engine = self.get()?;
+        let digests = py
+            .detach(|| engine.resident_digests(image.pin()))
+            .map_err(err)?;
+        Ok(digests_bytes(py, &digests))
+    }
+
+    /// A replica slot for rank `rank`'s image of `step` (`nbytes`, digests
+    /// in chunks of `chunk_bytes`): receive into its `buffer()`, then
+    /// `finish(digests)`.
+    fn begin_replica(
+        &self,
+        py: Python<'_>,
+        rank: u32,
+        step: u64,
+        nbytes: u64,
+        chunk_bytes: u64,
+    ) -> PyResult<Receipt> {
+        let engine = self.get()?;
+        let writer = py
+            .detach(|| engine.begin_replica(rank, step, nbytes, chunk_bytes))
+            .map_err(err)?;
+        Ok(Receipt::slot(writer))
+    }
+
+    /// Memory for rank `rank`'s image of `step` (`nbytes`) fetched from
+    /// rank `peer`: receive into its `buffer()`, then `finish(digests)`
+    /// keeps it for the next load, which verifies it and reports it as
+    /// from a peer.
+    fn begin_peer_image(
+        &self,
+        py: Python<'_>,
+        peer: u32,
+        rank: u32,
+        step: u64,
+        nbytes: u64,
+        chunk_bytes: u64,
+    ) -> PyResult<Receipt> {
+        let meta = acp_core::ReplicaMeta {
+            rank,
+            step,
+            len: nbytes,
+            chunk_bytes,
+            digests: Vec::new(),
+        };
+        let mailbox = Arc::clone(&self.mailbox);
+        py.detach(|| Receipt::peer(peer, meta, mailbox))
+            .map_err(err)
     }
 
     /// This rank's replica of `rank`'s `step`, pinned, if it holds one.

@@ -29,6 +29,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::SavePlan>()?;
     m.add_class::<load::Loaded>()?;
     m.add_class::<replica::ReplicaImage>()?;
+    m.add_class::<replica::Receipt>()?;
     #[cfg(feature = "test-util")]
     m.add_class::<faults::FaultInjector>()?;
     ops::register(m)?;

@@ -5,16 +5,18 @@
 //! fetched for a restore reach `load` (reported as `"peer"`).
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use acp_core::format::Digest;
-use acp_core::replica::{Fetched, ImageBuf};
+use acp_core::replica::{Fetched, ImageBuf, ReplicaWriter};
 use acp_core::staging::PinnedSlot;
 use acp_core::{Error, ReplicaMeta, Result, Transport};
+use pyo3::exceptions::PyBufferError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::errors::invalid;
+use crate::errors::{err, invalid};
 
 /// A replica's metadata as Python passes it: (rank, step, len,
 /// chunk_bytes, digests as 32 bytes each, concatenated).
@@ -28,32 +30,46 @@ type Offered = (u32, ReplicaMeta, ImageBuf);
 
 pub(crate) fn meta_from(t: MetaTuple) -> PyResult<ReplicaMeta> {
     let (rank, step, len, chunk_bytes, raw) = t;
+    Ok(ReplicaMeta {
+        rank,
+        step,
+        len,
+        chunk_bytes,
+        digests: digests_from(rank, step, &raw)?,
+    })
+}
+
+/// Digests as Python passes them: 32 bytes each, concatenated.
+fn digests_from(rank: u32, step: u64, raw: &[u8]) -> PyResult<Vec<Digest>> {
     if raw.len() % 32 != 0 {
         return Err(invalid(
             format!("replica of rank {rank}'s step {step}"),
             format!("digests of {} bytes, not a multiple of 32", raw.len()),
         ));
     }
-    let digests = raw
+    Ok(raw
         .chunks_exact(32)
         .map(|c| {
             let mut d: Digest = [0; 32];
             d.copy_from_slice(c);
             d
         })
-        .collect();
-    Ok(ReplicaMeta {
-        rank,
-        step,
-        len,
-        chunk_bytes,
-        digests,
-    })
+        .collect())
+}
+
+pub(crate) fn digests_bytes<'py>(py: Python<'py>, digests: &[Digest]) -> Bound<'py, PyBytes> {
+    let raw: Vec<u8> = digests.iter().flatten().copied().collect();
+    PyBytes::new(py, &raw)
 }
 
 pub(crate) fn meta_tuple<'py>(py: Python<'py>, m: &ReplicaMeta) -> MetaOut<'py> {
-    let raw: Vec<u8> = m.digests.iter().flatten().copied().collect();
-    (m.rank, m.step, m.len, m.chunk_bytes, PyBytes::new(py, &raw))
+    (
+        m.rank,
+        m.step,
+        m.len,
+        m.chunk_bytes,
+        digests_bytes(py, &m.digests),
+    )
 }
 
 /// A resident image pinned in its slot (this rank's own, or a replica
@@ -68,6 +84,16 @@ pub(crate) struct ReplicaImage {
 impl ReplicaImage {
     pub(crate) fn new(meta: ReplicaMeta, pin: PinnedSlot) -> ReplicaImage {
         ReplicaImage { meta, pin }
+    }
+
+    /// The digests it was pinned with (none for a resident image pinned
+    /// before it was hashed).
+    pub(crate) fn known_digests(&self) -> &[Digest] {
+        &self.meta.digests
+    }
+
+    pub(crate) fn pin(&self) -> &PinnedSlot {
+        &self.pin
     }
 }
 
@@ -116,6 +142,21 @@ impl Mailbox {
         }
         let mut image = ImageBuf::new(meta.len)?;
         image.as_mut_slice().copy_from_slice(data);
+        self.keep(peer, meta, image)
+    }
+
+    /// Keeps `image` (`meta`'s, from rank `peer`) for the next load.
+    fn keep(&self, peer: u32, meta: ReplicaMeta, image: ImageBuf) -> Result<()> {
+        if image.len() as u64 != meta.len {
+            return Err(Error::invalid(
+                meta.what(),
+                format!(
+                    "{} bytes received for an image of {}",
+                    image.len(),
+                    meta.len
+                ),
+            ));
+        }
         self.images
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -165,5 +206,163 @@ impl Transport for Mailbox {
             .filter(|((r, _), _)| *r == rank)
             .map(|(_, (p, _, _))| *p)
             .collect()
+    }
+}
+
+/// Where a [`Receipt`] writes the image.
+#[derive(Debug)]
+enum Target {
+    /// A replica slot of this rank, sealed by `finish`.
+    Slot(ReplicaWriter),
+    /// Private memory, handed to the mailbox by `finish` for the next load.
+    Peer {
+        peer: u32,
+        meta: ReplicaMeta,
+        image: ImageBuf,
+        mailbox: Arc<Mailbox>,
+    },
+    /// Finished (or failed finishing): nothing to write into.
+    Done,
+}
+
+/// An image being received from a peer straight into the memory that
+/// keeps it (`Engine.begin_replica`: a replica slot; `Engine.begin_peer_image`:
+/// the buffer the next load verifies and reads): the transport receives
+/// into `buffer()`, then `finish(digests)` seals it. Dropped unfinished,
+/// nothing is kept (a replica slot is free again).
+#[pyclass(module = "acp._acp", frozen)]
+#[derive(Debug)]
+pub(crate) struct Receipt {
+    what: String,
+    target: Mutex<Target>,
+    /// Weak references to the exporters of the views `buffer()` handed
+    /// out (see `check_views_gone`).
+    views: Mutex<Vec<Py<PyAny>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Receipt {
+    pub(crate) fn slot(writer: ReplicaWriter) -> Receipt {
+        Receipt {
+            what: writer.meta().what(),
+            target: Mutex::new(Target::Slot(writer)),
+            views: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn peer(peer: u32, meta: ReplicaMeta, mailbox: Arc<Mailbox>) -> Result<Receipt> {
+        let image = ImageBuf::new(meta.len)?;
+        Ok(Receipt {
+            what: format!("{} from rank {peer}", meta.what()),
+            target: Mutex::new(Target::Peer {
+                peer,
+                meta,
+                image,
+                mailbox,
+            }),
+            views: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Where the bytes go, while not finished.
+    fn bytes(&self) -> PyResult<(*mut u8, usize)> {
+        let mut target = lock(&self.target);
+        let bytes = match &mut *target {
+            Target::Slot(w) => w.image_mut(),
+            Target::Peer { image, .. } => image.as_mut_slice(),
+            Target::Done => return Err(invalid(&self.what, "already finished")),
+        };
+        Ok((bytes.as_mut_ptr(), bytes.len()))
+    }
+
+    /// Fails while anything that can reach the bytes of a view handed out
+    /// by `buffer()` is alive (its exporter, a ctypes array, which every
+    /// slice, cast, array or tensor made from the view keeps), so nothing
+    /// writes into the image once it is sealed or handed to the load.
+    fn check_views_gone(&self, py: Python<'_>) -> PyResult<()> {
+        let mut views = lock(&self.views);
+        let mut kept = Vec::new();
+        for weak in views.drain(..) {
+            if !weak.bind(py).call0()?.is_none() {
+                kept.push(weak);
+            }
+        }
+        let alive = !kept.is_empty();
+        *views = kept;
+        if alive {
+            return Err(PyBufferError::new_err(format!(
+                "{}: its buffer is still in use (a view, slice, array or tensor over it \
+                 is alive); drop it first",
+                self.what
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Receipt {
+    /// A writable memoryview over the whole image, to receive into. It and
+    /// anything made from it keep this object (so the memory) alive, and
+    /// `finish()` refuses while any of them is.
+    fn buffer<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let (ptr, len) = slf.get().bytes()?;
+        // SAFETY: the bytes are a replica slot held staging by the
+        // `ReplicaWriter`, or the private mapping of the `ImageBuf`, that
+        // `slf.target` owns until `finish` takes it out; neither moves
+        // (both are mappings) and no one else writes them (a staging slot
+        // has one writer, the mapping is this object's). Every object that
+        // can reach the bytes (the view and whatever is derived from it)
+        // keeps the view's exporter alive, and the exporter keeps `slf`
+        // alive. `finish` takes the target out only once every exporter
+        // handed out is gone (`check_views_gone`, under the GIL, which
+        // `buffer` holds too), so the memory outlives every view of it, and
+        // no view writes into a sealed slot or an image the load reads.
+        let view = unsafe { crate::tensors::memoryview_owned_by(slf.as_any(), ptr, len, true)? };
+        let exporter = view.getattr(intern!(py, "obj"))?;
+        let weak = py
+            .import(intern!(py, "weakref"))?
+            .getattr(intern!(py, "ref"))?
+            .call1((exporter,))?
+            .unbind();
+        lock(&slf.get().views).push(weak);
+        Ok(view)
+    }
+
+    /// Seals the image with `digests` (blake3 of each chunk, 32 bytes
+    /// each, concatenated, as the sender computed them): a replica slot is
+    /// complete, an image from a peer goes to the next load, which checks
+    /// the bytes against them. Refuses (`BufferError`) while a view from
+    /// `buffer()` is alive; a digest count that is not the length's frees
+    /// what was received.
+    fn finish(&self, py: Python<'_>, digests: Vec<u8>) -> PyResult<()> {
+        self.check_views_gone(py)?;
+        let target = std::mem::replace(&mut *lock(&self.target), Target::Done);
+        match target {
+            Target::Slot(writer) => {
+                let meta = writer.meta();
+                let digests = digests_from(meta.rank, meta.step, &digests)?;
+                py.detach(|| writer.finish(digests)).map_err(err)
+            }
+            Target::Peer {
+                peer,
+                mut meta,
+                image,
+                mailbox,
+            } => {
+                meta.digests = digests_from(meta.rank, meta.step, &digests)?;
+                meta.check(meta.chunk_bytes).map_err(err)?;
+                mailbox.keep(peer, meta, image).map_err(err)
+            }
+            Target::Done => Err(invalid(&self.what, "already finished")),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Receipt({})", self.what)
     }
 }

@@ -28,6 +28,7 @@ protected by storage as their persist policy says.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -82,6 +83,17 @@ def _frombuffer(view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
+class _Incoming:
+    """An image being received from rank ``src`` into ``receipt``."""
+
+    def __init__(self, src: int, receipt: _acp.Receipt, data: Any, work: Any, digests: int):
+        self.src = src
+        self.receipt = receipt
+        self.data = data  # the tensor over receipt's buffer, until received
+        self.work = work
+        self.digests = digests
+
+
 class TorchReplicas:
     """The replica exchange of one rank. Collective to create (every rank
     of the default group, in the same order as its other collectives)."""
@@ -105,11 +117,12 @@ class TorchReplicas:
         self._thread: threading.Thread | None = None
         self._broken: str | None = None  # the first failed exchange
 
-    def attach(self, engine: _acp.Engine) -> None:
-        """Starts the background exchange for ``engine``."""
+    def attach(self, engine: _acp.Engine, sends: list[Any] | None = None) -> None:
+        """Starts the background exchange for ``engine``; it first waits
+        for ``sends`` (a restore's, posted but not yet complete)."""
         self._engine = engine
         self._thread = threading.Thread(
-            target=self._run, name=f"acp-replicas-r{self.rank}", daemon=True
+            target=self._run, args=(sends or [],), name=f"acp-replicas-r{self.rank}", daemon=True
         )
         self._thread.start()
 
@@ -128,7 +141,18 @@ class TorchReplicas:
             self._thread.join()
             self._thread = None
 
-    def _run(self) -> None:
+    def _run(self, sends: list[Any]) -> None:
+        try:
+            self._wait(sends)
+        except BaseException as e:  # the restore's sends: reported, as an exchange's
+            self._broken = f"the restore's sends failed: {e}"
+            logger.warning(
+                "acp: rank %d: the restore's replica sends failed, replicas are off until "
+                "the next Checkpointer: %s",
+                self.rank,
+                e,
+            )
+        del sends
         while (job := self._jobs.get()) is not None:
             step, fut = job
             if self._broken is not None:
@@ -149,37 +173,58 @@ class TorchReplicas:
                 )
                 fut.set_exception(e)
 
-    # --- the wire: a header of 5 int64 (rank, step, len, chunk_bytes,
-    # digests), len -1 for "nothing", then the digests, then the image.
+    # --- the wire, per image: a header of 5 int64 (rank, step, len,
+    # chunk_bytes, digest count), len -1 for "nothing"; then the image,
+    # received straight into the memory that keeps it (a replica slot, or
+    # the buffer the load verifies and reads); then its digests, 32 bytes
+    # per chunk, last, so that the sender hashes while the bytes travel.
+    # The receiver seals the image with them: nothing uses it before its
+    # bytes were checked against them (or the committed index's).
 
     def _isend(self, to: int, image: _acp.ReplicaImage | None, rank: int, step: int) -> list[Any]:
+        """Posts the header and the bytes of ``image`` (``None``: "nothing"
+        of ``rank``'s ``step``) to rank ``to``; its digests follow
+        (``_isend_digests``)."""
         if image is None:
             header = torch.tensor([rank, step, -1, 0, 0], dtype=torch.int64)
-            return [dist.isend(header, dst=to, group=self.group)]
-        r, s, n, chunk, digests = image.meta()
-        header = torch.tensor([r, s, n, chunk, len(digests) // 32], dtype=torch.int64)
-        d = torch.frombuffer(bytearray(digests), dtype=torch.uint8)
+            return [dist.isend(header, dst=to, group=self.group), header]
+        r, s, n, chunk, _ = image.meta()
+        header = torch.tensor([r, s, n, chunk, -(-n // chunk)], dtype=torch.int64)
         data = _frombuffer(image.buffer())
         works: list[Any] = [
             dist.isend(header, dst=to, group=self.group),
-            dist.isend(d, dst=to, group=self.group),
             dist.isend(data, dst=to, group=self.group),
         ]
         # Keep the tensors (and the pinned slot) alive until sent.
-        works.append((header, d, data, image))
+        works.append((header, data, image))
         return works
 
-    def _recv(self, src: int) -> tuple[tuple[int, int, int, int, bytes], torch.Tensor] | None:
+    def _isend_digests(self, to: int, digests: bytes) -> list[Any]:
+        d = torch.frombuffer(bytearray(digests), dtype=torch.uint8)
+        return [dist.isend(d, dst=to, group=self.group), d]
+
+    def _irecv(self, src: int, begin: Any) -> _Incoming | None:
+        """Receives the header from ``src`` and posts the receive of its
+        image into ``begin(rank, step, len, chunk_bytes)``'s buffer (a
+        ``_acp.Receipt``); ``None`` when ``src`` has nothing."""
         header = torch.empty(5, dtype=torch.int64)
         dist.recv(header, src=src, group=self.group)
         r, s, n, chunk, nd = (int(v) for v in header.tolist())
         if n < 0:
             return None
-        d = torch.empty(nd * 32, dtype=torch.uint8)
-        dist.recv(d, src=src, group=self.group)
-        data = torch.empty(n, dtype=torch.uint8)
-        dist.recv(data, src=src, group=self.group)
-        return (r, s, n, chunk, bytes(d.numpy().tobytes())), data
+        receipt = begin(r, s, n, chunk)
+        data = torch.frombuffer(receipt.buffer(), dtype=torch.uint8)
+        work = dist.irecv(data, src=src, group=self.group)
+        return _Incoming(src, receipt, data, work, nd)
+
+    def _finish(self, inc: _Incoming) -> None:
+        """Waits for ``inc``'s image, receives its digests and seals it."""
+        inc.work.wait()
+        # The receipt seals only once nothing can write into its buffer.
+        inc.data = inc.work = None
+        d = torch.empty(inc.digests * 32, dtype=torch.uint8)
+        dist.recv(d, src=inc.src, group=self.group)
+        inc.receipt.finish(d.numpy().tobytes())
 
     @staticmethod
     def _wait(works: list[Any]) -> None:
@@ -189,20 +234,27 @@ class TorchReplicas:
 
     def _exchange(self, step: int) -> list[int]:
         assert self._engine is not None
+        e = self._engine
         try:
-            image: _acp.ReplicaImage | None = self._engine.resident_replica(step)
+            image: _acp.ReplicaImage | None = e.pin_resident(step)
         except _acp.CheckpointNotFound:
             image = None
+        holders = self.holders[self.rank]
         works: list[Any] = []
-        for h in self.holders[self.rank]:
+        for h in holders:
             works += self._isend(h, image, self.rank, step)
-        for src in self.sources:
-            got = self._recv(src)
-            if got is not None:
-                meta, data = got
-                self._engine.receive_replica(meta, data.data_ptr(), data.numel())
+        # Every source posted its header before anything that can wait.
+        incoming = [self._irecv(src, e.begin_replica) for src in self.sources]
+        if image is not None:
+            # Hashed (unless the flush already did) while the bytes travel.
+            digests = e.resident_digests(image)
+            for h in holders:
+                works += self._isend_digests(h, digests)
+        for inc in incoming:
+            if inc is not None:
+                self._finish(inc)
         self._wait(works)
-        return [] if image is None else list(self.holders[self.rank])
+        return [] if image is None else list(holders)
 
     # --- restore
 
@@ -246,13 +298,19 @@ class TorchReplicas:
         works: list[Any] = []
         for h, r in transfers:
             if self.rank == h:
-                works += self._isend(r, e.pin_replica(r, step), r, step)
+                held_image = e.pin_replica(r, step)
+                works += self._isend(r, held_image, r, step)
+                if held_image is not None:
+                    works += self._isend_digests(r, e.resident_digests(held_image))
+        incoming = []
         for h, r in transfers:
             if self.rank == r:
-                got = self._recv(h)
-                if got is not None:
-                    meta, data = got
-                    e.offer_peer_image(h, meta, data.data_ptr(), data.numel())
-        self._wait(works)
-        self.attach(e)
+                # Received into the buffer the load verifies and reads.
+                incoming.append(self._irecv(h, functools.partial(e.begin_peer_image, h)))
+        for inc in incoming:
+            if inc is not None:
+                self._finish(inc)
+        # This rank's sends complete on the replica thread (which waits for
+        # them before any exchange), so its own load overlaps them.
+        self.attach(e, sends=works)
         return step

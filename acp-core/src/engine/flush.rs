@@ -214,35 +214,31 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let mut sums: Vec<u64> = Vec::with_capacity(digests.capacity());
         shared.note_progress(format!("step {step}: writing {}", path.display()));
         let compress = shared.lock().rates.choose(shared.cfg.compress);
-        // Digests and quick sums recorded for the slot's image already (a
-        // snapshot hashed while it waited, a verified read, the process of
-        // this rank that sealed it): taken as they are, not computed again;
-        // each chunk must still give its sum as it is written.
-        let n = image.len().div_ceil(chunk.max(1));
-        let recorded = match (shared.ring.digests(slot), shared.ring.quick_sums(slot)) {
-            (Some(d), Some(s))
-                if chunk == shared.cfg.chunk_bytes && d.len() == n && s.len() == n =>
-            {
-                Some((d, s))
-            }
-            _ => None,
-        };
         // An incremental flush needs the digests first, to know which
-        // chunks the newest committed step already holds; when a probe of
-        // a few chunks finds none (training changes them all), the step is
-        // written whole, hashed as it is written.
+        // chunks the newest committed step already holds.
         let base = if shared.cfg.incremental {
             super::incremental::base(shared, step, &file_name, chunk as u64)
         } else {
             None
         };
-        let pre = match (&base, recorded) {
-            (_, Some(r)) => Some(r),
-            (Some(b), None) if super::incremental::likely_reuse(b, image, chunk) => Some(
-                super::incremental::prehash(image, chunk, shared.cfg.copy_threads, &path)?,
-            ),
-            _ => None,
-        };
+        // Digests and quick sums recorded for the slot's image already (a
+        // snapshot hashed while it waited, a verified read, the replica
+        // send of this save, the process of this rank that sealed it) are
+        // taken as they are; each chunk must still give its sum as it is
+        // written. Else the image is hashed before it is written only when
+        // that is needed or shared: an incremental flush whose probe finds
+        // chunks to reuse (training changes them all, and the step is then
+        // written whole), or a rank whose images are replicated (its
+        // replica send takes the same digests: hashed once, whichever of
+        // the two comes first). Otherwise the image is hashed as it is
+        // written, overlapped with the writes.
+        let replicated = shared.cfg.replicas_held > 0 || shared.replicas.transport().is_some();
+        let compute = replicated
+            || base
+                .as_ref()
+                .is_some_and(|b| super::incremental::likely_reuse(b, image, chunk));
+        let pre =
+            super::replicate::hash_once(shared, slot, job.pin.generation(), image, compute, &path)?;
         let reuse = match (&base, &pre) {
             (Some(b), Some((d, _))) => super::incremental::reuse(b, d, len, chunk as u64),
             _ => Vec::new(),

@@ -14,7 +14,7 @@ use super::{Engine, Inner, Source};
 use crate::error::{Error, Result};
 use crate::format::{unhex, Digest, FileEntry};
 use crate::read::{ChunkReader, MemSource};
-use crate::replica::{ReplicaHandle, ReplicaMeta};
+use crate::replica::{ReplicaHandle, ReplicaMeta, ReplicaWriter};
 use crate::staging::{peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, SlotFile};
 
 /// An engine reachable without keeping it open ([`crate::replica::Loopback`]).
@@ -33,14 +33,28 @@ impl Engine {
     }
 
     /// Pins this rank's resident image of `step` and describes it for a
-    /// replica: the chunk digests the flush recorded, else computed now
-    /// (and recorded in the slot, so a restore of the step from this
-    /// node's RAM can be verified before it is committed). The image stays
-    /// in its slot while the pin lives. Never call it in the stall.
+    /// replica: [`Engine::pin_resident`], then
+    /// [`Engine::resident_digests`]. The image stays in its slot while the
+    /// pin lives. Never call it in the stall.
     ///
     /// # Errors
     /// [`Error::NotFound`] when no slot of this rank holds `step`.
     pub fn resident_replica(&self, step: u64) -> Result<(ReplicaMeta, PinnedSlot)> {
+        let pin = self.pin_resident(step)?;
+        let meta = ReplicaMeta {
+            digests: self.resident_digests(&pin)?,
+            ..self.resident_meta(&pin)
+        };
+        Ok((meta, pin))
+    }
+
+    /// Pins this rank's resident image of `step` (in its slot while the
+    /// pin lives), for a transport that sends the bytes before their
+    /// digests ([`Engine::resident_digests`]).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when no slot of this rank holds `step`.
+    pub fn pin_resident(&self, step: u64) -> Result<PinnedSlot> {
         let shared = self.shared();
         let not_found = || Error::NotFound {
             what: format!(
@@ -55,26 +69,57 @@ impl Engine {
             .find(|i| i.step == step)
             .ok_or_else(not_found)?;
         let pin = shared.ring.pin(info.slot).map_err(|_| not_found())?;
-        let chunk = shared.cfg.chunk_bytes as u64;
-        let recorded = shared
-            .ring
-            .digests(info.slot)
-            .filter(|d| d.len() as u64 == info.len.div_ceil(chunk));
-        let meta = match recorded {
-            Some(digests) => ReplicaMeta {
-                rank: shared.cfg.rank,
-                step,
-                len: info.len,
-                chunk_bytes: chunk,
-                digests,
-            },
-            None => {
-                let meta = ReplicaMeta::of_image(shared.cfg.rank, step, pin.image(), chunk);
-                shared.ring.set_digests(info.slot, &meta.digests);
-                meta
-            }
-        };
-        Ok((meta, pin))
+        // The slot may have been freed and filled again between the two
+        // calls: the pin holds whatever it holds now.
+        if pin.step() != step {
+            return Err(not_found());
+        }
+        Ok(pin)
+    }
+
+    /// The metadata of `pin` (from [`Engine::pin_resident`]), without
+    /// digests.
+    #[must_use]
+    pub fn resident_meta(&self, pin: &PinnedSlot) -> ReplicaMeta {
+        let shared = self.shared();
+        ReplicaMeta {
+            rank: shared.cfg.rank,
+            step: pin.step(),
+            len: pin.image().len() as u64,
+            chunk_bytes: shared.cfg.chunk_bytes as u64,
+            digests: Vec::new(),
+        }
+    }
+
+    /// The chunk digests of the image `pin` holds: those the flush (or an
+    /// earlier call) recorded in its slot, else taken now on the engine's
+    /// copy threads with the chunks' quick sums, as a flush takes them, and
+    /// recorded, so that the flush of the same image, the hash of a RAM
+    /// snapshot and a restore of the step from this node's RAM use them
+    /// rather than hashing it again (the flush and this call hash under
+    /// one lock: the second takes the first one's). Never call it in the
+    /// stall.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a hashing thread cannot start.
+    pub fn resident_digests(&self, pin: &PinnedSlot) -> Result<Vec<Digest>> {
+        let shared = self.shared();
+        let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
+        // Digests alone do (the hash of a RAM snapshot records no quick
+        // sums); the pin keeps them this image's.
+        if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
+            return Ok(d);
+        }
+        let path = shared.ring.slot_path(pin.slot());
+        let hashed = hash_once(
+            shared,
+            pin.slot(),
+            pin.generation(),
+            pin.image(),
+            true,
+            &path,
+        )?;
+        Ok(hashed.map(|(d, _)| d).unwrap_or_default())
     }
 
     /// Sends this rank's resident image of `step` to its holders (the
@@ -153,6 +198,25 @@ impl Engine {
         self.shared().replicas.receive(meta, fill)
     }
 
+    /// A replica slot for rank `rank`'s image of `step` (`len` bytes,
+    /// digests in chunks of `chunk_bytes`), staging: a transport reads the
+    /// image straight into [`ReplicaWriter::image_mut`], then seals it
+    /// with the digests that come after it ([`ReplicaWriter::finish`]).
+    /// Dropped unfinished, the slot is free again and the older replica
+    /// stays.
+    ///
+    /// # Errors
+    /// As [`Engine::receive_replica`].
+    pub fn begin_replica(
+        &self,
+        rank: u32,
+        step: u64,
+        len: u64,
+        chunk_bytes: u64,
+    ) -> Result<ReplicaWriter> {
+        self.shared().replicas.begin(rank, step, len, chunk_bytes)
+    }
+
     /// The other ranks' images this rank holds complete, with the digests
     /// they came with.
     #[must_use]
@@ -219,6 +283,52 @@ impl Engine {
     pub fn pin_replica(&self, rank: u32, step: u64) -> Option<(ReplicaMeta, PinnedSlot, PathBuf)> {
         self.shared().replicas.pin(rank, step)
     }
+}
+
+/// The chunk digests and quick sums of `image`, this rank's image in slot
+/// `slot` of generation `generation` (kept there by the caller's pin),
+/// hashed once: those recorded in the slot, else, when `compute`, taken
+/// now on the copy threads (each chunk's quick sum before its digest, as a
+/// flush takes them) and recorded; `None` when none are recorded and not
+/// `compute`. The flush and the replica send of a save both want them at
+/// once, on the two threads that start when the save returns: the store's
+/// hashing lock makes the second wait for the first one's rather than
+/// hash the image again. `path` names the image in errors.
+///
+/// # Errors
+/// [`Error::Io`] when a hashing thread cannot start.
+pub(super) fn hash_once(
+    shared: &Shared,
+    slot: usize,
+    generation: u64,
+    image: &[u8],
+    compute: bool,
+    path: &Path,
+) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
+    let ring = &shared.ring;
+    let chunk = shared.cfg.chunk_bytes;
+    let want = image.len().div_ceil(chunk.max(1));
+    let _hashing = shared.replicas.hashing();
+    let recorded = || {
+        let digests = ring.digests(slot).filter(|d| d.len() == want)?;
+        let sums = ring.quick_sums(slot).filter(|s| s.len() == want)?;
+        Some((digests, sums))
+    };
+    if ring.generation(slot) == Some(generation) {
+        if let Some(got) = recorded() {
+            return Ok(Some(got));
+        }
+    }
+    if !compute {
+        return Ok(None);
+    }
+    let (digests, sums) = super::incremental::prehash(image, chunk, shared.cfg.copy_threads, path)?;
+    // The caller's pin keeps this image in the slot: still this generation.
+    if ring.generation(slot) == Some(generation) {
+        ring.set_digests(slot, &digests);
+        ring.record_quick_sums(slot, &digests, &sums);
+    }
+    Ok(Some((digests, sums)))
 }
 
 /// An image of one rank's file found in RAM outside this rank's ring,

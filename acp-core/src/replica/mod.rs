@@ -60,6 +60,7 @@ use std::path::Path;
 
 pub use handle::ReplicaHandle;
 pub use loopback::Loopback;
+pub use store::ReplicaWriter;
 pub(crate) use store::{Store, StoreOptions, SLOTS_PER_SOURCE};
 
 use crate::error::{Error, Result};
@@ -166,7 +167,12 @@ impl ImageBuf {
             Error::invalid(format!("image of {len} bytes"), "exceeds the address space")
         })?;
         let padded = n.div_ceil(4096).max(1) * 4096;
-        let map = memmap2::MmapMut::map_anon(padded)
+        // Populated: an image is written whole (received into), so every
+        // page is touched anyway; taking them in one call beats a fault each.
+        let map = memmap2::MmapOptions::new()
+            .len(padded)
+            .populate()
+            .map_anon()
             .map_err(|e| Error::io("allocate", Path::new("replica image"), e))?;
         Ok(ImageBuf { map, len: n })
     }

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use super::{ReplicaMeta, Transport};
 use crate::error::{Error, Result};
 use crate::format::Digest;
-use crate::staging::{replica_files, replica_prefix, PinnedSlot, Ring, RingOptions};
+use crate::staging::{replica_files, replica_prefix, PinnedSlot, Ring, RingOptions, StagingSlot};
 
 /// Slots of a replica ring: the newest complete replica stays while the
 /// next is received.
@@ -66,6 +66,9 @@ pub(crate) struct Store {
     /// The one thread that sends this rank's images, in the order they
     /// were queued; started by the first send, joined by [`Store::stop`].
     sender: Mutex<Option<Worker>>,
+    /// Held while an image of this rank's ring is hashed for a flush or a
+    /// replica send, so the second one finds the first one's digests.
+    hashing: Mutex<()>,
 }
 
 /// A job of the sending thread.
@@ -87,6 +90,7 @@ impl Store {
             rings: Mutex::new(BTreeMap::new()),
             transport,
             sender: Mutex::new(None),
+            hashing: Mutex::new(()),
         };
         if store.opts.max_sources > 0 {
             let found =
@@ -110,6 +114,12 @@ impl Store {
             }
         }
         store
+    }
+
+    /// The lock under which an image of this rank's ring is hashed for a
+    /// flush or a replica send (`engine::replicate::hash_once`).
+    pub(crate) fn hashing(&self) -> MutexGuard<'_, ()> {
+        self.hashing.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
@@ -217,34 +227,56 @@ impl Store {
         fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
         meta.check(self.opts.chunk_bytes)?;
-        let ring = self.ring_for(meta.rank)?;
-        let mut staging = match ring.acquire(meta.len, None)? {
+        let mut writer = self.begin(meta.rank, meta.step, meta.len, meta.chunk_bytes)?;
+        fill(writer.image_mut())?;
+        writer.finish(meta.digests.clone())
+    }
+
+    /// A replica slot of rank `rank`'s ring, staging, for its image of
+    /// `step` (`len` bytes, digests in chunks of `chunk_bytes`, to come
+    /// with [`ReplicaWriter::finish`]). When both slots hold complete
+    /// replicas, the older one is freed for it.
+    pub(crate) fn begin(
+        &self,
+        rank: u32,
+        step: u64,
+        len: u64,
+        chunk_bytes: u64,
+    ) -> Result<ReplicaWriter> {
+        let what = || format!("replica of rank {rank}'s step {step}");
+        if chunk_bytes != self.opts.chunk_bytes {
+            return Err(Error::invalid(
+                what(),
+                format!(
+                    "digest chunks of {chunk_bytes} bytes, this engine's are {}",
+                    self.opts.chunk_bytes
+                ),
+            ));
+        }
+        let len_usize = usize::try_from(len)
+            .map_err(|_| Error::invalid(what(), format!("{len} bytes exceed the address space")))?;
+        let ring = self.ring_for(rank)?;
+        let staging = match ring.acquire(len, None)? {
             Some(s) => s,
             None => {
                 // Both slots hold complete replicas: keep the newest.
                 for old in ring.complete().iter().skip(1) {
                     ring.release(old.slot);
                 }
-                ring.acquire(meta.len, None)?.ok_or_else(|| Error::Busy {
-                    what: format!(
-                        "rank {}'s replica slots of rank {}",
-                        self.opts.holder, meta.rank
-                    ),
+                ring.acquire(len, None)?.ok_or_else(|| Error::Busy {
+                    what: format!("rank {}'s replica slots of rank {rank}", self.opts.holder),
                     reason: "every slot is pinned by a reader".to_owned(),
                 })?
             }
         };
-        let len = usize::try_from(meta.len).unwrap_or(usize::MAX);
-        fill(&mut staging.image_mut()[..len])?;
-        let pin = staging.seal(meta.step, meta.len);
-        ring.set_digests(pin.slot(), &meta.digests);
-        drop(pin);
-        // The previous replica stays beside the new one: the new step may
-        // not be replicated everywhere (a node lost during its exchange
-        // leaves other ranks' images of it nowhere), and a restore then
-        // needs the previous step, which every holder must still have.
-        trim(&ring);
-        Ok(())
+        Ok(ReplicaWriter {
+            ring,
+            staging,
+            rank,
+            step,
+            len: len_usize,
+            chunk_bytes,
+        })
     }
 
     /// The complete replicas held, with the digests they were received
@@ -293,5 +325,64 @@ impl Store {
             digests,
         };
         Some((meta, pin, ring.slot_path(info.slot)))
+    }
+}
+
+/// A replica slot being received (from [`Engine::begin_replica`]): the
+/// transport writes the image into [`ReplicaWriter::image_mut`], then
+/// [`ReplicaWriter::finish`] seals it with the image's digests. Dropped
+/// unfinished, the slot is free again and the older replicas stay.
+///
+/// [`Engine::begin_replica`]: crate::Engine::begin_replica
+#[derive(Debug)]
+pub struct ReplicaWriter {
+    ring: Ring,
+    staging: StagingSlot,
+    rank: u32,
+    step: u64,
+    len: usize,
+    chunk_bytes: u64,
+}
+
+impl ReplicaWriter {
+    /// The slot bytes the image goes to: exactly its length.
+    pub fn image_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        &mut self.staging.image_mut()[..len]
+    }
+
+    /// The image's rank, step, length and digest chunk size, without
+    /// digests.
+    #[must_use]
+    pub fn meta(&self) -> ReplicaMeta {
+        ReplicaMeta {
+            rank: self.rank,
+            step: self.step,
+            len: self.len as u64,
+            chunk_bytes: self.chunk_bytes,
+            digests: Vec::new(),
+        }
+    }
+
+    /// Seals the slot with `digests` (blake3 of each chunk, as the sender
+    /// computed them: a load checks the bytes against them before using
+    /// them), and frees the rank's replicas but the newest two.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the digest count is not the length's (the
+    /// slot is then freed, unsealed).
+    pub fn finish(self, digests: Vec<Digest>) -> Result<()> {
+        let mut meta = self.meta();
+        meta.digests = digests;
+        meta.check(self.chunk_bytes)?;
+        let pin = self.staging.seal(meta.step, meta.len);
+        self.ring.set_digests(pin.slot(), &meta.digests);
+        drop(pin);
+        // The previous replica stays beside the new one: the new step may
+        // not be replicated everywhere (a node lost during its exchange
+        // leaves other ranks' images of it nowhere), and a restore then
+        // needs the previous step, which every holder must still have.
+        trim(&self.ring);
+        Ok(())
     }
 }
