@@ -17,9 +17,6 @@ use crate::storage::Storage;
 /// The most threads a whole-file read decodes on.
 const DECODE_THREADS: usize = 8;
 
-/// Pieces a pipelined whole-file read reads ahead of the one decoding.
-const READ_AHEAD: usize = 2;
-
 /// At most this much of the decoded header is read to name the tensors of
 /// a bad frame: it is an error path.
 const GUESS_HEADER_BYTES: u64 = 1 << 20;
@@ -239,111 +236,6 @@ impl<S: ChunkSource> PackedSource<S> {
     }
 }
 
-impl<S: ChunkSource + Sync> PackedSource<S> {
-    /// [`ChunkSource::read_all`] for a file without references, in whole
-    /// chunks (`piece` a multiple of the chunk): one named thread reads
-    /// the frames of each piece, in file order (so the kernel's readahead
-    /// serves a cold file), at most [`READ_AHEAD`] pieces ahead, while the
-    /// calling thread checks and decodes the frames of the piece before
-    /// and hands it to `on_piece`. Reads and decoding overlap; the
-    /// decoding itself stays on one thread, which leaves the other cores
-    /// to the caller's hashing. `None` when the file has references or
-    /// `piece` is not whole chunks ([`PackedSource::pipelines`]).
-    fn read_pipelined<'a>(
-        &self,
-        dst: &'a mut [u8],
-        piece: usize,
-        on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
-    ) -> Result<u64> {
-        let t = &self.table;
-        if !self.pipelines(piece) {
-            return super::source::read_sequential(self, dst, piece, on_piece);
-        }
-        let chunk = to_usize(t.chunk_bytes);
-        let per_piece = piece / chunk;
-        {
-            let len = super::source::image_len(self, dst.len())?;
-            let frames = &t.frames;
-            if frames.len() != len.div_ceil(chunk) {
-                return Err(Error::corrupt(
-                    self.inner.name(),
-                    None,
-                    format!(
-                        "{} frames for an image of {} chunks",
-                        frames.len(),
-                        len.div_ceil(chunk)
-                    ),
-                ));
-            }
-            let (tx, rx) = crossbeam_channel::bounded::<Result<Vec<u8>>>(READ_AHEAD);
-            std::thread::scope(|s| -> Result<u64> {
-                // Dropped on any way out of this closure, before the scope
-                // joins the reader: a reader waiting to send then stops.
-                let rx = rx;
-                std::thread::Builder::new()
-                    .name("acp-unpack-read".into())
-                    .spawn_scoped(s, move || {
-                        for first in (0..frames.len()).step_by(per_piece) {
-                            let these = &frames[first..(first + per_piece).min(frames.len())];
-                            let got = (|| -> Result<Vec<u8>> {
-                                let total = these.iter().try_fold(0usize, |n, f| {
-                                    usize::try_from(f.stored)
-                                        .ok()
-                                        .and_then(|s| n.checked_add(s))
-                                });
-                                let total = total.ok_or_else(|| {
-                                    Error::corrupt(self.inner.name(), None, "frames too large")
-                                })?;
-                                let mut stored = vec![0u8; total];
-                                let mut at = 0;
-                                for f in these {
-                                    let n = to_usize(f.stored);
-                                    self.inner.read_at(&mut stored[at..at + n], f.offset)?;
-                                    at += n;
-                                }
-                                Ok(stored)
-                            })();
-                            let failed = got.is_err();
-                            // The receiver is dropped when decoding stops.
-                            if tx.send(got).is_err() || failed {
-                                return;
-                            }
-                        }
-                    })
-                    .map_err(|e| Error::io("start a reading thread for", self.name(), e))?;
-                let mut rest: &'a mut [u8] = &mut dst[..len];
-                for (p, got) in rx.iter().enumerate() {
-                    let stored = got?;
-                    let n = piece.min(rest.len());
-                    let (out, tail) = std::mem::take(&mut rest).split_at_mut(n);
-                    let mut at = 0usize;
-                    for (k, dst) in out.chunks_mut(chunk).enumerate() {
-                        let i = p * per_piece + k;
-                        let frame = &frames[i];
-                        let bytes = &stored[at..at + to_usize(frame.stored)];
-                        at += bytes.len();
-                        let i = i as u64;
-                        let (cs, ce) = chunk_span(i, t.chunk_bytes, t.image_len);
-                        decode_frame(self.inner.name(), i, frame, bytes, dst, &|| {
-                            self.guess_tensors(cs, ce)
-                        })?;
-                    }
-                    on_piece(p, out)?;
-                    rest = tail;
-                }
-                Ok(len as u64)
-            })
-        }
-    }
-
-    /// Whether [`PackedSource::read_pipelined`] reads this file in pieces
-    /// of `piece` bytes: no references, and whole chunks.
-    fn pipelines(&self, piece: usize) -> bool {
-        let chunk = self.table.chunk_bytes;
-        self.refs.is_empty() && chunk > 0 && piece > 0 && (piece as u64) % chunk == 0
-    }
-}
-
 impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.decode_at(buf, offset, &|s, e| self.guess_tensors(s, e))
@@ -522,21 +414,6 @@ impl ChunkSource for StoredSource {
 
     fn decodes(&self) -> bool {
         matches!(self, StoredSource::Packed(_))
-    }
-
-    /// A compressed file without references reads ahead on one thread
-    /// while the calling one decodes (`PackedSource::read_pipelined`);
-    /// anything else as [`ChunkSource::read_all`] by default.
-    fn read_all<'a>(
-        &self,
-        dst: &'a mut [u8],
-        piece: usize,
-        on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
-    ) -> Result<u64> {
-        match self {
-            StoredSource::Packed(p) if p.pipelines(piece) => p.read_pipelined(dst, piece, on_piece),
-            _ => super::source::read_sequential(self, dst, piece, on_piece),
-        }
     }
 
     fn held_by(&self, offset: u64) -> Option<&Path> {

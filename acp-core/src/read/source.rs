@@ -66,33 +66,19 @@ pub(crate) trait ChunkSource {
         piece: usize,
         on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
     ) -> Result<u64> {
-        read_sequential(self, dst, piece, on_piece)
+        let len = image_len(self, dst.len())?;
+        let mut rest: &'a mut [u8] = &mut dst[..len];
+        let mut i = 0;
+        while !rest.is_empty() {
+            let n = piece.max(1).min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            self.read_at(head, (i * piece) as u64)?;
+            on_piece(i, head)?;
+            rest = tail;
+            i += 1;
+        }
+        Ok(len as u64)
     }
-}
-
-/// [`ChunkSource::read_all`] by sequential [`ChunkSource::read_at`]s (its
-/// default, for sources that override it only in some cases).
-///
-/// # Errors
-/// As [`ChunkSource::read_all`].
-pub(super) fn read_sequential<'a, S: ChunkSource + ?Sized>(
-    source: &S,
-    dst: &'a mut [u8],
-    piece: usize,
-    on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
-) -> Result<u64> {
-    let len = image_len(source, dst.len())?;
-    let mut rest: &'a mut [u8] = &mut dst[..len];
-    let mut i = 0;
-    while !rest.is_empty() {
-        let n = piece.max(1).min(rest.len());
-        let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
-        source.read_at(head, (i * piece) as u64)?;
-        on_piece(i, head)?;
-        rest = tail;
-        i += 1;
-    }
-    Ok(len as u64)
 }
 
 /// An opened data file, read with `pread`.
