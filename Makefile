@@ -12,6 +12,11 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # NumPy 2 its bf16 asnumpy() and parts of the package fail, so NumPy stays
 # below 2 (torch 2.15 runs with either).
 PY_DEPS := "torch==2.15.*" "numpy>=1.26,<2" "mindspore==2.10.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" "ruff>=0.6" "mypy>=1.10" "maturin>=1.7,<2" "matplotlib>=3.8"
+# Packages installed for the data they ship, not their code (so without
+# their dependencies): resemblyzer's wheel carries a trained speaker encoder
+# with its Adam state (pretrained.pt), the real model of the compression
+# test and bench (read with torch.load(weights_only=True), never imported).
+PY_DATA_DEPS := "resemblyzer==0.1.4"
 
 .PHONY: help venv sysdeps build-dev fmt lint cargo-deny deny deny-advisories test test-rust test-py demo bench bench-compare bench-scaling bench-goodput benchmarks torture-full fuzz-build fuzz-smoke clean
 
@@ -21,6 +26,7 @@ help: ## Show this help.
 $(VENV)/.deps: Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check $(PY_DEPS)
+	$(PIP) install -q --disable-pip-version-check --no-deps $(PY_DATA_DEPS)
 	touch $@
 
 venv: $(VENV)/.deps sysdeps ## Create .venv with torch, pytest, ruff, mypy, maturin.

@@ -55,8 +55,9 @@ impl FaultInjector {
     }
 
     /// Caps chunk reads and writes at `bytes_per_sec` in all (0 lifts the
-    /// cap), each counted as `op_bytes` (the engine's chunk size): a slow
-    /// shared file system, for benchmarks.
+    /// cap), each write counted as the bytes it carries and each read as
+    /// `op_bytes` (the engine's chunk size): a slow shared file system, for
+    /// benchmarks.
     fn throttle(&self, bytes_per_sec: u64, op_bytes: u64) {
         self.inner.throttle(bytes_per_sec, op_bytes);
     }

@@ -6,17 +6,21 @@
 //!
 //! The frames are encoded by the flush, never by the save's stall: up to
 //! `copy_threads` named threads take the image's chunks in order, digest
-//! each (over the plain bytes, as a plain flush does) and encode it. The
-//! flush's own thread writes the frames as they come, in chunk order,
-//! while later chunks are encoded: the file is streamed, not assembled in
-//! memory. Memory is bounded: at most `2 × threads` chunks are handed out
-//! beyond the next one to write, and the frames are gathered in one
-//! page-aligned buffer of a piece (at least a chunk) plus a chunk, written
-//! in whole 4096-byte blocks (`O_DIRECT`, as a plain flush, where the
-//! file system allows it). The head and frame table, whose size the chunk
-//! count fixes, are reserved at the start of the file and written last,
-//! with the first block they share with the frames; a crash before the
-//! fsync leaves a file of a pending step, which no reader opens.
+//! each (over the plain bytes, as a plain flush does), encode it and take
+//! the frame's own check. The flush's own thread gathers the frames as
+//! they come, in chunk order, into page-aligned pieces (at least a chunk),
+//! and [`WRITERS`] writer threads write the pieces, so that one piece's
+//! write overlaps the next one's (as a plain flush keeps several writes in
+//! flight) while later chunks are encoded: the file is streamed, not
+//! assembled in memory. Memory is bounded: at most `2 × threads` chunks
+//! are handed out beyond the next one to gather, and `WRITERS + 1` piece
+//! buffers of a piece plus a chunk exist, written in whole 4096-byte
+//! blocks (`O_DIRECT`, as a plain flush, where the file system allows
+//! it). The head and frame table, whose size the chunk count fixes, are
+//! reserved at the start of the file and written last, once every piece
+//! is written, with the first block they share with the frames; a crash
+//! before the fsync leaves a file of a pending step, which no reader
+//! opens.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -112,9 +116,20 @@ pub(super) struct PackMode<'a> {
     pub(super) slot: usize,
 }
 
-/// One encoded chunk: (chunk, quick sum, plain digest, frame, codec,
-/// seconds spent encoding it).
-type Encoded = (usize, u64, Digest, Vec<u8>, FrameCodec, f64);
+/// One encoded chunk: (chunk, quick sum, plain digest, frame, the frame's
+/// table entry, seconds spent encoding it).
+type Encoded = (usize, u64, Digest, Vec<u8>, FrameEntry, f64);
+
+/// Pieces written at once by a compressed flush.
+const WRITERS: usize = 2;
+
+/// A piece handed to a writer thread: its buffer, the bytes of it to
+/// write, and where they go in the file.
+type Piece = (memmap2::MmapMut, usize, u64);
+
+/// A piece back from a writer thread: its buffer, and the seconds the
+/// write took or its error.
+type Written = (memmap2::MmapMut, Result<f64>);
 
 /// The smallest piece written at once.
 const MIN_PIECE: usize = 1 << 20;
@@ -160,8 +175,13 @@ pub(super) fn write_packed(
     // multiple of 4096), the storage's unit as for a plain file.
     let head_blocks = round_block(reserved);
     let piece = round_block(chunk.max(MIN_PIECE)).max(head_blocks);
-    let mut stage = super::load::heap((piece + chunk + 4096) as u64, path)?;
-    let mut out = StreamWriter::start(file, path, &shared.io_opts, len)?;
+    let stage_len = (piece + chunk + 4096) as u64;
+    let mut stage = super::load::heap(stage_len, path)?;
+    let mut spare: Vec<memmap2::MmapMut> = Vec::with_capacity(WRITERS);
+    for _ in 0..WRITERS {
+        spare.push(super::load::heap(stage_len, path)?);
+    }
+    let out = StreamWriter::start(file, path, &shared.io_opts, len)?;
     // The file offset of `stage[0]`, and the bytes of `stage` in use.
     let (mut base, mut fill) = (0u64, reserved);
     // The file's first blocks (those the head and table touch), kept when
@@ -172,14 +192,51 @@ pub(super) fn write_packed(
     let mut digests: Vec<Digest> = Vec::with_capacity(n);
     let mut sums: Vec<u64> = Vec::with_capacity(n);
     let mut encode_secs = 0.0f64;
-    let mut write_secs = 0.0f64;
+    // Each writer thread's seconds spent writing: with the storage the
+    // slower side, each is busy for about the whole write.
+    let mut write_secs = [0.0f64; WRITERS + 1];
 
     // The workers take chunk numbers from here; the sender is moved into
     // the scope, so that any way out of it ends the workers' loops.
     let (job_tx, job_rx) = mpsc::channel::<usize>();
     let job_rx = Mutex::new(job_rx);
+    // Pieces go to the writer threads from here, as `job_tx`.
+    let (piece_tx, piece_rx) = mpsc::channel::<Piece>();
+    let piece_rx = Mutex::new(piece_rx);
     std::thread::scope(|s| -> Result<()> {
         let job_tx = job_tx;
+        let piece_tx = piece_tx;
+        let (written_tx, written_rx) = mpsc::channel::<(usize, Written)>();
+        for w in 0..WRITERS {
+            let (out, piece_rx, written_tx) = (&out, &piece_rx, written_tx.clone());
+            std::thread::Builder::new()
+                .name(format!("acp-pack-write-{w}"))
+                .spawn_scoped(s, move || loop {
+                    let next = match piece_rx.lock() {
+                        Ok(rx) => rx.recv(),
+                        Err(_) => break,
+                    };
+                    let Ok((buf, n, at)) = next else { break };
+                    let t = Instant::now();
+                    let r = out.write_at(&buf[..n], at);
+                    let r = r.map(|()| t.elapsed().as_secs_f64());
+                    if written_tx.send((w, (buf, r))).is_err() {
+                        break;
+                    }
+                })
+                .map_err(|e| Error::io("start a writer thread for", path, e))?;
+        }
+        drop(written_tx);
+        let mut writing = 0usize;
+        // Takes back one written piece: its buffer, or its write's error.
+        let mut take_back = |writing: &mut usize| -> Result<memmap2::MmapMut> {
+            let (w, (buf, r)) = written_rx
+                .recv()
+                .map_err(|_| Error::invalid(path.display(), "the writer threads stopped early"))?;
+            *writing -= 1;
+            write_secs[w] += r?;
+            Ok(buf)
+        };
         let (done_tx, done_rx) = mpsc::channel::<Result<Encoded>>();
         for w in 0..workers {
             let (header, what, job_rx, done_tx) = (&header, &what, &job_rx, done_tx.clone());
@@ -217,7 +274,18 @@ pub(super) fn write_packed(
                             // plain flush (`read/fast.rs` says why).
                             None => (crate::read::fast_sum(bytes), digest(bytes)),
                         };
-                        Ok((i, sum, dig, frame, codec, t.elapsed().as_secs_f64()))
+                        let entry = FrameEntry {
+                            stored: frame.len() as u64,
+                            // A reference frame's check is the chunk's
+                            // plain digest.
+                            check: if codec == FrameCodec::Reference {
+                                dig
+                            } else {
+                                digest(&frame)
+                            },
+                            codec,
+                        };
+                        Ok((i, sum, dig, frame, entry, t.elapsed().as_secs_f64()))
                     }))
                     .unwrap_or_else(|_| {
                         Err(Error::invalid(
@@ -248,20 +316,11 @@ pub(super) fn write_packed(
                 pending.insert(got.0, got);
                 continue;
             };
-            let (_, sum, dig, frame, codec, secs) = e;
+            let (_, sum, dig, frame, entry, secs) = e;
             encode_secs += secs;
             stage[fill..fill + frame.len()].copy_from_slice(&frame);
             fill += frame.len();
-            entries.push(FrameEntry {
-                stored: frame.len() as u64,
-                // A reference frame's check is the chunk's plain digest.
-                check: if codec == FrameCodec::Reference {
-                    dig
-                } else {
-                    crate::format::digest(&frame)
-                },
-                codec,
-            });
+            entries.push(entry);
             digests.push(dig);
             sums.push(sum);
             drop(frame);
@@ -276,14 +335,23 @@ pub(super) fn write_packed(
                     keep[..head_blocks].copy_from_slice(&stage[..head_blocks]);
                     first = Some(keep);
                 }
-                let t = Instant::now();
-                out.write_at(&stage[..whole], base)?;
-                write_secs += t.elapsed().as_secs_f64();
+                let mut fresh = match spare.pop() {
+                    Some(b) => b,
+                    None => take_back(&mut writing)?,
+                };
+                fresh[..fill - whole].copy_from_slice(&stage[whole..fill]);
+                let full = std::mem::replace(&mut stage, fresh);
+                // The writers hold the receiver until this scope ends.
+                let _ = piece_tx.send((full, whole, base));
+                writing += 1;
                 shared.note_progress(format!("writing {what} (compressed, chunk {next})"));
-                stage.copy_within(whole..fill, 0);
                 base += whole as u64;
                 fill -= whole;
             }
+        }
+        drop(piece_tx);
+        while writing > 0 {
+            take_back(&mut writing)?;
         }
         Ok(())
     })?;
@@ -303,7 +371,9 @@ pub(super) fn write_packed(
         }
     }
     let stats = out.finish(stored)?;
-    write_secs += t.elapsed().as_secs_f64();
+    write_secs[WRITERS] += t.elapsed().as_secs_f64();
+    let write_secs =
+        write_secs[..WRITERS].iter().copied().fold(0.0, f64::max) + write_secs[WRITERS];
     // The encoding's own rate: its busy time spread over the workers (the
     // flush's wall time when the storage is the faster side).
     let encode_wall = (encode_secs / workers as f64).min(t_flush.elapsed().as_secs_f64());

@@ -19,7 +19,7 @@ use crossbeam_channel::Receiver;
 use crate::error::{Error, Result};
 use crate::io::file::{self, Geometry, Span};
 use crate::io::{IoEngine, IoKind, IoOpts, IoStats};
-use crate::storage::probe_op;
+use crate::storage::{probe_io, probe_op};
 
 /// At most this many worker threads per call, whatever the queue depth.
 const MAX_THREADS: usize = 64;
@@ -152,7 +152,8 @@ fn write_chunks(
     let mut prepare = |i: usize| -> Result<Span> {
         let span = geo.span(i);
         on_chunk(i, &src[span.start..span.start + span.data])?;
-        probe_op(opts.faults.as_deref(), "write", path).map_err(|e| Error::io("write", path, e))?;
+        probe_io(opts.faults.as_deref(), "write", path, span.data)
+            .map_err(|e| Error::io("write", path, e))?;
         Ok(span)
     };
     if n <= 1 {

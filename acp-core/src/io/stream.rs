@@ -14,7 +14,7 @@ use super::file::{apply_flags, ALIGN};
 use super::{sys, IoKind, IoOpts, IoStats};
 use crate::config::DirectIo;
 use crate::error::{Error, Result};
-use crate::storage::probe_op;
+use crate::storage::{probe_io, probe_op};
 
 /// A fresh file being written in aligned pieces at chosen offsets.
 #[derive(Debug)]
@@ -58,7 +58,7 @@ impl<'a> StreamWriter<'a> {
     /// # Errors
     /// [`Error::Invalid`] for a piece that is not so aligned;
     /// [`Error::Io`] / [`Error::NoSpace`] naming the file.
-    pub(crate) fn write_at(&mut self, buf: &[u8], offset: u64) -> Result<()> {
+    pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         if (buf.as_ptr() as usize) % ALIGN != 0
             || buf.len() % ALIGN != 0
             || offset % ALIGN as u64 != 0
@@ -73,7 +73,7 @@ impl<'a> StreamWriter<'a> {
         }
         let mut at = offset;
         for op in buf.chunks(self.opts.chunk_bytes.max(ALIGN)) {
-            probe_op(self.opts.faults.as_deref(), "write", self.path)
+            probe_io(self.opts.faults.as_deref(), "write", self.path, op.len())
                 .map_err(|e| Error::io("write", self.path, e))?;
             self.file
                 .write_all_at(op, at)

@@ -31,7 +31,7 @@ use io_uring::{opcode, types, IoUring};
 use crate::error::{Error, Result};
 use crate::io::file::{self, Geometry, Span};
 use crate::io::{IoEngine, IoKind, IoOpts, IoStats};
-use crate::storage::probe_op;
+use crate::storage::{probe_io, probe_op};
 
 /// `IORING_ENTER_GETEVENTS` from the kernel uapi (`io_uring.h`); the crate
 /// keeps its copy private.
@@ -162,7 +162,7 @@ fn write_chunks(
     let mut prepare = |i: usize| -> Result<Span> {
         let span = geo.span(i);
         on_chunk(i, &src[span.start..span.start + span.data])?;
-        probe_op(opts.faults.as_deref(), "write", path).map_err(io_err)?;
+        probe_io(opts.faults.as_deref(), "write", path, span.data).map_err(io_err)?;
         Ok(span)
     };
     let mut next = 0;

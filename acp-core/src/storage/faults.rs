@@ -33,11 +33,12 @@ pub struct FaultInjector {
     pace: Mutex<Option<Pace>>,
 }
 
-/// A storage of limited bandwidth: each chunk read or write of `op_bytes`
-/// takes `per_op` of a shared pipe, one after the other.
+/// A storage of limited bandwidth: each read or write takes its bytes'
+/// share of a shared pipe (`per_op` for `op_bytes`), one after the other.
 #[derive(Debug, Clone, Copy)]
 struct Pace {
     per_op: Duration,
+    op_bytes: u64,
     /// When the pipe is free again.
     free_at: Instant,
 }
@@ -135,13 +136,16 @@ impl FaultInjector {
 
     /// Caps chunk reads and writes at `bytes_per_sec` in all, as a shared
     /// file system's per-node share would (benchmarks): each `read` or
-    /// `write` operation counts as `op_bytes` (the engine's chunk size: a
-    /// file's last chunk may be shorter) and returns once the pipe would
-    /// have carried it; operations of several threads share the pipe.
-    /// `bytes_per_sec == 0` lifts the cap.
+    /// `write` operation returns once the pipe would have carried its
+    /// bytes (as the engine's I/O reports them through
+    /// [`Probe::check_bytes`](super::Probe::check_bytes); an operation
+    /// seen through [`FaultInjector::check`] alone counts as `op_bytes`,
+    /// the engine's chunk size); operations of several threads share the
+    /// pipe. `bytes_per_sec == 0` lifts the cap.
     pub fn throttle(&self, bytes_per_sec: u64, op_bytes: u64) {
         let pace = (bytes_per_sec > 0).then(|| Pace {
             per_op: Duration::from_secs_f64(op_bytes as f64 / bytes_per_sec as f64),
+            op_bytes: op_bytes.max(1),
             free_at: Instant::now(),
         });
         *self
@@ -150,8 +154,9 @@ impl FaultInjector {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = pace;
     }
 
-    /// Waits for the throttled pipe to carry one chunk (none unthrottled).
-    fn paced(&self, op: &str) {
+    /// Waits for the throttled pipe to carry `bytes` (a whole chunk when
+    /// `None`; nothing unthrottled).
+    fn paced(&self, op: &str, bytes: Option<u64>) {
         if op != "read" && op != "write" {
             return;
         }
@@ -161,7 +166,11 @@ impl FaultInjector {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             let Some(p) = pace.as_mut() else { return };
-            let done = p.free_at.max(Instant::now()) + p.per_op;
+            let takes = match bytes {
+                None => p.per_op,
+                Some(b) => p.per_op.mul_f64(b as f64 / p.op_bytes as f64),
+            };
+            let done = p.free_at.max(Instant::now()) + takes;
             p.free_at = done;
             done
         };
@@ -176,6 +185,19 @@ impl FaultInjector {
     /// # Errors
     /// The injected OS error when this operation is chosen to fail.
     pub fn check(&self, op: &str, path: &Path) -> std::io::Result<()> {
+        self.check_op(op, path, None)
+    }
+
+    /// [`FaultInjector::check`] for an operation of `bytes` bytes: the
+    /// throttle charges those, not a whole chunk.
+    ///
+    /// # Errors
+    /// The injected OS error when this operation is chosen to fail.
+    pub fn check_bytes(&self, op: &str, path: &Path, bytes: u64) -> std::io::Result<()> {
+        self.check_op(op, path, Some(bytes))
+    }
+
+    fn check_op(&self, op: &str, path: &Path, bytes: Option<u64>) -> std::io::Result<()> {
         let n = self.ops.fetch_add(1, Ordering::SeqCst);
         if let Ok(mut l) = self.log.lock() {
             l.push(format!("{op} {}", path.display()));
@@ -191,7 +213,7 @@ impl FaultInjector {
         if n == self.stall_at.load(Ordering::SeqCst) {
             self.stall();
         }
-        self.paced(op);
+        self.paced(op, bytes);
         let at = self.fail_at.load(Ordering::SeqCst);
         if n == at || (self.sticky.load(Ordering::SeqCst) && n > at) {
             return Err(std::io::Error::from_raw_os_error(
@@ -231,6 +253,10 @@ impl super::Probe for FaultInjector {
     fn check(&self, op: &str, path: &Path) -> std::io::Result<()> {
         FaultInjector::check(self, op, path)
     }
+
+    fn check_bytes(&self, op: &str, path: &Path, bytes: u64) -> std::io::Result<()> {
+        FaultInjector::check_bytes(self, op, path, bytes)
+    }
 }
 
 #[cfg(test)]
@@ -269,6 +295,26 @@ mod tests {
         assert_eq!(free_at(), booked);
         f.throttle(0, 1 << 20);
         assert!(f.pace.lock().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_throttle_charges_the_bytes_an_operation_carries() {
+        let f = FaultInjector::counting();
+        // 1 MiB chunks at 1 MiB/s: a chunk would book the pipe for a second.
+        f.throttle(1 << 20, 1 << 20);
+        let free_at = || f.pace.lock().unwrap().unwrap().free_at;
+        let t = Instant::now();
+        // 4 KiB books about 4 ms of it.
+        f.check_bytes("write", Path::new("x"), 4096).unwrap();
+        let booked = free_at();
+        assert!(booked < t + Duration::from_millis(500), "{:?}", booked - t);
+        // Nothing for an empty write or a non-data operation.
+        f.check_bytes("write", Path::new("x"), 0).unwrap();
+        f.check_bytes("fsync", Path::new("x"), 1 << 20).unwrap();
+        assert!(free_at() < t + Duration::from_millis(500));
+        // An operation seen without its length counts as a whole chunk.
+        f.check("write", Path::new("x")).unwrap();
+        assert!(free_at() >= booked + Duration::from_secs(1));
     }
 
     #[test]

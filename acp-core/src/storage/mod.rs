@@ -124,12 +124,37 @@ pub trait Probe: Send + Sync + Debug {
     /// # Errors
     /// The OS error the operation is to fail with.
     fn check(&self, op: &str, path: &Path) -> std::io::Result<()>;
+
+    /// Called before a read or write of `bytes` bytes (the operation's
+    /// own length: a file's last chunk, a compressed file's head, may be
+    /// shorter than a chunk). Defaults to [`Probe::check`].
+    ///
+    /// # Errors
+    /// The OS error the operation is to fail with.
+    fn check_bytes(&self, op: &str, path: &Path, bytes: u64) -> std::io::Result<()> {
+        let _ = bytes;
+        self.check(op, path)
+    }
 }
 
 /// Calls `probe.check` when there is a probe.
 pub(crate) fn probe_op(p: Option<&dyn Probe>, op: &str, path: &Path) -> std::io::Result<()> {
     match p {
         Some(p) => p.check(op, path),
+        None => Ok(()),
+    }
+}
+
+/// Calls `probe.check_bytes` when there is a probe: a read or write of
+/// `bytes` bytes.
+pub(crate) fn probe_io(
+    p: Option<&dyn Probe>,
+    op: &str,
+    path: &Path,
+    bytes: usize,
+) -> std::io::Result<()> {
+    match p {
+        Some(p) => p.check_bytes(op, path, bytes as u64),
         None => Ok(()),
     }
 }
