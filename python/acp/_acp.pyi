@@ -27,6 +27,7 @@ __all__ = [
     "InvalidInput",
     "Loaded",
     "NoSpace",
+    "Receipt",
     "ReplicaImage",
     "Report",
     "SaveHandle",
