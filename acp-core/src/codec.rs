@@ -636,17 +636,22 @@ mod tests {
         assert_eq!(frame.len(), 4 + 5 + 5 + 4096);
     }
 
-    #[test]
-    fn a_random_plane_skips_zstd_and_a_skewed_one_does_not() {
+    /// `n` bytes of a xorshift stream: random to the randomness test.
+    fn xorshift_bytes(n: usize) -> Vec<u8> {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let random: Vec<u8> = (0..1 << 17)
+        (0..n)
             .map(|_| {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
                 (x >> 24) as u8
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn a_random_plane_skips_zstd_and_a_skewed_one_does_not() {
+        let random = xorshift_bytes(1 << 17);
         assert!(looks_random(&random));
         let skewed: Vec<u8> = random.iter().map(|b| b & 0x1F).collect();
         assert!(!looks_random(&skewed));
@@ -661,15 +666,7 @@ mod tests {
         // 2 MiB: random bytes, then from a quarter on the skewed bytes of
         // an exponent plane. Samples only at the start would call it
         // random; spread over the plane they see that it is not.
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut plane: Vec<u8> = (0..2 << 20)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect();
+        let mut plane = xorshift_bytes(2 << 20);
         assert!(looks_random(&plane));
         assert!(looks_random(&plane[..SAMPLE_BYTES]));
         for b in &mut plane[512 << 10..] {

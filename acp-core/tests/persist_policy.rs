@@ -287,6 +287,19 @@ fn slot_of(shm: &Path, step: u64) -> (std::path::PathBuf, u64, u64) {
         .unwrap_or_else(|| panic!("no slot file holds step {step}"))
 }
 
+/// Changes the byte at `at` of the file at `path` (a slot's image, in RAM).
+fn flip_byte(path: &Path, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+}
+
 #[test]
 fn load_without_a_step_serves_a_newer_ram_snapshot_over_an_older_committed_step() {
     let (_t, root, shm) = dirs();
@@ -337,14 +350,7 @@ fn a_ram_snapshot_changed_in_ram_is_rejected_naming_the_slot_and_tensor() {
     // One byte of step 2's image changes in RAM after it was hashed: the
     // last byte, in the last tensor's data.
     let (path, offset, len) = slot_of(&shm, 2);
-    let mut bytes = std::fs::read(&path).unwrap();
-    let at = usize::try_from(offset + len - 1).unwrap();
-    bytes[at] ^= 0x5a;
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-        f.write_all_at(&bytes[at..=at], at as u64).unwrap();
-    }
+    flip_byte(&path, offset + len - 1);
     let name = path.file_name().unwrap().to_string_lossy().into_owned();
     // Without a step: the next source, the committed step 1, saying why.
     let ck = engine.load(&LoadRequest::default()).unwrap();
@@ -380,18 +386,7 @@ fn a_snapshot_changed_in_ram_after_its_hash_is_not_committed_by_its_persist() {
     // Hashed in the background: its persist takes those digests.
     engine.wait_idle(None).unwrap();
     let (path, offset, len) = slot_of(&shm, 2);
-    let at = offset + len / 2;
-    {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .unwrap();
-        let mut b = [0u8];
-        f.read_exact_at(&mut b, at).unwrap();
-        f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
-    }
+    flip_byte(&path, offset + len / 2);
     let handle = engine.persist_newest().unwrap().expect("step 2 to persist");
     let e = handle
         .wait()
