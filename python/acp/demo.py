@@ -567,8 +567,14 @@ def _table(fig: _Figures) -> None:
         _say(
             f"acp restore from RAM, median: {statistics.median(r['ram_engine']) * 1e3:.1f} ms "
             "finding the slot"
-            + (" and verifying its blake3 digests" if r.get("ram_verified") else "")
-            + f", {statistics.median(r['ram_copy']) * 1e3:.1f} ms copying into the tensors."
+            + (" and matching its digests to the step's index" if r.get("ram_verified") else "")
+            + f", {statistics.median(r['ram_copy']) * 1e3:.1f} ms "
+            + (
+                "checking each chunk against its quick sum and copying it into the tensors"
+                " (one pass)."
+                if r.get("ram_verified")
+                else "copying into the tensors."
+            )
         )
     if r.get("storage_engine"):
         _say(
