@@ -237,8 +237,15 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             || base
                 .as_ref()
                 .is_some_and(|b| super::incremental::likely_reuse(b, image, chunk));
-        let pre =
-            super::replicate::hash_once(shared, slot, job.pin.generation(), image, compute, &path)?;
+        let pre = super::replicate::hash_once(
+            shared,
+            slot,
+            job.pin.generation(),
+            image,
+            compute,
+            shared.cfg.copy_threads,
+            &path,
+        )?;
         let reuse = match (&base, &pre) {
             (Some(b), Some((d, _))) => super::incremental::reuse(b, d, len, chunk as u64),
             _ => Vec::new(),

@@ -80,24 +80,26 @@ pub(super) fn hash_slot(
     if ring.digests(slot).is_some() {
         return true;
     }
-    // The quick sums too, from the same bytes: a load in this process
-    // checks them, and a persist of the snapshot takes these digests
-    // instead of hashing again, checking each chunk's sum as it writes it.
+    // With the quick sums, under the lock the flush and the replica send
+    // hash under (`replicate::hash_once`), so none of them hashes this
+    // image again: a load checks the sums, and a persist of the snapshot
+    // takes these digests, checking each chunk's sum as it writes it. A
+    // slot released meanwhile (superseded) ignores them.
     let path = ring.slot_path(slot);
-    let (digests, sums) =
-        match super::incremental::prehash(pin.image(), shared.cfg.chunk_bytes, threads, &path) {
-            Ok(pair) => pair,
-            Err(e) => {
-                tracing::warn!(step, "acp: RAM snapshot not hashed: {e}");
-                return false;
-            }
-        };
-    // Still this image (the pin guarantees it) and still complete: a slot
-    // released meanwhile (superseded) ignores the digests.
-    if ring.generation(slot) == Some(pin.generation()) {
-        ring.set_digests(slot, &digests);
-        ring.record_quick_sums(slot, &digests, &sums);
-        tracing::debug!(step, slot, "acp: RAM snapshot hashed");
+    match super::replicate::hash_once(
+        shared,
+        slot,
+        pin.generation(),
+        pin.image(),
+        true,
+        threads,
+        &path,
+    ) {
+        Ok(_) => tracing::debug!(step, slot, "acp: RAM snapshot hashed"),
+        Err(e) => {
+            tracing::warn!(step, "acp: RAM snapshot not hashed: {e}");
+            return false;
+        }
     }
     ring.digests(slot).is_some()
 }

@@ -105,8 +105,8 @@ impl Engine {
     pub fn resident_digests(&self, pin: &PinnedSlot) -> Result<Vec<Digest>> {
         let shared = self.shared();
         let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
-        // Digests alone do (the hash of a RAM snapshot records no quick
-        // sums); the pin keeps them this image's.
+        // Digests alone do (a slot laid out without room for quick sums
+        // records none); the pin keeps them this image's.
         if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
             return Ok(d);
         }
@@ -117,6 +117,7 @@ impl Engine {
             pin.generation(),
             pin.image(),
             true,
+            shared.cfg.copy_threads,
             &path,
         )?;
         Ok(hashed.map(|(d, _)| d).unwrap_or_default())
@@ -303,6 +304,7 @@ pub(super) fn hash_once(
     generation: u64,
     image: &[u8],
     compute: bool,
+    threads: usize,
     path: &Path,
 ) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
     let ring = &shared.ring;
@@ -322,7 +324,7 @@ pub(super) fn hash_once(
     if !compute {
         return Ok(None);
     }
-    let (digests, sums) = super::incremental::prehash(image, chunk, shared.cfg.copy_threads, path)?;
+    let (digests, sums) = super::incremental::prehash(image, chunk, threads, path)?;
     // The caller's pin keeps this image in the slot: still this generation.
     if ring.generation(slot) == Some(generation) {
         ring.set_digests(slot, &digests);
