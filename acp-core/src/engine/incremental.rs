@@ -36,6 +36,16 @@ pub(super) struct Base {
     holders: Vec<(u64, String)>,
 }
 
+impl Base {
+    /// Whether chunk `i` of an image of `len` bytes in `chunk`-byte chunks
+    /// spans the same bytes as the base's chunk `i` (so equal digests mean
+    /// the same bytes at the same place).
+    fn same_span(&self, i: usize, chunk: u64, len: u64) -> bool {
+        i < self.digests.len()
+            && chunk_span(i as u64, chunk, len) == chunk_span(i as u64, chunk, self.size)
+    }
+}
+
 /// The base of an incremental flush of `step` for file `file` with
 /// `chunk`-byte chunks: the newest committed step before `step`, when
 /// its index lists `file` with the same chunk size. `None` (write the step
@@ -98,11 +108,9 @@ pub(super) fn likely_reuse(base: &Base, image: &[u8], chunk: usize) -> bool {
         } else {
             k * (n - 1) / (probes - 1)
         };
-        let i64 = i as u64;
-        let (s, e) = chunk_span(i64, chunk as u64, len);
-        let same_span =
-            i < base.digests.len() && chunk_span(i64, chunk as u64, base.size) == (s, e);
-        same_span && base.digests[i] == Some(digest(&image[to_index(s)..to_index(e)]))
+        let (s, e) = chunk_span(i as u64, chunk as u64, len);
+        base.same_span(i, chunk as u64, len)
+            && base.digests[i] == Some(digest(&image[to_index(s)..to_index(e)]))
     })
 }
 
@@ -158,13 +166,8 @@ pub(super) fn reuse(
         .iter()
         .enumerate()
         .map(|(i, d)| {
-            let i64 = i as u64;
-            let (s, e) = chunk_span(i64, chunk, len);
-            let same_span = i64 < base.digests.len() as u64 && {
-                let (bs, be) = chunk_span(i64, chunk, base.size);
-                (bs, be) == (s, e)
-            };
-            (same_span && base.digests[i].as_ref() == Some(d)).then(|| base.holders[i].clone())
+            (base.same_span(i, chunk, len) && base.digests[i].as_ref() == Some(d))
+                .then(|| base.holders[i].clone())
         })
         .collect()
 }
