@@ -14,7 +14,10 @@
 //! 4. publish it — the commit [rename the pending directory to `step-S`,
 //!    or exchange it atomically with the old `step-S` when overwriting;
 //!    fsync the root];
-//! 5. write the `latest` hint; mark the slot `Persisted`; apply retention.
+//! 5. mark the slot `Persisted`; write the `latest` hint and take the
+//!    steps retention removes out of the listing (renames); report the save;
+//! 6. then make those renames durable and delete the removed steps' files
+//!    (`Storage::settle`), off the save's path.
 //!
 //! A crash before 4 leaves a pending place that is never loaded and is
 //! swept by the next engine of this rank; after 4 the step is complete.
@@ -154,7 +157,17 @@ fn run_one(shared: &Shared, job: Job) -> Option<Job> {
         shared.ring.set_state(slot, SlotState::Resident);
     }
     shared.ring.notify();
+    let committed = result.is_ok();
     done.complete(result);
+    if committed {
+        // The commit's housekeeping, after the save is reported: the hint
+        // made durable, the steps retention retired deleted.
+        shared.note_progress(format!("step {step}: deleting the steps retention removed"));
+        if let Err(e) = shared.root.settle() {
+            tracing::warn!("acp: after step {step}, removing retired steps failed: {e}");
+        }
+        shared.lock().progress = None;
+    }
     let mut st = shared.lock();
     st.in_flight -= 1;
     if let Some(i) = st.queued.iter().position(|s| *s == step) {

@@ -87,21 +87,24 @@ pub(crate) fn removable(
     Ok((remove, held))
 }
 
-/// Deletes the committed steps of `root` that retention removes
-/// ([`removable`]); returns them.
-fn retain(root: &dyn Storage, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
+/// Takes the committed steps of `root` that retention removes
+/// ([`removable`]) out of its listing; returns them. Their files are
+/// deleted by the root's next [`Storage::settle`].
+fn retire(root: &dyn Storage, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
     check_keep_last(keep_last)?;
-    let (deleted, _) = removable(root, keep_last, keep_every)?;
-    for &step in &deleted {
-        root.remove_step(step)?;
+    let (retired, _) = removable(root, keep_last, keep_every)?;
+    for &step in &retired {
+        root.retire_step(step)?;
     }
-    Ok(deleted)
+    Ok(retired)
 }
 
 impl Shared {
-    /// Applies retention to the root and forgets the deleted steps.
+    /// Applies retention to the root and forgets the removed steps, whose
+    /// files the root's next `settle` deletes (the flush thread settles
+    /// after it has reported the save).
     pub(super) fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
-        let deleted = retain(&*self.root, keep_last, keep_every)?;
+        let deleted = retire(&*self.root, keep_last, keep_every)?;
         let mut st = self.lock();
         for s in &deleted {
             st.committed.remove(s);
@@ -119,7 +122,9 @@ impl Engine {
     /// # Errors
     /// [`Error::Config`] for `keep_last == 0`; [`Error::Io`].
     pub fn retain(&self, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
-        self.shared().retain(keep_last, keep_every)
+        let deleted = self.shared().retain(keep_last, keep_every)?;
+        self.shared().root.settle()?;
+        Ok(deleted)
     }
 }
 

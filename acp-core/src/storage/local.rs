@@ -10,7 +10,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use super::{probe_op, FileHandle, Leftover, Pending, Probe, Storage};
@@ -48,6 +48,9 @@ pub struct LocalStorage {
     /// `r{rank:05}-{job tag}`: marks the temporary directories this engine
     /// creates, so that it sweeps only its own job's and rank's leftovers.
     owner: String,
+    /// Steps retired (renamed out of the listing) whose files the next
+    /// `settle` deletes; shared by the clones of this root.
+    retired: Arc<Mutex<Vec<PathBuf>>>,
 }
 
 impl LocalStorage {
@@ -73,6 +76,7 @@ impl LocalStorage {
             path,
             probe: None,
             owner: "r00000-any".to_owned(),
+            retired: Arc::default(),
         })
     }
 
@@ -111,6 +115,7 @@ impl LocalStorage {
             path,
             probe: None,
             owner: "r00000-any".to_owned(),
+            retired: Arc::default(),
         })
     }
 
@@ -132,6 +137,12 @@ impl LocalStorage {
     /// The directory of a pending place.
     fn dir_of(&self, pending: &Pending) -> PathBuf {
         self.path.join(pending.key())
+    }
+
+    fn retired_list(&self) -> std::sync::MutexGuard<'_, Vec<PathBuf>> {
+        self.retired
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A fresh name `{prefix}-{step}-{owner}-{pid}-{nonce}` in the root.
@@ -335,14 +346,22 @@ impl Storage for LocalStorage {
         let tmp = self
             .path
             .join(format!(".latest-{}-{}", std::process::id(), nonce()));
-        self.write_durable(&tmp, format!("{step}\n").as_bytes())?;
+        self.check("write", &tmp)?;
+        let written = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(format!("{step}\n").as_bytes()));
         let dst = self.path.join(LATEST_FILE_NAME);
-        self.check("rename", &dst)?;
-        if let Err(e) = fs::rename(&tmp, &dst) {
+        let renamed = written
+            .map_err(|e| Error::io("write", &tmp, e))
+            .and_then(|()| self.rename(&tmp, &dst));
+        if renamed.is_err() {
             let _ = fs::remove_file(&tmp);
-            return Err(Error::io("rename", &dst, e));
         }
-        self.sync_dir(&self.path)
+        renamed
     }
 
     fn discard(&self, pending: &Pending) {
@@ -485,13 +504,43 @@ impl Storage for LocalStorage {
         dir_bytes(&self.step_dir(step))
     }
 
-    fn remove_step(&self, step: u64) -> Result<()> {
+    fn retire_step(&self, step: u64) -> Result<()> {
         let dir = self.step_dir(step);
         let trash = self.path.join(self.fresh_name(".trash", step));
         self.check("rename", &dir)?;
         fs::rename(&dir, &trash).map_err(|e| Error::io("rename", &dir, e))?;
-        self.sync_dir(&self.path)?;
-        fs::remove_dir_all(&trash).map_err(|e| Error::io("remove", &trash, e))
+        self.retired_list().push(trash);
+        Ok(())
+    }
+
+    fn settle(&self) -> Result<()> {
+        let retired = std::mem::take(&mut *self.retired_list());
+        let mut done = 0;
+        let result = (|| {
+            // The hint's bytes first, then the names (its rename, the
+            // retirements), and only then do the retired files go: a
+            // retired step's files are never deleted while a crash could
+            // still list it.
+            let hint = self.path.join(LATEST_FILE_NAME);
+            if let Ok(f) = File::open(&hint) {
+                self.check("fsync", &hint)?;
+                f.sync_all().map_err(|e| Error::io("fsync", &hint, e))?;
+            }
+            self.sync_dir(&self.path)?;
+            for trash in &retired {
+                self.check("remove", trash)?;
+                match fs::remove_dir_all(trash) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(Error::io("remove", trash, e));
+                    }
+                    _ => done += 1,
+                }
+            }
+            Ok(())
+        })();
+        // What was not deleted is tried again by the next call.
+        self.retired_list().extend_from_slice(&retired[done..]);
+        result
     }
 
     fn sweep_leftovers(&self) -> usize {

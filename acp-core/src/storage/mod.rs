@@ -36,6 +36,9 @@
 //!    previous step `S`, if any, still whole) or the new one, never a mix.
 //!    A publish that fails has left the old state.
 //! 5. [`Storage::write_latest`]: a hint for tools; never trusted by a load.
+//!    It and retention's [`Storage::retire_step`] are renames that take
+//!    effect at once; [`Storage::settle`] makes them durable and deletes
+//!    the retired files after the save is reported committed.
 //!
 //! A step is committed exactly when its index can be read: the index is the
 //! last thing that becomes visible. A pending place that is never published
@@ -291,7 +294,10 @@ pub trait Storage: Send + Sync + Debug {
     /// the previous state is visible and `pending` is as it was.
     fn publish(&self, pending: &Pending, overwrite: bool) -> Result<()>;
 
-    /// Records `step` as the newest committed step (a hint for tools).
+    /// Records `step` as the newest committed step (a hint for tools),
+    /// at once but not durably: the next [`Storage::settle`] makes it
+    /// durable. A crash before that leaves a stale (or empty) hint, which
+    /// no load trusts.
     ///
     /// # Errors
     /// [`Error::Io`](crate::Error::Io).
@@ -391,11 +397,32 @@ pub trait Storage: Send + Sync + Debug {
     fn step_bytes(&self, step: u64) -> u64;
 
     /// Removes committed `step`: it stops being listed first, then its
-    /// files go.
+    /// files go ([`Storage::retire_step`], then [`Storage::settle`]).
     ///
     /// # Errors
     /// [`Error::Io`](crate::Error::Io).
-    fn remove_step(&self, step: u64) -> Result<()>;
+    fn remove_step(&self, step: u64) -> Result<()> {
+        self.retire_step(step)?;
+        self.settle()
+    }
+
+    /// Stops listing committed `step` at once, whole (one rename); its
+    /// files are deleted by the next [`Storage::settle`]. A crash before
+    /// that may list the step again, whole, or leave its files under a
+    /// leftover name: never a step with files missing.
+    ///
+    /// # Errors
+    /// [`Error::Io`](crate::Error::Io).
+    fn retire_step(&self, step: u64) -> Result<()>;
+
+    /// The housekeeping a commit leaves for later, off the save's path:
+    /// makes the hint and the retirements since the last call durable,
+    /// then deletes the retired steps' files.
+    ///
+    /// # Errors
+    /// [`Error::Io`](crate::Error::Io); the retirements not yet deleted are
+    /// tried again by the next call.
+    fn settle(&self) -> Result<()>;
 
     /// Removes what this engine's rank and job left behind in a previous
     /// life (the caller holds that rank's ring lock, so no live process

@@ -1,0 +1,146 @@
+//! The commit's housekeeping runs after the save is reported: retention
+//! takes a removed step out of the listing before `wait()` returns (one
+//! rename), and the root's `settle` makes that durable and deletes the
+//! step's files afterwards, in the flush thread, before it takes the next
+//! save. A settle that fails leaves the save committed and is retried.
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use acp_core::storage::faults::FaultInjector;
+use acp_core::{Dtype, Engine, EngineConfig, HostTensor, LoadRequest, SaveOptions};
+use serde_json::json;
+
+fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("root");
+    let shm = t.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    (t, root, shm)
+}
+
+fn config(root: &Path, shm: &Path, faults: &Arc<FaultInjector>) -> EngineConfig {
+    EngineConfig::new(root)
+        .with_shm_dir(shm)
+        .with_job("settle")
+        .with_ring_bytes(8 << 20)
+        .with_chunk_bytes(64 << 10)
+        .with_mlock(false)
+        .with_keep_last(1)
+        .with_faults(Arc::clone(faults))
+}
+
+fn save(engine: &Engine, step: u64) -> acp_core::Result<acp_core::SaveReport> {
+    let data: Vec<u8> = (0..300_000u32)
+        .map(|i| (i as u8).wrapping_mul(step as u8))
+        .collect();
+    engine
+        .save(
+            step,
+            &[HostTensor {
+                name: "w",
+                dtype: Dtype::U8,
+                shape: &[data.len() as u64],
+                data: &data,
+            }],
+            &json!({"step": step}),
+            &SaveOptions::default(),
+        )?
+        .wait()
+}
+
+/// The names directly under `root` that start with `prefix`.
+fn named(root: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn retention_unlists_before_wait_returns_and_deletes_after() {
+    let (_t, root, shm) = dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(config(&root, &shm, &faults)).unwrap();
+    save(&engine, 1).unwrap();
+    engine.wait_idle(None).unwrap();
+    let before = faults.log().len();
+    save(&engine, 2).unwrap();
+    // Reported committed: step 1 is already out of the listing.
+    assert_eq!(engine.steps().unwrap(), vec![2]);
+    assert_eq!(named(&root, "step-").len(), 1);
+    assert_eq!(std::fs::read_to_string(root.join("latest")).unwrap(), "2\n");
+    engine.wait_idle(None).unwrap();
+    assert_eq!(named(&root, ".trash-"), Vec::<String>::new());
+    assert_eq!(named(&root, ".latest-"), Vec::<String>::new());
+
+    // The order on storage: the retirement's rename, then the fsync of the
+    // root that makes it durable, and only then the files go.
+    let log = faults.log()[before..].to_vec();
+    let pos = |what: &dyn Fn(&str) -> bool| log.iter().position(|l| what(l));
+    let root_s = root.display().to_string();
+    let retire = pos(&|l| l.starts_with("rename") && l.ends_with("step-000000000001")).unwrap();
+    let hint = pos(&|l| l.starts_with("fsync ") && l.ends_with("/latest")).unwrap();
+    let remove = pos(&|l| l.starts_with("remove ") && l.contains("/.trash-000000000001-")).unwrap();
+    let synced = log[hint..remove]
+        .iter()
+        .any(|l| *l == format!("fsync directory {root_s}"));
+    assert!(retire < hint && hint < remove && synced, "{log:#?}");
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), 2);
+    drop(ck);
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_failed_settle_keeps_the_save_and_the_next_one_deletes() {
+    let (_t, root, shm) = dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(config(&root, &shm, &faults)).unwrap();
+    save(&engine, 1).unwrap();
+    engine.wait_idle(None).unwrap();
+    // Find the settle's fsync of the root in a save like the next one.
+    let before = faults.log().len();
+    save(&engine, 2).unwrap();
+    engine.wait_idle(None).unwrap();
+    let log = faults.log()[before..].to_vec();
+    let hint = log
+        .iter()
+        .position(|l| l.starts_with("fsync ") && l.ends_with("/latest"))
+        .unwrap();
+    // Fail the operation after the hint's fsync: the root's.
+    faults.arm(hint as u64 + 1, libc::EIO, false);
+    let report = save(&engine, 3).unwrap();
+    assert_eq!(report.step, 3);
+    engine.wait_idle(None).unwrap();
+    assert_eq!(engine.steps().unwrap(), vec![3]);
+    let left = named(&root, ".trash-");
+    assert_eq!(left.len(), 1, "step 2's files wait for the next settle");
+    assert!(left[0].starts_with(".trash-000000000002-"), "{left:?}");
+    faults.heal();
+    save(&engine, 4).unwrap();
+    engine.wait_idle(None).unwrap();
+    assert_eq!(engine.steps().unwrap(), vec![4]);
+    assert_eq!(named(&root, ".trash-"), Vec::<String>::new());
+    engine.close().unwrap();
+}
+
+#[test]
+fn engine_retain_deletes_before_it_returns() {
+    let (_t, root, shm) = dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(config(&root, &shm, &faults).with_keep_last(3)).unwrap();
+    for step in 1..=3 {
+        save(&engine, step).unwrap();
+    }
+    engine.wait_idle(None).unwrap();
+    assert_eq!(engine.retain(1, None).unwrap(), vec![1, 2]);
+    assert_eq!(engine.steps().unwrap(), vec![3]);
+    assert_eq!(named(&root, ".trash-"), Vec::<String>::new());
+    engine.close().unwrap();
+}
