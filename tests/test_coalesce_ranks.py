@@ -154,6 +154,16 @@ def test_ranks_persist_the_steps_rank_0_decides(tmp_path: Path, shm_dir: Path) -
         assert [h.wait().outcome for h in fourth] == ["persisted"] * 2
         want = [(1, True), (2, False), (3, False), (4, True)]
         assert [_decisions(c) for c in ckpts] == [want, want]
+        for r, c in enumerate(ckpts):
+            c.wait(60)
+            assert c.stats()["coalesce"] == {
+                "persisted": 2,
+                "not_persisted": 2,
+                "released": 0,
+                "not_staged": 0,
+                "waiting": 0,
+                "leader": r == 0,
+            }
         assert _committed(root) == [1, 4]
         for step in (1, 4):
             _check_files(root, step, 2)
@@ -281,6 +291,9 @@ def test_ranks_release_their_holds_when_rank_0_is_gone(
         assert [h.wait().outcome for h in hs] == ["superseded", "resident"]
     assert all(ckpts[r].engine.held() == [] for r in (1, 2))
     assert "no persist decision for step 1 from rank 0" in caplog.text
+    for r in (1, 2):
+        counts = ckpts[r].stats()["coalesce"]
+        assert (counts["released"], counts["persisted"], counts["leader"]) == (2, 0, False)
     started = time.monotonic()
     errors = _in_threads(lambda r: _close_error(ckpts[r]) if r else None, 3)
     assert time.monotonic() - started < 60

@@ -97,6 +97,8 @@ class Coalescer:
         self._busy = False
         # Rank 0: the handle of the persist chosen last.
         self._chosen: _Handle | None = None
+        # Counts for ``stats()["coalesce"]`` (under ``_cv``).
+        self._counts = {"persisted": 0, "not_persisted": 0, "released": 0, "not_staged": 0}
         self.decisions: collections.deque[tuple[int, bool]] = collections.deque(maxlen=_REMEMBERED)
         """The decisions applied on this rank, ``(step, persist)``, in save
         order (the newest few thousand); a save not staged here is left
@@ -112,6 +114,19 @@ class Coalescer:
         with self._cv:
             self._queue.append(_Held(step, handle, time.monotonic() + self._timeout))
             self._cv.notify_all()
+
+    def stats(self) -> dict[str, int | bool]:
+        """This rank's decisions so far: ``persisted`` and ``not_persisted``
+        (as rank 0 decided them), ``released`` (holds let go without a
+        decision: rank 0 silent past ``commit_timeout``, or the store
+        failing), ``not_staged`` (saves this rank skipped or failed, whose
+        decision is only read), ``waiting`` (saves held, not decided yet)
+        and ``leader`` (whether this rank decides)."""
+        with self._cv:
+            out: dict[str, int | bool] = dict(self._counts)
+            out["waiting"] = len(self._queue) + int(self._busy)
+        out["leader"] = self._leader
+        return out
 
     def drain(self, timeout: float | None = None) -> bool:
         """Waits until every save registered so far is decided on this rank
@@ -156,9 +171,16 @@ class Coalescer:
                     held.step,
                     e,
                 )
-                self._apply(held, False)
+                self._apply(held, False, released=True)
 
-    def _apply(self, held: _Held, persist: bool) -> None:
+    def _apply(self, held: _Held, persist: bool, *, released: bool = False) -> None:
+        with self._cv:
+            if held.handle is None:
+                self._counts["not_staged"] += 1
+            elif released:
+                self._counts["released"] += 1
+            else:
+                self._counts["persisted" if persist else "not_persisted"] += 1
         if held.handle is None:
             return
         try:
@@ -195,7 +217,7 @@ class Coalescer:
                     held.step,
                     self._timeout,
                 )
-                self._apply(held, False)
+                self._apply(held, False, released=True)
                 return
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX)

@@ -904,6 +904,8 @@ class Checkpointer:
         out["engine"] = None if self._closed else self._engine.open_report()
         out["persist"] = None if self._closed else self._engine.persist_stats()
         out["replicas"] = None if self._closed else replicas_held(self._engine.replicas())
+        coalescer = self._coalescer
+        out["coalesce"] = None if coalescer is None else coalescer.stats()
         out["figures"] = self._metrics.summary()
         return out
 
