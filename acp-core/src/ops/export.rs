@@ -91,13 +91,7 @@ pub fn export_safetensors(
     let total: u64 = files.iter().map(|f| f.entry().size).sum();
     let tmp = scratch_beside(out);
     let result = (|| {
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&tmp)
-            .map_err(|e| Error::io("create", &tmp, e))?;
+        let file = crate::storage::local::create_private(&tmp)?;
         progress.begin(&format!("export step {step}"), total);
         let (bytes, tensors) = if files.len() == 1 {
             let f = &mut files[0];

@@ -173,20 +173,18 @@ impl LocalStorage {
         fs::rename(from, to).map_err(|e| Error::io("rename", to, e))
     }
 
-    /// Writes `bytes` to a new file `path` (mode 0600) and fsyncs it.
-    fn write_durable(&self, path: &Path, bytes: &[u8]) -> Result<()> {
+    /// Writes `bytes` to a new file `path` (mode 0600), and fsyncs it when
+    /// `durable`.
+    fn write_new(&self, path: &Path, bytes: &[u8], durable: bool) -> Result<()> {
         self.check("write", path)?;
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| Error::io("create", path, e))?;
+        let mut f = create_private(path)?;
         f.write_all(bytes)
             .map_err(|e| Error::io("write", path, e))?;
-        self.check("fsync", path)?;
-        f.sync_all().map_err(|e| Error::io("fsync", path, e))
+        if durable {
+            self.check("fsync", path)?;
+            f.sync_all().map_err(|e| Error::io("fsync", path, e))?;
+        }
+        Ok(())
     }
 
     /// Fsyncs a directory, so the names created or renamed in it are durable.
@@ -278,6 +276,21 @@ impl LocalStorage {
     }
 }
 
+/// Creates the new file `path` (an existing name is an error), readable
+/// and writable by its owner only, not inherited by child processes.
+///
+/// # Errors
+/// [`Error::Io`] naming `path`.
+pub(crate) fn create_private(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io("create", path, e))
+}
+
 impl Storage for LocalStorage {
     fn location(&self) -> &Path {
         &self.path
@@ -314,18 +327,12 @@ impl Storage for LocalStorage {
         let dir = self.dir_of(pending);
         validate_file_name(&dir.join(INDEX_FILE_NAME), name)?;
         let path = dir.join(name);
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| Error::io("create", &path, e))?;
+        let file = create_private(&path)?;
         Ok(FileHandle::new(file, path))
     }
 
     fn write_small(&self, pending: &Pending, name: &str, bytes: &[u8]) -> Result<()> {
-        self.write_durable(&self.dir_of(pending).join(name), bytes)
+        self.write_new(&self.dir_of(pending).join(name), bytes, true)
     }
 
     fn make_durable(&self, pending: &Pending) -> Result<()> {
@@ -346,17 +353,9 @@ impl Storage for LocalStorage {
         let tmp = self
             .path
             .join(format!(".latest-{}-{}", std::process::id(), nonce()));
-        self.check("write", &tmp)?;
-        let written = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&tmp)
-            .and_then(|mut f| f.write_all(format!("{step}\n").as_bytes()));
         let dst = self.path.join(LATEST_FILE_NAME);
-        let renamed = written
-            .map_err(|e| Error::io("write", &tmp, e))
+        let renamed = self
+            .write_new(&tmp, format!("{step}\n").as_bytes(), false)
             .and_then(|()| self.rename(&tmp, &dst));
         if renamed.is_err() {
             let _ = fs::remove_file(&tmp);
@@ -379,7 +378,7 @@ impl Storage for LocalStorage {
         let dir = self.dir_of(pending);
         let name = manifest_file_name(rank);
         let tmp = dir.join(format!("{name}.tmp"));
-        self.write_durable(&tmp, manifest)?;
+        self.write_new(&tmp, manifest, true)?;
         self.sync_dir(&dir)?;
         self.rename(&tmp, &dir.join(name))
     }
