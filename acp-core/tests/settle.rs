@@ -33,9 +33,22 @@ fn config(root: &Path, shm: &Path, faults: &Arc<FaultInjector>) -> EngineConfig 
 }
 
 fn save(engine: &Engine, step: u64) -> acp_core::Result<acp_core::SaveReport> {
-    let data: Vec<u8> = (0..300_000u32)
-        .map(|i| (i as u8).wrapping_mul(step as u8))
-        .collect();
+    save_with(engine, step, 0, false)
+}
+
+fn payload(step: u64, salt: u8) -> Vec<u8> {
+    (0..300_000u32)
+        .map(|i| (i as u8).wrapping_mul(step as u8) ^ salt)
+        .collect()
+}
+
+fn save_with(
+    engine: &Engine,
+    step: u64,
+    salt: u8,
+    overwrite: bool,
+) -> acp_core::Result<acp_core::SaveReport> {
+    let data = payload(step, salt);
     engine
         .save(
             step,
@@ -46,7 +59,10 @@ fn save(engine: &Engine, step: u64) -> acp_core::Result<acp_core::SaveReport> {
                 data: &data,
             }],
             &json!({"step": step}),
-            &SaveOptions::default(),
+            &SaveOptions {
+                overwrite,
+                ..SaveOptions::default()
+            },
         )?
         .wait()
 }
@@ -142,5 +158,26 @@ fn engine_retain_deletes_before_it_returns() {
     assert_eq!(engine.retain(1, None).unwrap(), vec![1, 2]);
     assert_eq!(engine.steps().unwrap(), vec![3]);
     assert_eq!(named(&root, ".trash-"), Vec::<String>::new());
+    engine.close().unwrap();
+}
+
+#[test]
+fn an_overwritten_step_is_replaced_at_once_and_its_old_files_go_after() {
+    let (_t, root, shm) = dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(config(&root, &shm, &faults)).unwrap();
+    save(&engine, 1).unwrap();
+    save_with(&engine, 1, 0x5a, true).unwrap();
+    assert_eq!(engine.steps().unwrap(), vec![1]);
+    let request = LoadRequest {
+        storage_only: true,
+        ..LoadRequest::default()
+    };
+    let ck = engine.load(&request).unwrap();
+    assert_eq!(ck.tensor("w").unwrap().data, payload(1, 0x5a).as_slice());
+    drop(ck);
+    engine.wait_idle(None).unwrap();
+    assert_eq!(named(&root, ".trash-"), Vec::<String>::new());
+    assert_eq!(named(&root, ".pending-"), Vec::<String>::new());
     engine.close().unwrap();
 }

@@ -342,9 +342,7 @@ impl Storage for LocalStorage {
     fn publish(&self, pending: &Pending, overwrite: bool) -> Result<()> {
         let dir = self.dir_of(pending);
         if let Some(old) = self.rename_into_place(&dir, pending.step(), overwrite)? {
-            if let Err(e) = fs::remove_dir_all(&old) {
-                tracing::warn!("acp: could not remove replaced step {}: {e}", old.display());
-            }
+            self.retired_list().push(old);
         }
         Ok(())
     }

@@ -286,7 +286,8 @@ pub trait Storage: Send + Sync + Debug {
     fn make_durable(&self, pending: &Pending) -> Result<()>;
 
     /// Commits `pending` as step `pending.step()`, replacing a committed
-    /// step of that number when `overwrite` (its files are removed after).
+    /// step of that number when `overwrite` (the replaced step is retired:
+    /// its files are deleted by the next [`Storage::settle`]).
     ///
     /// # Errors
     /// [`Error::Exists`](crate::Error::Exists) when the step is committed
