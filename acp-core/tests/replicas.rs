@@ -374,7 +374,9 @@ fn close_finishes_the_queued_replica_sends() {
 /// A's ranks with step 20 still only resident (their close could not
 /// commit it without B). Returns the cluster, A's engines closed.
 fn a_job_dies_with_a_replicated_snapshot() -> Cluster {
-    let mut c = Cluster::build_with(false, Duration::from_millis(300));
+    // Long enough for step 10's ranks to report on a loaded machine, short
+    // enough for the closes below, which wait that long for node B.
+    let mut c = Cluster::build_with(false, Duration::from_secs(2));
     c.save_and_replicate(10);
     let never = SaveOptions {
         persist: acp_core::Persist::Never,

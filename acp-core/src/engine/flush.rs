@@ -16,8 +16,8 @@
 //!    fsync the root];
 //! 5. mark the slot `Persisted`; write the `latest` hint and take the
 //!    steps retention removes out of the listing (renames); report the save;
-//! 6. then make those renames durable and delete the removed steps' files
-//!    (`Storage::settle`), off the save's path.
+//! 6. then, once no save is queued, make those renames durable and delete
+//!    the removed steps' files (`Storage::settle`), off the save's path.
 //!
 //! A crash before 4 leaves a pending place that is never loaded and is
 //! swept by the next engine of this rank; after 4 the step is complete.
@@ -25,7 +25,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::handle::Completion;
 use super::state::{FailedSlot, Shared};
@@ -91,7 +91,19 @@ pub(super) enum Work {
 /// the queue closes; after each persist, the snapshot deferred behind it
 /// (coalescing), if any.
 pub(super) fn run(shared: &Shared, rx: &Receiver<Work>) {
-    for work in rx {
+    loop {
+        let work = match rx.try_recv() {
+            Ok(work) => work,
+            Err(TryRecvError::Empty) => {
+                // Nothing queued: the commits' housekeeping, then wait.
+                settle(shared);
+                match rx.recv() {
+                    Ok(work) => work,
+                    Err(_) => break,
+                }
+            }
+            Err(TryRecvError::Disconnected) => break,
+        };
         let mut next = match work {
             Work::Persist(job) => Some(job),
             Work::Hash => {
@@ -103,6 +115,26 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Work>) {
             next = run_one(shared, job);
         }
     }
+    settle(shared);
+}
+
+/// The housekeeping commits left, if any: the `latest` hint and the
+/// retirements made durable, the removed steps' files deleted. A failure
+/// is logged (the save was committed); what was not deleted is retried by
+/// the next settle, or swept by the next engine.
+fn settle(shared: &Shared) {
+    if !shared.lock().unsettled {
+        return;
+    }
+    shared.note_progress("deleting the steps retention removed".to_owned());
+    if let Err(e) = shared.root.settle() {
+        tracing::warn!("acp: removing retired steps failed: {e}");
+    }
+    let mut st = shared.lock();
+    st.unsettled = false;
+    st.progress = None;
+    drop(st);
+    shared.idle.notify_all();
 }
 
 /// Flushes and commits one job, completes its handle, and takes the
@@ -129,6 +161,7 @@ fn run_one(shared: &Shared, job: Job) -> Option<Job> {
         st.recovering.retain(|s| *s != step);
         match &result {
             Ok(rep) => {
+                st.unsettled = true;
                 st.counts
                     .committed(step, staged_at, rep.bytes, rep.stored_bytes);
                 st.counts.reused(rep.reused_chunks, rep.reused_bytes);
@@ -157,17 +190,7 @@ fn run_one(shared: &Shared, job: Job) -> Option<Job> {
         shared.ring.set_state(slot, SlotState::Resident);
     }
     shared.ring.notify();
-    let committed = result.is_ok();
     done.complete(result);
-    if committed {
-        // The commit's housekeeping, after the save is reported: the hint
-        // made durable, the steps retention retired deleted.
-        shared.note_progress(format!("step {step}: deleting the steps retention removed"));
-        if let Err(e) = shared.root.settle() {
-            tracing::warn!("acp: after step {step}, removing retired steps failed: {e}");
-        }
-        shared.lock().progress = None;
-    }
     let mut st = shared.lock();
     st.in_flight -= 1;
     if let Some(i) = st.queued.iter().position(|s| *s == step) {

@@ -52,7 +52,7 @@ pub(super) fn hash_waiting(shared: &Shared) {
 impl EngineState {
     /// Whether no flush and no hash is queued or running.
     pub(super) fn idle(&self) -> bool {
-        self.in_flight == 0 && !self.hash_woken && !self.hashing
+        self.in_flight == 0 && !self.hash_woken && !self.hashing && !self.unsettled
     }
 }
 

@@ -84,6 +84,10 @@ pub(super) struct EngineState {
     pub(super) hash_woken: bool,
     /// Whether the flush thread is hashing a RAM snapshot now.
     pub(super) hashing: bool,
+    /// Whether a commit left housekeeping (`Storage::settle`) that the
+    /// flush thread has not done yet: it does it when it has no save
+    /// queued, so a save that follows at once is not delayed by it.
+    pub(super) unsettled: bool,
     /// Held snapshots ([`Persist::Hold`](crate::Persist)) waiting for
     /// [`Engine::decide`](super::Engine::decide), in save order. Each job
     /// pins its slot, so the ring never reuses it, and none is in
