@@ -50,6 +50,11 @@
 //! views being ready: read and verification, without the `copy_into`),
 //! also paired with `raw_read_direct`.
 //!
+//! `ACP_BENCH_RESTORE_WEIGHTS=normal` fills the state with fp32 values
+//! drawn from normal(0, 0.02), as trained weights are, instead of random
+//! bytes: their compressed file then holds zstd frames to decode (random
+//! bytes do not shrink, and are stored as they are).
+//!
 //! Dropping the page cache needs root; when refused, the storage rows are
 //! warm reads, and the report's notes say so.
 
@@ -190,11 +195,35 @@ fn scatter(image: &[u8], dst: &mut [u8], places: &[(usize, usize, usize)], threa
     copy_pairs_parallel(&mut pairs, threads);
 }
 
+/// `len` bytes of fp32 values drawn from normal(0, 0.02) (Box-Muller over
+/// xorshift), a trained model's weights.
+fn weights_like(len: usize) -> AlignedBuf {
+    let mut b = AlignedBuf::new(len);
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut uniform = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    for w in b.chunks_exact_mut(4) {
+        let (u, v) = (uniform(), uniform());
+        #[expect(clippy::cast_possible_truncation, reason = "a weight is an fp32 value")]
+        let x = ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * 0.02) as f32;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+    b
+}
+
 fn restore(c: &mut Criterion) {
     let bytes = bench_bytes();
     let n = threads();
     let set = TensorSet::model_like(bytes);
-    let src = AlignedBuf::random(set.total, 1);
+    let src = if std::env::var("ACP_BENCH_RESTORE_WEIGHTS").is_ok_and(|v| v == "normal") {
+        weights_like(set.total)
+    } else {
+        AlignedBuf::random(set.total, 1)
+    };
     let mut dst = AlignedBuf::new(set.total);
     let scratch = Scratch::new("restore");
     let engine = Engine::open(engine_config(&scratch, set.total, 2))
@@ -246,6 +275,12 @@ fn restore(c: &mut Criterion) {
     warm_engine(&zstd, &mut step_z, &host, 1);
     wait_and_trim(&zstd, &save(&zstd, step_z + 1, &host));
     step_z += 1;
+    let zstd_file_bytes = std::fs::metadata(
+        zstd.root()
+            .join(format!("step-{step_z:012}"))
+            .join(acp_core::format::data_file_name(0)),
+    )
+    .map_or(0, |m| m.len());
     let storage_z = LoadRequest {
         step: Some(step_z),
         storage_only: true,
@@ -545,6 +580,7 @@ fn restore(c: &mut Criterion) {
     let mut notes = Notes::new("restore");
     notes.set("bytes", human_bytes(set.total as u64));
     notes.set("file bytes", image);
+    notes.set("zstd file bytes", zstd_file_bytes);
     notes.set(
         "cold reads (drop_caches)",
         match &cold {

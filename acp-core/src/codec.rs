@@ -137,13 +137,18 @@ fn merge(out: &mut [u8], srcs: &[&[u8]]) {
                 e[1] = y;
             }
         }
+        // Each element is assembled in a register and stored whole: byte
+        // stores of four or eight planes do not vectorise, and cost about
+        // 2.5 times as much.
         [a, b, c, d] => {
             for ((((e, &x), &y), &z), &t) in out.chunks_exact_mut(4).zip(*a).zip(*b).zip(*c).zip(*d)
             {
-                e[0] = x;
-                e[1] = y;
-                e[2] = z;
-                e[3] = t;
+                e.copy_from_slice(&[x, y, z, t]);
+            }
+        }
+        [a, b, c, d, f, g, h, k] => {
+            for (i, e) in out.chunks_exact_mut(8).enumerate() {
+                e.copy_from_slice(&[a[i], b[i], c[i], d[i], f[i], g[i], h[i], k[i]]);
             }
         }
         _ => {
@@ -489,31 +494,29 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
         let stored = c.u32()? as usize;
         modes.push((mode, stored));
     }
-    let mut planes: Vec<Vec<u8>> = vec![Vec::new(); 15];
-    let mut dctx =
-        zstd::bulk::Decompressor::new().map_err(|e| format!("zstd cannot start: {e}"))?;
+    // Where each plane's bytes are: a raw plane in the frame itself (never
+    // copied), a zstd plane in this thread's scratch, decoded there.
+    let mut at_frame = [(0usize, 0usize); 15];
+    let mut at_scratch = [None::<(usize, usize)>; 15];
+    let mut packed = Vec::with_capacity(present.len());
+    let mut scratch_len = 0usize;
     for (&(w, k), &(mode, stored)) in present.iter().zip(&modes) {
         let slot = plane_slot(w, k);
         let want = lens[slot];
+        let start = c.at;
         let bytes = c.take(stored)?;
-        let plane = &mut planes[slot];
         match mode {
-            MODE_RAW if stored == want => plane.extend_from_slice(bytes),
+            MODE_RAW if stored == want => at_frame[slot] = (start, start + stored),
             MODE_RAW => {
                 return Err(format!(
                     "raw plane {k} of width {w} holds {stored} bytes, not {want}"
                 ))
             }
             MODE_ZSTD => {
-                plane.resize(want, 0);
-                let n = dctx
-                    .decompress_to_buffer(bytes, &mut plane[..])
-                    .map_err(|e| format!("plane {k} of width {w}: zstd: {e}"))?;
-                if n != want {
-                    return Err(format!(
-                        "plane {k} of width {w} decodes to {n} bytes, not {want}"
-                    ));
-                }
+                at_scratch[slot] = Some((scratch_len, scratch_len + want));
+                packed.push((w, k, bytes, scratch_len, want));
+                // Planes add up to the chunk (the runs tile `dst`).
+                scratch_len += want;
             }
             m => return Err(format!("plane {k} of width {w} has unknown mode {m}")),
         }
@@ -521,22 +524,73 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
     if c.at != frame.len() {
         return Err(format!("{} bytes after the last plane", frame.len() - c.at));
     }
-    let mut taken = [0usize; 15];
-    let mut at = 0usize;
-    for r in &runs {
-        let len = r.len as usize;
-        let out = &mut dst[at..at + len];
-        let n = len / usize::from(r.width);
-        let mut srcs: Vec<&[u8]> = Vec::with_capacity(usize::from(r.width));
-        for k in 0..r.width {
-            let slot = plane_slot(r.width, k);
-            srcs.push(&planes[slot][taken[slot]..taken[slot] + n]);
-            taken[slot] += n;
+    DECODE.with(|cell| {
+        let mut cached = cell.borrow_mut();
+        let (dctx, scratch) = &mut *cached;
+        if dctx.is_none() {
+            *dctx = zstd::zstd_safe::DCtx::try_create();
         }
-        merge(out, &srcs);
-        at += len;
-    }
-    Ok(())
+        let Some(dctx) = dctx.as_mut() else {
+            return Err("zstd cannot allocate a decoding context".to_owned());
+        };
+        if scratch.len() < scratch_len {
+            scratch.resize(scratch_len, 0);
+        }
+        for &(w, k, bytes, at, want) in &packed {
+            let n = dctx
+                .decompress(&mut scratch[at..at + want], bytes)
+                .map_err(|c| {
+                    format!(
+                        "plane {k} of width {w}: zstd: {}",
+                        zstd::zstd_safe::get_error_name(c)
+                    )
+                })?;
+            if n != want {
+                return Err(format!(
+                    "plane {k} of width {w} decodes to {n} bytes, not {want}"
+                ));
+            }
+        }
+        let plane = |slot: usize| -> &[u8] {
+            match at_scratch[slot] {
+                Some((s, e)) => &scratch[s..e],
+                None => &frame[at_frame[slot].0..at_frame[slot].1],
+            }
+        };
+        let mut taken = [0usize; 15];
+        let mut at = 0usize;
+        for r in &runs {
+            let len = r.len as usize;
+            let out = &mut dst[at..at + len];
+            let n = len / usize::from(r.width);
+            let mut srcs: [&[u8]; 8] = [&[]; 8];
+            for k in 0..r.width {
+                let slot = plane_slot(r.width, k);
+                srcs[usize::from(k)] = &plane(slot)[taken[slot]..taken[slot] + n];
+                taken[slot] += n;
+            }
+            merge(out, &srcs[..usize::from(r.width)]);
+            at += len;
+        }
+        // A scratch grown for an unusually large chunk is not kept.
+        if scratch.capacity() > KEEP_SCRATCH_BYTES {
+            *scratch = Vec::new();
+        }
+        Ok(())
+    })
+}
+
+/// The most plane scratch a thread keeps between frames (four default
+/// chunks): larger chunks allocate their scratch per frame.
+const KEEP_SCRATCH_BYTES: usize = 16 << 20;
+
+// This thread's zstd decoding context and the scratch its zstd planes are
+// decoded into before their bytes are merged: a context costs an
+// allocation of its tables, and fresh scratch costs a page fault per page
+// for every frame.
+thread_local! {
+    static DECODE: std::cell::RefCell<(Option<zstd::zstd_safe::DCtx<'static>>, Vec<u8>)> =
+        const { std::cell::RefCell::new((None, Vec::new())) };
 }
 
 #[cfg(test)]

@@ -840,8 +840,8 @@ fn with_reader<T>(
 ) -> Result<T> {
     let (entry, path) = (&stored.entry, &stored.path);
     if entry.stored_size.is_some() {
-        // A compressed file: its frames are read and decoded on this
-        // thread, each chunk then checked like a plain one.
+        // A compressed file: its frames are read, checked and decoded on
+        // the copy threads, each chunk then checked like a plain one.
         let file = stored
             .file
             .try_clone()

@@ -40,6 +40,8 @@
 //! of chunks, or, while it is read, by a pool fed each read as soon as it
 //! lands, so a restore takes about `max(read, hash)` rather than their sum.
 //! Reads are cut along the digest chunks so each can be checked on its own.
+//! A compressed file's frames are read, checked and decoded on the same
+//! pool, each read by one thread from its frames to its targets.
 //!
 //! # The RAM tier's quick check
 //!
@@ -275,8 +277,18 @@ impl<S: ChunkSource> ChunkReader<S> {
         self.describe(start, end)
     }
 
-    /// The error for chunk `i` differing from its digest.
+    /// The error for chunk `i` differing from its digest. Of a source that
+    /// decodes, the chunk is first read again with every frame check (a
+    /// stored frame may have been read unchecked, its digest standing for
+    /// its check): when it is the frame that changed, its error says so.
     fn mismatch_error(&mut self, i: u64) -> Error {
+        if self.src.decodes() {
+            let (start, end) = self.span(i);
+            let mut buf = vec![0; to_usize(end - start)];
+            if let Err(e @ Error::Corrupt { .. }) = self.src.read_at(&mut buf, start) {
+                return e;
+            }
+        }
         let m = self.mismatch(i);
         m.into_error(self.src.name())
     }

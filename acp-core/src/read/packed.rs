@@ -9,13 +9,10 @@ use std::path::{Path, PathBuf};
 use super::source::{ChunkSource, FileSource};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    chunk_span, decode_frame, read_header, read_packed_table, validate_file_name, ChunkRef,
+    chunk_span, decode_frame, read_header, read_packed_table, validate_file_name, ChunkRef, Digest,
     FileEntry, FrameCodec, PackedTable, INDEX_FILE_NAME,
 };
 use crate::storage::Storage;
-
-/// The most threads a whole-file read decodes on.
-const DECODE_THREADS: usize = 8;
 
 /// At most this much of the decoded header is read to name the tensors of
 /// a bad frame: it is an error path.
@@ -143,12 +140,19 @@ impl<S: ChunkSource> PackedSource<S> {
     }
 
     /// Decodes the image bytes `[offset, offset + buf.len())` into `buf`;
-    /// `tensors` names what a bad frame holds.
+    /// `tensors` names what a bad frame holds. Frames are read into
+    /// `stored` (grown to the largest frame, kept by the caller between
+    /// calls). `digest_of(i)`, when given, is the digest the caller checks
+    /// chunk `i` against before it trusts its bytes: a stored frame whose
+    /// check is that very digest (blake3 of the same bytes) is then read
+    /// straight into `buf` and left to that one check.
     fn decode_at(
         &self,
         buf: &mut [u8],
         offset: u64,
         tensors: &dyn Fn(u64, u64) -> Vec<String>,
+        digest_of: Option<&dyn Fn(u64) -> Option<Digest>>,
+        stored: &mut Vec<u8>,
     ) -> Result<()> {
         let t = &self.table;
         let end = offset
@@ -167,7 +171,6 @@ impl<S: ChunkSource> PackedSource<S> {
         if buf.is_empty() {
             return Ok(());
         }
-        let mut stored = Vec::new();
         let mut chunk = Vec::new();
         for i in offset / t.chunk_bytes..=(end - 1) / t.chunk_bytes {
             let (cs, ce) = chunk_span(i, t.chunk_bytes, t.image_len);
@@ -178,11 +181,11 @@ impl<S: ChunkSource> PackedSource<S> {
                     Error::corrupt(self.inner.name(), None, format!("no frame for chunk {i}"))
                 })?;
             let (from, to) = (offset.max(cs), end.min(ce));
+            let at = to_usize(from - offset);
             if frame.codec == FrameCodec::Reference {
                 if let Some((h, direct)) = self.holder_of(i) {
                     // The same span of the file that holds the chunk; the
                     // reader checks it against this file's digest.
-                    let at = to_usize(from - offset);
                     let dst = &mut buf[at..at + to_usize(to - from)];
                     match direct.filter(|_| direct_aligned(dst, from)) {
                         Some(f) => f
@@ -193,10 +196,20 @@ impl<S: ChunkSource> PackedSource<S> {
                     continue;
                 }
             }
-            stored.resize(to_usize(frame.stored), 0);
-            self.inner.read_at(&mut stored, frame.offset)?;
             let whole = from == cs && to == ce;
-            let at = to_usize(from - offset);
+            if whole
+                && frame.codec == FrameCodec::Stored
+                && digest_of.and_then(|d| d(i)) == Some(frame.check)
+            {
+                self.inner
+                    .read_at(&mut buf[at..at + to_usize(ce - cs)], frame.offset)?;
+                continue;
+            }
+            if stored.len() < to_usize(frame.stored) {
+                stored.resize(to_usize(frame.stored), 0);
+            }
+            let stored = &mut stored[..to_usize(frame.stored)];
+            self.inner.read_at(stored, frame.offset)?;
             // A read of the whole chunk decodes in place; a part decodes
             // into a chunk buffer first.
             let dst: &mut [u8] = if whole {
@@ -205,7 +218,7 @@ impl<S: ChunkSource> PackedSource<S> {
                 chunk.resize(to_usize(ce - cs), 0);
                 &mut chunk[..]
             };
-            decode_frame(self.inner.name(), i, frame, &stored, dst, &|| {
+            decode_frame(self.inner.name(), i, frame, stored, dst, &|| {
                 tensors(cs, ce)
             })?;
             if !whole {
@@ -224,7 +237,7 @@ impl<S: ChunkSource> PackedSource<S> {
             self.inner.name(),
             self.table.image_len,
             GUESS_HEADER_BYTES,
-            |b, o| self.decode_at(b, o, &none),
+            |b, o| self.decode_at(b, o, &none, None, &mut Vec::new()),
         ) else {
             return Vec::new();
         };
@@ -238,73 +251,29 @@ impl<S: ChunkSource> PackedSource<S> {
 
 impl<S: ChunkSource + Sync> ChunkSource for PackedSource<S> {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.decode_at(buf, offset, &|s, e| self.guess_tensors(s, e))
+        self.decode_at(
+            buf,
+            offset,
+            &|s, e| self.guess_tensors(s, e),
+            None,
+            &mut Vec::new(),
+        )
     }
 
-    /// Decodes the pieces on up to [`DECODE_THREADS`] named threads, each
-    /// piece handed to `on_piece` (on the calling thread) as soon as it is
-    /// decoded, so the caller hashes while later pieces decode.
-    fn read_all<'a>(
+    fn read_for_digests(
         &self,
-        dst: &'a mut [u8],
-        piece: usize,
-        on_piece: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
-    ) -> Result<u64> {
-        let len = super::source::image_len(self, dst.len())?;
-        let piece = piece.max(1);
-        let pieces: Vec<(usize, &'a mut [u8])> = dst[..len].chunks_mut(piece).enumerate().collect();
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-        // A file with references mostly waits on reads of other files,
-        // not on decoding: as many reads in flight as a plain restore
-        // keeps, whatever the core count.
-        let threads = if self.refs.is_empty() {
-            cores.clamp(1, DECODE_THREADS)
-        } else {
-            DECODE_THREADS
-        }
-        .min(pieces.len().max(1));
-        let mut shares: Vec<Vec<(usize, &'a mut [u8])>> =
-            (0..threads).map(|_| Vec::new()).collect();
-        for (n, p) in pieces.into_iter().enumerate() {
-            shares[n % threads].push(p);
-        }
-        let stop = std::sync::atomic::AtomicBool::new(false);
-        let (tx, rx) = crossbeam_channel::unbounded::<Result<(usize, &'a [u8])>>();
-        std::thread::scope(|s| -> Result<()> {
-            for (w, share) in shares.into_iter().enumerate() {
-                let (tx, stop) = (tx.clone(), &stop);
-                std::thread::Builder::new()
-                    .name(format!("acp-decode-{w}"))
-                    .spawn_scoped(s, move || {
-                        for (i, buf) in share {
-                            if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                                return;
-                            }
-                            let got = self.read_at(buf, (i * piece) as u64);
-                            let failed = got.is_err();
-                            // The receiver outlives the workers (same scope).
-                            let _ = tx.send(got.map(|()| (i, &*buf)));
-                            if failed {
-                                return;
-                            }
-                        }
-                    })
-                    .map_err(|e| Error::io("start a decoding thread for", self.name(), e))?;
-            }
-            drop(tx);
-            let mut first_err = None;
-            for got in &rx {
-                match got.and_then(|(i, bytes)| on_piece(i, bytes)) {
-                    Ok(()) => {}
-                    Err(e) => {
-                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                        first_err.get_or_insert(e);
-                    }
-                }
-            }
-            first_err.map_or(Ok(()), Err)
-        })?;
-        Ok(len as u64)
+        buf: &mut [u8],
+        offset: u64,
+        digest_of: &dyn Fn(u64) -> Option<Digest>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        self.decode_at(
+            buf,
+            offset,
+            &|s, e| self.guess_tensors(s, e),
+            Some(digest_of),
+            scratch,
+        )
     }
 
     fn len(&self) -> u64 {
@@ -409,6 +378,19 @@ impl ChunkSource for StoredSource {
         match self {
             StoredSource::Plain(s) => s.name(),
             StoredSource::Packed(s) => s.name(),
+        }
+    }
+
+    fn read_for_digests(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        digest_of: &dyn Fn(u64) -> Option<Digest>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        match self {
+            StoredSource::Plain(s) => s.read_at(buf, offset),
+            StoredSource::Packed(s) => s.read_for_digests(buf, offset, digest_of, scratch),
         }
     }
 

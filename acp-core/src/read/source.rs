@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::format::Digest;
 use crate::io::{IoEngine, IoOpts};
 use crate::staging::PeerSlot;
 
@@ -40,6 +41,26 @@ pub(crate) trait ChunkSource {
     /// bad chunk, not a failed source.
     fn decodes(&self) -> bool {
         false
+    }
+
+    /// [`ChunkSource::read_at`] of whole digest chunks, for a caller that
+    /// checks each of them against `digest_of(i)` (the index's digest of
+    /// chunk `i`) before it trusts a byte of it: a source may then leave
+    /// out a check of its own that the caller's proves (a compressed
+    /// file's stored frame whose check is that digest). `scratch` is the
+    /// caller's memory for the source to reuse between calls.
+    ///
+    /// # Errors
+    /// As [`ChunkSource::read_at`].
+    fn read_for_digests(
+        &self,
+        buf: &mut [u8],
+        offset: u64,
+        digest_of: &dyn Fn(u64) -> Option<Digest>,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        let _ = (digest_of, scratch);
+        self.read_at(buf, offset)
     }
 
     /// The file of an earlier step that holds the chunk at `offset`, when

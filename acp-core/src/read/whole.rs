@@ -9,6 +9,12 @@
 //! a channel) checks it while later reads are still in flight. The reads
 //! are cut along the digest chunks (a whole number of them per read), so
 //! each landed read can be checked on its own, in any order.
+//!
+//! A compressed file's reads are filled on the pool instead: its frames
+//! decode independently, so each thread takes the next read in file order
+//! and reads its frames, checks and decodes them, then hashes the decoded
+//! chunks and copies them into the targets, all while they are in its
+//! cache; the kernel's readahead keeps the next frames coming meanwhile.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -201,6 +207,9 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         outs: &mut [Option<&'d mut [Digest]>],
         copies: &mut [Option<Parts<'c>>],
     ) -> Result<u64> {
+        if self.src.decodes() {
+            return self.decode_on_pool(dst, threads, read_bytes, found, outs, copies);
+        }
         let chunk = to_usize(self.chunk);
         let per_read = read_bytes / chunk;
         // One thread asked for, or a small file: hash on the calling
@@ -264,6 +273,96 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             }
             read
         })
+    }
+
+    /// The read of [`ChunkReader::read_verified`] for a source that decodes
+    /// (a compressed file, whose frames decode independently): each read is
+    /// filled (its frames read, checked and decoded), hashed and copied
+    /// into its targets by one thread, while it is in that thread's cache;
+    /// `threads` threads and the calling one take the reads in file order,
+    /// so a read waiting on storage leaves the cores to the others.
+    /// Records the chunks that differ in `found`.
+    fn decode_on_pool<'d, 'c: 'd>(
+        &self,
+        dst: &'d mut [u8],
+        threads: usize,
+        read_bytes: usize,
+        found: &Found,
+        outs: &mut [Option<&'d mut [Digest]>],
+        copies: &mut [Option<Parts<'c>>],
+    ) -> Result<u64> {
+        let len = super::source::image_len(&self.src, dst.len())?;
+        let chunk = to_usize(self.chunk);
+        let per_read = read_bytes / chunk;
+        let (tx, rx) = crossbeam_channel::unbounded::<(usize, Fill<'d>)>();
+        for (i, (bytes, out)) in dst[..len].chunks_mut(read_bytes).zip(outs).enumerate() {
+            let Some(out) = out.take() else {
+                continue;
+            };
+            let copies = copies.get_mut(i).and_then(Option::take).unwrap_or_default();
+            // Unreachable failure: `rx` is alive.
+            let _ = tx.send((i, Fill { bytes, out, copies }));
+        }
+        drop(tx);
+        let failed: Mutex<Option<(usize, Error)>> = Mutex::new(None);
+        let stop = AtomicBool::new(false);
+        let work = || {
+            let mut scratch = Vec::new();
+            for (i, fill) in &rx {
+                if stop.load(Ordering::Acquire) || found.any() {
+                    return;
+                }
+                let offset = (i * read_bytes) as u64;
+                let digest_of = |c: u64| {
+                    usize::try_from(c)
+                        .ok()
+                        .and_then(|c| self.digests.get(c))
+                        .copied()
+                        .flatten()
+                };
+                if let Err(e) =
+                    self.src
+                        .read_for_digests(fill.bytes, offset, &digest_of, &mut scratch)
+                {
+                    let mut first = failed.lock().unwrap_or_else(PoisonError::into_inner);
+                    if first.as_ref().is_none_or(|(at, _)| i < *at) {
+                        *first = Some((i, e));
+                    }
+                    stop.store(true, Ordering::Release);
+                    return;
+                }
+                Job {
+                    first: i * per_read,
+                    bytes: fill.bytes,
+                    out: fill.out,
+                    copies: fill.copies,
+                }
+                .check(chunk, self, found);
+            }
+        };
+        // A small file, or one thread asked for: the calling thread alone.
+        let helpers = if threads > 1 && to_usize(self.entry.size) >= POOL_MIN_BYTES {
+            threads
+        } else {
+            0
+        };
+        std::thread::scope(|s| {
+            for _ in 0..helpers {
+                // A thread that cannot start leaves its share to the
+                // others and the calling thread.
+                let _ = std::thread::Builder::new()
+                    .name("acp-decode".into())
+                    .spawn_scoped(s, || {
+                        crate::io::block_async_signals();
+                        work();
+                    });
+            }
+            work();
+        });
+        match failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
+            Some((_, e)) => Err(e),
+            None => Ok(len as u64),
+        }
     }
 
     fn len_error(&self, got: u64) -> Error {
@@ -333,6 +432,14 @@ fn scatter<'t>(src: &[u8], parts: impl IntoIterator<Item = (usize, &'t mut [u8])
             d.copy_from_slice(s);
         }
     }
+}
+
+/// One read still to fill (a compressed file's): where its bytes go, where
+/// its digests go, and the targets' parts it holds.
+struct Fill<'a> {
+    bytes: &'a mut [u8],
+    out: &'a mut [Digest],
+    copies: Parts<'a>,
 }
 
 /// One landed read: its bytes, the digest chunks it holds from index
