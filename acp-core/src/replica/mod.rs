@@ -80,6 +80,12 @@ pub struct ReplicaMeta {
     /// blake3 of each `chunk_bytes` piece of the image (the last may be
     /// shorter).
     pub digests: Vec<Digest>,
+    /// The xxh3-64 quick sum of each piece, taken from the same bytes in
+    /// the same pass as `digests` (`read/fast.rs`), or empty when the
+    /// sender has none: what a holder or a restoring rank checks the bytes
+    /// against instead of hashing them with blake3 again, once `digests`
+    /// are the ones wanted (see the [module docs](self)).
+    pub sums: Vec<u64>,
 }
 
 impl ReplicaMeta {
@@ -94,6 +100,10 @@ impl ReplicaMeta {
             len: image.len() as u64,
             chunk_bytes,
             digests: chunk_digests(image, chunk),
+            sums: image
+                .chunks(chunk.max(1))
+                .map(crate::read::fast_sum)
+                .collect(),
         }
     }
 
@@ -114,8 +124,8 @@ impl ReplicaMeta {
     }
 
     /// Checks that the fields describe an image a replica slot may take:
-    /// a chunk size of `chunk_bytes` (the receiver's) and one digest per
-    /// chunk.
+    /// a chunk size of `chunk_bytes` (the receiver's), one digest per
+    /// chunk, and one quick sum per chunk or none.
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the replica.
@@ -137,6 +147,16 @@ impl ReplicaMeta {
                     "{} digests for {} bytes in chunks of {chunk_bytes} ({want} expected)",
                     self.digests.len(),
                     self.len
+                ),
+            ));
+        }
+        if !self.sums.is_empty() && self.sums.len() != self.digests.len() {
+            return Err(Error::invalid(
+                self.what(),
+                format!(
+                    "{} quick sums for {} digests (one per chunk, or none)",
+                    self.sums.len(),
+                    self.digests.len()
                 ),
             ));
         }
