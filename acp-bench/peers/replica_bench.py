@@ -11,7 +11,16 @@ One run measures, side by side:
   and the gloo exchange: every rank sends its image and receives its
   source's), against a **raw gloo send** of the same bytes in the same
   processes (every rank ``isend``s a buffer of the image's size to its
-  holder and ``recv``s its source's, on a gloo group of its own);
+  holder and ``recv``s its source's, on a gloo group of its own, with
+  nothing else running). Measured three ways in the same run: over the
+  persisted saves from the second on (the save's own flush writes the
+  image while it is replicated; as in the first version of this bench,
+  so the second save, the first into the second replica slot, pays for
+  faulting that slot's pages in); over the persisted saves from the
+  third on (every replica slot warm: the steady state); and over
+  ``persist=False`` saves (RAM snapshots, the RAM tier: no flush runs
+  beside the exchange, the snapshot's background hash does, and the
+  exchange shares it), after as many unmeasured ones;
 - **restore of a replaced node**: node B is lost (its processes end, its
   shared memory is deleted) and the job restarts with an empty B; B's ranks
   restore the newest step from A's replicas (``load()``, source "peer"),
@@ -140,9 +149,33 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
             stall["replicas"].append(h.stats.stall_secs)
             stall["none"].append(h0.stats.stall_secs)
             repl.append(secs)
+    # RAM snapshots: replicated with no flush beside them.
+    ram: list[float] = []
+    first = a.saves + 1
+    for step in range(first, first + 2 * a.saves):
+        s = state(rank, step, a.mib)
+        dist.barrier()
+        h = with_rep.save(step, s, persist=False)
+        t = time.perf_counter()
+        h.wait_replicated(600)
+        if step >= first + a.saves:
+            ram.append(time.perf_counter() - t)
+    # The newest step is committed, as the restore phase reads it from
+    # storage too.
+    last = first + 2 * a.saves
+    dist.barrier()
+    h = with_rep.save(last, state(rank, last, a.mib), persist=True)
+    h.wait_replicated(600)
+    h.wait()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
     raw = raw_gloo(group, rank, nbytes, a.saves)
-    result = {"stall": stall, "replicate_secs": repl, "raw_gloo_secs": raw, "bytes": nbytes}
+    result = {
+        "stall": stall,
+        "replicate_secs": repl,
+        "replicate_ram_only_secs": ram,
+        "raw_gloo_secs": raw,
+        "bytes": nbytes,
+    }
     Path(out, f"train-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     # The job ends without closing (as if killed): node B's RAM is then lost.
@@ -213,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args(argv)
     a.work = tempfile.mkdtemp(prefix="acp-replica-bench-", dir=a.dir)
+    load_before = os.getloadavg()[0]
     try:
         out = Path(a.work, "out")
         out.mkdir()
@@ -223,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(a.work, "shm-b").mkdir()
         mp.spawn(worker, args=("restore", a, free_port(), out), nprocs=RANKS)
         report = summarise(a, out)
+        report["loadavg"] = [load_before, os.getloadavg()[0]]
     finally:
         shutil.rmtree(a.work, ignore_errors=True)
     if a.json:
@@ -237,6 +272,9 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     nbytes = train[0]["bytes"]
     b = range(PER_NODE, RANKS)  # node B's ranks
     repl = median([s for t in train for s in t["replicate_secs"]])
+    # Saves from the third on: both replica slots were written once.
+    warm = median([s for t in train for s in t["replicate_secs"][1:]])
+    ram = median([s for t in train for s in t["replicate_ram_only_secs"]])
     raw = median([s for t in train for s in t["raw_gloo_secs"]])
     # A node's restore ends when its slowest rank has its state.
     peer = max(rest[r]["peer_secs"] for r in b)
@@ -251,8 +289,12 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
             "none": 1e3 * median([s for t in train for s in t["stall"]["none"]]),
         },
         "replicate_gb_per_sec": nbytes / repl / 1e9,
+        "replicate_warm_gb_per_sec": nbytes / warm / 1e9,
+        "replicate_ram_only_gb_per_sec": nbytes / ram / 1e9,
         "raw_gloo_gb_per_sec": nbytes / raw / 1e9,
         "replicate_over_raw": raw / repl,
+        "replicate_warm_over_raw": raw / warm,
+        "replicate_ram_only_over_raw": raw / ram,
         "restore_node_b_secs": {
             "peer": peer,
             "storage": cold,
@@ -268,14 +310,21 @@ def print_table(r: dict[str, Any]) -> None:
     mib = r["bytes_per_rank"] / (1 << 20)
     cap = r["args"]["throttle_mbps"]
     print(f"2 nodes x 2 ranks, {mib:.0f} MiB per rank; B's ranks restored from {r['sources'][2:]}")
+    load = r.get("loadavg")
+    if load:
+        print(f"load average before / after: {load[0]:.2f} / {load[1]:.2f}")
     print(f"{'figure':<44} {'value':>12}")
     restore = r["restore_node_b_secs"]
     rows = [
         ("stall with replicas=1 (ms, median)", r["stall_ms"]["replicas"]),
         ("stall without replicas (ms, median)", r["stall_ms"]["none"]),
         ("replication (GB/s, save -> replicated)", r["replicate_gb_per_sec"]),
+        ("  the same, replica slots warm (GB/s)", r["replicate_warm_gb_per_sec"]),
+        ("  persist=False saves, no flush (GB/s)", r["replicate_ram_only_gb_per_sec"]),
         ("raw gloo send of the same bytes (GB/s)", r["raw_gloo_gb_per_sec"]),
         ("replication / raw gloo", r["replicate_over_raw"]),
+        ("  replica slots warm / raw gloo", r["replicate_warm_over_raw"]),
+        ("  persist=False / raw gloo", r["replicate_ram_only_over_raw"]),
         ("restore node B from peer RAM (s)", restore["peer"]),
         ("restore node B from storage (s)", restore["storage"]),
         (f"restore node B, storage at {cap:g} MB/s/node (s)", restore["storage_throttled"]),

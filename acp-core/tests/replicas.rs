@@ -565,19 +565,35 @@ fn acp_persist_with_named_ranks_takes_their_replicas() {
 /// into the replica slot, `tamper` applied to them (by source rank), then
 /// sealed with the digests the sender took.
 fn save_and_receive_into_slots(c: &Cluster, step: u64, tamper: impl Fn(u32, &mut [u8])) {
+    save_and_receive_with_sums(c, step, tamper, |_, _| {});
+}
+
+/// Every rank saves `step` and its holder receives its image into a
+/// replica slot as a transport does, sealed with the digests and quick
+/// sums sent after it; `tamper` changes the bytes and `tamper_sums` the
+/// sums on their way.
+fn save_and_receive_with_sums(
+    c: &Cluster,
+    step: u64,
+    tamper: impl Fn(u32, &mut [u8]),
+    tamper_sums: impl Fn(u32, &mut [u64]),
+) {
     let handles: Vec<_> = (0..WORLD).map(|r| save(c.engine(r), r, step)).collect();
     for h in handles {
         h.wait().unwrap();
     }
     for r in 0..WORLD {
         let (meta, pin) = c.engine(r).resident_replica(step).unwrap();
+        assert_eq!(meta.sums.len(), meta.digests.len(), "rank {r}'s quick sums");
         let holder = c.engine((r + 2) % WORLD);
         let mut w = holder
             .begin_replica(r, step, meta.len, meta.chunk_bytes)
             .unwrap();
         w.image_mut().copy_from_slice(pin.image());
         tamper(r, w.image_mut());
-        w.finish(meta.digests.clone()).unwrap();
+        let mut sums = meta.sums.clone();
+        tamper_sums(r, &mut sums);
+        w.finish_with_sums(meta.digests.clone(), sums).unwrap();
     }
 }
 
@@ -618,6 +634,59 @@ fn a_replica_corrupted_on_its_way_into_the_slot_is_rejected_by_name() {
         "{why}"
     );
     assert_eq!(load(c.engine(3), 3, 10), (Source::Peer, true));
+}
+
+#[test]
+fn a_replica_whose_quick_sums_were_damaged_is_checked_by_its_digests() {
+    let mut c = Cluster::new();
+    save_and_receive_with_sums(
+        &c,
+        10,
+        |_, _| {},
+        |r, sums| {
+            if r == 2 {
+                sums[0] ^= 1;
+            }
+        },
+    );
+    c.lose_node_b();
+    // Rank 2's bytes are intact, only a sum is wrong: its digests pass it.
+    for r in [2, 3] {
+        let ck = c
+            .engine(r)
+            .load(&LoadRequest {
+                step: Some(10),
+                ..LoadRequest::default()
+            })
+            .unwrap();
+        assert_eq!(ck.report().source, Source::Peer, "rank {r}");
+        assert!(ck.report().rejected.is_none(), "rank {r}");
+        let name = format!("layer.{r}.w");
+        assert_eq!(ck.tensor(&name).unwrap().data, shard(r, 10).as_slice());
+    }
+}
+
+#[test]
+fn quick_sums_that_do_not_match_the_digests_in_count_are_refused() {
+    let c = Cluster::new();
+    // Resident only: rank 2 alone saves step 10.
+    let resident = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    save_with(c.engine(2), 2, 10, &resident).wait().unwrap();
+    let (meta, pin) = c.engine(2).resident_replica(10).unwrap();
+    let holder = c.engine(0);
+    let mut w = holder
+        .begin_replica(2, 10, meta.len, meta.chunk_bytes)
+        .unwrap();
+    w.image_mut().copy_from_slice(pin.image());
+    let mut sums = meta.sums.clone();
+    sums.push(0);
+    let err = w.finish_with_sums(meta.digests.clone(), sums).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+    assert!(err.to_string().contains("quick sums"), "{err}");
+    assert!(holder.replicas().is_empty());
 }
 
 #[test]

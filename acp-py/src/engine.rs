@@ -11,12 +11,13 @@ use acp_core::{
     SaveOptions, TensorSpec, Verify, WhenFull,
 };
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{err, invalid};
 use crate::load::Loaded;
 use crate::replica::{
-    digests_bytes, meta_from, meta_tuple, Mailbox, MetaOut, MetaTuple, Receipt, ReplicaImage,
+    digests_bytes, meta_from, meta_tuple, sums_bytes, Mailbox, MetaOut, MetaTuple, Receipt,
+    ReplicaImage,
 };
 use crate::save::{SaveHandle, SavePlan, Staging};
 use crate::tensors::{host_slices, HostRange};
@@ -312,7 +313,7 @@ impl Engine {
         &self,
         py: Python<'py>,
         image: &ReplicaImage,
-    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         if !image.known_digests().is_empty() {
             return Ok(digests_bytes(py, image.known_digests()));
         }
@@ -321,6 +322,29 @@ impl Engine {
             .detach(|| engine.resident_digests(image.pin()))
             .map_err(err)?;
         Ok(digests_bytes(py, &digests))
+    }
+
+    /// The chunk digests and quick sums of `image` (32 and 8 little-endian
+    /// bytes each, concatenated): those it was pinned with, else those of
+    /// this rank's resident image it holds, recorded by the flush or
+    /// computed now (GIL released) and recorded. The sums are empty when
+    /// the image has none.
+    fn resident_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        image: &ReplicaImage,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        if !image.known_digests().is_empty() {
+            return Ok((
+                digests_bytes(py, image.known_digests()),
+                sums_bytes(py, image.known_sums()),
+            ));
+        }
+        let engine = self.get()?;
+        let (digests, sums) = py
+            .detach(|| engine.resident_hashes(image.pin()))
+            .map_err(err)?;
+        Ok((digests_bytes(py, &digests), sums_bytes(py, &sums)))
     }
 
     /// A replica slot for rank `rank`'s image of `step` (`nbytes`, digests
@@ -360,6 +384,7 @@ impl Engine {
             len: nbytes,
             chunk_bytes,
             digests: Vec::new(),
+            sums: Vec::new(),
         };
         let mailbox = Arc::clone(&self.mailbox);
         py.detach(|| Receipt::peer(peer, meta, mailbox))

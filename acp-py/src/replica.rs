@@ -36,7 +36,32 @@ pub(crate) fn meta_from(t: MetaTuple) -> PyResult<ReplicaMeta> {
         len,
         chunk_bytes,
         digests: digests_from(rank, step, &raw)?,
+        sums: Vec::new(),
     })
+}
+
+/// Quick sums as Python passes them: 8 little-endian bytes each,
+/// concatenated.
+fn sums_from(rank: u32, step: u64, raw: &[u8]) -> PyResult<Vec<u64>> {
+    if raw.len() % 8 != 0 {
+        return Err(invalid(
+            format!("replica of rank {rank}'s step {step}"),
+            format!("quick sums of {} bytes, not a multiple of 8", raw.len()),
+        ));
+    }
+    Ok(raw
+        .chunks_exact(8)
+        .map(|c| {
+            let mut b = [0; 8];
+            b.copy_from_slice(c);
+            u64::from_le_bytes(b)
+        })
+        .collect())
+}
+
+pub(crate) fn sums_bytes<'py>(py: Python<'py>, sums: &[u64]) -> Bound<'py, PyBytes> {
+    let raw: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+    PyBytes::new(py, &raw)
 }
 
 /// Digests as Python passes them: 32 bytes each, concatenated.
@@ -90,6 +115,12 @@ impl ReplicaImage {
     /// before it was hashed).
     pub(crate) fn known_digests(&self) -> &[Digest] {
         &self.meta.digests
+    }
+
+    /// The quick sums it was pinned with, beside `known_digests` (none
+    /// when it has none).
+    pub(crate) fn known_sums(&self) -> &[u64] {
+        &self.meta.sums
     }
 
     pub(crate) fn pin(&self) -> &PinnedSlot {
@@ -334,19 +365,26 @@ impl Receipt {
     }
 
     /// Seals the image with `digests` (blake3 of each chunk, 32 bytes
-    /// each, concatenated, as the sender computed them): a replica slot is
-    /// complete, an image from a peer goes to the next load, which checks
-    /// the bytes against them. Refuses (`BufferError`) while a view from
-    /// `buffer()` is alive; a digest count that is not the length's frees
-    /// what was received.
-    fn finish(&self, py: Python<'_>, digests: Vec<u8>) -> PyResult<()> {
+    /// each, concatenated, as the sender computed them) and `sums` (the
+    /// xxh3-64 quick sum of each chunk the sender took in the same pass,
+    /// 8 little-endian bytes each, or empty): a replica slot is complete
+    /// (the sums recorded beside the digests), an image from a peer goes
+    /// to the next load, which checks the bytes against the sums when the
+    /// digests are the ones it wants, else against the digests. Refuses
+    /// (`BufferError`) while a view from `buffer()` is alive; a digest
+    /// count that is not the length's, or a sum count neither zero nor
+    /// the digests', frees what was received.
+    #[pyo3(signature = (digests, sums=Vec::new()))]
+    fn finish(&self, py: Python<'_>, digests: Vec<u8>, sums: Vec<u8>) -> PyResult<()> {
         self.check_views_gone(py)?;
         let target = std::mem::replace(&mut *lock(&self.target), Target::Done);
         match target {
             Target::Slot(writer) => {
                 let meta = writer.meta();
                 let digests = digests_from(meta.rank, meta.step, &digests)?;
-                py.detach(|| writer.finish(digests)).map_err(err)
+                let sums = sums_from(meta.rank, meta.step, &sums)?;
+                py.detach(|| writer.finish_with_sums(digests, sums))
+                    .map_err(err)
             }
             Target::Peer {
                 peer,
@@ -355,6 +393,7 @@ impl Receipt {
                 mailbox,
             } => {
                 meta.digests = digests_from(meta.rank, meta.step, &digests)?;
+                meta.sums = sums_from(meta.rank, meta.step, &sums)?;
                 meta.check(meta.chunk_bytes).map_err(err)?;
                 mailbox.keep(peer, meta, image).map_err(err)
             }

@@ -11,10 +11,17 @@ up on every rank. Node identity comes from ``ACP_NODE_ID``, else the host
 name. Rank r's image goes to ``replicas`` ranks: the same local rank on
 each of the next ``replicas`` nodes (wrapping around).
 
-Every image is checked chunk by chunk against the blake3 digests sent with
-it before ``load`` uses it (``acp-core``'s one verified reader); a replica
-that fails is skipped with a log line naming it, and the next source is
-used.
+Every image travels with the blake3 digests of its chunks and the xxh3
+quick sums the sender took from the same bytes in the same pass. Before
+``load`` uses a replica, its digests must be the ones wanted (the
+committed index's, when the step is committed) and every chunk must give
+its quick sum; a chunk that does not is checked against its digest
+(``acp-core``'s one verified reader), and a replica that fails is skipped
+with a log line naming it, and the next source is used. The quick sums
+catch any accidental change of the bytes (in transit, in a replica slot)
+but for a chance of 2^-64 per chunk; they are not a defence against a
+rank of the job that forges bytes and sums (see ``acp.replica`` in
+docs/distributed.md).
 
 Every wait of the exchange is bounded by the group's timeout
 (``Checkpointer(replica_timeout=)``, ``ACP_REPLICA_TIMEOUT``, default
@@ -174,12 +181,15 @@ class TorchReplicas:
                 fut.set_exception(e)
 
     # --- the wire, per image: a header of 5 int64 (rank, step, len,
-    # chunk_bytes, digest count), len -1 for "nothing"; then the image,
+    # chunk_bytes, digest count n), len -1 for "nothing"; then the image,
     # received straight into the memory that keeps it (a replica slot, or
-    # the buffer the load verifies and reads); then its digests, 32 bytes
-    # per chunk, last, so that the sender hashes while the bytes travel.
-    # The receiver seals the image with them: nothing uses it before its
-    # bytes were checked against them (or the committed index's).
+    # the buffer the load verifies and reads); then a trailer, last, so
+    # that the sender hashes while the bytes travel: the digests (32 bytes
+    # per chunk), the count of quick sums (an int64, little-endian: n, or
+    # 0 when the sender has none) and n quick sums (8 bytes each, zeros
+    # when none). The receiver seals the image with them: nothing uses it
+    # before its bytes were checked against the sums (bound to digests
+    # that are the ones wanted) or the digests.
 
     def _isend(self, to: int, image: _acp.ReplicaImage | None, rank: int, step: int) -> list[Any]:
         """Posts the header and the bytes of ``image`` (``None``: "nothing"
@@ -199,8 +209,14 @@ class TorchReplicas:
         works.append((header, data, image))
         return works
 
-    def _isend_digests(self, to: int, digests: bytes) -> list[Any]:
-        d = torch.frombuffer(bytearray(digests), dtype=torch.uint8)
+    def _isend_digests(self, to: int, hashes: tuple[bytes, bytes]) -> list[Any]:
+        """Posts the trailer of an image: ``hashes`` is its digests and
+        quick sums (``Engine.resident_hashes``)."""
+        digests, sums = hashes
+        n = len(digests) // 32
+        count = n if len(sums) == 8 * n else 0
+        raw = bytearray(digests) + count.to_bytes(8, "little") + (sums if count else bytes(8 * n))
+        d = torch.frombuffer(raw, dtype=torch.uint8)
         return [dist.isend(d, dst=to, group=self.group), d]
 
     def _irecv(self, src: int, begin: Any) -> _Incoming | None:
@@ -222,9 +238,13 @@ class TorchReplicas:
         inc.work.wait()
         # The receipt seals only once nothing can write into its buffer.
         inc.data = inc.work = None
-        d = torch.empty(inc.digests * 32, dtype=torch.uint8)
+        n = inc.digests
+        d = torch.empty(n * 40 + 8, dtype=torch.uint8)
         dist.recv(d, src=inc.src, group=self.group)
-        inc.receipt.finish(d.numpy().tobytes())
+        raw = d.numpy().tobytes()
+        count = int.from_bytes(raw[32 * n : 32 * n + 8], "little")
+        sums = raw[32 * n + 8 :] if count == n else b""
+        inc.receipt.finish(raw[: 32 * n], sums)
 
     @staticmethod
     def _wait(works: list[Any]) -> None:
@@ -247,9 +267,9 @@ class TorchReplicas:
         incoming = [self._irecv(src, e.begin_replica) for src in self.sources]
         if image is not None:
             # Hashed (unless the flush already did) while the bytes travel.
-            digests = e.resident_digests(image)
+            hashes = e.resident_hashes(image)
             for h in holders:
-                works += self._isend_digests(h, digests)
+                works += self._isend_digests(h, hashes)
         for inc in incoming:
             if inc is not None:
                 self._finish(inc)
@@ -301,7 +321,7 @@ class TorchReplicas:
                 held_image = e.pin_replica(r, step)
                 works += self._isend(r, held_image, r, step)
                 if held_image is not None:
-                    works += self._isend_digests(r, e.resident_digests(held_image))
+                    works += self._isend_digests(r, e.resident_hashes(held_image))
         incoming = []
         for h, r in transfers:
             if self.rank == r:

@@ -4,7 +4,9 @@
 //! A persisted save gets its digests from its flush, which hashes each
 //! chunk as it writes it. A snapshot the policy keeps resident only is
 //! hashed on the flush thread (low priority, behind any persist already
-//! queued): hash only, nothing written. Coalesced like the persists: one
+//! queued; on one thread, or on the copy threads for a rank that takes
+//! part in a replica exchange, whose send waits for this hash): hash
+//! only, nothing written. Coalesced like the persists: one
 //! snapshot waits to be hashed at a time, the newest; a newer one takes its
 //! place, so a snapshot superseded before its turn is never hashed. The
 //! digests go into the slot's control block ([`Ring::set_digests`]) while
@@ -43,7 +45,19 @@ pub(super) fn hash_waiting(shared: &Shared) {
         next
     };
     if let Some(s) = next {
-        hash_slot(shared, s.slot, Some(s.generation), s.step, 1);
+        // One thread, off the training's way; but a rank that takes part
+        // in a replica exchange (it holds replicas: `replicas_held`) sends
+        // this snapshot too, and its send waits for this hash (the two
+        // share it, `replicate::hash_once`): then the hash is on the
+        // replication's path and takes the copy threads, as the send
+        // would have. (Every engine of the Python binding has a
+        // transport, for restores, so a transport alone says nothing.)
+        let threads = if shared.cfg.replicas_held > 0 {
+            shared.cfg.copy_threads
+        } else {
+            1
+        };
+        hash_slot(shared, s.slot, Some(s.generation), s.step, threads);
         shared.lock().hashing = false;
         shared.idle.notify_all();
     }

@@ -13,7 +13,7 @@ use super::state::Shared;
 use super::{Engine, Inner, Source};
 use crate::error::{Error, Result};
 use crate::format::{unhex, Digest, FileEntry};
-use crate::read::{ChunkReader, MemSource};
+use crate::read::{sums_match, ChunkReader, MemSource};
 use crate::replica::{ReplicaHandle, ReplicaMeta, ReplicaWriter};
 use crate::staging::{peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, SlotFile};
 
@@ -41,8 +41,10 @@ impl Engine {
     /// [`Error::NotFound`] when no slot of this rank holds `step`.
     pub fn resident_replica(&self, step: u64) -> Result<(ReplicaMeta, PinnedSlot)> {
         let pin = self.pin_resident(step)?;
+        let (digests, sums) = self.resident_hashes(&pin)?;
         let meta = ReplicaMeta {
-            digests: self.resident_digests(&pin)?,
+            digests,
+            sums,
             ..self.resident_meta(&pin)
         };
         Ok((meta, pin))
@@ -88,27 +90,44 @@ impl Engine {
             len: pin.image().len() as u64,
             chunk_bytes: shared.cfg.chunk_bytes as u64,
             digests: Vec::new(),
+            sums: Vec::new(),
         }
     }
 
-    /// The chunk digests of the image `pin` holds: those the flush (or an
-    /// earlier call) recorded in its slot, else taken now on the engine's
-    /// copy threads with the chunks' quick sums, as a flush takes them, and
-    /// recorded, so that the flush of the same image, the hash of a RAM
-    /// snapshot and a restore of the step from this node's RAM use them
-    /// rather than hashing it again (the flush and this call hash under
-    /// one lock: the second takes the first one's). Never call it in the
-    /// stall.
+    /// The chunk digests of the image `pin` holds:
+    /// [`Engine::resident_hashes`] without the quick sums.
     ///
     /// # Errors
     /// [`Error::Io`] when a hashing thread cannot start.
     pub fn resident_digests(&self, pin: &PinnedSlot) -> Result<Vec<Digest>> {
+        self.resident_hashes(pin).map(|(d, _)| d)
+    }
+
+    /// The chunk digests and quick sums of the image `pin` holds: those
+    /// the flush (or an earlier call) recorded in its slot, else taken now
+    /// on the engine's copy threads, each chunk's quick sum before its
+    /// digest, as a flush takes them, and recorded, so that the flush of
+    /// the same image, the hash of a RAM snapshot and a restore of the
+    /// step from this node's RAM use them rather than hashing it again
+    /// (the flush and this call hash under one lock: the second takes the
+    /// first one's). The sums are empty when the slot records digests
+    /// without sums (laid out by an older version). Never call it in the
+    /// stall.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a hashing thread cannot start.
+    pub fn resident_hashes(&self, pin: &PinnedSlot) -> Result<(Vec<Digest>, Vec<u64>)> {
         let shared = self.shared();
         let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
         // Digests alone do (a slot laid out without room for quick sums
         // records none); the pin keeps them this image's.
         if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
-            return Ok(d);
+            let sums = shared
+                .ring
+                .quick_sums(pin.slot())
+                .filter(|s| s.len() == want)
+                .unwrap_or_default();
+            return Ok((d, sums));
         }
         let path = shared.ring.slot_path(pin.slot());
         let hashed = hash_once(
@@ -120,7 +139,7 @@ impl Engine {
             shared.cfg.copy_threads,
             &path,
         )?;
-        Ok(hashed.map(|(d, _)| d).unwrap_or_default())
+        Ok(hashed.unwrap_or_default())
     }
 
     /// Sends this rank's resident image of `step` to its holders (the
@@ -370,6 +389,40 @@ fn verified(
     }
 }
 
+/// Whether `image`, a replica from `origin` described by `meta`, is the
+/// image `entry` records, checked by the quick sums shipped with it
+/// rather than by hashing it again: `meta`'s digests must be `entry`'s
+/// (compared, not computed) and every chunk must give the sum the sender
+/// took beside its digest (`read/fast.rs`; the [`crate::replica`] docs say
+/// what this check stands for). `false` (nothing logged but a differing
+/// sum) when there are no sums, the digests are not `entry`'s or a chunk
+/// differs from its sum: the caller then checks the bytes against `entry`
+/// with blake3, which names what is wrong (or passes bytes whose sums
+/// alone were damaged).
+fn verified_by_sums(
+    image: &[u8],
+    origin: &Path,
+    entry: &FileEntry,
+    meta: &ReplicaMeta,
+    threads: usize,
+) -> bool {
+    if meta.sums.is_empty()
+        || entry.size != image.len() as u64
+        || !same_digests(entry, meta.chunk_bytes, &meta.digests)
+    {
+        return false;
+    }
+    let chunk = usize::try_from(entry.chunk_bytes).unwrap_or(usize::MAX);
+    if sums_match(image, chunk, &meta.sums, threads) {
+        return true;
+    }
+    tracing::warn!(
+        "acp: {} differs from the quick sums shipped with it; checking its digests",
+        origin.display()
+    );
+    false
+}
+
 fn to_entry(rank: u32, len: u64, chunk_bytes: u64, digests: Vec<Digest>) -> FileEntry {
     ReplicaMeta {
         rank,
@@ -377,6 +430,7 @@ fn to_entry(rank: u32, len: u64, chunk_bytes: u64, digests: Vec<Digest>) -> File
         len,
         chunk_bytes,
         digests,
+        sums: Vec::new(),
     }
     .entry()
 }
@@ -554,7 +608,13 @@ pub(super) fn from_peers(
             Some(e) => e.clone(),
             None => meta.entry(),
         };
-        if verified(
+        if verified_by_sums(
+            fetched.image.as_slice(),
+            &origin,
+            &entry,
+            meta,
+            shared.cfg.copy_threads,
+        ) || verified(
             fetched.image.as_slice(),
             &origin,
             &entry,

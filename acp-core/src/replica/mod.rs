@@ -30,16 +30,36 @@
 //!
 //! # What a replica carries, and how it is checked
 //!
-//! An image travels with its [`ReplicaMeta`]: the rank, step, length and
-//! the blake3 digest of each chunk, computed by the sender off the stall
-//! (or taken from the flush when it already hashed the slot). The holder
-//! records the digests in the replica slot's digest area. Nothing of a
-//! replica reaches a caller before the one verified reader
-//! (`crate::read`) matched every chunk: against the committed index's
-//! digests when the step is committed, else against the digests shipped
-//! with the image. A replica that is missing, of another length, or that
-//! fails verification is skipped with a log line naming it, and the
-//! restore takes the next source.
+//! An image travels with its [`ReplicaMeta`]: the rank, step, length, the
+//! blake3 digest of each chunk and the xxh3-64 quick sum of each chunk,
+//! both computed by the sender off the stall in one pass (each chunk's sum
+//! before its digest), or taken from the flush or the snapshot hash when
+//! one already hashed the slot. The holder records the digests in the
+//! replica slot's digest area and the sums beside them, bound to them
+//! (`read/fast.rs`: a sums record is believed only while the digests it
+//! was recorded with are the slot's). Nothing of a replica reaches a
+//! caller before every chunk was checked: a replica fetched from a peer
+//! whose digests are the ones wanted (the committed index's when the step
+//! is committed, else its own) is checked against its quick sums; one
+//! without sums, or with a chunk that does not give its sum, goes to the
+//! one verified reader (`crate::read`), which checks every chunk against
+//! those digests with blake3 and names what is wrong. A replica slot read
+//! on this node is checked with blake3. A replica that is missing, of
+//! another length, or that fails verification is skipped with a log line
+//! naming it, and the restore takes the next source.
+//!
+//! What the quick sums stand for: a chunk that still gives the sum its
+//! sender took from the bytes its digest describes is, but for a chance
+//! of 2⁻⁶⁴ per changed chunk, those bytes, so any accidental change on the
+//! way (a flipped bit in transit or in RAM, a truncated or misdirected
+//! receive, a stray write into a replica slot) is caught, as blake3 would
+//! catch it, at several times its speed. They are no defence against a
+//! party that forges bytes together with matching sums: a rank of the job
+//! (which could as well write the job's files and index in storage) or
+//! whoever can rewrite the transport's traffic (gloo's TCP is neither
+//! authenticated nor encrypted, and carries the training's own collectives
+//! in the clear). Against those, blake3 against a committed index would
+//! still catch forged bytes of a committed step; the sums do not.
 //!
 //! # Guarantees
 //!
@@ -80,6 +100,12 @@ pub struct ReplicaMeta {
     /// blake3 of each `chunk_bytes` piece of the image (the last may be
     /// shorter).
     pub digests: Vec<Digest>,
+    /// The xxh3-64 quick sum of each piece, taken from the same bytes in
+    /// the same pass as `digests` (`read/fast.rs`), or empty when the
+    /// sender has none: what a holder or a restoring rank checks the bytes
+    /// against instead of hashing them with blake3 again, once `digests`
+    /// are the ones wanted (see the [module docs](self)).
+    pub sums: Vec<u64>,
 }
 
 impl ReplicaMeta {
@@ -94,6 +120,10 @@ impl ReplicaMeta {
             len: image.len() as u64,
             chunk_bytes,
             digests: chunk_digests(image, chunk),
+            sums: image
+                .chunks(chunk.max(1))
+                .map(crate::read::fast_sum)
+                .collect(),
         }
     }
 
@@ -114,8 +144,8 @@ impl ReplicaMeta {
     }
 
     /// Checks that the fields describe an image a replica slot may take:
-    /// a chunk size of `chunk_bytes` (the receiver's) and one digest per
-    /// chunk.
+    /// a chunk size of `chunk_bytes` (the receiver's), one digest per
+    /// chunk, and one quick sum per chunk or none.
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the replica.
@@ -137,6 +167,16 @@ impl ReplicaMeta {
                     "{} digests for {} bytes in chunks of {chunk_bytes} ({want} expected)",
                     self.digests.len(),
                     self.len
+                ),
+            ));
+        }
+        if !self.sums.is_empty() && self.sums.len() != self.digests.len() {
+            return Err(Error::invalid(
+                self.what(),
+                format!(
+                    "{} quick sums for {} digests (one per chunk, or none)",
+                    self.sums.len(),
+                    self.digests.len()
                 ),
             ));
         }

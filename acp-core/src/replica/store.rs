@@ -229,7 +229,7 @@ impl Store {
         meta.check(self.opts.chunk_bytes)?;
         let mut writer = self.begin(meta.rank, meta.step, meta.len, meta.chunk_bytes)?;
         fill(writer.image_mut())?;
-        writer.finish(meta.digests.clone())
+        writer.finish_with_sums(meta.digests.clone(), meta.sums.clone())
     }
 
     /// A replica slot of rank `rank`'s ring, staging, for its image of
@@ -294,6 +294,7 @@ impl Store {
                     step: info.step,
                     len: info.len,
                     chunk_bytes: self.opts.chunk_bytes,
+                    sums: sums_of(&ring, info.slot, digests.len()),
                     digests,
                 });
             }
@@ -315,17 +316,28 @@ impl Store {
         let ring = self.rings().get(&rank)?.clone();
         let info = ring.complete().into_iter().find(|i| i.step == step)?;
         let pin = ring.pin(info.slot).ok()?;
-        // Read after the pin: the digests then belong to the pinned image.
+        // Read after the pin: the digests and sums then belong to the
+        // pinned image (a sums record is believed only while bound to the
+        // digests recorded now).
         let digests = ring.digests(info.slot)?;
         let meta = ReplicaMeta {
             rank,
             step,
             len: info.len,
             chunk_bytes: self.opts.chunk_bytes,
+            sums: sums_of(&ring, info.slot, digests.len()),
             digests,
         };
         Some((meta, pin, ring.slot_path(info.slot)))
     }
+}
+
+/// The quick sums recorded for `slot` of `ring` when there is one per
+/// digest (bound to the digests recorded now), else none.
+fn sums_of(ring: &Ring, slot: usize, digests: usize) -> Vec<u64> {
+    ring.quick_sums(slot)
+        .filter(|s| s.len() == digests)
+        .unwrap_or_default()
 }
 
 /// A replica slot being received (from [`Engine::begin_replica`]): the
@@ -361,22 +373,44 @@ impl ReplicaWriter {
             len: self.len as u64,
             chunk_bytes: self.chunk_bytes,
             digests: Vec::new(),
+            sums: Vec::new(),
         }
     }
 
     /// Seals the slot with `digests` (blake3 of each chunk, as the sender
     /// computed them: a load checks the bytes against them before using
     /// them), and frees the rank's replicas but the newest two.
+    /// [`ReplicaWriter::finish_with_sums`] without quick sums.
     ///
     /// # Errors
     /// [`Error::Invalid`] when the digest count is not the length's (the
     /// slot is then freed, unsealed).
     pub fn finish(self, digests: Vec<Digest>) -> Result<()> {
+        self.finish_with_sums(digests, Vec::new())
+    }
+
+    /// Seals the slot with `digests` and, when not empty, the quick sums
+    /// `sums` the sender took in the same pass (one per chunk), recorded
+    /// in the slot's control block bound to those digests (`read/fast.rs`):
+    /// a restore served from this slot then checks the bytes against the
+    /// sums instead of hashing them with blake3. Frees the rank's replicas
+    /// but the newest two.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the digest count is not the length's, or the
+    /// sum count neither zero nor the digests' (the slot is then freed,
+    /// unsealed).
+    pub fn finish_with_sums(self, digests: Vec<Digest>, sums: Vec<u64>) -> Result<()> {
         let mut meta = self.meta();
         meta.digests = digests;
+        meta.sums = sums;
         meta.check(self.chunk_bytes)?;
         let pin = self.staging.seal(meta.step, meta.len);
         self.ring.set_digests(pin.slot(), &meta.digests);
+        if !meta.sums.is_empty() {
+            self.ring
+                .record_quick_sums(pin.slot(), &meta.digests, &meta.sums);
+        }
         drop(pin);
         // The previous replica stays beside the new one: the new step may
         // not be replicated everywhere (a node lost during its exchange

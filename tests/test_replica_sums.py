@@ -1,0 +1,126 @@
+"""A replica travels with the xxh3 quick sums its sender took beside its
+blake3 digests: a replica slot keeps them bound to the digests, and a
+restore from a peer checks the bytes against them instead of hashing the
+image again. Bytes changed on the way are refused by name (the sums
+differ, then the digests) and the load falls back to storage; sums damaged
+on the way over intact bytes only send the image to the digests, which
+pass it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import acp
+from acp import _acp
+
+
+def state() -> dict[str, object]:
+    g = torch.Generator().manual_seed(11)
+    # Several digest chunks (chunk_bytes below), so each has its own sum.
+    return {"w": torch.randn(64, 1024, generator=g), "step": 1}
+
+
+CHUNK = 64 << 10
+
+
+def saved(tmp_path: Path) -> tuple[acp.Checkpointer, _acp.ReplicaImage, bytes, bytes]:
+    shm = tmp_path / "shm-a"
+    shm.mkdir()
+    ckpt = acp.Checkpointer(
+        tmp_path / "ckpt", job="sums", shm_dir=shm, ring_bytes=16 << 20, chunk_bytes=CHUNK
+    )
+    ckpt.save(1, state()).wait()
+    e = ckpt._engine
+    image = e.pin_resident(1)
+    digests, sums = e.resident_hashes(image)
+    return ckpt, image, digests, sums
+
+
+def test_the_sender_has_one_quick_sum_per_digest(tmp_path: Path) -> None:
+    ckpt, image, digests, sums = saved(tmp_path)
+    try:
+        n = image.meta()[2]
+        assert len(digests) == 32 * -(-n // CHUNK)
+        assert len(sums) == 8 * (len(digests) // 32)
+        assert ckpt._engine.resident_digests(image) == digests
+    finally:
+        del image
+        ckpt.close()
+
+
+def test_a_replica_slot_keeps_the_sums_it_was_sent_with(tmp_path: Path) -> None:
+    ckpt, image, digests, sums = saved(tmp_path)
+    r, s, n, chunk, _ = image.meta()
+    shm = tmp_path / "shm-b"
+    shm.mkdir()
+    holder = _acp.Engine(
+        tmp_path / "ckpt-b", job="sums", rank=1, world_size=2, shm_dir=shm,
+        ring_bytes=16 << 20, replicas_held=1, chunk_bytes=CHUNK,
+    )  # fmt: skip
+    try:
+        receipt = holder.begin_replica(r, s, n, chunk)
+        view = receipt.buffer()
+        view[:] = image.buffer()
+        del view
+        with pytest.raises(acp.InvalidInput, match="quick sums"):
+            receipt.finish(digests, sums + bytes(8))
+        receipt = holder.begin_replica(r, s, n, chunk)
+        view = receipt.buffer()
+        view[:] = image.buffer()
+        del view
+        receipt.finish(digests, sums)
+        held = holder.pin_replica(r, s)
+        assert held is not None
+        # What a restore of this replica is sent: the sender's digests and sums.
+        assert holder.resident_hashes(held) == (digests, sums)
+        del held
+    finally:
+        holder.close()
+        del image
+        ckpt.close()
+
+
+@pytest.mark.parametrize("damage", ["none", "bytes", "sums"])
+def test_a_peer_image_is_checked_by_its_sums_and_refused_by_name(
+    tmp_path: Path, damage: str
+) -> None:
+    ckpt, image, digests, sums = saved(tmp_path)
+    r, s, n, chunk, _ = image.meta()
+    sent = bytearray(image.buffer())
+    del image
+    ckpt.close()
+    fresh = tmp_path / "shm-new"
+    fresh.mkdir()
+    again = acp.Checkpointer(
+        tmp_path / "ckpt", job="sums", shm_dir=fresh, ring_bytes=16 << 20, chunk_bytes=CHUNK
+    )
+    try:
+        receipt = again._engine.begin_peer_image(3, r, s, n, chunk)
+        view = receipt.buffer()
+        view[:] = sent
+        if damage == "bytes":
+            view[n - 100] ^= 0x5A  # in transit: the sums still describe the sent bytes
+        del view
+        got_sums = bytearray(sums)
+        if damage == "sums":
+            got_sums[0] ^= 1
+        receipt.finish(digests, bytes(got_sums))
+        got = again.load(step=1)
+        want = state()["w"]
+        assert isinstance(want, torch.Tensor)
+        assert torch.equal(got["w"], want)
+        stats = again.last_load
+        assert stats is not None
+        if damage == "bytes":
+            assert stats.source == "storage"
+            assert stats.rejected is not None
+            assert "rank 3's replica (torch.distributed)" in stats.rejected
+            assert "rank 0's image of step 1" in stats.rejected
+        else:
+            assert stats.source == "peer"
+            assert stats.rejected is None
+    finally:
+        again.close()
