@@ -238,6 +238,13 @@ impl Transport for Mailbox {
             .map(|(_, (p, _, _))| *p)
             .collect()
     }
+
+    /// Replicas are sent by `acp.replica` (whose send hashes the image
+    /// through `resident_replica`, shared with the flush through the
+    /// slot's digests), never through this mailbox.
+    fn sends(&self) -> bool {
+        false
+    }
 }
 
 /// Where a [`Receipt`] writes the image.

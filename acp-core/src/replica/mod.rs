@@ -287,4 +287,14 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// The ranks that hold (or are sent) `rank`'s replicas, in the order a
     /// restore asks them.
     fn holders(&self, rank: u32) -> Vec<u32>;
+
+    /// Whether the engine sends this rank's images through
+    /// [`Transport::send`]. When it does, a flush hashes an image before
+    /// writing it, once for the write and the send (the send needs the
+    /// digests first); otherwise the flush hashes each chunk as it writes
+    /// it, overlapped with the writes. Default `true`; a transport that
+    /// only serves restores says `false`.
+    fn sends(&self) -> bool {
+        true
+    }
 }
