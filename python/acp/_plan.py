@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Container
 from typing import Any
 
-from acp._codec import Adapters, parse
+from acp._codec import Adapters, parse, tensor_refs
 
 Signature = list[Any]
 BatchFn = Callable[[list[object]], Any]
@@ -208,6 +208,26 @@ def parse_cached(values_json: str, step: int) -> Any:
     node = parse(values_json, step)
     _parsed[:] = [(values_json, node)]
     return node
+
+
+_names: list[tuple[str, frozenset[str]]] = []
+"""The last ``(values JSON, tensor names)`` :func:`ref_names_cached` gave."""
+
+
+def ref_names_cached(values_json: str, step: int) -> frozenset[str]:
+    """The names of the tensors the values tree ``values_json`` refers to
+    (those given as strings; :mod:`acp._load` names a malformed one), the
+    last answer kept as :func:`parse_cached` keeps its tree."""
+    held = _names[0] if _names else None
+    if held is not None and held[0] == values_json:
+        return held[1]
+    names = frozenset(
+        name
+        for ref in tensor_refs(parse_cached(values_json, step))
+        if isinstance(name := ref.get("name"), str)
+    )
+    _names[:] = [(values_json, names)]
+    return names
 
 
 HostCopy = tuple[int, int, int]
