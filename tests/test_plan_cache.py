@@ -341,6 +341,39 @@ def test_a_kept_load_plan_is_used(make_ckpt: MakeCkpt, monkeypatch: pytest.Monke
     assert same(s, into)
 
 
+def test_a_kept_load_plan_outlives_the_containers_it_assigns(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An optimizer's param_groups: lists and tuples the plan assigns anew
+    # at each load (fresh objects), which must not make the next load plan
+    # again.
+    ckpt = make_ckpt()
+    s = state()
+    s["groups"] = [{"params": [0, 1, 2], "betas": (0.9, 0.999), "lr": 1e-3}]
+    ckpt.save(1, s).wait()
+    into = into_of(s)
+    into["groups"] = [{"params": [], "betas": (0.0, 0.0), "lr": 0.0}]
+    planners: list[int] = []
+    real = _load._IntoPlanner.__init__
+
+    def counting(self: Any, *args: Any) -> None:
+        planners.append(1)
+        real(self, *args)
+
+    monkeypatch.setattr(_load._IntoPlanner, "__init__", counting)
+    for _ in range(4):
+        for t in (into["a"], into["b"], into["nested"]["c"]):
+            t.zero_()
+        ckpt.load(1, into=into)
+        assert same(s, into)
+    assert planners == [1]
+    group = into["groups"][0]
+    into["groups"][0] = dict(group)  # a container it assigns into, replaced
+    ckpt.load(1, into=into)
+    assert planners == [1, 1]
+    assert same(s, into)
+
+
 def test_load_into_a_replaced_tensor(make_ckpt: MakeCkpt) -> None:
     ckpt, s, _ = saved_twice(make_ckpt)
     into = into_of(s)

@@ -41,6 +41,10 @@ fn engine(root: &Path, shm: &Path) -> Engine {
 }
 
 fn save(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) {
+    save_with(e, step, data, &json!({}));
+}
+
+fn save_with(e: &Engine, step: u64, data: &[(String, Vec<u8>)], values: &serde_json::Value) {
     let shapes: Vec<[u64; 1]> = data.iter().map(|(_, d)| [d.len() as u64]).collect();
     let host: Vec<HostTensor<'_>> = data
         .iter()
@@ -52,7 +56,7 @@ fn save(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) {
             data: d,
         })
         .collect();
-    e.save(step, &host, &json!({}), &SaveOptions::default())
+    e.save(step, &host, values, &SaveOptions::default())
         .unwrap()
         .wait()
         .unwrap();
@@ -325,6 +329,59 @@ fn a_new_process_load_into_checks_the_sums_in_the_slot() {
     let why = ck.report().rejected.clone().unwrap();
     assert!(why.contains("`a.w`"), "{why}");
     assert_filled(&bufs, &data);
+    drop(ck);
+    e.close().unwrap();
+}
+
+#[test]
+fn a_header_planned_from_changed_bytes_is_not_the_checked_one() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    save_with(&e, 1, &data, &json!({"lr": 7}));
+    // Where the value 7 sits in the slot's header (the values are JSON
+    // text inside the header's JSON: `{\"lr\":7}`).
+    let (file, image) = slot_of(&shm, 1);
+    let mut head = vec![0u8; 64 << 10];
+    std::fs::File::open(&file)
+        .unwrap()
+        .read_exact_at(&mut head, image)
+        .unwrap();
+    let key = br#"lr\":7"#;
+    let at =
+        image + (head.windows(key.len()).position(|w| w == key).unwrap() + key.len() - 1) as u64;
+    let req = LoadRequest {
+        step: Some(1),
+        ..LoadRequest::default()
+    };
+    // The load is planned from a header saying 6; the byte is put back
+    // before its check, which then passes: the planned header is not the
+    // checked one, and the load fails rather than hand out values the
+    // checked image does not hold.
+    let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+    f.write_all_at(b"6", at).unwrap();
+    let opened = e.open_load(&req).unwrap();
+    f.write_all_at(b"7", at).unwrap();
+    let acp_core::Opened::Pending(p) = opened else {
+        panic!("a resident step is checked by its copy");
+    };
+    assert_eq!(p.source(), Source::Ram);
+    assert_eq!(p.values(), &json!({"lr": 6}));
+    let err = p.read_into(&mut []).unwrap_err();
+    assert!(
+        err.to_string().contains("differs from the verified one"),
+        "{err}"
+    );
+    // Unchanged since planning: the planned header is the checked one.
+    let acp_core::Opened::Pending(p) = e.open_load(&req).unwrap() else {
+        panic!("a resident step is checked by its copy");
+    };
+    let ck = p.read_into(&mut []).unwrap();
+    assert_eq!(ck.values(), &json!({"lr": 7}));
+    assert_eq!(ck.report().source, Source::Ram);
+    assert_intact(&ck, &data);
     drop(ck);
     e.close().unwrap();
 }

@@ -3,10 +3,11 @@ structure is unchanged, so the per-tensor Python work of a training loop's
 repeated saves and restores runs once.
 
 A plan is reused only when a fresh walk of the state gives the same
-*signature*: for every container, its type, identity and keys (with their
-types) or length; for every tensor, what the plan read of it (type, address,
-shape, strides, dtype, device, layout, ``requires_grad``); for every other
-leaf, its type, and for a save its value (it is in the checkpoint's JSON).
+*signature*: for every container, its type and keys (with their types) or
+length, and its identity when a load plan assigns into it; for every
+tensor, what the plan read of it (type, address, shape, strides, dtype,
+device, layout, ``requires_grad``); for every other leaf, its type, and for
+a save its value (it is in the checkpoint's JSON).
 Anything else the plan depends on is compared too: the checkpoint's values
 and entries for a load, the options of a save. A state that changed in any
 of these ways takes the full path, which checks it and plans afresh.
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
-from acp._codec import Adapters, parse
+from acp._codec import Adapters, parse, tensor_refs
 
 Signature = list[Any]
 BatchFn = Callable[[list[object]], Any]
@@ -95,17 +96,25 @@ class Walker:
         return [k for keep, objs in groups.items() for k in keep(objs)]
 
     def walk(
-        self, state: object, *, values: bool, ids: bool, limit: int | None = None
+        self,
+        state: object,
+        *,
+        values: bool,
+        targets: Container[int] = (),
+        limit: int | None = None,
     ) -> tuple[Signature, list[object], list[object]] | None:
         """``(signature, framework leaves, containers)`` of ``state``, or
         None when it cannot be planned from a signature (a leaf with no
         signature, a framework that gives none, more than ``limit`` entries:
         a state that grew, or contains itself). ``values``: plain leaves are
         recorded by value (a save), else by type (a load assigns them).
-        ``ids``: containers are recorded by identity too (a plan that
-        assigns into them), and returned, for the plan to keep alive (an id
-        is unique only among live objects); else the containers list is
-        empty."""
+        ``targets``: the ids of the containers a load plan assigns into;
+        those are recorded by identity too, and returned, for the plan to
+        keep alive (an id is unique only among live objects); any other
+        container is recorded by its structure alone (a load plan assigns
+        into the targets and replaces what is under them; the containers
+        above them only lead there, and a value it assigned, a fresh
+        object each load, must not make the next load plan again)."""
         sig: Signature = []
         leaves: list[object] = []
         containers: list[object] = []
@@ -120,8 +129,9 @@ class Walker:
             v = pop()
             t = type(v)
             if t in _CONTAINERS:
-                vals, fast = self._container(v, t, ids, append)
-                if ids:
+                ident = id(v) if id(v) in targets else 0
+                vals, fast = self._container(v, t, ident, append)
+                if ident:
                     containers.append(v)
                 if t is OrderedDict:
                     push(getattr(v, "_metadata", None))
@@ -153,10 +163,10 @@ class Walker:
         return sig, leaves, containers
 
     def _container(
-        self, v: Any, t: type, ids: bool, append: Callable[[Any], None]
+        self, v: Any, t: type, ident: int, append: Callable[[Any], None]
     ) -> tuple[list[Any], bool]:
-        """Records container ``v`` of type ``t``: its type, identity (with
-        ``ids``), keys and key types or length, and its values' types when
+        """Records container ``v`` of type ``t``: its type, ``ident`` (its
+        id, or 0), keys and key types or length, and its values' types when
         they are all framework values; returns its values and whether they
         are (gathered as leaves, signed at the end; else walked)."""
         if t is dict or t is OrderedDict:
@@ -164,11 +174,11 @@ class Walker:
             vals = list(v.values())
             types = tuple(map(type, vals))
             fast = self._all_leafy(set(types), vals, types)
-            append((t, id(v) if ids else 0, keys, tuple(map(type, keys)), types if fast else None))
+            append((t, ident, keys, tuple(map(type, keys)), types if fast else None))
             return vals, fast
         types = tuple(map(type, v))
         fast = self._all_leafy(set(types), v, types)
-        append((t, id(v) if ids else 0, len(v), types if fast else None))
+        append((t, ident, len(v), types if fast else None))
         return v, fast
 
     def _sign(self, leaves: list[object]) -> list[Any]:
@@ -200,6 +210,26 @@ def parse_cached(values_json: str, step: int) -> Any:
     return node
 
 
+_names: list[tuple[str, frozenset[str]]] = []
+"""The last ``(values JSON, tensor names)`` :func:`ref_names_cached` gave."""
+
+
+def ref_names_cached(values_json: str, step: int) -> frozenset[str]:
+    """The names of the tensors the values tree ``values_json`` refers to
+    (those given as strings; :mod:`acp._load` names a malformed one), the
+    last answer kept as :func:`parse_cached` keeps its tree."""
+    held = _names[0] if _names else None
+    if held is not None and held[0] == values_json:
+        return held[1]
+    names = frozenset(
+        name
+        for ref in tensor_refs(parse_cached(values_json, step))
+        if isinstance(name := ref.get("name"), str)
+    )
+    _names[:] = [(values_json, names)]
+    return names
+
+
 HostCopy = tuple[int, int, int]
 """``(tensor index, address, nbytes)``: one range of an engine copy."""
 
@@ -211,7 +241,16 @@ class LoadPlan:
     """A ``load(into=)`` of host tensors, kept for the next load of the same
     checkpoint structure into the same ``into`` structure."""
 
-    __slots__ = ("assigns", "containers", "copied", "entries", "host", "ids", "sig", "values_json")
+    __slots__ = (
+        "assigns",
+        "containers",
+        "copied",
+        "entries",
+        "host",
+        "sig",
+        "targets",
+        "values_json",
+    )
 
     def __init__(
         self,
@@ -227,7 +266,7 @@ class LoadPlan:
         self.assigns = assigns
         self.copied = copied
         # Values assigned into containers: the same containers, by identity.
-        self.ids = bool(assigns)
+        self.targets = frozenset(id(c) for c, _, _ in assigns)
         self.sig: Signature = []
         self.containers: list[object] = []
 
@@ -290,7 +329,7 @@ class Plans:
         self.save = None
         if engine is None:
             return
-        walked = self.walker.walk(state, values=True, ids=False)
+        walked = self.walker.walk(state, values=True)
         if walked is not None:
             self.save = SavePlan(
                 engine=engine,
@@ -307,7 +346,7 @@ class Plans:
         plan = self.save
         if plan is None:
             return None
-        walked = self.walker.walk(state, values=True, ids=False, limit=len(plan.sig))
+        walked = self.walker.walk(state, values=True, limit=len(plan.sig))
         if walked is None or walked[0] != plan.sig:
             return None
         return plan, self.walker.keep_alive(walked[1])
@@ -318,7 +357,7 @@ class Plans:
         """Keeps ``plan``, once its assigns ran (its signature is of
         ``into`` as the load left it)."""
         self.load = None
-        walked = self.walker.walk(into, values=False, ids=plan.ids)
+        walked = self.walker.walk(into, values=False, targets=plan.targets)
         if walked is not None:
             plan.sig, _, plan.containers = walked
             self.load = plan
@@ -327,7 +366,7 @@ class Plans:
         plan = self.load
         if plan is None or values_json != plan.values_json or entries != plan.entries:
             return None
-        walked = self.walker.walk(into, values=False, ids=plan.ids, limit=len(plan.sig))
+        walked = self.walker.walk(into, values=False, targets=plan.targets, limit=len(plan.sig))
         if walked is None or walked[0] != plan.sig:
             return None
         return plan

@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, ConfigError, InvalidInput
-from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten, tensor_refs
-from acp._plan import parse_cached
+from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten
+from acp._plan import ref_names_cached
 
 __all__ = ["Coordinator", "Store", "assign", "default_store"]
 
@@ -246,13 +246,11 @@ def with_other_ranks(engine: Any, loaded: Any, rank: int, storage_only: bool) ->
     """``loaded`` (``rank``'s file) itself when its tree refers only to its
     own tensors; else a :class:`Sources` that adds the files holding the
     others (replicated tensors other ranks wrote), per the step's index."""
-    node = parse_cached(loaded.values_json, loaded.step)
-    have = {e[0] for e in loaded.entries()}
-    missing = {
-        ref["name"]
-        for ref in tensor_refs(node)
-        if isinstance(ref.get("name"), str) and ref["name"] not in have
-    }
+    # The tree's names are kept from the last load of the same values: a
+    # restore of the same structure again walks it once.
+    missing = ref_names_cached(loaded.values_json, loaded.step).difference(
+        e[0] for e in loaded.entries()
+    )
     if not missing:
         return loaded
     index = json.loads(engine.index_json(loaded.step))

@@ -213,6 +213,11 @@ struct ResidentSlot {
     entry: FileEntry,
     expected: Expected,
     rejected: Option<String>,
+    /// The image's header bytes (its length prefix included) that
+    /// [`PendingLoad::header`] was parsed from: once the image is checked,
+    /// a header still holding these bytes is the planned one, which then
+    /// is not parsed again.
+    header_bytes: Vec<u8>,
 }
 
 impl PendingLoad {
@@ -296,7 +301,7 @@ impl PendingLoad {
                 read_stored_into(&self.engine, &file, &self.header, self.t0, into)
             }
             Deferred::Resident(slot) => {
-                read_resident_into(&self.engine, slot, &self.header, self.t0, into)
+                read_resident_into(&self.engine, slot, self.header, self.t0, into)
             }
         }
     }
@@ -338,7 +343,7 @@ fn check_planned(ck: &Checkpoint, planned: &ParsedHeader, path: &Path) -> Result
 fn read_resident_into(
     engine: &Engine,
     slot: Box<ResidentSlot>,
-    planned: &ParsedHeader,
+    planned: ParsedHeader,
     t0: Instant,
     into: &mut [(usize, &mut [u8])],
 ) -> Result<Checkpoint> {
@@ -367,21 +372,39 @@ fn read_resident_into(
             let (index, step, rank) = (slot.info.slot, slot.step, slot.rank);
             drop(slot.pin);
             ring.release(index);
-            return storage_instead(engine, step, rank, planned, t0, into, e.to_string());
+            return storage_instead(engine, step, rank, &planned, t0, into, e.to_string());
         }
     }
-    let ck = finish(
-        shared,
-        slot.step,
-        Backing::Slot(slot.pin),
-        &slot.path,
-        Source::Ram,
-        true,
-        t0,
-        &slot.expected,
-    )?
+    // The header the load was planned with is the checked one when the
+    // checked image still holds the bytes it was parsed from (a header
+    // of thousands of tensors costs milliseconds to parse again); else
+    // the checked bytes are parsed, and must tell the same story.
+    let unchanged = image.get(..slot.header_bytes.len()) == Some(&slot.header_bytes[..]);
+    let ck = if unchanged {
+        checked(
+            shared,
+            slot.step,
+            Backing::Slot(slot.pin),
+            planned,
+            Source::Ram,
+            true,
+            t0,
+        )
+    } else {
+        let ck = finish(
+            shared,
+            slot.step,
+            Backing::Slot(slot.pin),
+            &slot.path,
+            Source::Ram,
+            true,
+            t0,
+            &slot.expected,
+        )?;
+        check_planned(&ck, &planned, &slot.path)?;
+        ck
+    }
     .with_rejected(slot.rejected);
-    check_planned(&ck, planned, &slot.path)?;
     if !copied {
         let mut dsts: Vec<(usize, &mut [u8])> =
             into.iter_mut().map(|(i, d)| (*i, &mut **d)).collect();
@@ -710,7 +733,7 @@ fn load_step(
                 // pass ([`PendingLoad::read_into`]); planned from the
                 // slot's header, compared with the checked one then.
                 match plan_resident(&pin, &slot_path, step, &expected) {
-                    Ok(header) => {
+                    Ok((header, header_bytes)) => {
                         return Ok(Opened::Pending(PendingLoad {
                             engine: engine.clone(),
                             what: Deferred::Resident(Box::new(ResidentSlot {
@@ -722,6 +745,7 @@ fn load_step(
                                 entry: entry.clone(),
                                 expected,
                                 rejected,
+                                header_bytes,
                             })),
                             header,
                             t0,
@@ -801,17 +825,25 @@ fn load_step(
 
 /// The header of the resident image `pin` (the slot file `path`), not yet
 /// checked, checked against the index like a loaded one, for planning a
-/// load whose copy checks it ([`read_resident_into`]).
+/// load whose copy checks it ([`read_resident_into`]); with a copy of the
+/// bytes it was parsed from (the image up to its data section).
 fn plan_resident(
     pin: &PinnedSlot,
     path: &Path,
     step: u64,
     expected: &Expected,
-) -> Result<ParsedHeader> {
+) -> Result<(ParsedHeader, Vec<u8>)> {
     let image = pin.image();
     let header = parse_header(path, image, image.len() as u64)?;
     check_header(path, &header, step, expected)?;
-    Ok(header)
+    // `parse_header` read no byte past the data start, which lies inside
+    // the image (it refused the header otherwise).
+    let bytes = usize::try_from(header.data_start)
+        .ok()
+        .and_then(|end| image.get(..end))
+        .ok_or_else(|| Error::corrupt(path, None, "header ends past the image"))?
+        .to_vec();
+    Ok((header, bytes))
 }
 
 /// A committed data file, opened and sized, that a load reads from
@@ -1182,21 +1214,35 @@ fn finish(
     let image = backing.image();
     let header = parse_header(path, image, image.len() as u64)?;
     check_header(path, &header, step, expected)?;
+    Ok(checked(shared, step, backing, header, source, verified, t0))
+}
+
+/// The checkpoint of `backing`, whose `header` (parsed from it) was checked
+/// against the index ([`check_header`]).
+fn checked(
+    shared: &Shared,
+    step: u64,
+    backing: Backing,
+    header: ParsedHeader,
+    source: Source,
+    verified: bool,
+    t0: Instant,
+) -> Checkpoint {
     let report = LoadReport {
         source,
-        bytes: image.len() as u64,
+        bytes: backing.image().len() as u64,
         verified,
         secs: t0.elapsed().as_secs_f64(),
         rejected: None,
     };
-    Ok(Checkpoint {
+    Checkpoint {
         step,
         values: header.values,
         entries: header.entries,
         backing,
         report,
         copy_threads: shared.cfg.copy_threads,
-    })
+    }
 }
 
 /// A verified header must be of `step` and agree with the index
