@@ -152,7 +152,9 @@ class TorchReplicas:
                 self.rank,
                 e,
             )
-        del sends
+        # The Thread keeps its arguments for as long as it runs: emptied, the
+        # list no longer holds the restore's pinned replica images.
+        sends.clear()
         while (job := self._jobs.get()) is not None:
             step, fut = job
             if self._broken is not None:
