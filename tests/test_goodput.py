@@ -100,14 +100,11 @@ def test_goodput_node_loss_quick(tmp_path: Path) -> None:
     assert len(rnd["kills"]) == 1
     for s, run in zip(doc["summary"], doc["runs"]):
         assert run["world"] == 2
-        # Every check must hold but two that the benchmark measures and this smoke test does
-        # not assert, for replicas: "no protected step lost" (a rank's own snapshot of step s
-        # leaves its ring once s+1 is sealed, before s+1 is replicated, so a loss in that
-        # window falls back further) and replication after a restart (after a restore from
-        # a peer, the holder's replica slots stay pinned and the next exchange fails: "every
-        # slot is pinned by a reader").
-        known = ("was protected", "replication")
-        other = [f for f in s["failures"] if not any(k in f for k in known)]
+        # Every check must hold but one that the benchmark measures and this smoke test
+        # does not assert, for replicas: "no protected step lost". A rank's own snapshot of
+        # step s leaves its ring once s+1 is sealed, before s+1 is replicated, so a loss in
+        # that window falls back to an older step.
+        other = [f for f in s["failures"] if "was protected" not in f]
         assert not other, other
         assert s["faults"] == 1, s["mode"]
         assert s["resumed"] == 1, s["mode"]
