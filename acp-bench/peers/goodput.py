@@ -66,6 +66,7 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -92,45 +93,65 @@ run, whose budget counts from there)."""
 
 
 class Supervisor:
-    """Runs workers, one at a time, each run in its own checkpoint directory, shared-memory
-    directory and acp job; ``close`` kills the running worker and removes them all."""
+    """Runs jobs, one at a time (a job: one worker, or one per rank), each run in its own
+    checkpoint directory, shared-memory directory (one per node) and acp job; ``close`` kills
+    the running workers and removes them all."""
 
     def __init__(self, a: argparse.Namespace, model: Model) -> None:
         self.a, self.model = a, model
         if a.workdir is not None:
             os.makedirs(a.workdir, exist_ok=True)
         self.base = tempfile.mkdtemp(prefix="acp-goodput-", dir=a.workdir)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.dirs: list[str] = [self.base]
 
     # ---- one worker process
 
-    def _spawn(self, mode: Mode, paths: dict[str, str], t0: float, probe: bool) -> Pipe:
-        r, w = os.pipe()
-        cmd = [
-            sys.executable, WORKER, f"--kind={mode.kind}",
-            f"--fd={w}", f"--every={mode.every}", f"--root={paths['root']}",
-            f"--job={paths['job']}", f"--shm-dir={paths['shm']}",
-            f"--acp-on-full={mode.on_full}", f"--acp-persist={mode.persist}",
-            *self.model.flags(),
-        ]  # fmt: skip
-        if probe:
-            cmd.append("--probe")
-        with open(paths["log"], "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                pass_fds=(w,), start_new_session=True,
-            )  # fmt: skip
-        os.close(w)
-        return Pipe(r, self.proc, t0)
+    def _spawn(self, mode: Mode, paths: dict[str, str], t0: float, probe: bool) -> Job:
+        """Starts the mode's ranks: one worker, or (``mode.world`` 2) rank 0 on node "a" and
+        rank 1 on node "b", each with its node's shared-memory directory."""
+        port = _free_port() if mode.world > 1 else 0
+        pipes = []
+        for rank in range(mode.world):
+            r, w = os.pipe()
+            shm = paths["shm"] if rank == 0 else paths["shm_b"]
+            cmd = [
+                sys.executable, WORKER, f"--kind={mode.kind}",
+                f"--fd={w}", f"--every={mode.every}", f"--root={paths['root']}",
+                f"--job={paths['job']}", f"--shm-dir={shm}",
+                f"--acp-on-full={mode.on_full}", f"--acp-persist={mode.persist}",
+                *self.model.flags(),
+            ]  # fmt: skip
+            if mode.world > 1:
+                cmd += [f"--world={mode.world}", f"--rank={rank}", f"--port={port}",
+                        f"--node={'ab'[rank]}", f"--replicas={mode.replicas}"]  # fmt: skip
+            if probe:
+                cmd.append("--probe")
+            with open(_log(paths, rank), "ab") as log:
+                proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    pass_fds=(w,), start_new_session=True,
+                )  # fmt: skip
+            self.procs.append(proc)
+            os.close(w)
+            pipes.append(Pipe(r, proc, t0, rank if mode.world > 1 else None))
+        return Job(pipes)
 
     def _kill(self) -> None:
-        """SIGKILLs the worker's process group and reaps it."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
+        """SIGKILLs the workers' process groups and reaps them."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        self.procs = []
+
+    @staticmethod
+    def _lose_node_b(paths: dict[str, str]) -> None:
+        """Node B is replaced: its shared-memory directory starts empty."""
+        shutil.rmtree(paths["shm_b"], ignore_errors=True)
+        os.mkdir(paths["shm_b"], 0o700)
 
     def close(self) -> None:
         self._kill()
@@ -141,7 +162,9 @@ class Supervisor:
 
     def run(self, mode: Mode, rnd: int, budget: float, kills: list[float]) -> Run:
         """Runs ``mode`` for ``budget`` seconds, SIGKILLing and restarting its worker at each
-        of ``kills``; then (with kills) probes what a restart would restore."""
+        of ``kills``; then (with kills) probes what a restart would restore. A job of two ranks
+        loses node B at each kill (and at the end, before the probe): both ranks are killed
+        and node B's shared-memory directory is emptied."""
         tag = f"{mode.name}-{rnd}-{'faults' if kills else 'clean'}"
         shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         paths = {
@@ -151,8 +174,11 @@ class Supervisor:
             "log": os.path.join(self.base, f"{tag}.log"),
         }
         self.dirs.append(paths["shm"])
+        if mode.world > 1:
+            paths["shm_b"] = tempfile.mkdtemp(prefix="acp-goodput-b-", dir=shm_base)
+            self.dirs.append(paths["shm_b"])
         os.makedirs(os.path.dirname(paths["root"]))
-        run = Run(mode.name, mode.kind, rnd, bool(kills), budget, list(kills))
+        run = Run(mode.name, mode.kind, rnd, bool(kills), budget, list(kills), world=mode.world)
         run.loadavg.append(os.getloadavg()[0])
         t0 = time.monotonic()
         for inc, until in enumerate([*run.kills, budget]):
@@ -167,12 +193,14 @@ class Supervisor:
                 end = (first or 0.0) + budget
             exited = exited or pipe.read_until(t0 + end)
             self._kill()
+            if kills and mode.world > 1:
+                self._lose_node_b(paths)
             pipe.finish(stamp=end)  # what it wrote before the kill
             run.events += [{**e, "inc": inc} for e in pipe.events]
             if exited:  # a training worker never exits on its own
                 run.errors.append(
-                    f"worker {pipe.proc.pid} exited with {pipe.proc.returncode} at "
-                    f"{time.monotonic() - t0:.1f} s; its log:\n{_tail(paths['log'])}"
+                    f"a worker exited ({pipe.exits()}) at {time.monotonic() - t0:.1f} s; "
+                    f"its log:\n{_tails(paths, mode.world)}"
                 )
                 break
         run.wall = time.monotonic() - t0
@@ -181,39 +209,45 @@ class Supervisor:
         run.loadavg.append(os.getloadavg()[0])
         shutil.rmtree(os.path.dirname(paths["root"]), ignore_errors=True)
         shutil.rmtree(paths["shm"], ignore_errors=True)
+        if "shm_b" in paths:
+            shutil.rmtree(paths["shm_b"], ignore_errors=True)
         return run
 
     def _probe(self, mode: Mode, paths: dict[str, str]) -> dict[str, Any]:
-        """What a restart after the budget restores."""
+        """What a restart after the budget restores (rank 0's; with several ranks, every
+        rank's under ``ranks`` and their sources joined by ``+``)."""
         t0 = time.monotonic()
-        pipe = self._spawn(mode, paths, t0, probe=True)
-        exited = pipe.read_until(t0 + STARTUP_TIMEOUT)
+        job = self._spawn(mode, paths, t0, probe=True)
+        exited = job.read_until(t0 + STARTUP_TIMEOUT, until_exit=True)
         self._kill()
-        pipe.finish(stamp=time.monotonic() - t0)
-        out: dict[str, Any] = {"rc": pipe.proc.returncode, "step": 0}
-        for ev in pipe.events:
+        job.finish(stamp=time.monotonic() - t0)
+        per_rank: dict[int, dict[str, Any]] = {}
+        for ev in job.events:
             if ev["ev"] in ("restored", "fresh"):
-                out.update(ev)
-        if not exited or pipe.proc.returncode != 0:
-            out["error"] = (
-                f"probe exited with {pipe.proc.returncode}; its log:\n{_tail(paths['log'])}"
-            )
+                per_rank[ev.get("rank", 0)] = {"step": 0, **ev}
+        out: dict[str, Any] = {"rc": job.returncode(), "step": 0, **per_rank.get(0, {})}
+        if mode.world > 1:
+            out["ranks"] = [per_rank.get(r, {"step": 0, "rank": r}) for r in range(mode.world)]
+            out["source"] = "+".join(p.get("source", "none") for p in out["ranks"])
+        if not exited or job.returncode() != 0:
+            out["error"] = f"probe exited ({job.exits()}); its log:\n{_tails(paths, mode.world)}"
         return out
 
 
 class Pipe:
     """The event pipe of one worker; events are stamped with the supervisor's clock (seconds
-    since ``t0``) when they are read."""
+    since ``t0``) when they are read, and with the worker's ``rank`` in a job of several."""
 
-    def __init__(self, fd: int, proc: subprocess.Popen[bytes], t0: float) -> None:
-        self.fd, self.proc, self.t0 = fd, proc, t0
+    def __init__(
+        self, fd: int, proc: subprocess.Popen[bytes], t0: float, rank: int | None = None
+    ) -> None:
+        self.fd, self.proc, self.t0, self.rank = fd, proc, t0, rank
         os.set_blocking(fd, False)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(fd, selectors.EVENT_READ)
         self.buf = b""
+        self.eof = False
         self.events: list[dict[str, Any]] = []
 
-    def _drain(self, stamp: float | None = None) -> bool:
+    def drain(self, stamp: float | None = None) -> bool:
         """Reads what is there; False at end of file."""
         while True:
             try:
@@ -221,32 +255,85 @@ class Pipe:
             except BlockingIOError:
                 return True
             if not chunk:
+                self.eof = True
                 return False
             self.buf += chunk
             *lines, self.buf = self.buf.split(b"\n")
             t = time.monotonic() - self.t0 if stamp is None else stamp
-            self.events += [{"t": t, **json.loads(line)} for line in lines]
+            tag = {} if self.rank is None else {"rank": self.rank}
+            self.events += [{"t": t, **tag, **json.loads(line)} for line in lines]
 
-    def read_until(self, deadline: float, stop_at: str | None = None) -> bool:
-        """Reads events until ``deadline`` (monotonic), or until an event of kind
-        ``stop_at`` arrives; True if the worker closed its end (exited) before."""
-        while (left := deadline - time.monotonic()) > 0:
-            self.sel.select(timeout=left)
-            n = len(self.events)
-            if not self._drain():
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=10)
-                return True
-            if any(e["ev"] == stop_at for e in self.events[n:]):
-                return False
-        self._drain()
-        return False
+
+class Job:
+    """The pipes of a job's workers (one per rank), read together."""
+
+    def __init__(self, pipes: list[Pipe]) -> None:
+        self.pipes = pipes
+        self.sel = selectors.DefaultSelector()
+        for p in pipes:
+            self.sel.register(p.fd, selectors.EVENT_READ, p)
+        self.events: list[dict[str, Any]] = []
+
+    def _merge(self) -> None:
+        self.events = sorted((e for p in self.pipes for e in p.events), key=lambda e: e["t"])
+
+    def read_until(
+        self, deadline: float, stop_at: str | None = None, until_exit: bool = False
+    ) -> bool:
+        """Reads events until ``deadline`` (monotonic), or until an event of kind ``stop_at``
+        arrives; True if a worker closed its end (exited) before (with ``until_exit``: once
+        every worker has)."""
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                for key, _ in self.sel.select(timeout=left):
+                    p: Pipe = key.data
+                    n = len(p.events)
+                    if not p.drain():
+                        self.sel.unregister(p.fd)
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            p.proc.wait(timeout=10)
+                        if not until_exit or all(q.eof for q in self.pipes):
+                            return True
+                    if any(e["ev"] == stop_at for e in p.events[n:]):
+                        return False
+            for p in self.pipes:
+                if not p.eof:
+                    p.drain()
+            return False
+        finally:
+            self._merge()
 
     def finish(self, stamp: float) -> None:
-        """After the worker is dead: reads the events it wrote before, stamped ``stamp``."""
-        self._drain(stamp)
+        """After the workers are dead: reads the events they wrote before, stamped ``stamp``."""
+        for p in self.pipes:
+            if not p.eof:
+                p.drain(stamp)
+            os.close(p.fd)
         self.sel.close()
-        os.close(self.fd)
+        self._merge()
+
+    def returncode(self) -> int | None:
+        """The first non-zero exit status of the workers, else 0 (None: one still runs)."""
+        codes = [p.proc.returncode for p in self.pipes]
+        return next((c for c in codes if c != 0), 0)
+
+    def exits(self) -> str:
+        return ", ".join(f"pid {p.proc.pid}: {p.proc.returncode}" for p in self.pipes)
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a job's gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _log(paths: dict[str, str], rank: int) -> str:
+    return paths["log"] if rank == 0 else paths["log"].replace(".log", f"-rank{rank}.log")
+
+
+def _tails(paths: dict[str, str], world: int) -> str:
+    return "\n".join(_tail(_log(paths, r)) for r in range(world))
 
 
 def _tail(path: str) -> str:
@@ -260,24 +347,36 @@ def _tail(path: str) -> str:
 # ============================================================================ main
 
 
+def world(a: argparse.Namespace) -> int:
+    """Ranks of every job: 2 (on two simulated nodes) under node losses, else 1."""
+    return 2 if a.faults == "node-loss" else 1
+
+
 def modes(a: argparse.Namespace) -> list[Mode]:
     out = []
+    n_ranks = world(a)
     for kind in a.modes:
         if kind == "acp":
-            for n, on_full, persist in itertools.product(a.acp_every, a.acp_on_full, a.acp_persist):
+            for n, on_full, persist, replicas in itertools.product(
+                a.acp_every, a.acp_on_full, a.acp_persist, a.acp_replicas if n_ranks > 1 else [0]
+            ):
                 label = f"acp, save every {'step' if n == 1 else f'{n} steps'}"
                 name = "acp" if n == 1 else f"acp-{n}"
+                if n_ranks > 1:
+                    label += f", replicas={replicas}" if replicas else ", storage only"
+                    name += f"-replicas{replicas}" if replicas else "-storage"
                 if on_full != "wait":
                     label += f" (on_full={on_full})"
                     name += f"-{on_full}"
                 if persist != "all":
                     label += f", persist {persist.replace(':', ' ')}"
                     name += f"-persist-{persist.replace(':', '')}"
-                out.append(Mode(name, "acp", n, label, on_full, persist))
+                out.append(Mode(name, "acp", n, label, on_full, persist, n_ranks, replicas))
         else:
             for n in a.every:
                 call = "torch.save" if kind == "torch" else "dcp.async_save"
-                out.append(Mode(f"{kind}-{n}", kind, n, f"{call} every {n} steps"))
+                label = f"{call} every {n} steps" + (", each rank its file" if n_ranks > 1 else "")
+                out.append(Mode(f"{kind}-{n}", kind, n, label, world=n_ranks))
     return out
 
 
@@ -309,7 +408,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "coalesce, every:N; several give several acp modes (default: all; "
                     "realistic regime: coalesce every:50)")  # fmt: skip
     ap.add_argument("--modes", nargs="+", choices=["acp", "torch", "dcp"],
-                    default=["acp", "torch", "dcp"])  # fmt: skip
+                    help="the modes (default: acp torch dcp; node-loss: acp torch)")  # fmt: skip
+    ap.add_argument("--faults", choices=["process", "node-loss"], default="process",
+                    help="process: SIGKILL of the worker; node-loss: a job of 2 ranks on 2 "
+                    "simulated nodes, both killed and node B's shared memory emptied")  # fmt: skip
+    ap.add_argument("--acp-replicas", type=int, nargs="+", default=[1, 0],
+                    help="node-loss: acp's peer replicas, one mode each (default: 1 0, "
+                    "0: storage only)")  # fmt: skip
     for name, value in asdict(Model()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"model: default {value}")
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory")
@@ -332,6 +437,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.quick and a.regime != "small":
         ap.error("--quick is a smoke run of the small regime")
     defaults = quick if a.quick else realistic if a.regime == "realistic" else full
+    if a.faults == "node-loss":
+        if a.regime != "small":
+            ap.error("--faults node-loss runs the small regime (and --quick)")
+        if a.modes and "dcp" in a.modes:
+            ap.error("--faults node-loss: the modes are acp and torch")
+        # Steps protected by a persist only every 50 saves against every save replicated.
+        persist = "every:10" if a.quick else "every:50"
+        defaults = {**defaults, "modes": ["acp", "torch"], "acp_persist": [persist],
+                    "rounds": 1}  # fmt: skip
+    else:
+        defaults = {**defaults, "modes": ["acp", "torch", "dcp"]}
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -384,7 +500,7 @@ def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool
     bad_bare: list[str] = []
     for r in range(a.rounds):
         _say(f"round {r + 1}/{a.rounds}: the bare loop, {a.bare:g} s")
-        bare = sup.run(Mode("bare", "bare", 1, "bare loop"), r, a.bare, [])
+        bare = sup.run(Mode("bare", "bare", 1, "bare loop", world=world(a)), r, a.bare, [])
         bad_bare += check(bare, ref_ck)
         ref_ck.update({e["step"]: e["ck"] for e in bare.events if e["ev"] == "step"})
         fresh = next((e for e in bare.events if e["ev"] == "fresh"), {})
@@ -411,7 +527,7 @@ def measure(a: argparse.Namespace, sup: Supervisor, doc: dict[str, Any]) -> bool
             _say(f"  {mode.label}: {run.probe['step'] if run.probe else 0} useful steps; "
                  f"restores from {restored}")  # fmt: skip
         if not a.quick:  # the load drifts: the bare loop again, at the end of the round
-            bare = sup.run(Mode("bare", "bare", 1, "bare loop"), r, a.bare, [])
+            bare = sup.run(Mode("bare", "bare", 1, "bare loop", world=world(a)), r, a.bare, [])
             bad_bare += check(bare, ref_ck)
             rnd["bare_rates"].append(step_rate(bare))
             rnd["bare"].append(asdict(bare))
@@ -446,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             "budget": a.budget, "rounds": a.rounds, "mtbf": a.mtbf, "seed": a.seed,
             "min_gap": a.min_gap, "kills": a.kills, "bare": a.bare, "clean": a.clean,
             "every": a.every, "acp_every": a.acp_every, "acp_on_full": a.acp_on_full,
-            "acp_persist": a.acp_persist,
+            "acp_persist": a.acp_persist, "faults": a.faults, "world": world(a),
+            "acp_replicas": a.acp_replicas,
             "model": asdict(model), "checksum_stride": STRIDE, "schedule": describe(a),
         },
         "machine": machine(),

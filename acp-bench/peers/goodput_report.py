@@ -9,7 +9,7 @@ import platform
 import sys
 from typing import Any
 
-from goodput_analysis import DURABLE
+from goodput_analysis import DURABLE, PROTECTED
 
 
 def machine() -> dict[str, Any]:
@@ -47,15 +47,31 @@ def markdown(doc: dict[str, Any]) -> str:
     kills = sum(len(r["kills"]) for r in doc["rounds"])
     budget = sum(r["budget"] for r in doc["rounds"])
     budgets = " and ".join(f"{r['budget']:g}" for r in doc["rounds"])
+    nodes = c.get("world", 1) > 1
+    job = (
+        f"A data-parallel job of {c['world']} ranks on {c['world']} simulated nodes (rank 0 on "
+        "node A, rank 1 on node B: each its own `ACP_NODE_ID` and shared-memory directory; "
+        "gloo, one all-reduce of the gradients per step, every rank its own checkpoint "
+        "file), each rank training"
+        if nodes
+        else "A worker training"
+    )
+    fault = (
+        f"lost node B {kills} times (both ranks SIGKILLed, node B's shared memory emptied, "
+        "the job restarted)"
+        if nodes
+        else f"SIGKILLed {kills} times"
+    )
     lines = [
-        "# Goodput under faults",
+        f"# Goodput under {'node losses' if nodes else 'faults'}",
         "",
         f"`{' '.join(doc['command'])}`",
         "",
-        f"An MLP ({md['d_in']}-{md['hidden']}x{md['layers']}-{md['classes']}, batch "
+        f"{job} an MLP ({md['d_in']}-{md['hidden']}x{md['layers']}-{md['classes']}, batch "
         f"{md['batch']}, AdamW, {md['threads']} torch thread(s)) with "
-        f"{doc['state_bytes'] / 1e6:.0f} MB of state, trained for {budget:g} s per mode "
-        f"({len(doc['rounds'])} round(s) of {budgets} s) and SIGKILLed {kills} times, at the "
+        f"{doc['state_bytes'] / 1e6:.0f} MB of state{' per rank' if nodes else ''}, trained for "
+        f"{budget:g} s per mode ({len(doc['rounds'])} round(s) of {budgets} s); the supervisor "
+        f"{fault}, at the "
         f"same moments in every mode ({c['schedule']}). The bare loop (no checkpoints, no "
         f"faults) ran {rates} steps/s (at the start and the end of each round). "
         f"{m['cpus']} CPUs ({m['cpu']}), {m['mem_bytes'] / 2**30:.0f} GiB, shared with other "
@@ -65,8 +81,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "| mode | useful steps | useful steps/h | goodput (of bare) | faults "
         "| time lost per fault, median / mean | steps lost per fault, median "
-        "| kill to restored, median | checkpoint overhead | save stall, median | checks |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| kill to restored, median | checkpoint overhead | save stall, median | checks |"
+        + (" restored from, rank 0 / rank 1 | protected steps lost (faults) |" if nodes else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|---:|" if nodes else ""),
     ]
     for s in doc["summary"]:
         lines.append(
@@ -78,6 +95,11 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{fmt(s['restart_secs_median'], '.2f', 1, ' s')} | "
             f"{fmt(s['overhead'], '.1f', 100, ' %')} | "
             f"{fmt(s['stall_secs_median'], '.1f', 1e3, ' ms')} | {s['checks']} |"
+            + (
+                f" {_by_rank(s)} | {s['protected_steps_lost']} ({s['protected_lost_faults']}) |"
+                if nodes
+                else ""
+            )
         )
     lines += ["", *[f"- {_sentence(s)}" for s in doc["summary"]], ""]
     overhead = (
@@ -97,11 +119,26 @@ def markdown(doc: dict[str, Any]) -> str:
         "the budget cut short is left out. "
         + overhead
         + "Save stall: how long a checkpoint call held the training loop (for dcp, with the "
-        "wait for the previous save to finish). Every restart runs on the same node: the peers' "
-        "files are in the page cache, acp's newest step in its shared-memory ring.",
+        "wait for the previous save to finish). "
+        + (
+            "A node loss: every rank's time and figures are the slowest rank's; a step is "
+            "protected once every rank's image of it is in the other node's RAM (acp "
+            "replicas) or committed to storage, and no restart may restore an older step. "
+            "Node A's rank restores from its own RAM when its slot survived; node B's from "
+            "node A's replica (`peer`) or storage. Every node is on this one machine: "
+            "storage files stay in the page cache, and the replicas travel over loopback."
+            if nodes
+            else "Every restart runs on the same node: the peers' files are in the page cache, "
+            "acp's newest step in its shared-memory ring."
+        ),
         "",
     ]
     return "\n".join(lines)
+
+
+def _by_rank(s: dict[str, Any]) -> str:
+    """Where each rank's restores came from, e.g. ``ram / peer``."""
+    return " / ".join(", ".join(x) or "none" for x in s.get("sources_by_rank", []))
 
 
 def _sentence(s: dict[str, Any]) -> str:
@@ -118,7 +155,14 @@ def _sentence(s: dict[str, Any]) -> str:
         f"{fmt(s['restore_secs_median'], '.3f')} s), then "
         f"{fmt(s['steps_lost_median'], '.1f')} steps to recompute"
     )
-    if s["restore_sources"]:
+    if s.get("world", 1) > 1 and s["restore_sources"]:
+        text += f"; restored from {_by_rank(s)} (rank 0 / rank 1)"
+        if s["protected_lost_faults"]:
+            text += (
+                f"; {s['protected_lost_faults']} of {s['faults']} restarts restored a step older "
+                f"than the newest protected one ({s['protected_steps_lost']} steps in all)"
+            )
+    elif s["restore_sources"]:
         text += f"; restored from {', '.join(s['restore_sources'])}"
         if "ram" in s["restore_sources"]:
             text += f" ({s['ram_restores']} of {s['resumed']} restores from RAM)"
@@ -151,21 +195,28 @@ def plot(doc: dict[str, Any], path: str) -> None:
             ax.plot([t1, budget], [0, rnd["bare_rate"] * (budget - t1)], "k:", lw=1,
                     label="bare loop, no faults")  # fmt: skip
         for run in (x for x in doc["runs"] if x["round"] == r):
-            durable = DURABLE[run["kind"]]
+            # A step is useful once it survives the fault: for node losses, protected.
+            nodes = run.get("world", 1) > 1
+            durable = PROTECTED[run["kind"]] if nodes else (DURABLE[run["kind"]],)
             pts = [(0.0, 0)]
             for e in run["events"]:
-                if e["ev"] in (durable, "restored"):
+                if e["ev"] in durable or e["ev"] == "restored":
                     pts.append((e["t"], max(pts[-1][1], e["step"])))
             pts.append((budget, run["probe"]["step"] if run["probe"] else pts[-1][1]))
             c = color[run["mode"]]
             ax.step(*zip(*pts), where="post", lw=1.6, color=c, label=label[run["mode"]])
-            trained = [(e["t"], e["step"]) for e in run["events"] if e["ev"] == "step"]
+            trained = [
+                (e["t"], e["step"])
+                for e in run["events"]
+                if e["ev"] == "step" and e.get("rank", 0) == 0
+            ]
             if trained:
                 ax.plot(*zip(*trained), ".", ms=1, color=c, alpha=0.3)
         ax.set_xlim(0, budget)
         ax.set_ylim(bottom=0)
         ax.set_ylabel("useful step (dots: step trained)")
-        ax.set_title(f"Round {r + 1}: progress under the same SIGKILL schedule", fontsize=10)
+        what = "node-loss" if doc["config"].get("world", 1) > 1 else "SIGKILL"
+        ax.set_title(f"Round {r + 1}: progress under the same {what} schedule", fontsize=10)
         if r == 0:
             ax.legend(loc="upper left", fontsize=8)
         if r == len(rounds) - 1:

@@ -5,18 +5,25 @@ pipe (``--fd``). Run by the supervisor, not by hand:
     python goodput_worker.py --kind acp --fd 5 --root DIR --job NAME --shm-dir DIR --every 1
 
 On start it restores the newest checkpoint of its mode, if any; with ``--probe`` it restores,
-reports and exits. Events: ``start``, ``imported`` (torch is imported), ``opened`` (model built,
-checkpointer open), ``restored`` (step, checksum, seconds, source) or ``fresh``, then per step
-``step`` (step, checksum) and the mode's checkpoint events: acp ``saved`` (the save returned:
-the step is in the shared-memory ring), ``skipped`` and ``committed``; torch ``durable`` (renamed
-and the directory fsynced); dcp ``staged`` (``async_save`` returned) and ``durable`` (its future
+reports and exits. With ``--world 2`` it is one rank of a data-parallel job (``--rank``, a gloo
+group on ``127.0.0.1:--port``, ``ACP_NODE_ID=--node``): each rank computes the gradient of its
+half of the batch and the ranks average them (one all-reduce per step), so every rank holds the
+same state; each rank checkpoints its whole state as its own file (acp: ``replicas=--replicas``
+peer copies on the other node; torch: ``rank-R-step-N.pt``, the newest two kept, restored at the
+newest step every rank has).
+
+Events: ``start``, ``imported`` (torch is imported), ``opened`` (model built, checkpointer
+open), ``restored`` (step, checksum, seconds, source) or ``fresh``, then per step ``step``
+(step, checksum) and the mode's checkpoint events: acp ``saved`` (the save returned: the step
+is in the shared-memory ring), ``skipped``, ``committed`` and, with replicas, ``replicated``
+(this rank's image of the step is in the other node's RAM); torch ``durable`` (renamed and the
+directory fsynced); dcp ``staged`` (``async_save`` returned) and ``durable`` (its future
 completed and the directory was renamed ``step-N``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -76,7 +83,7 @@ class Trainer:
     """The model, AdamW and a data stream that is a function of the step alone, so a resumed
     run needs nothing but the step, the model and the optimizer."""
 
-    def __init__(self, m: Model) -> None:
+    def __init__(self, m: Model, rank: int = 0, world: int = 1) -> None:
         import torch
         from torch import nn
 
@@ -85,7 +92,7 @@ class Trainer:
         # torch._inductor: seconds added to every restart.)
         torch.set_num_threads(m.threads)
         torch.manual_seed(m.data_seed)
-        self.m = m
+        self.m, self.rank, self.world = m, rank, world
         g = torch.Generator().manual_seed(m.data_seed)
         self.teacher = torch.randn(m.d_in, m.classes, generator=g)
         blocks: list[nn.Module] = []
@@ -108,10 +115,30 @@ class Trainer:
         y = (
             x @ self.teacher + 0.5 * torch.randn(self.m.batch, self.m.classes, generator=g)
         ).argmax(1)
+        if self.world > 1:  # this rank's share of the batch
+            x, y = x[self.rank :: self.world], y[self.rank :: self.world]
         loss = F.cross_entropy(self.model(x), y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
+        if self.world > 1:
+            self._average_grads()
         self.opt.step()
+
+    def _average_grads(self) -> None:
+        """Data parallel: the mean of the ranks' gradients, one all-reduce of a flat buffer.
+        With two ranks each element is one sum of two values, the same on either rank and in
+        every run (float addition commutes), so the ranks stay bit-identical."""
+        import torch
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def init_opt_state(self) -> None:
         """AdamW's state as its first step creates it (zeros), so a checkpoint loads in place."""
@@ -160,6 +187,9 @@ class AcpStore:
         # Snapshots that stay in RAM keep cycling through the ring while a
         # persist is in flight only with a third slot.
         slots = 2 if a.acp_persist == "all" else 3
+        self.replicas = a.world > 1 and a.replicas > 0
+        if a.world > 1:
+            policy["replicas"] = a.replicas
         self.ckpt = acp.Checkpointer(
             a.root,
             job=a.job,
@@ -171,12 +201,15 @@ class AcpStore:
             **policy,
         )
         self.pending: list[Any] = []
+        self.replicating: list[Any] = []
 
     def restore(self) -> dict[str, Any] | None:
         opened = self.ckpt.stats()["engine"]
         self.tr.init_opt_state()
         template = self.tr.state()
         try:
+            # With several ranks the load is collective: every rank gets the same step, from
+            # its own RAM, a peer's replica (``replicas``) or storage.
             stats = self.ckpt.load(into=template)
         except self.acp.CheckpointNotFound:
             self.tr.opt.state.clear()  # a fresh run starts with AdamW's lazy state
@@ -201,6 +234,19 @@ class AcpStore:
             else:
                 _emit(self.fd, "saved", step=step, stall=stall)
                 self.pending.append(h)
+                if self.replicas:
+                    self.replicating.append(h)
+        waiting = []
+        for h in self.replicating:
+            try:
+                h.wait_replicated(0)
+            except TimeoutError:
+                waiting.append(h)
+            except Exception as e:  # a failed replication is reported
+                _emit(self.fd, "error", step=h.step, error=f"replication: {e}")
+            else:
+                _emit(self.fd, "replicated", step=h.step)
+        self.replicating = waiting
         still = []
         for h in self.pending:
             if not h.done():
@@ -218,22 +264,51 @@ class AcpStore:
 
 
 class TorchStore:
-    """``torch.save`` every ``every`` steps: temp file, fsync, rename, fsync of the directory."""
+    """``torch.save`` every ``every`` steps: temp file, fsync, rename, fsync of the directory.
+    One rank: ``state.pt``. Several: each rank its own ``rank-R-step-N.pt``, the newest two
+    kept (a kill may land between two ranks' renames), restored at the newest step every
+    rank has (an all-reduce of the ranks' newest steps, MIN)."""
 
     def __init__(self, a: argparse.Namespace, tr: Trainer, fd: int) -> None:
         self.tr, self.fd, self.every = tr, fd, a.every
         self.root = a.root
         os.makedirs(self.root, exist_ok=True)
         self.path = os.path.join(self.root, "state.pt")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path + ".tmp")  # a save the kill interrupted
+        for name in os.listdir(self.root):
+            if name.endswith(".tmp") and name.startswith(self._prefix()):
+                os.unlink(os.path.join(self.root, name))  # a save the kill interrupted
+
+    def _prefix(self) -> str:
+        return f"rank-{self.tr.rank}-step-" if self.tr.world > 1 else "state.pt"
+
+    def _file(self, step: int) -> str:
+        if self.tr.world == 1:
+            return self.path
+        return os.path.join(self.root, f"{self._prefix()}{step}.pt")
+
+    def _steps(self) -> list[int]:
+        """This rank's complete files' steps (several ranks), oldest first."""
+        p = self._prefix()
+        names = [n[len(p) : -3] for n in os.listdir(self.root) if n.startswith(p)]
+        return sorted(int(n) for n in names if n.isdigit())
 
     def restore(self) -> dict[str, Any] | None:
         import torch
 
-        if not os.path.exists(self.path):
+        if self.tr.world > 1:
+            import torch.distributed as dist
+
+            newest = torch.tensor([max(self._steps(), default=0)])
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+            step = int(newest.item())
+            if step == 0:
+                return None
+            path = self._file(step)
+        elif not os.path.exists(self.path):
             return None
-        sd = torch.load(self.path, weights_only=True)
+        else:
+            path = self.path
+        sd = torch.load(path, weights_only=True)
         self.tr.model.load_state_dict(sd["model"])
         self.tr.opt.load_state_dict(sd["optim"])
         self.tr.step = int(sd["step"])
@@ -245,12 +320,16 @@ class TorchStore:
         if self.tr.step % self.every:
             return
         t0 = time.perf_counter()
-        tmp = self.path + ".tmp"
+        path = self._file(self.tr.step)
+        tmp = path + ".tmp"
         torch.save(self.tr.state(), tmp)
         _fsync(tmp)
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
         _fsync(self.root)
         _emit(self.fd, "durable", step=self.tr.step, stall=time.perf_counter() - t0)
+        if self.tr.world > 1:
+            for old in self._steps()[:-2]:
+                os.unlink(self._file(old))
 
     def close(self) -> None:
         pass
@@ -348,8 +427,21 @@ def worker(a: argparse.Namespace) -> int:
     import torch
 
     _emit(fd, "imported", torch=torch.__version__)
+    if a.world > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        os.environ["ACP_NODE_ID"] = a.node
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{a.port}",
+            rank=a.rank,
+            world_size=a.world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     t0 = time.perf_counter()
-    tr = Trainer(Model(**{k: getattr(a, k) for k in asdict(Model())}))
+    tr = Trainer(Model(**{k: getattr(a, k) for k in asdict(Model())}), a.rank, a.world)
     t1 = time.perf_counter()
     store = STORES[a.kind](a, tr, fd)
     _emit(fd, "opened", build_secs=t1 - t0, open_secs=time.perf_counter() - t1)
@@ -384,6 +476,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--acp-on-full", choices=["wait", "skip"], default="wait")
     ap.add_argument("--acp-persist", default="all", help="all, coalesce or every:N")
     ap.add_argument("--probe", action="store_true", help="restore, report and exit")
+    ap.add_argument("--world", type=int, default=1, help="ranks of the job (1 or 2)")
+    ap.add_argument("--rank", type=int, default=0, help="this process's rank")
+    ap.add_argument("--port", type=int, default=0, help="the gloo group's port (--world 2)")
+    ap.add_argument("--node", default="a", help="ACP_NODE_ID of this rank (--world 2)")
+    ap.add_argument("--replicas", type=int, default=0, help="acp's peer replicas (--world 2)")
     for name, value in asdict(Model()).items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     return ap.parse_args(argv)

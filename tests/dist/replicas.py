@@ -20,8 +20,8 @@ node's id and directory.
   without closing.
 - ``resume``: loads (collective), writes each rank's step, source, whether
   the state is bit-exact, why a copy was rejected and the ``acp`` logger's
-  warnings to OUT/resume-RANK.json, then saves the next step as a resumed
-  trainer would.
+  warnings to OUT/resume-RANK.json, then saves the next two steps as a
+  resumed trainer would, each replicated.
 """
 
 from __future__ import annotations
@@ -141,11 +141,12 @@ def main(rank: int, root: str, out: str, shms: list[str], port: int, phase: str)
         }
         Path(out, f"resume-{rank}.json").write_text(json.dumps(result))
         # Training goes on: the next step replaces any newer snapshot a
-        # rank still holds from before the restart.
-        nxt = int(got["step"]) + 1
-        h = ckpt.save(nxt, state(rank, nxt))
-        h.wait()
-        h.wait_replicated(120)
+        # rank still holds from before the restart. Two steps: the second
+        # needs the replica slot the restore pinned to send from.
+        for nxt in (int(got["step"]) + 1, int(got["step"]) + 2):
+            h = ckpt.save(nxt, state(rank, nxt))
+            h.wait()
+            h.wait_replicated(120)
     ckpt.close()
     dist.destroy_process_group()
 
