@@ -724,3 +724,57 @@ fn an_unfinished_or_misdescribed_replica_slot_holds_nothing() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
 }
+
+/// Step 10 is replicated everywhere (protected), step 20 only sealed: each
+/// rank keeps its own image of step 10 resident beside step 20, so losing
+/// node B then still finds every rank's image of step 10 on node A (its
+/// own ranks' slots, B's ranks' replicas). Once step 20 is replicated too,
+/// step 10's slot is let go.
+#[test]
+fn the_newest_replicated_snapshot_stays_until_a_newer_one_is_replicated() {
+    let mut c = Cluster::new();
+    let never = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    let snapshot = |c: &Cluster, step: u64| {
+        let saves: Vec<_> = (0..WORLD)
+            .map(|r| save_with(c.engine(r), r, step, &never))
+            .collect();
+        for h in saves {
+            h.wait().unwrap();
+        }
+    };
+    snapshot(&c, 10);
+    for r in 0..WORLD {
+        assert_eq!(
+            c.engine(r).replicate(10).unwrap().wait(None).unwrap().len(),
+            1
+        );
+    }
+    snapshot(&c, 20);
+    // Without the protection step 10's slot was released at step 20's seal.
+    assert_eq!(c.engine(0).resident_steps(), [20, 10]);
+    assert!(!c.engine(0).protect(10), "10 is protected already");
+    // Node B is lost (no close: its processes are killed), B's images of
+    // step 20 with it.
+    for r in [2, 3] {
+        drop(c.engines[r as usize].take());
+        c.transport.unregister(r);
+    }
+    std::fs::remove_dir_all(&c.shm[1]).unwrap();
+    std::fs::create_dir(&c.shm[1]).unwrap();
+    for r in [2, 3] {
+        c.engines[r as usize] = Some(c.open(r));
+    }
+    for r in [0, 1] {
+        assert_eq!(load(c.engine(r), r, 10), (Source::Ram, true), "rank {r}");
+    }
+    for r in [2, 3] {
+        assert_eq!(load(c.engine(r), r, 10), (Source::Peer, true), "rank {r}");
+    }
+    // Rank 0's step 20 replicated (to rank 2, on the new node B): step
+    // 10 is no longer the newest protected step, and its slot goes.
+    assert_eq!(c.engine(0).replicate(20).unwrap().wait(None).unwrap(), [2]);
+    assert_eq!(c.engine(0).resident_steps(), [20]);
+}

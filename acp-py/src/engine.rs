@@ -722,6 +722,14 @@ impl Engine {
         py.detach(|| engine.decide(step, persist)).map_err(err)
     }
 
+    /// Records that every holder of this rank's replicas has its image of
+    /// `step` (called by acp.replica once an exchange completed): that RAM
+    /// snapshot stays resident until a newer step is protected or
+    /// committed. Returns whether `step` is now the protected step.
+    fn protect(&self, step: u64) -> PyResult<bool> {
+        Ok(self.get()?.protect(step))
+    }
+
     /// The steps of the held saves not decided yet, in save order.
     fn held(&self) -> PyResult<Vec<u64>> {
         Ok(self.get()?.held())

@@ -134,7 +134,8 @@ class Checkpointer:
             ``ACP_SHM_DIR``, or an explicit ``ring_bytes``, which always wins).
             ``ACP_RING_BYTES`` gives it when the keyword does not.
         ring_slots: slots in the ring (default 2; 3 with several ranks
-            coalescing together and no ``ring_bytes``: see below).
+            coalescing together or with ``replicas``, and no ``ring_bytes``:
+            see below and docs/distributed.md).
         shm_dir: the directory of the ring's slot files (default
             ``/dev/shm``; ``ACP_SHM_DIR`` gives it when the keyword does not).
         keep_last, keep_every: retention: keep the newest ``keep_last``
@@ -279,6 +280,10 @@ class Checkpointer:
             ring_slots=ring_slots,
             ring_bytes=ring_bytes,
         )
+        if self._replicas is not None and ring_slots is None and ring_bytes is None:
+            # The newest replicated snapshot stays resident (Engine.protect)
+            # beside the newest one and the one being staged.
+            ring_slots = 3
         self._engine = _acp.Engine(
             os.fspath(root),
             job=job,

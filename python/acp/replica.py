@@ -276,7 +276,15 @@ class TorchReplicas:
             if inc is not None:
                 self._finish(inc)
         self._wait(works)
-        return [] if image is None else list(holders)
+        if image is None:
+            return []
+        # Every holder has it: this rank's own image of the step stays
+        # resident until a newer one is protected (or committed), so a
+        # node loss finds it on the surviving node.
+        del image, works
+        if holders:
+            e.protect(step)
+        return list(holders)
 
     # --- restore
 

@@ -50,6 +50,31 @@ impl Engine {
         Ok((meta, pin))
     }
 
+    /// Records that every holder of this rank's replicas has its image of
+    /// `step` (a transport calls it once an exchange completed): from now
+    /// on that snapshot stays resident, not released when newer ones are
+    /// sealed, until a newer step is protected or committed. Without it a
+    /// node loss right after a newer save (sealed, not replicated yet)
+    /// would find this rank's image of the newest replicated step on no
+    /// surviving node: its own slot released, its replica on the lost one.
+    /// A ring that keeps it needs a slot more than the saves in flight
+    /// (the replica configuration's default). Returns whether `step` is
+    /// now the protected step: false when a newer one is, or when this
+    /// rank no longer keeps `step` as a RAM snapshot (persisted, so storage
+    /// protects it, or already released).
+    #[must_use]
+    pub fn protect(&self, step: u64) -> bool {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        if st.protected.is_some_and(|p| p >= step) || !st.snapshots.iter().any(|s| s.step == step) {
+            return false;
+        }
+        st.protected = Some(step);
+        // The previously protected snapshot is superseded now.
+        shared.release_superseded(&mut st, step);
+        true
+    }
+
     /// Pins this rank's resident image of `step` (in its slot while the
     /// pin lives), for a transport that sends the bytes before their
     /// digests ([`Engine::resident_digests`]).
@@ -190,6 +215,11 @@ impl Engine {
                         e
                     })?;
                     sent.push(to);
+                }
+                if !sent.is_empty() {
+                    // Every holder has it: kept resident until a newer
+                    // step is protected or committed.
+                    let _ = engine.protect(step);
                 }
                 Ok(sent)
             })();

@@ -73,6 +73,12 @@ pub(super) struct EngineState {
     /// sealed or persisted: superseded, they are no step's only copy worth
     /// a slot, and the ring only reuses `Persisted` slots by itself.
     pub(super) snapshots: Vec<Snapshot>,
+    /// The newest step whose image this rank's replica holders have
+    /// ([`Engine::protect`](super::Engine::protect)): its snapshot is kept
+    /// resident (not released as superseded) until a newer step is
+    /// protected or committed, so that the loss of a node that holds this
+    /// rank's replica finds this rank's image of that step on its own node.
+    pub(super) protected: Option<u64>,
     /// The measured write and compression rates that
     /// [`Compress::Auto`](crate::Compress::Auto) decides by.
     pub(super) rates: super::compress::Rates,
@@ -151,8 +157,13 @@ impl Shared {
             .map(|s| s.step)
             .max()
             .map_or(newest, |m| m.max(newest));
+        // The protected step's image stays until a newer step is protected
+        // (which moves `protected`) or committed (storage has a newer one).
+        let keep = st
+            .protected
+            .filter(|p| st.committed.range(p + 1..).next().is_none());
         st.snapshots.retain(|s| {
-            if s.step >= newest {
+            if s.step >= newest || Some(s.step) == keep {
                 return true;
             }
             self.ring.release_generation(s.slot, s.generation);
