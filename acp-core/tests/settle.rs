@@ -67,6 +67,16 @@ fn save_with(
         .wait()
 }
 
+/// An engine on `root` that committed step 1 and is idle, and its fault
+/// injector (counting the storage operations).
+fn with_step_1(root: &Path, shm: &Path) -> (Arc<FaultInjector>, Engine) {
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(config(root, shm, &faults)).unwrap();
+    save(&engine, 1).unwrap();
+    engine.wait_idle(None).unwrap();
+    (faults, engine)
+}
+
 /// The names directly under `root` that start with `prefix`.
 fn named(root: &Path, prefix: &str) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(root)
@@ -81,10 +91,7 @@ fn named(root: &Path, prefix: &str) -> Vec<String> {
 #[test]
 fn retention_unlists_before_wait_returns_and_deletes_after() {
     let (_t, root, shm) = dirs();
-    let faults = Arc::new(FaultInjector::counting());
-    let engine = Engine::open(config(&root, &shm, &faults)).unwrap();
-    save(&engine, 1).unwrap();
-    engine.wait_idle(None).unwrap();
+    let (faults, engine) = with_step_1(&root, &shm);
     let before = faults.log().len();
     save(&engine, 2).unwrap();
     // Reported committed: step 1 is already out of the listing.
@@ -116,10 +123,7 @@ fn retention_unlists_before_wait_returns_and_deletes_after() {
 #[test]
 fn a_failed_settle_keeps_the_save_and_the_next_one_deletes() {
     let (_t, root, shm) = dirs();
-    let faults = Arc::new(FaultInjector::counting());
-    let engine = Engine::open(config(&root, &shm, &faults)).unwrap();
-    save(&engine, 1).unwrap();
-    engine.wait_idle(None).unwrap();
+    let (faults, engine) = with_step_1(&root, &shm);
     // Find the settle's fsync of the root in a save like the next one.
     let before = faults.log().len();
     save(&engine, 2).unwrap();
