@@ -19,7 +19,7 @@ def test_goodput_quick(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--workdir", str(work)]
     env = {**os.environ, "PYTHONWARNINGS": ""}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == (0 if all(s["checks"] == "ok" for s in doc["summary"]) else 1)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("goodput.json", "goodput.md", "goodput.png"):
         assert (out / name).stat().st_size > 0, name
     doc = json.loads((out / "goodput.json").read_text())
