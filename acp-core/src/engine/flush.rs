@@ -14,10 +14,11 @@
 //! 4. publish it — the commit [rename the pending directory to `step-S`,
 //!    or exchange it atomically with the old `step-S` when overwriting;
 //!    fsync the root];
-//! 5. mark the slot `Persisted`; write the `latest` hint and take the
-//!    steps retention removes out of the listing (renames); report the save;
-//! 6. then, once no save is queued, make those renames durable and delete
-//!    the removed steps' files (`Storage::settle`), off the save's path.
+//! 5. mark the slot `Persisted`; take the steps retention removes out of
+//!    the listing (renames); write the `latest` hint (its fsync of the
+//!    root makes those renames durable); report the save;
+//! 6. then, once no save is queued, delete the removed steps' files
+//!    (`Storage::settle`), off the save's path.
 //!
 //! A crash before 4 leaves a pending place that is never loaded and is
 //! swept by the next engine of this rank; after 4 the step is complete.
@@ -118,8 +119,8 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Work>) {
     settle(shared);
 }
 
-/// The housekeeping commits left, if any: the `latest` hint and the
-/// retirements made durable, the removed steps' files deleted. A failure
+/// The housekeeping commits left, if any: the files of the steps
+/// retention removed deleted (once their retirement is durable). A failure
 /// is logged (the save was committed); what was not deleted is retried by
 /// the next settle, or swept by the next engine.
 fn settle(shared: &Shared) {
@@ -426,17 +427,18 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         shared.ring.set_state(slot, SlotState::Persisted);
         shared.lock().committed.insert(step);
         // The step is committed: what follows is housekeeping, whose
-        // failure is logged, not reported as a failed save.
+        // failure is logged, not reported as a failed save. Retention
+        // first: the hint's fsync of the root makes its renames durable.
+        if let Some(k) = shared.cfg.keep_last {
+            if let Err(e) = shared.retain(k, shared.cfg.keep_every) {
+                tracing::warn!("acp: retention after step {step} failed: {e}");
+            }
+        }
         if root.steps().is_ok_and(|s| s.last() == Some(&step)) {
             if let Err(e) = root.write_latest(step) {
                 tracing::warn!(
                     "acp: step {step} committed, but the latest hint was not updated: {e}"
                 );
-            }
-        }
-        if let Some(k) = shared.cfg.keep_last {
-            if let Err(e) = shared.retain(k, shared.cfg.keep_every) {
-                tracing::warn!("acp: retention after step {step} failed: {e}");
             }
         }
         let commit_secs = t_commit.elapsed().as_secs_f64();

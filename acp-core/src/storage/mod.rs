@@ -36,9 +36,9 @@
 //!    previous step `S`, if any, still whole) or the new one, never a mix.
 //!    A publish that fails has left the old state.
 //! 5. [`Storage::write_latest`]: a hint for tools; never trusted by a load.
-//!    It and retention's [`Storage::retire_step`] are renames that take
-//!    effect at once; [`Storage::settle`] makes them durable and deletes
-//!    the retired files after the save is reported committed.
+//!    Retention's [`Storage::retire_step`] renames come before it, so that
+//!    its fsync makes them durable too; [`Storage::settle`] deletes the
+//!    retired files after the save is reported committed.
 //!
 //! A step is committed exactly when its index can be read: the index is the
 //! last thing that becomes visible. A pending place that is never published
@@ -295,10 +295,9 @@ pub trait Storage: Send + Sync + Debug {
     /// the previous state is visible and `pending` is as it was.
     fn publish(&self, pending: &Pending, overwrite: bool) -> Result<()>;
 
-    /// Records `step` as the newest committed step (a hint for tools),
-    /// at once but not durably: the next [`Storage::settle`] makes it
-    /// durable. A crash before that leaves a stale (or empty) hint, which
-    /// no load trusts.
+    /// Records `step` as the newest committed step (a hint for tools, no
+    /// load trusts it), durably: the storage's other renames before it
+    /// (the retirements of [`Storage::retire_step`]) are durable with it.
     ///
     /// # Errors
     /// [`Error::Io`](crate::Error::Io).
@@ -417,8 +416,8 @@ pub trait Storage: Send + Sync + Debug {
     fn retire_step(&self, step: u64) -> Result<()>;
 
     /// The housekeeping a commit leaves for later, off the save's path:
-    /// makes the hint and the retirements since the last call durable,
-    /// then deletes the retired steps' files.
+    /// makes the retirements since the last call durable (if the hint did
+    /// not), then deletes the retired steps' files.
     ///
     /// # Errors
     /// [`Error::Io`](crate::Error::Io); the retirements not yet deleted are
