@@ -281,7 +281,6 @@ class TorchReplicas:
         # Every holder has it: this rank's own image of the step stays
         # resident until a newer one is protected (or committed), so a
         # node loss finds it on the surviving node.
-        del image, works
         if holders:
             e.protect(step)
         return list(holders)

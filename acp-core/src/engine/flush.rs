@@ -269,9 +269,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         // replica send takes the same digests: hashed once, whichever of
         // the two comes first). Otherwise the image is hashed as it is
         // written, overlapped with the writes.
-        let replicated =
-            shared.cfg.replicas_held > 0 || shared.replicas.transport().is_some_and(|t| t.sends());
-        let compute = replicated
+        let compute = shared.sends_replicas()
             || base
                 .as_ref()
                 .is_some_and(|b| super::incremental::likely_reuse(b, image, chunk));

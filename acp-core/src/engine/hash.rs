@@ -45,14 +45,12 @@ pub(super) fn hash_waiting(shared: &Shared) {
         next
     };
     if let Some(s) = next {
-        // One thread, off the training's way; but a rank that takes part
-        // in a replica exchange (it holds replicas: `replicas_held`) sends
-        // this snapshot too, and its send waits for this hash (the two
-        // share it, `replicate::hash_once`): then the hash is on the
-        // replication's path and takes the copy threads, as the send
-        // would have. (Every engine of the Python binding has a
-        // transport, for restores, so a transport alone says nothing.)
-        let threads = if shared.cfg.replicas_held > 0 {
+        // One thread, off the training's way; but a rank whose images go
+        // to replica holders sends this snapshot too, and its send waits
+        // for this hash (the two share it, `replicate::hash_once`): then
+        // the hash is on the replication's path and takes the copy
+        // threads, as the send would have.
+        let threads = if shared.sends_replicas() {
             shared.cfg.copy_threads
         } else {
             1

@@ -147,12 +147,7 @@ impl Engine {
         // Digests alone do (a slot laid out without room for quick sums
         // records none); the pin keeps them this image's.
         if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
-            let sums = shared
-                .ring
-                .quick_sums(pin.slot())
-                .filter(|s| s.len() == want)
-                .unwrap_or_default();
-            return Ok((d, sums));
+            return Ok((d, crate::replica::sums_of(&shared.ring, pin.slot(), want)));
         }
         let path = shared.ring.slot_path(pin.slot());
         let hashed = hash_once(

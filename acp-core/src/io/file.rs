@@ -185,9 +185,13 @@ pub(super) fn plan_write(path: &Path, src: &[u8], len: u64, opts: &IoOpts) -> Re
     Ok(WritePlan { n, padded, want })
 }
 
-/// Creates `path` for [`super::IoEngine::write_file`]: write-only, mode
-/// 0600, `O_EXCL` (it must not exist), close-on-exec.
-pub(super) fn create_exclusive(path: &Path) -> Result<File> {
+/// Creates `path` (for [`super::IoEngine::write_file`], and every file
+/// the storage creates): write-only, mode 0600, `O_EXCL` (it must not
+/// exist), close-on-exec.
+///
+/// # Errors
+/// [`Error::Io`] naming `path`.
+pub(crate) fn create_exclusive(path: &Path) -> Result<File> {
     OpenOptions::new()
         .write(true)
         .create_new(true)

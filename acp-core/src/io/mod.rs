@@ -46,6 +46,7 @@ use crate::error::{Error, Result};
 use crate::storage::Probe;
 
 pub use crate::storage::{open_listed, open_regular};
+pub(crate) use file::create_exclusive;
 pub(crate) use pool::run_on_threads;
 pub(crate) use stream::StreamWriter;
 pub(crate) use sys::{block_async_signals, lower_thread_priority};

@@ -214,11 +214,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         let per_read = read_bytes / chunk;
         // One thread asked for, or a small file: hash on the calling
         // thread, between reads, while the next ones are in flight.
-        let pool = if threads > 1 && to_usize(self.entry.size) >= POOL_MIN_BYTES {
-            threads
-        } else {
-            0
-        };
+        let pool = self.helpers(threads);
         std::thread::scope(|s| {
             let (tx, rx) = crossbeam_channel::unbounded::<Job<'_>>();
             let mut hashers = 0;
@@ -341,11 +337,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             }
         };
         // A small file, or one thread asked for: the calling thread alone.
-        let helpers = if threads > 1 && to_usize(self.entry.size) >= POOL_MIN_BYTES {
-            threads
-        } else {
-            0
-        };
+        let helpers = self.helpers(threads);
         std::thread::scope(|s| {
             for _ in 0..helpers {
                 // A thread that cannot start leaves its share to the
@@ -362,6 +354,16 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         match failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
             Some((_, e)) => Err(e),
             None => Ok(len as u64),
+        }
+    }
+
+    /// The threads that help the calling one with a whole-file read of
+    /// `threads` asked for: none for one thread or a small file.
+    fn helpers(&self, threads: usize) -> usize {
+        if threads > 1 && to_usize(self.entry.size) >= POOL_MIN_BYTES {
+            threads
+        } else {
+            0
         }
     }
 

@@ -81,7 +81,7 @@ use std::path::Path;
 pub use handle::ReplicaHandle;
 pub use loopback::Loopback;
 pub use store::ReplicaWriter;
-pub(crate) use store::{Store, StoreOptions, SLOTS_PER_SOURCE};
+pub(crate) use store::{sums_of, Store, StoreOptions, SLOTS_PER_SOURCE};
 
 use crate::error::{Error, Result};
 use crate::format::{chunk_digests, hex, root_digest, Digest, FileEntry};

@@ -334,7 +334,7 @@ impl Store {
 
 /// The quick sums recorded for `slot` of `ring` when there is one per
 /// digest (bound to the digests recorded now), else none.
-fn sums_of(ring: &Ring, slot: usize, digests: usize) -> Vec<u64> {
+pub(crate) fn sums_of(ring: &Ring, slot: usize, digests: usize) -> Vec<u64> {
     ring.quick_sums(slot)
         .filter(|s| s.len() == digests)
         .unwrap_or_default()

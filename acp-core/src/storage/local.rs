@@ -6,9 +6,9 @@
 //! [`Probe`] sees each one.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -173,26 +173,20 @@ impl LocalStorage {
         fs::rename(from, to).map_err(|e| Error::io("rename", to, e))
     }
 
-    /// Writes `bytes` to a new file `path` (mode 0600), and fsyncs it when
-    /// `durable`.
-    fn write_new(&self, path: &Path, bytes: &[u8], durable: bool) -> Result<()> {
+    /// Writes `bytes` to a new file `path` (mode 0600) and fsyncs it.
+    fn write_durable(&self, path: &Path, bytes: &[u8]) -> Result<()> {
         self.check("write", path)?;
-        let mut f = create_private(path)?;
+        let mut f = crate::io::create_exclusive(path)?;
         f.write_all(bytes)
             .map_err(|e| Error::io("write", path, e))?;
-        if durable {
-            self.check("fsync", path)?;
-            f.sync_all().map_err(|e| Error::io("fsync", path, e))?;
-        }
-        Ok(())
+        self.check("fsync", path)?;
+        f.sync_all().map_err(|e| Error::io("fsync", path, e))
     }
 
     /// Fsyncs a directory, so the names created or renamed in it are durable.
     fn sync_dir(&self, dir: &Path) -> Result<()> {
         self.check("fsync directory", dir)?;
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| Error::io("fsync directory", dir, e))
+        fsync_dir(dir)
     }
 
     /// Renames a fully written pending directory into place as `step`
@@ -276,19 +270,12 @@ impl LocalStorage {
     }
 }
 
-/// Creates the new file `path` (an existing name is an error), readable
-/// and writable by its owner only, not inherited by child processes.
-///
-/// # Errors
-/// [`Error::Io`] naming `path`.
-pub(crate) fn create_private(path: &Path) -> Result<File> {
-    OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| Error::io("create", path, e))
+/// Fsyncs directory `dir` (no probe: [`LocalStorage::sync_dir`] is the
+/// probed one).
+fn fsync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io("fsync directory", dir, e))
 }
 
 impl Storage for LocalStorage {
@@ -327,12 +314,12 @@ impl Storage for LocalStorage {
         let dir = self.dir_of(pending);
         validate_file_name(&dir.join(INDEX_FILE_NAME), name)?;
         let path = dir.join(name);
-        let file = create_private(&path)?;
+        let file = crate::io::create_exclusive(&path)?;
         Ok(FileHandle::new(file, path))
     }
 
     fn write_small(&self, pending: &Pending, name: &str, bytes: &[u8]) -> Result<()> {
-        self.write_new(&self.dir_of(pending).join(name), bytes, true)
+        self.write_durable(&self.dir_of(pending).join(name), bytes)
     }
 
     fn make_durable(&self, pending: &Pending) -> Result<()> {
@@ -351,7 +338,7 @@ impl Storage for LocalStorage {
         let tmp = self
             .path
             .join(format!(".latest-{}-{}", std::process::id(), nonce()));
-        self.write_new(&tmp, format!("{step}\n").as_bytes(), true)?;
+        self.write_durable(&tmp, format!("{step}\n").as_bytes())?;
         let dst = self.path.join(LATEST_FILE_NAME);
         self.check("rename", &dst)?;
         if let Err(e) = fs::rename(&tmp, &dst) {
@@ -376,7 +363,7 @@ impl Storage for LocalStorage {
         let dir = self.dir_of(pending);
         let name = manifest_file_name(rank);
         let tmp = dir.join(format!("{name}.tmp"));
-        self.write_new(&tmp, manifest, true)?;
+        self.write_durable(&tmp, manifest)?;
         self.sync_dir(&dir)?;
         self.rename(&tmp, &dir.join(name))
     }
@@ -522,9 +509,7 @@ impl Storage for LocalStorage {
             // still list it. (Not through the probe: the commit's own
             // operations are all done by now, and a fault injected here
             // would land in whatever the caller armed for the next save.)
-            File::open(&self.path)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| Error::io("fsync directory", &self.path, e))?;
+            fsync_dir(&self.path)?;
             for trash in &retired {
                 match fs::remove_dir_all(trash) {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
