@@ -2,8 +2,7 @@
 //! `O_DIRECT` policy, the chunk geometry, and the write and read skeletons
 //! around each engine's chunk loop.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs::File;
 use std::path::Path;
 
 use crate::config::DirectIo;
@@ -183,22 +182,6 @@ pub(super) fn plan_write(path: &Path, src: &[u8], len: u64, opts: &IoOpts) -> Re
     let buf_ok = padded <= src.len() && aligned(src.as_ptr());
     let want = want_direct(opts.direct, buf_ok, "write", path)?;
     Ok(WritePlan { n, padded, want })
-}
-
-/// Creates `path` (for [`super::IoEngine::write_file`], and every file
-/// the storage creates): write-only, mode 0600, `O_EXCL` (it must not
-/// exist), close-on-exec.
-///
-/// # Errors
-/// [`Error::Io`] naming `path`.
-pub(crate) fn create_exclusive(path: &Path) -> Result<File> {
-    OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| Error::io("create", path, e))
 }
 
 /// The write skeleton over a fresh, empty `file` (named `path` in

@@ -45,8 +45,8 @@ use crate::config::{DirectIo, IoChoice};
 use crate::error::{Error, Result};
 use crate::storage::Probe;
 
+use crate::storage::create_exclusive;
 pub use crate::storage::{open_listed, open_regular};
-pub(crate) use file::create_exclusive;
 pub(crate) use pool::run_on_threads;
 pub(crate) use stream::StreamWriter;
 pub(crate) use sys::{block_async_signals, lower_thread_priority};
@@ -180,7 +180,7 @@ pub trait IoEngine: Send + Sync + Debug {
         on_chunk: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
     ) -> Result<IoStats> {
         file::plan_write(path, src, len, opts)?;
-        let file = file::create_exclusive(path)?;
+        let file = create_exclusive(path)?;
         let mut guard = file::RemoveOnDrop { path: Some(path) };
         let stats = self.write_to(&file, path, src, len, opts, on_chunk)?;
         guard.path = None;

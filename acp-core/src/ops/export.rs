@@ -91,7 +91,7 @@ pub fn export_safetensors(
     let total: u64 = files.iter().map(|f| f.entry().size).sum();
     let tmp = scratch_beside(out);
     let result = (|| {
-        let file = crate::io::create_exclusive(&tmp)?;
+        let file = crate::storage::create_exclusive(&tmp)?;
         progress.begin(&format!("export step {step}"), total);
         let (bytes, tensors) = if files.len() == 1 {
             let f = &mut files[0];

@@ -176,7 +176,7 @@ impl LocalStorage {
     /// Writes `bytes` to a new file `path` (mode 0600) and fsyncs it.
     fn write_durable(&self, path: &Path, bytes: &[u8]) -> Result<()> {
         self.check("write", path)?;
-        let mut f = crate::io::create_exclusive(path)?;
+        let mut f = super::create_exclusive(path)?;
         f.write_all(bytes)
             .map_err(|e| Error::io("write", path, e))?;
         self.check("fsync", path)?;
@@ -314,7 +314,7 @@ impl Storage for LocalStorage {
         let dir = self.dir_of(pending);
         validate_file_name(&dir.join(INDEX_FILE_NAME), name)?;
         let path = dir.join(name);
-        let file = crate::io::create_exclusive(&path)?;
+        let file = super::create_exclusive(&path)?;
         Ok(FileHandle::new(file, path))
     }
 

@@ -115,6 +115,7 @@ mod regular;
 
 pub(crate) use local::open_root;
 pub use local::LocalStorage;
+pub(crate) use regular::create_exclusive;
 pub use regular::{open_listed, open_regular};
 
 /// Sees each primitive storage operation before it runs, and may fail it

@@ -127,6 +127,22 @@ fn clear_nonblock(file: &File) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Creates `path` (for every file the storage creates, and
+/// `IoEngine::write_file`): write-only, mode 0600, `O_EXCL` (it must not
+/// exist), close-on-exec.
+///
+/// # Errors
+/// [`Error::Io`] naming `path`.
+pub(crate) fn create_exclusive(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| Error::io("create", path, e))
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::Read;
