@@ -188,6 +188,9 @@ class AcpStore:
         # persist is in flight only with a third slot.
         slots = 2 if a.acp_persist == "all" else 3
         self.replicas = a.world > 1 and a.replicas > 0
+        if self.replicas:
+            # And the protected snapshot and the one being replicated stay.
+            slots = 4
         if a.world > 1:
             policy["replicas"] = a.replicas
         self.ckpt = acp.Checkpointer(

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use acp_core::replica::Loopback;
@@ -777,4 +777,119 @@ fn the_newest_replicated_snapshot_stays_until_a_newer_one_is_replicated() {
     // 10 is no longer the newest protected step, and its slot goes.
     assert_eq!(c.engine(0).replicate(20).unwrap().wait(None).unwrap(), [2]);
     assert_eq!(c.engine(0).resident_steps(), [20]);
+}
+
+/// A transport whose sends wait until the test opens the gate: an
+/// exchange still in flight while the trainer saves on.
+#[derive(Debug)]
+struct Gate {
+    inner: Arc<Loopback>,
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+impl acp_core::Transport for Gate {
+    fn send(&self, to: u32, meta: &acp_core::ReplicaMeta, image: &[u8]) -> acp_core::Result<()> {
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+        drop(open);
+        self.inner.send(to, meta, image)
+    }
+    fn list(&self, peer: u32) -> acp_core::Result<Vec<acp_core::ReplicaMeta>> {
+        self.inner.list(peer)
+    }
+    fn fetch(
+        &self,
+        peer: u32,
+        rank: u32,
+        step: u64,
+    ) -> acp_core::Result<Option<acp_core::replica::Fetched>> {
+        self.inner.fetch(peer, rank, step)
+    }
+    fn holders(&self, rank: u32) -> Vec<u32> {
+        self.inner.holders(rank)
+    }
+}
+
+/// Step 10's exchange is still in flight while steps 20 and 30 are saved
+/// (a ring that saves faster than it replicates): step 10 stays resident
+/// until its exchange ends and becomes the protected step, so losing the
+/// holder's node then still finds rank 0's image of it on rank 0's node.
+/// Without the hold, step 10 was released when step 20 sealed, its
+/// exchange could protect nothing, and no newer step ever got protected.
+#[test]
+fn a_snapshot_whose_exchange_is_in_flight_stays_and_is_protected() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ckpt");
+    let shm = [tmp.path().join("shm-a"), tmp.path().join("shm-b")];
+    let loopback = Arc::new(Loopback::new(
+        [(0, vec![1]), (1, vec![0])].into_iter().collect(),
+    ));
+    let gate = Arc::new(Gate {
+        inner: Arc::clone(&loopback),
+        open: Mutex::new(false),
+        opened: Condvar::new(),
+    });
+    let engines: Vec<Engine> = (0..2u32)
+        .map(|r| {
+            std::fs::create_dir(&shm[r as usize]).unwrap();
+            let e = Engine::open(
+                EngineConfig::new(&root)
+                    .with_shm_dir(&shm[r as usize])
+                    .with_job("in-flight")
+                    .with_rank(r)
+                    .with_world_size(2)
+                    .with_ring_bytes(16 << 20)
+                    .with_ring_slots(4)
+                    .with_replicas_held(1)
+                    .with_transport(Arc::clone(&gate) as Arc<dyn acp_core::Transport>)
+                    .with_commit_timeout(Duration::from_secs(20))
+                    .with_release_on_close(true),
+            )
+            .unwrap();
+            loopback.register(&e);
+            e
+        })
+        .collect();
+    let e0 = &engines[0];
+    let never = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    save_with(e0, 0, 10, &never).wait().unwrap();
+    let sending = e0.replicate(10).unwrap();
+    for step in [20, 30] {
+        save_with(e0, 0, step, &never).wait().unwrap();
+    }
+    assert_eq!(e0.resident_steps(), [30, 10], "20 superseded, 10 held");
+    gate.open();
+    assert_eq!(sending.wait(None).unwrap(), [1]);
+    assert!(!e0.protect(10), "the exchange protected step 10 already");
+    assert_eq!(
+        e0.resident_steps(),
+        [30, 10],
+        "10 kept as the protected step"
+    );
+    assert_eq!(engines[1].replicas()[0].step, 10);
+    // A hold of a step that is not a kept snapshot marks nothing, and a
+    // release without a hold changes nothing.
+    assert!(!e0.hold_replicating(20));
+    e0.release_replicating(20);
+    assert_eq!(e0.resident_steps(), [30, 10]);
+    // close commits the newest snapshot: every rank has step 30.
+    save_with(&engines[1], 1, 30, &never).wait().unwrap();
+    std::thread::scope(|s| {
+        for e in &engines {
+            s.spawn(|| e.close().unwrap());
+        }
+    });
 }

@@ -730,6 +730,21 @@ impl Engine {
         Ok(self.get()?.protect(step))
     }
 
+    /// Marks this rank's RAM snapshot of `step` as being replicated (called
+    /// by acp.replica before it pins and sends the image): kept resident
+    /// while newer saves seal, until `release_replicating(step)`. False
+    /// (nothing marked) when `step` is not a kept RAM snapshot here.
+    fn hold_replicating(&self, step: u64) -> PyResult<bool> {
+        Ok(self.get()?.hold_replicating(step))
+    }
+
+    /// Ends one `hold_replicating(step)`: the snapshot is released now if a
+    /// newer one superseded it and it is not the protected step.
+    fn release_replicating(&self, step: u64) -> PyResult<()> {
+        self.get()?.release_replicating(step);
+        Ok(())
+    }
+
     /// The steps of the held saves not decided yet, in save order.
     fn held(&self) -> PyResult<Vec<u64>> {
         Ok(self.get()?.held())

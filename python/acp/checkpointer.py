@@ -133,8 +133,8 @@ class Checkpointer:
             each naming the sizes and the fix (``docker run --shm-size``,
             ``ACP_SHM_DIR``, or an explicit ``ring_bytes``, which always wins).
             ``ACP_RING_BYTES`` gives it when the keyword does not.
-        ring_slots: slots in the ring (default 2; 3 with several ranks
-            coalescing together or with ``replicas``, and no ``ring_bytes``:
+        ring_slots: slots in the ring (default 2; with no ``ring_bytes``, 3
+            with several ranks coalescing together and 4 with ``replicas``:
             see below and docs/distributed.md).
         shm_dir: the directory of the ring's slot files (default
             ``/dev/shm``; ``ACP_SHM_DIR`` gives it when the keyword does not).
@@ -281,9 +281,10 @@ class Checkpointer:
             ring_bytes=ring_bytes,
         )
         if self._replicas is not None and ring_slots is None and ring_bytes is None:
-            # The newest replicated snapshot stays resident (Engine.protect)
+            # The newest replicated snapshot stays resident (Engine.protect),
+            # and so does the one being replicated (Engine.hold_replicating),
             # beside the newest one and the one being staged.
-            ring_slots = 3
+            ring_slots = 4
         self._engine = _acp.Engine(
             os.fspath(root),
             job=job,

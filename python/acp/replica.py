@@ -257,10 +257,23 @@ class TorchReplicas:
     def _exchange(self, step: int) -> list[int]:
         assert self._engine is not None
         e = self._engine
+        # Kept resident until the exchange ends (newer saves seal meanwhile),
+        # so that it can protect an image this rank still holds.
+        held = e.hold_replicating(step)
         try:
-            image: _acp.ReplicaImage | None = e.pin_resident(step)
+            return self._send_and_receive(step)
+        finally:
+            if held:
+                e.release_replicating(step)
+
+    def _send_and_receive(self, step: int) -> list[int]:
+        assert self._engine is not None
+        e = self._engine
+        image: _acp.ReplicaImage | None = None
+        try:
+            image = e.pin_resident(step)
         except _acp.CheckpointNotFound:
-            image = None
+            pass
         holders = self.holders[self.rank]
         works: list[Any] = []
         for h in holders:

@@ -75,6 +75,44 @@ impl Engine {
         true
     }
 
+    /// Marks this rank's RAM snapshot of `step` as being replicated (a
+    /// transport calls it before it pins and sends the image): it stays
+    /// resident while newer saves seal, until
+    /// [`Engine::release_replicating`], so the exchange, once complete,
+    /// protects an image this rank still holds ([`Engine::protect`]).
+    /// Without it, a ring that saves faster than it replicates would
+    /// release each step before its exchange ends and never protect a
+    /// newer one. Returns false (and marks nothing) when `step` is not a
+    /// kept RAM snapshot here (persisted, held for a decision, or
+    /// released). Each hold that returned true takes one
+    /// [`Engine::release_replicating`].
+    ///
+    /// A ring with holds needs a slot more: the protected image, the one
+    /// being replicated, the newest one and the one being staged.
+    #[must_use]
+    pub fn hold_replicating(&self, step: u64) -> bool {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        if !st.snapshots.iter().any(|s| s.step == step) {
+            return false;
+        }
+        st.replicating.push(step);
+        true
+    }
+
+    /// Ends one [`Engine::hold_replicating`] of `step` (its exchange
+    /// completed, and [`Engine::protect`] was called, or failed): the
+    /// snapshot is released now if a newer one superseded it and nothing
+    /// else keeps it. Releasing a step that is not held does nothing.
+    pub fn release_replicating(&self, step: u64) {
+        let shared = self.shared();
+        let mut st = shared.lock();
+        if let Some(i) = st.replicating.iter().position(|s| *s == step) {
+            st.replicating.swap_remove(i);
+            shared.release_superseded(&mut st, step);
+        }
+    }
+
     /// Pins this rank's resident image of `step` (in its slot while the
     /// pin lives), for a transport that sends the bytes before their
     /// digests ([`Engine::resident_digests`]).
@@ -192,14 +230,24 @@ impl Engine {
                     shared.cfg.rank
                 ),
             })?;
+        // Kept resident until the sends end, so that they can protect it.
+        let held = self.hold_replicating(step);
         // Pinned now, so the image sent is the one resident at the call.
-        let early = shared.ring.pin(info.slot)?;
+        let early = match shared.ring.pin(info.slot) {
+            Ok(pin) => pin,
+            Err(e) => {
+                if held {
+                    self.release_replicating(step);
+                }
+                return Err(e);
+            }
+        };
         let handle = ReplicaHandle::new(step);
         let done = handle.clone();
         // Dropped once the job ran: no reference cycle outlives it.
         let engine = self.clone();
         let rank = shared.cfg.rank;
-        shared.replicas.send_in_background(Box::new(move || {
+        let sent = shared.replicas.send_in_background(Box::new(move || {
             let result = (|| {
                 let (meta, pin) = engine.resident_replica(step)?;
                 drop(early);
@@ -218,8 +266,17 @@ impl Engine {
                 }
                 Ok(sent)
             })();
+            if held {
+                engine.release_replicating(step);
+            }
             done.complete(result);
-        }))?;
+        }));
+        if let Err(e) = sent {
+            if held {
+                self.release_replicating(step);
+            }
+            return Err(e);
+        }
         Ok(handle)
     }
 

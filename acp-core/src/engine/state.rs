@@ -79,6 +79,12 @@ pub(super) struct EngineState {
     /// protected or committed, so that the loss of a node that holds this
     /// rank's replica finds this rank's image of that step on its own node.
     pub(super) protected: Option<u64>,
+    /// The steps whose replica exchange is in flight
+    /// ([`Engine::hold_replicating`](super::Engine::hold_replicating)),
+    /// one entry per hold: their snapshots are kept resident like the
+    /// protected one, so that the exchange, once complete, can protect a
+    /// step this rank still holds, however many saves sealed meanwhile.
+    pub(super) replicating: Vec<u64>,
     /// The measured write and compression rates that
     /// [`Compress::Auto`](crate::Compress::Auto) decides by.
     pub(super) rates: super::compress::Rates,
@@ -167,12 +173,13 @@ impl Shared {
             .max()
             .map_or(newest, |m| m.max(newest));
         // The protected step's image stays until a newer step is protected
-        // (which moves `protected`) or committed (storage has a newer one).
+        // (which moves `protected`) or committed (storage has a newer one);
+        // an image being replicated stays until its exchange ends.
         let keep = st
             .protected
             .filter(|p| st.committed.range(p + 1..).next().is_none());
         st.snapshots.retain(|s| {
-            if s.step >= newest || Some(s.step) == keep {
+            if s.step >= newest || Some(s.step) == keep || st.replicating.contains(&s.step) {
                 return true;
             }
             self.ring.release_generation(s.slot, s.generation);
