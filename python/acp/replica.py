@@ -269,11 +269,10 @@ class TorchReplicas:
     def _send_and_receive(self, step: int) -> list[int]:
         assert self._engine is not None
         e = self._engine
-        image: _acp.ReplicaImage | None = None
         try:
-            image = e.pin_resident(step)
+            image: _acp.ReplicaImage | None = e.pin_resident(step)
         except _acp.CheckpointNotFound:
-            pass
+            image = None
         holders = self.holders[self.rank]
         works: list[Any] = []
         for h in holders:

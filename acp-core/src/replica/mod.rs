@@ -14,7 +14,14 @@
 //!   same engine calls a transport uses
 //!   ([`Engine::resident_replica`](crate::Engine::resident_replica),
 //!   [`Engine::receive_replica`](crate::Engine::receive_replica),
-//!   [`Engine::pin_replica`](crate::Engine::pin_replica)).
+//!   [`Engine::pin_replica`](crate::Engine::pin_replica)). A transport
+//!   that drives its own exchange brackets each one with
+//!   [`Engine::hold_replicating`](crate::Engine::hold_replicating) and
+//!   [`Engine::release_replicating`](crate::Engine::release_replicating)
+//!   and calls [`Engine::protect`](crate::Engine::protect) once every
+//!   holder has the image, so the newest replicated step stays resident on
+//!   the sender's node ([`Engine::replicate`](crate::Engine::replicate)
+//!   does all three).
 //! - The replica store of an engine: rank `h`'s copies of rank `r`'s
 //!   images live in a ring of their own in `h`'s shared-memory directory,
 //!   named by [`replica_prefix`](crate::staging::replica_prefix)
