@@ -851,11 +851,22 @@ fn plan_resident(
 
 /// A header parsed from an image, with the bytes it was parsed from (its
 /// length prefix and JSON text: the image up to its data section).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(super) struct KeptHeader {
     bytes: Arc<[u8]>,
     image_len: u64,
     header: Arc<ParsedHeader>,
+}
+
+impl std::fmt::Debug for KeptHeader {
+    /// Sizes only: the bytes and the header are large.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeptHeader")
+            .field("header_bytes", &self.bytes.len())
+            .field("image_len", &self.image_len)
+            .field("tensors", &self.header.entries.len())
+            .finish()
+    }
 }
 
 /// [`parse_header`] of `image` (named `path` in errors), with the bytes it
