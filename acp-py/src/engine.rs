@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{err, invalid};
-use crate::load::Loaded;
+use crate::load::{Kept, Loaded};
 use crate::replica::{
     digests_bytes, meta_from, meta_tuple, sums_bytes, Mailbox, MetaOut, MetaTuple, Receipt,
     ReplicaImage,
@@ -35,6 +35,9 @@ pub(crate) struct Engine {
     root: PathBuf,
     /// Images fetched from peers by `acp.replica`, for the next load.
     mailbox: Arc<Mailbox>,
+    /// What Python reads of the last loaded header, for the next load of
+    /// the same header.
+    kept: Kept,
 }
 
 impl Engine {
@@ -277,6 +280,7 @@ impl Engine {
             root: inner.root().to_path_buf(),
             inner: RwLock::new(Some(inner)),
             mailbox,
+            kept: Kept::default(),
         })
     }
 
@@ -616,9 +620,9 @@ impl Engine {
         let engine = self.get()?;
         py.detach(|| {
             if defer {
-                Loaded::opened(engine.open_load(&req)?)
+                Loaded::opened(engine.open_load(&req)?, &self.kept)
             } else {
-                Loaded::new(engine.load(&req)?)
+                Loaded::new(engine.load(&req)?, &self.kept)
             }
         })
         .map_err(err)

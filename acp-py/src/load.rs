@@ -1,10 +1,11 @@
 //! `Loaded`: a loaded checkpoint, its values and its tensors' bytes.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use acp_core::format::ParsedHeader;
 use acp_core::{Checkpoint, Error, Opened, PendingLoad, Source};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::{err, invalid};
 use crate::save::{host_ranges, EntryInfo};
@@ -31,8 +32,61 @@ pub(crate) struct Loaded {
     /// The storage read not done yet (`None` once done or failed).
     pending: Mutex<Pending>,
     step: u64,
+    /// Its entries and values as Python sees them; shared with the loads
+    /// of the same header (`Kept`).
+    info: Arc<Info>,
+}
+
+/// What Python reads of a loaded header: derived once per header
+/// (`Kept`), not per load.
+#[derive(Debug)]
+pub(crate) struct Info {
+    /// The header these are of, held so that a pointer comparison with it
+    /// is a comparison of contents (`Checkpoint::header`).
+    header: Arc<ParsedHeader>,
     entries: Vec<EntryInfo>,
     values_json: String,
+    /// `entries()` and `values_json` as Python objects, made on first use:
+    /// the loads of one header hand out the same objects, which Python
+    /// then compares by identity, not item by item.
+    py_entries: OnceLock<Py<PyTuple>>,
+    py_values: OnceLock<Py<PyString>>,
+}
+
+impl Info {
+    fn new(step: u64, header: &Arc<ParsedHeader>) -> Result<Info, Error> {
+        Ok(Info {
+            header: Arc::clone(header),
+            entries: entry_infos(&header.entries)?,
+            values_json: values_json(step, &header.values)?,
+            py_entries: OnceLock::new(),
+            py_values: OnceLock::new(),
+        })
+    }
+}
+
+/// The `Info` of the last header an engine loaded: a load of the same
+/// header (the same resident image, unchanged: the core engine then hands
+/// out the same `Arc`) reuses it instead of converting thousands of
+/// entries and serialising the values again.
+#[derive(Debug, Default)]
+pub(crate) struct Kept(Mutex<Option<Arc<Info>>>);
+
+impl Kept {
+    /// The `Info` of `header` (of `step`): the kept one when it is of this
+    /// very header, else a new one, kept from now on.
+    fn info(&self, step: u64, header: &Arc<ParsedHeader>) -> Result<Arc<Info>, Error> {
+        let mut kept = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(info) = kept.as_ref().filter(|i| Arc::ptr_eq(&i.header, header)) {
+            return Ok(Arc::clone(info));
+        }
+        let info = Arc::new(Info::new(step, header)?);
+        *kept = Some(Arc::clone(&info));
+        Ok(info)
+    }
 }
 
 /// The state of a deferred read.
@@ -63,28 +117,26 @@ fn entry_infos(entries: &[acp_core::Entry]) -> Result<Vec<EntryInfo>, Error> {
 }
 
 impl Loaded {
-    /// Wraps a loaded checkpoint; serialises its values for Python.
-    pub(crate) fn new(inner: Checkpoint) -> Result<Loaded, Error> {
-        let entries = entry_infos(inner.entries())?;
-        let values_json = values_json(inner.step(), inner.values())?;
+    /// Wraps a loaded checkpoint; serialises its values for Python (or
+    /// takes them from `kept`, of the same header).
+    pub(crate) fn new(inner: Checkpoint, kept: &Kept) -> Result<Loaded, Error> {
+        let info = kept.info(inner.step(), inner.header())?;
         Ok(Loaded {
             step: inner.step(),
             read_only: OnceLock::new(),
             ready: OnceLock::from(inner),
             pending: Mutex::new(Pending::None),
-            entries,
-            values_json,
+            info,
         })
     }
 
     /// Wraps what `Engine::open_load` found.
-    pub(crate) fn opened(opened: Opened) -> Result<Loaded, Error> {
+    pub(crate) fn opened(opened: Opened, kept: &Kept) -> Result<Loaded, Error> {
         match opened {
-            Opened::Ready(c) => Loaded::new(c),
+            Opened::Ready(c) => Loaded::new(c, kept),
             Opened::Pending(p) => Ok(Loaded {
                 step: p.step(),
-                entries: entry_infos(p.entries())?,
-                values_json: values_json(p.step(), p.values())?,
+                info: kept.info(p.step(), p.header())?,
                 read_only: OnceLock::new(),
                 ready: OnceLock::new(),
                 pending: Mutex::new(Pending::Read(Box::new(p))),
@@ -150,7 +202,7 @@ impl Loaded {
                 self.what(),
                 format!(
                     "tensor index {i} out of range (there are {})",
-                    self.entries.len()
+                    self.info.entries.len()
                 ),
             )
         })?;
@@ -201,10 +253,15 @@ impl Loaded {
             .is_ok_and(|p| matches!(*p, Pending::Failed(_)))
     }
 
-    /// The plain values saved with it, as JSON text.
+    /// The plain values saved with it, as JSON text (the same object for
+    /// the loads of the same header).
     #[getter]
-    fn values_json(&self) -> &str {
-        &self.values_json
+    fn values_json<'py>(&self, py: Python<'py>) -> Bound<'py, PyString> {
+        self.info
+            .py_values
+            .get_or_init(|| PyString::new(py, &self.info.values_json).unbind())
+            .bind(py)
+            .clone()
     }
 
     /// The load's figures: source, bytes, verified, secs, and `rejected`:
@@ -221,9 +278,24 @@ impl Loaded {
         Ok(d)
     }
 
-    /// The tensors in file order, as `(name, dtype, shape, nbytes)`.
-    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
-        self.entries.iter().map(|e| e.to_tuple(py)).collect()
+    /// The tensors in file order, as `(name, dtype, shape, nbytes)`: a new
+    /// list, of the same tuples for the loads of the same header.
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let tuples = match self.info.py_entries.get() {
+            Some(t) => t.bind(py).clone(),
+            None => {
+                let items = self
+                    .info
+                    .entries
+                    .iter()
+                    .map(|e| e.to_tuple(py))
+                    .collect::<PyResult<Vec<_>>>()?;
+                let made = PyTuple::new(py, items)?.unbind();
+                // Another thread may have made them meanwhile: use theirs.
+                self.info.py_entries.get_or_init(|| made).bind(py).clone()
+            }
+        };
+        Ok(tuples.to_list())
     }
 
     /// A read-only, zero-copy memoryview over the bytes of tensor `i`
@@ -258,7 +330,7 @@ impl Loaded {
     /// this step, and the load failed (`failed`).
     fn copy_into(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
         let what = self.what();
-        let mut ranges = host_ranges(&what, &self.entries, &items)?;
+        let mut ranges = host_ranges(&what, &self.info.entries, &items)?;
         py.detach(|| -> Result<(), Error> {
             if self.ready.get().is_none() {
                 let read = self.with_pending(|p| match p {
@@ -294,7 +366,7 @@ impl Loaded {
             "Loaded(step={}, source={:?}, tensors={})",
             self.step,
             self.source(),
-            self.entries.len()
+            self.info.entries.len()
         )
     }
 }

@@ -1,9 +1,11 @@
 //! A loaded checkpoint: zero-copy views into the memory it was loaded
 //! into, and the figures of the load.
 
+use std::sync::Arc;
+
 use super::{copy, to_usize};
 use crate::error::{Error, Result};
-use crate::format::{Dtype, Entry};
+use crate::format::{Dtype, Entry, ParsedHeader};
 use crate::staging::PinnedSlot;
 
 /// Where a loaded checkpoint came from.
@@ -40,8 +42,9 @@ pub struct LoadReport {
 #[derive(Debug)]
 pub struct Checkpoint {
     pub(super) step: u64,
-    pub(super) values: serde_json::Value,
-    pub(super) entries: Vec<Entry>,
+    /// The verified header: its values and entries. Shared with the
+    /// loads of the same image bytes ([`Checkpoint::header`]).
+    pub(super) header: Arc<ParsedHeader>,
     pub(super) backing: Backing,
     pub(super) report: LoadReport,
     pub(super) copy_threads: usize,
@@ -103,13 +106,23 @@ impl Checkpoint {
     /// The plain values saved with it.
     #[must_use]
     pub fn values(&self) -> &serde_json::Value {
-        &self.values
+        &self.header.values
     }
 
     /// The tensors, in file order.
     #[must_use]
     pub fn entries(&self) -> &[Entry] {
-        &self.entries
+        &self.header.entries
+    }
+
+    /// The verified header that [`Checkpoint::values`] and
+    /// [`Checkpoint::entries`] come from. Loads of the same image bytes
+    /// (the same resident slot, unchanged) share it: two checkpoints whose
+    /// headers are [`Arc::ptr_eq`] have equal values and entries, which a
+    /// caller may use to reuse what it derived from them.
+    #[must_use]
+    pub fn header(&self) -> &Arc<ParsedHeader> {
+        &self.header
     }
 
     /// The whole image (a safetensors file).
@@ -121,7 +134,7 @@ impl Checkpoint {
     /// The tensor named `name`.
     #[must_use]
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
-        self.entries
+        self.entries()
             .iter()
             .find(|e| e.name == name)
             .map(|e| TensorView {
@@ -147,12 +160,12 @@ impl Checkpoint {
     /// a length differs, before anything is copied.
     pub fn copy_into(&self, dsts: &mut [(usize, &mut [u8])]) -> Result<()> {
         for (i, d) in dsts.iter() {
-            destination(&self.entries, self.step, *i, d.len())?;
+            destination(self.entries(), self.step, *i, d.len())?;
         }
         let pairs = dsts
             .iter_mut()
             .map(|(i, d)| {
-                let src = self.data(&self.entries[*i]);
+                let src = self.data(&self.header.entries[*i]);
                 (&mut **d, src)
             })
             .collect();

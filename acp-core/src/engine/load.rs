@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::checkpoint::Backing;
@@ -186,7 +187,7 @@ pub enum Opened {
 pub struct PendingLoad {
     engine: Engine,
     what: Deferred,
-    header: ParsedHeader,
+    header: Arc<ParsedHeader>,
     t0: Instant,
 }
 
@@ -217,7 +218,7 @@ struct ResidentSlot {
     /// [`PendingLoad::header`] was parsed from: once the image is checked,
     /// a header still holding these bytes is the planned one, which then
     /// is not parsed again.
-    header_bytes: Vec<u8>,
+    header_bytes: Arc<[u8]>,
 }
 
 impl PendingLoad {
@@ -252,6 +253,15 @@ impl PendingLoad {
     #[must_use]
     pub fn values(&self) -> &serde_json::Value {
         &self.header.values
+    }
+
+    /// The header [`PendingLoad::entries`] and [`PendingLoad::values`]
+    /// come from; shared, as [`Checkpoint::header`], with the loads of the
+    /// same header bytes (and with the checkpoint this load gives when the
+    /// checked header is this one).
+    #[must_use]
+    pub fn header(&self) -> &Arc<ParsedHeader> {
+        &self.header
     }
 
     /// The size of the step's image, in bytes.
@@ -343,7 +353,7 @@ fn check_planned(ck: &Checkpoint, planned: &ParsedHeader, path: &Path) -> Result
 fn read_resident_into(
     engine: &Engine,
     slot: Box<ResidentSlot>,
-    planned: ParsedHeader,
+    planned: Arc<ParsedHeader>,
     t0: Instant,
     into: &mut [(usize, &mut [u8])],
 ) -> Result<Checkpoint> {
@@ -732,7 +742,7 @@ fn load_step(
                 // The check waits for the copy, which does both in one
                 // pass ([`PendingLoad::read_into`]); planned from the
                 // slot's header, compared with the checked one then.
-                match plan_resident(&pin, &slot_path, step, &expected) {
+                match plan_resident(shared, &pin, &slot_path, step, &expected) {
                     Ok((header, header_bytes)) => {
                         return Ok(Opened::Pending(PendingLoad {
                             engine: engine.clone(),
@@ -825,24 +835,81 @@ fn load_step(
 
 /// The header of the resident image `pin` (the slot file `path`), not yet
 /// checked, checked against the index like a loaded one, for planning a
-/// load whose copy checks it ([`read_resident_into`]); with a copy of the
-/// bytes it was parsed from (the image up to its data section).
+/// load whose copy checks it ([`read_resident_into`]); with the bytes it
+/// was parsed from (the image up to its data section).
 fn plan_resident(
+    shared: &Shared,
     pin: &PinnedSlot,
     path: &Path,
     step: u64,
     expected: &Expected,
-) -> Result<(ParsedHeader, Vec<u8>)> {
-    let image = pin.image();
-    let header = parse_header(path, image, image.len() as u64)?;
+) -> Result<(Arc<ParsedHeader>, Arc<[u8]>)> {
+    let (header, bytes) = image_header(shared, path, pin.image())?;
     check_header(path, &header, step, expected)?;
+    Ok((header, bytes))
+}
+
+/// A header parsed from an image, with the bytes it was parsed from (its
+/// length prefix and JSON text: the image up to its data section).
+#[derive(Clone)]
+pub(super) struct KeptHeader {
+    bytes: Arc<[u8]>,
+    image_len: u64,
+    header: Arc<ParsedHeader>,
+}
+
+impl std::fmt::Debug for KeptHeader {
+    /// Sizes only: the bytes and the header are large.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeptHeader")
+            .field("header_bytes", &self.bytes.len())
+            .field("image_len", &self.image_len)
+            .field("tensors", &self.header.entries.len())
+            .finish()
+    }
+}
+
+/// [`parse_header`] of `image` (named `path` in errors), with the bytes it
+/// was parsed from. The engine keeps the last header it parsed
+/// ([`Shared::kept_header`]): an image of the same length whose bytes up to
+/// its data section are the kept ones gives the kept header, unparsed
+/// (a header of thousands of tensors costs milliseconds to parse, a
+/// comparison of its bytes microseconds). The parse reads nothing else and
+/// depends on nothing else: the kept header is the one a parse of `image`
+/// would give now. Nothing here checks the bytes against a digest: as
+/// after a parse, the caller checks them, or they were checked.
+fn image_header(
+    shared: &Shared,
+    path: &Path,
+    image: &[u8],
+) -> Result<(Arc<ParsedHeader>, Arc<[u8]>)> {
+    let len = image.len() as u64;
+    let kept = shared
+        .kept_header
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    if let Some(k) = kept {
+        if k.image_len == len && image.get(..k.bytes.len()) == Some(&k.bytes[..]) {
+            return Ok((k.header, k.bytes));
+        }
+    }
+    let header = Arc::new(parse_header(path, image, len)?);
     // `parse_header` read no byte past the data start, which lies inside
     // the image (it refused the header otherwise).
-    let bytes = usize::try_from(header.data_start)
+    let bytes: Arc<[u8]> = usize::try_from(header.data_start)
         .ok()
         .and_then(|end| image.get(..end))
         .ok_or_else(|| Error::corrupt(path, None, "header ends past the image"))?
-        .to_vec();
+        .into();
+    *shared
+        .kept_header
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(KeptHeader {
+        bytes: Arc::clone(&bytes),
+        image_len: len,
+        header: Arc::clone(&header),
+    });
     Ok((header, bytes))
 }
 
@@ -936,7 +1003,7 @@ impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
 /// under it against their digests, and [`PendingLoad::read_into`] refuses
 /// a header that differs from what that read verified. Of a compressed
 /// file, read from its decoded chunks, each checked against its digest.
-fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<ParsedHeader> {
+fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<Arc<ParsedHeader>> {
     let header = if stored.entry.stored_size.is_some() {
         with_reader(shared, stored, &mut |r| r.header())?
     } else {
@@ -955,7 +1022,7 @@ fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<ParsedHe
         )?
     };
     check_header(&stored.path, &header, stored.step, &stored.expected)?;
-    Ok(header)
+    Ok(Arc::new(header))
 }
 
 /// Reads `stored` whole, each chunk verified as it lands, into a ring slot
@@ -1033,9 +1100,8 @@ fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Resul
             ),
         });
     };
-    let image = f.backing.image();
-    let header = parse_header(&f.origin, image, image.len() as u64)?;
-    let mut tensors: Vec<String> = header.entries.into_iter().map(|e| e.name).collect();
+    let (header, _) = image_header(shared, &f.origin, f.backing.image())?;
+    let mut tensors: Vec<String> = header.entries.iter().map(|e| e.name.clone()).collect();
     tensors.sort_unstable();
     let expected = Expected {
         tensors,
@@ -1211,8 +1277,7 @@ fn finish(
     t0: Instant,
     expected: &Expected,
 ) -> Result<Checkpoint> {
-    let image = backing.image();
-    let header = parse_header(path, image, image.len() as u64)?;
+    let (header, _) = image_header(shared, path, backing.image())?;
     check_header(path, &header, step, expected)?;
     Ok(checked(shared, step, backing, header, source, verified, t0))
 }
@@ -1223,7 +1288,7 @@ fn checked(
     shared: &Shared,
     step: u64,
     backing: Backing,
-    header: ParsedHeader,
+    header: Arc<ParsedHeader>,
     source: Source,
     verified: bool,
     t0: Instant,
@@ -1237,8 +1302,7 @@ fn checked(
     };
     Checkpoint {
         step,
-        values: header.values,
-        entries: header.entries,
+        header,
         backing,
         report,
         copy_threads: shared.cfg.copy_threads,

@@ -211,6 +211,7 @@ impl Engine {
                 ..EngineState::default()
             }),
             idle: Condvar::new(),
+            kept_header: Mutex::new(None),
         });
         // Made loadable from RAM before the flush thread starts writing
         // them (see `hash::hash_recovered`): the resident images newer than

@@ -257,8 +257,7 @@ fn checkpoint<S: ChunkSource>(
     let len = to_usize(p.reader.entry().size);
     Checkpoint {
         step,
-        values: header.values,
-        entries: header.entries,
+        header: std::sync::Arc::new(header),
         backing: Backing::Heap(p.buf, len),
         report: LoadReport {
             source,

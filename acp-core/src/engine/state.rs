@@ -26,6 +26,10 @@ pub(super) struct Shared {
     pub(super) replicas: crate::replica::Store,
     pub(super) state: Mutex<EngineState>,
     pub(super) idle: Condvar,
+    /// The header last parsed from an image by a load, with its bytes
+    /// (`load.rs`, `image_header`): the next load of the same bytes uses
+    /// it rather than parsing them again.
+    pub(super) kept_header: Mutex<Option<super::load::KeptHeader>>,
 }
 
 /// A slot holding an image whose flush failed, and that image's generation.
