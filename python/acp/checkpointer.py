@@ -13,7 +13,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from acp import _acp, cover
-from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, EngineClosed, InvalidInput
+from acp._acp import (
+    AcpError,
+    AcpTimeout,
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    EngineClosed,
+    InvalidInput,
+)
 from acp._coalesce import Coalescer
 from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
@@ -690,8 +697,9 @@ class Checkpointer:
         ``into`` are not loaded. From storage, ``into``'s tensors are filled
         in the read's own pass (each chunk verified, then copied, no second
         pass over a full copy), and from RAM in the pass that checks the
-        resident copy (each chunk against its recorded sum, then copied);
-        when the load raises, each of them holds its old bytes or verified
+        resident copy (each chunk against its recorded sum, then copied;
+        a resident copy that fails its check is dropped and the step is
+        read from storage instead, logged); when the load raises, each of them holds its old bytes or verified
         bytes of the step that failed (a mix) and must not be used, and no
         other value was assigned; with
         ``fallback``, a step whose data fails verification during that
@@ -801,10 +809,35 @@ class Checkpointer:
         else:
             # Planning allocates per tensor (entries, signatures): without
             # the pause, full collections walk the heap many times over.
+            from_ram = getattr(loaded, "source", None) == "ram"
             with gc_paused():
                 try:
                     copied = load_into(loaded, self._adapters, into, map_location, self._plans)
                 except AcpError as e:
+                    if from_ram and not storage_only and isinstance(e, CheckpointCorrupt):
+                        # The resident copy failed its check (the slot is
+                        # dropped): the same step from the next source,
+                        # storage, planned afresh from its own header.
+                        logger.warning(
+                            "acp: the resident copy of step %d failed verification, "
+                            "reading it from storage: %s",
+                            loaded.step,
+                            e,
+                        )
+                        failed_step = loaded.step
+                        del loaded
+                        try:
+                            return self._load(
+                                failed_step,
+                                into=into,
+                                map_location=map_location,
+                                fallback=fallback,
+                                storage_only=True,
+                                rank=rank,
+                                defer=defer,
+                            )
+                        except CheckpointNotFound:
+                            raise e from None
                     if not (fallback and step is None and read_failed(loaded)):
                         raise
                     logger.warning(
