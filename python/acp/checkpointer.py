@@ -699,9 +699,9 @@ class Checkpointer:
         pass over a full copy), and from RAM in the pass that checks the
         resident copy (each chunk against its recorded sum, then copied;
         a resident copy that fails its check is dropped and the step is
-        read from storage instead, logged); when the load raises, each of them holds its old bytes or verified
-        bytes of the step that failed (a mix) and must not be used, and no
-        other value was assigned; with
+        read from storage instead, logged); when the load raises, each of
+        them holds its old bytes or verified bytes of the step that failed
+        (a mix) and must not be used, and no other value was assigned; with
         ``fallback``, a step whose data fails verification during that
         read is skipped (logged) and the next intact one is loaded into
         every tensor. ``fallback`` (with ``step=None``) falls back
