@@ -231,23 +231,20 @@ impl Engine {
                 ),
             })?;
         // Kept resident until the sends end, so that they can protect it.
-        let held = self.hold_replicating(step);
+        // Released when dropped: by the job once it ran, or here on an
+        // early return.
+        let hold = self.hold_replicating(step).then(|| ReplicatingHold {
+            engine: self.clone(),
+            step,
+        });
         // Pinned now, so the image sent is the one resident at the call.
-        let early = match shared.ring.pin(info.slot) {
-            Ok(pin) => pin,
-            Err(e) => {
-                if held {
-                    self.release_replicating(step);
-                }
-                return Err(e);
-            }
-        };
+        let early = shared.ring.pin(info.slot)?;
         let handle = ReplicaHandle::new(step);
         let done = handle.clone();
         // Dropped once the job ran: no reference cycle outlives it.
         let engine = self.clone();
         let rank = shared.cfg.rank;
-        let sent = shared.replicas.send_in_background(Box::new(move || {
+        shared.replicas.send_in_background(Box::new(move || {
             let result = (|| {
                 let (meta, pin) = engine.resident_replica(step)?;
                 drop(early);
@@ -266,17 +263,9 @@ impl Engine {
                 }
                 Ok(sent)
             })();
-            if held {
-                engine.release_replicating(step);
-            }
+            drop(hold);
             done.complete(result);
-        }));
-        if let Err(e) = sent {
-            if held {
-                self.release_replicating(step);
-            }
-            return Err(e);
-        }
+        }))?;
         Ok(handle)
     }
 
@@ -713,4 +702,17 @@ pub(super) fn from_peers(
         }
     }
     None
+}
+
+/// One [`Engine::hold_replicating`] that returned true, ended by
+/// [`Engine::release_replicating`] when dropped.
+struct ReplicatingHold {
+    engine: Engine,
+    step: u64,
+}
+
+impl Drop for ReplicatingHold {
+    fn drop(&mut self) {
+        self.engine.release_replicating(self.step);
+    }
 }
