@@ -143,6 +143,57 @@ def test_corrupt_resident_copy_falls_back_to_storage(make_ckpt: MakeCkpt, shm_di
     assert ckpt.last_load.source == "storage"
 
 
+def flip_in_slot(shm_dir: Path, needle: bytes) -> None:
+    """Flips a byte of the one ring slot holding ``needle``."""
+    hit = 0
+    for slot in sorted(slot_dir(shm_dir).iterdir()):
+        data = bytearray(slot.read_bytes())
+        at = data.find(needle)
+        if at >= 0:
+            data[at + 100] ^= 0xFF
+            slot.write_bytes(bytes(data))
+            hit += 1
+    assert hit == 1
+
+
+def test_resident_and_stored_copies_both_corrupt_fall_back_to_older_step(
+    make_ckpt: MakeCkpt, shm_dir: Path
+) -> None:
+    ckpt = make_ckpt(ring_slots=3)
+    ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
+    ckpt.save(2, {"w": torch.arange(1000.0) + 2}).wait()
+    flip_in_slot(shm_dir, (torch.arange(1000.0) + 2).numpy().tobytes())
+    flip_byte(data_file(ckpt, 2), 10)
+    into = {"w": torch.zeros(1000)}
+    stats = ckpt.load(into=into, fallback=True)
+    assert stats.step == 1
+    assert torch.equal(into["w"], torch.arange(1000.0))
+    # Without fallback, the failure is the caller's.
+    ckpt.save(3, {"w": torch.arange(1000.0) + 3}).wait()
+    flip_in_slot(shm_dir, (torch.arange(1000.0) + 3).numpy().tobytes())
+    flip_byte(data_file(ckpt, 3), 10)
+    with pytest.raises(acp.CheckpointCorrupt):
+        ckpt.load(into=into)
+
+
+def test_corrupt_ram_snapshot_loads_the_next_source(make_ckpt: MakeCkpt, shm_dir: Path) -> None:
+    ckpt = make_ckpt(ring_slots=3)
+    ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
+    ckpt.save(2, {"w": torch.arange(1000.0) + 2}, persist=False).wait()
+    flip_in_slot(shm_dir, (torch.arange(1000.0) + 2).numpy().tobytes())
+    into = {"w": torch.zeros(1000)}
+    stats = ckpt.load(into=into)
+    assert stats.step == 1
+    assert torch.equal(into["w"], torch.arange(1000.0))
+    # A step asked for by number is that step or an error.
+    ckpt.save(3, {"w": torch.arange(1000.0) + 3}, persist=False).wait()
+    flip_in_slot(shm_dir, (torch.arange(1000.0) + 3).numpy().tobytes())
+    with pytest.raises(acp.AcpError, match="digest mismatch"):
+        ckpt.load(3, into=into)
+    # (The close persists the newest snapshot: an intact one.)
+    ckpt.save(4, {"w": torch.arange(1000.0) + 4}, persist=False).wait()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

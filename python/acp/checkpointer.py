@@ -837,7 +837,31 @@ class Checkpointer:
                                 defer=defer,
                             )
                         except CheckpointNotFound:
-                            raise e from None
+                            # A RAM snapshot only: with no step asked for,
+                            # the next source, whatever ``fallback`` says
+                            # (as the engine does for one it checks).
+                            if step is not None:
+                                raise e from None
+                        except AcpError as again:
+                            # Storage's copy fails too: with ``fallback``
+                            # and no step asked for, the newest intact step.
+                            if not (fallback and step is None):
+                                raise
+                            logger.warning(
+                                "acp: step %d cannot be loaded, falling back: %s",
+                                failed_step,
+                                again,
+                            )
+                        # The failed slot is gone: this is another step.
+                        return self._load(
+                            None,
+                            into=into,
+                            map_location=map_location,
+                            fallback=fallback,
+                            storage_only=storage_only,
+                            rank=rank,
+                            defer=False,
+                        )
                     if not (fallback and step is None and read_failed(loaded)):
                         raise
                     logger.warning(
