@@ -117,7 +117,8 @@ fn mlock_child_without_permission() {
     };
     forbid_mlock();
     let dir = Path::new(&dir);
-    // A slot left by a previous ring is mapped (and locked) at open.
+    // A slot left by a previous ring: the open reports the limit before
+    // the slot is locked (as it is pre-faulted).
     {
         let mut o = opts(dir);
         o.mlock = false;

@@ -105,6 +105,7 @@ mod save;
 mod stage;
 mod state;
 mod wait;
+mod warm;
 
 pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};
 pub use handle::SaveHandle;
@@ -131,6 +132,8 @@ struct Inner {
     shared: Arc<Shared>,
     tx: Mutex<Option<Sender<flush::Work>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The thread that readies ring slots off the saves' path.
+    warm: warm::Warm,
     /// After a close with `release_on_close`: the steps whose only copy
     /// kept the ring (empty when it was released).
     kept_on_close: Mutex<Option<Vec<u64>>>,
@@ -331,6 +334,7 @@ impl Engine {
                 let _ = w.join();
             }
         }
+        self.inner.warm.stop();
         drained?;
         if let Some(e) = shared.lock().unreported.take() {
             return Err(e);

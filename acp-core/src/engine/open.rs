@@ -252,11 +252,17 @@ impl Engine {
                 })
                 .map_err(|e| Error::io("start flush thread", shared.root.location(), e))?
         };
+        let warm = super::warm::Warm::start(
+            shared.ring.clone(),
+            shared.cfg.rank,
+            shared.cfg.background_nice,
+        );
         Ok(Engine {
             inner: Arc::new(Inner {
                 shared,
                 tx: Mutex::new(Some(tx)),
                 worker: Mutex::new(Some(worker)),
+                warm,
                 kept_on_close: Mutex::new(None),
             }),
         })

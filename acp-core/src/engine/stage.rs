@@ -169,6 +169,10 @@ impl Staging {
             return SaveHandle::from_completion(done);
         };
         let pin = slot.seal(self.step, self.total_len);
+        // The free slots still too small for such an image grow in the
+        // background (after the stall: they would compete with its copy),
+        // so the next saves do not grow them.
+        self.engine.inner.warm.saw(self.total_len);
         let job = flush::Job {
             pin,
             step: self.step,

@@ -172,9 +172,16 @@
 //! plus the image length rounded up to 2 MiB (at most the per-slot share),
 //! so small changes in size reuse it. Growing `ftruncate`s and
 //! `fallocate`s the file (a full tmpfs fails there with `ENOSPC` instead of
-//! `SIGBUS` later), maps it with `MAP_POPULATE`, writes each page once, and
-//! `mlock`s it when asked. A slot grows only when taken by `acquire`, so
-//! steady-state saves touch no fresh page. `mlock` failure (an ordinary
+//! `SIGBUS` later), maps it with `MAP_POPULATE`, faults each page in for
+//! writing, and `mlock`s it when asked. A slot grows when taken by
+//! `acquire`, or, taken as `Staging` for the time, by
+//! [`Ring::warm_next`] given the saves' image length (an `acquire` that
+//! finds only that slot waits for it rather than report the ring full), so
+//! steady-state saves touch no fresh page. An open only maps the slots it
+//! keeps (no page is touched on the open's path); [`Ring::warm_next`]
+//! faults them in and locks them with `MADV_POPULATE_WRITE` and `mlock`,
+//! which change no byte, so loads may read them meanwhile, and an
+//! `acquire` of a slot not yet warmed faults it in itself. `mlock` failure (an ordinary
 //! user past `RLIMIT_MEMLOCK`, without `CAP_IPC_LOCK`) is reported in
 //! [`RingReport`] and [`Ring::mlock_state`], never fatal: the slots stay
 //! pre-faulted. A recovered slot larger than the current per-slot share

@@ -26,7 +26,6 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
     }
     let layout = Layout::new(opts.budget, opts.slots, opts.chunk_bytes)?;
     let mut report = RingReport::default();
-    let mut mlock_error = None;
     let dir = SlotDir::create(&opts.dir)?;
     // Every lock first, so that a busy ring is left exactly as it is.
     let files = (0..opts.slots)
@@ -41,14 +40,18 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
             file,
             path: &path,
         }
-        .run(i, &mut report, &mut mlock_error)?;
+        .run(i, &mut report)?;
         slots.push(entry);
     }
-    if opts.mlock && mlock_error.is_none() {
-        if let Err(why) = slot::lock_allowed(opts.budget) {
-            mlock_error = Some(why);
-        }
-    }
+    // The slots are locked as they are pre-faulted (`Ring::warm_next`,
+    // `acquire`); a limit that cannot hold the budget is reported now.
+    let mlock_error = if opts.mlock {
+        slot::lock_allowed(opts.budget)
+            .err()
+            .map(|why| format!("mlock of the ring: {why}"))
+    } else {
+        None
+    };
     if let Some(why) = &mlock_error {
         tracing::warn!(
             "ring `{}`: mlock refused ({why}); slots are pre-faulted but may be swapped",
@@ -64,6 +67,7 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
         slots,
         mlock_ok: report.mlocked,
         mlock_error,
+        warming: None,
     };
     Ok((
         Inner {
@@ -123,12 +127,7 @@ impl Recovery<'_> {
     /// Reads the control block and returns the slot's table entry: a
     /// complete image when it is trusted, else a `Free` slot with a fresh
     /// control block.
-    fn run(
-        &self,
-        index: usize,
-        report: &mut RingReport,
-        mlock_error: &mut Option<String>,
-    ) -> Result<Entry> {
+    fn run(&self, index: usize, report: &mut RingReport) -> Result<Entry> {
         let file_len = self
             .file
             .metadata()
@@ -150,7 +149,7 @@ impl Recovery<'_> {
                 match SlotState::from_code(h.state) {
                     Some(state) if state.is_complete() => match h.check_complete(file_len) {
                         Ok(()) => {
-                            let entry = self.recover(state, &h, file_len, mlock_error)?;
+                            let entry = self.recover(state, &h, file_len)?;
                             report.recovered.push(entry.info(index));
                             return Ok(entry);
                         }
@@ -184,23 +183,15 @@ impl Recovery<'_> {
             ),
             None => {}
         }
-        self.reset(file_len, generation, mlock_error)
+        self.reset(file_len, generation)
     }
 
     /// Maps a trusted complete slot and takes it over.
-    fn recover(
-        &self,
-        state: SlotState,
-        h: &Header,
-        file_len: u64,
-        mlock_error: &mut Option<String>,
-    ) -> Result<Entry> {
-        // SAFETY: we hold the file's `flock`, so no other ring process
-        // touches it, and the ring being opened is not shared yet, so no
-        // handle on this slot exists in this process.
-        let mut mem = unsafe { SlotMem::map(self.file, file_len, h.image_offset) }
+    fn recover(&self, state: SlotState, h: &Header, file_len: u64) -> Result<Entry> {
+        // Mapped only: `Ring::warm_next` faults it in and locks it off the
+        // open's path, and a load reads it meanwhile.
+        let mut mem = SlotMem::map_lazy(self.file, file_len, h.image_offset)
             .map_err(|e| Error::io("mmap", self.path, e))?;
-        self.lock(&mem, mlock_error);
         mem.ctrl.set_pid(std::process::id());
         let has_digests = h.digests_usable(self.opts.chunk_bytes);
         if !has_digests && h.digests_valid != 0 {
@@ -221,12 +212,7 @@ impl Recovery<'_> {
     /// Reinitialises a slot as `Free`. A file whose size fits this ring's
     /// layout is mapped (its memory is reused); any other is cut to its
     /// header page and regrown by the first `acquire`.
-    fn reset(
-        &self,
-        file_len: u64,
-        generation: u64,
-        mlock_error: &mut Option<String>,
-    ) -> Result<Entry> {
+    fn reset(&self, file_len: u64, generation: u64) -> Result<Entry> {
         let l = self.layout;
         let capacity = file_len.saturating_sub(l.ctrl_len);
         let reusable = file_len > l.ctrl_len && l.fits(l.ctrl_len, capacity, PAGE);
@@ -245,11 +231,9 @@ impl Recovery<'_> {
             image_offset: l.ctrl_len,
         };
         let mem = if reusable {
-            // SAFETY: as in `recover`: the `flock` is ours and the ring is
-            // not shared yet, so nothing else accesses the file's bytes.
-            let mut mem = unsafe { SlotMem::map(self.file, file_len, l.ctrl_len) }
+            // Mapped only, as in `recover`.
+            let mut mem = SlotMem::map_lazy(self.file, file_len, l.ctrl_len)
                 .map_err(|e| Error::io("mmap", self.path, e))?;
-            self.lock(&mem, mlock_error);
             mem.ctrl.write_header(&header);
             Some(mem)
         } else {
@@ -275,13 +259,5 @@ impl Recovery<'_> {
             has_digests: false,
             generation,
         })
-    }
-
-    fn lock(&self, mem: &SlotMem, mlock_error: &mut Option<String>) {
-        if self.opts.mlock {
-            if let Err(e) = mem.lock() {
-                *mlock_error = Some(format!("mlock {}: {e}", self.path.display()));
-            }
-        }
     }
 }

@@ -12,7 +12,7 @@ use crate::format::Digest;
 
 use super::handles::{PinnedSlot, StagingSlot};
 use super::open;
-use super::table::Inner;
+use super::table::{Inner, Take};
 use super::{RingOptions, RingReport, SlotInfo, SlotState};
 
 /// The ring of one job and rank. Cheap to clone; all clones share the slots.
@@ -69,7 +69,7 @@ impl Ring {
     /// [`Error::Timeout`]; [`Error::Io`] when growing fails, or
     /// [`Error::NoSpace`] when the directory (tmpfs) has no room for it.
     pub fn acquire(&self, len: u64, wait: Option<Duration>) -> Result<Option<StagingSlot>> {
-        self.take(len, wait, true)
+        self.take(len, wait, Take::Save)
     }
 
     /// Readies every `Free` slot for images of `len` bytes now (grows,
@@ -82,13 +82,82 @@ impl Ring {
     /// As [`Ring::acquire`].
     pub fn reserve(&self, len: u64) -> Result<usize> {
         let mut held = Vec::new();
-        while let Some(slot) = self.take(len, None, false)? {
+        while let Some(slot) = self.take(len, None, Take::Reserve)? {
             held.push(slot); // dropped unsealed below: `Free` again, memory kept
         }
         Ok(held.len())
     }
 
-    fn take(&self, len: u64, wait: Option<Duration>, evict: bool) -> Result<Option<StagingSlot>> {
+    /// Does one piece of the work that keeps saves off the page-fault path
+    /// and says whether there was any: pre-faults (and locks, when the
+    /// ring locks) one mapped slot that is not yet (the slots an open
+    /// mapped, recovered images included, stay readable meanwhile); else,
+    /// given the image length `len` of the saves, grows one `Free` slot too
+    /// small for it, as its first [`Ring::acquire`] would. A background
+    /// thread calls it until it returns `false`, off the training's path;
+    /// an `acquire` that comes first does the same work itself, and one
+    /// that finds only the slot being grown waits for it.
+    ///
+    /// # Errors
+    /// The `madvise` error (a kernel before 5.14 has no
+    /// `MADV_POPULATE_WRITE`: `acquire` then pre-faults as it takes a
+    /// slot), and [`Ring::acquire`]'s when growing fails.
+    pub fn warm_next(&self, len: Option<u64>) -> Result<bool> {
+        let inner = &self.inner;
+        // The newest image first: a load after a restart reads it.
+        let cold = {
+            let t = inner.lock();
+            t.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.mem.as_ref().is_some_and(|m| !m.warm))
+                .max_by_key(|(i, e)| (e.state.is_complete(), e.step, std::cmp::Reverse(*i)))
+                .and_then(|(i, e)| Some((i, e.mem.as_ref()?.warmer())))
+        };
+        if let Some((slot, warmer)) = cold {
+            let faulted = warmer.prefault();
+            let locked = if inner.opts.mlock && faulted.is_ok() {
+                warmer.lock().err()
+            } else {
+                None
+            };
+            let mut t = inner.lock();
+            if let Some(e) = locked {
+                tracing::warn!(
+                    "{}: mlock {}: {e}; the slot stays pre-faulted but unlocked",
+                    inner.what(),
+                    inner.path(slot).display()
+                );
+                t.mlock_ok = false;
+                t.mlock_error = Some(format!("mlock {}: {e}", inner.path(slot).display()));
+            }
+            faulted.map_err(|e| Error::io("madvise(MADV_POPULATE_WRITE)", inner.path(slot), e))?;
+            if let Some(m) = t
+                .slots
+                .get_mut(slot)
+                .and_then(|e| e.mem.as_mut())
+                .filter(|m| warmer.warms(m))
+            {
+                m.warm = true;
+            }
+            return Ok(true);
+        }
+        let Some(len) = len.filter(|l| *l <= inner.layout.max_image) else {
+            return Ok(false);
+        };
+        let grown = self.take(len, None, Take::Grow);
+        let did = matches!(grown, Ok(Some(_)));
+        drop(grown); // an unsealed slot: `Free` again, its memory kept
+        let mut t = inner.lock();
+        let was = t.warming.take();
+        drop(t);
+        if was.is_some() {
+            inner.freed.notify_all();
+        }
+        Ok(did)
+    }
+
+    fn take(&self, len: u64, wait: Option<Duration>, take: Take) -> Result<Option<StagingSlot>> {
         let inner = &self.inner;
         let max = inner.layout.max_image;
         if len > max {
@@ -106,8 +175,13 @@ impl Ring {
         let deadline = wait.and_then(|d| start.checked_add(d));
         let mut t = inner.lock();
         let slot = loop {
-            if let Some(i) = inner.pick(&t, len, evict) {
+            if let Some(i) = inner.pick(&t, len, take) {
                 break i;
+            }
+            if take != Take::Grow && t.warming.is_some() {
+                // The slot being grown is `Free` again shortly.
+                t = inner.freed.wait(t).unwrap_or_else(PoisonError::into_inner);
+                continue;
             }
             let Some(d) = wait else { return Ok(None) };
             match deadline {
@@ -139,6 +213,9 @@ impl Ring {
         e.generation = e.generation.wrapping_add(1);
         let generation = e.generation;
         let old = e.mem.take();
+        if take == Take::Grow {
+            t.warming = Some(slot);
+        }
         drop(t);
 
         let mut mlock_error = None;

@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Arc;
 
-use memmap2::{MmapOptions, MmapRaw};
+use memmap2::{Advice, MmapOptions, MmapRaw};
 
 use super::control::{
     off, sums_at, sums_record_len, sums_tag, Header, DIGEST_BYTES, HEADER_BYTES, HEADER_PAGE, PAGE,
@@ -48,6 +48,67 @@ pub(super) struct Image {
     map: Arc<Mapping>,
 }
 
+/// The bytes [`Warmer`] faults in or locks per system call.
+const WARM_STEP: usize = 32 << 20;
+
+/// Pre-faults and locks a mapping off the save path (see
+/// [`SlotMem::warmer`]). `MADV_POPULATE_WRITE` and `mlock` change no byte,
+/// so it may run beside readers and writers of the slot.
+#[derive(Debug)]
+pub(super) struct Warmer {
+    map: Arc<Mapping>,
+}
+
+impl Warmer {
+    /// Faults every page in for writing (`MADV_POPULATE_WRITE`).
+    ///
+    /// # Errors
+    /// The `madvise` error: `EINVAL` on kernels before 5.14, `ENOMEM` or
+    /// `EFAULT` when the memory cannot be had.
+    pub(super) fn prefault(&self) -> io::Result<()> {
+        self.in_steps(|at, n| self.map.raw.advise_range(Advice::PopulateWrite, at, n))
+    }
+
+    /// `mlock`s the whole mapping.
+    ///
+    /// # Errors
+    /// The `mlock` error.
+    pub(super) fn lock(&self) -> io::Result<()> {
+        self.in_steps(|at, n| {
+            // SAFETY: `[at, at + n)` lies inside the live mapping (kept
+            // alive by `self.map`): `in_steps` hands out sub-ranges of
+            // `[0, raw.len())` starting at page multiples. `mlock` changes
+            // no byte.
+            let rc = unsafe { libc::mlock(self.map.raw.as_ptr().add(at).cast(), n) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        })
+    }
+
+    /// Runs `f` over the mapping in steps of [`WARM_STEP`] bytes. Each call
+    /// holds the process's memory-map lock (`mlock` for writing) for one
+    /// step only, so the training's own page faults (a load reading a
+    /// recovered slot) wait for a step at most, not for a whole slot.
+    fn in_steps(&self, mut f: impl FnMut(usize, usize) -> io::Result<()>) -> io::Result<()> {
+        let len = self.map.raw.len();
+        let mut at = 0;
+        while at < len {
+            let n = WARM_STEP.min(len - at);
+            f(at, n)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Whether `mem` is the mapping this handle warms.
+    pub(super) fn warms(&self, mem: &SlotMem) -> bool {
+        Arc::ptr_eq(&self.map, &mem.ctrl.map)
+    }
+}
+
 /// A mapped slot file.
 #[derive(Debug)]
 pub(super) struct SlotMem {
@@ -55,6 +116,9 @@ pub(super) struct SlotMem {
     pub(super) ctrl: Control,
     /// The image area (the ring clones it into handles).
     pub(super) image: Image,
+    /// Every page is faulted in (and locked, when the ring locks): writes
+    /// into it take no fault.
+    pub(super) warm: bool,
 }
 
 impl SlotMem {
@@ -72,6 +136,24 @@ impl SlotMem {
     /// the call (the pre-fault rewrites every page): the caller holds the
     /// slot's `flock` and no image handle of the slot is alive.
     pub(super) unsafe fn map(file: &File, len: u64, image_off: u64) -> io::Result<SlotMem> {
+        let mut mem = Self::mapping(file, len, image_off, true)?;
+        // SAFETY: the caller's contract is `prefault_exclusive`'s.
+        unsafe { mem.prefault_exclusive() };
+        mem.warm = true;
+        Ok(mem)
+    }
+
+    /// Maps the first `len` bytes of `file` shared without touching a page:
+    /// the caller pre-faults it later ([`SlotMem::warmer`] while others may
+    /// read it, [`SlotMem::prefault_exclusive`] while nobody does).
+    ///
+    /// # Errors
+    /// As [`SlotMem::map`].
+    pub(super) fn map_lazy(file: &File, len: u64, image_off: u64) -> io::Result<SlotMem> {
+        Self::mapping(file, len, image_off, false)
+    }
+
+    fn mapping(file: &File, len: u64, image_off: u64, populate: bool) -> io::Result<SlotMem> {
         let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, what.to_owned());
         if image_off % PAGE != 0 || len % PAGE != 0 || image_off < HEADER_PAGE || image_off >= len {
             return Err(bad("slot mapping is not page-aligned or has no image area"));
@@ -79,22 +161,14 @@ impl SlotMem {
         let len_us =
             usize::try_from(len).map_err(|_| bad("slot too large for the address space"))?;
         let image_off = usize::try_from(image_off).map_err(|_| bad("image offset too large"))?;
-        let raw = MmapOptions::new().len(len_us).populate().map_raw(file)?;
+        let mut options = MmapOptions::new();
+        options.len(len_us);
+        if populate {
+            options.populate();
+        }
+        let raw = options.map_raw(file)?;
         if raw.len() != len_us {
             return Err(bad("short slot mapping"));
-        }
-        let base = raw.as_mut_ptr();
-        for at in (0..len_us).step_by(4096) {
-            // SAFETY: `at < len_us`, the length of the live mapping `raw`, so
-            // the pointer is in bounds and valid for a one-byte read and
-            // write; the caller guarantees nobody else accesses the file's
-            // bytes during this call, and `raw` is not shared yet, so
-            // there is no data race. Writing back the byte just read keeps
-            // the contents.
-            unsafe {
-                let p = base.add(at);
-                p.write_volatile(p.read_volatile());
-            }
         }
         let map = Arc::new(Mapping {
             raw,
@@ -106,7 +180,44 @@ impl SlotMem {
                 map: Arc::clone(&map),
             },
             image: Image { map },
+            warm: false,
         })
+    }
+
+    /// Faults every page of the mapping in for writing:
+    /// `MADV_POPULATE_WRITE`, or where the kernel lacks it (before Linux
+    /// 5.14), a write of each page's first byte with its own value.
+    ///
+    /// # Safety
+    /// No other thread or process writes the file's bytes during the call
+    /// (the fallback rewrites a byte of every page): the caller holds the
+    /// slot's `flock` and no image handle that writes is alive.
+    pub(super) unsafe fn prefault_exclusive(&self) {
+        let map = &self.ctrl.map;
+        if map.raw.advise(Advice::PopulateWrite).is_ok() {
+            return;
+        }
+        let base = map.raw.as_mut_ptr();
+        for at in (0..map.raw.len()).step_by(4096) {
+            // SAFETY: `at < raw.len()`, the length of the live mapping
+            // (kept alive by `map`), so the pointer is in bounds and valid
+            // for a one-byte read and write; the caller guarantees nobody
+            // else writes the file's bytes during this call, so there is
+            // no data race. Writing back the byte just read keeps the
+            // contents.
+            unsafe {
+                let p = base.add(at);
+                p.write_volatile(p.read_volatile());
+            }
+        }
+    }
+
+    /// A handle that pre-faults and locks this mapping from another thread
+    /// while the slot is in use: it never reads or writes the bytes.
+    pub(super) fn warmer(&self) -> Warmer {
+        Warmer {
+            map: Arc::clone(&self.ctrl.map),
+        }
     }
 
     /// `mlock`s the whole mapping.
@@ -118,7 +229,8 @@ impl SlotMem {
         self.ctrl.map.raw.lock()
     }
 
-    /// Whether no handle other than this `SlotMem`'s own holds the mapping.
+    /// Whether no handle other than this `SlotMem`'s own (an image handle,
+    /// a [`Warmer`]) holds the mapping.
     pub(super) fn is_unique(&self) -> bool {
         Arc::strong_count(&self.ctrl.map) == 2
     }

@@ -34,6 +34,21 @@ pub(super) struct Table {
     pub(super) mlock_ok: bool,
     /// The last `mlock` refusal.
     pub(super) mlock_error: Option<String>,
+    /// The slot [`Ring::warm_next`](super::Ring::warm_next) holds `Staging`
+    /// while it grows it: it is `Free` again shortly, so `acquire` waits
+    /// for it rather than report the ring full.
+    pub(super) warming: Option<usize>,
+}
+
+/// What a slot is taken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Take {
+    /// A save: a free slot, else the oldest persisted one is evicted.
+    Save,
+    /// Readied for later saves: free slots only.
+    Reserve,
+    /// Grown in the background: free slots too small for the saves only.
+    Grow,
 }
 
 /// One slot.
@@ -105,10 +120,11 @@ impl Inner {
         )
     }
 
-    /// Picks the slot `acquire` takes for `len` bytes: a `Free` one (one
-    /// already big enough first), else the unpinned `Persisted` one with
-    /// the oldest step.
-    pub(super) fn pick(&self, t: &Table, len: u64, evict: bool) -> Option<usize> {
+    /// Picks the slot to take for `len` bytes. [`Take::Save`]: a `Free`
+    /// one (one already big enough first), else the unpinned `Persisted`
+    /// one with the oldest step; [`Take::Reserve`]: a `Free` one;
+    /// [`Take::Grow`]: a `Free` one too small for `len`.
+    pub(super) fn pick(&self, t: &Table, len: u64, take: Take) -> Option<usize> {
         let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
         let fits = |e: &Entry| {
             e.mem
@@ -116,12 +132,18 @@ impl Inner {
                 .is_some_and(|m| self.layout.fits(m.image_off(), m.capacity(), len))
         };
         let slots = t.slots.iter().enumerate();
+        if take == Take::Grow {
+            return slots
+                .clone()
+                .find(|(_, e)| free(e) && !fits(e))
+                .map(|(i, _)| i);
+        }
         slots
             .clone()
             .find(|(_, e)| free(e) && fits(e))
             .or_else(|| slots.clone().find(|(_, e)| free(e)))
             .or_else(|| {
-                if !evict {
+                if take != Take::Save {
                     return None;
                 }
                 slots
@@ -147,6 +169,15 @@ impl Inner {
         let mut mem = match old {
             Some(mut m) if l.fits(m.image_off(), m.capacity(), len) => {
                 m.ctrl.set_state(SlotState::Staging);
+                if !m.warm {
+                    // SAFETY: as in `grow`: the `flock` is ours and the
+                    // slot is `Staging`, taken with no pin, so no image
+                    // handle of it is alive; a `Warmer` of it never
+                    // touches its bytes.
+                    unsafe { m.prefault_exclusive() };
+                    m.warm = true;
+                    self.lock_slot(slot, &m, mlock_error);
+                }
                 m
             }
             other => {
@@ -154,8 +185,9 @@ impl Inner {
                 if let Some(mut m) = other {
                     m.ctrl.set_state(SlotState::Staging);
                     if !m.is_unique() {
-                        // A handle still maps the file (cannot happen while
-                        // the slot is unpinned): never shrink under it.
+                        // A handle still maps the file (a `Warmer`: image
+                        // handles cannot be alive while the slot is
+                        // unpinned): never shrink under it.
                         floor = l.ctrl_len
                             + round_up(m.file_len().saturating_sub(l.ctrl_len), PAGE).unwrap_or(0);
                     }
@@ -206,11 +238,17 @@ impl Inner {
         // handle of it is alive and nobody reads or writes its bytes.
         let mem = unsafe { SlotMem::map(file, size, self.layout.ctrl_len) }
             .map_err(|e| Error::io("mmap", &path, e))?;
+        self.lock_slot(slot, &mem, mlock_error);
+        Ok(mem)
+    }
+
+    /// `mlock`s slot `slot`'s mapping when the ring locks, setting
+    /// `mlock_error` when refused.
+    pub(super) fn lock_slot(&self, slot: usize, mem: &SlotMem, mlock_error: &mut Option<String>) {
         if self.opts.mlock {
             if let Err(e) = mem.lock() {
-                *mlock_error = Some(format!("mlock {}: {e}", path.display()));
+                *mlock_error = Some(format!("mlock {}: {e}", self.path(slot).display()));
             }
         }
-        Ok(mem)
     }
 }

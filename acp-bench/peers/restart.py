@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""What a job's first saves and a restart cost: open, restore from RAM, the saves after.
+
+    python acp-bench/peers/restart.py                           # 1 GiB, 3 slots, 3 rounds
+    python acp-bench/peers/restart.py --mib 256 --rounds 5 --out acp-bench/results/restart
+    python acp-bench/peers/restart.py --python /other/build/.venv/bin/python   # another build
+
+Each round runs two processes on a fresh checkpoint root and ring, as a job and its
+restart would. The first opens a ``Checkpointer`` (default settings but the ring: ``--slots``
+slots of the state's size), then saves ``--saves`` times, ``--gap`` seconds apart (the rest
+of a training step), waits for the last save's commit and exits without closing (the ring
+stays, as after a crash). The second opens the same root, restores the newest step from RAM
+with ``load(into=)``, and saves ``--saves`` times again. Each process also times a plain
+copy of the same tensors into a buffer it has already written once (the memcpy floor of a
+save), in the same run. Printed: per save, the stall in each round and its median against
+that floor; the restart's open and restore. The ring is removed at the end of each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+
+def life(a: argparse.Namespace) -> None:
+    """One process of a round: ``--life first`` or ``--life restart``; prints one JSON line."""
+    import torch
+
+    import acp
+
+    torch.set_num_threads(1)
+    numel = (a.mib << 20) // 4 // a.tensors
+    gen = torch.Generator().manual_seed(7)
+    state = {f"t{i}": torch.randn(numel, generator=gen) for i in range(a.tensors)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    floor_buf = [torch.empty_like(t) for t in state.values()]
+    for b in floor_buf:
+        b.fill_(0)  # written once: the floor copies into touched memory, as a warm slot is
+    copies = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, s in zip(floor_buf, state.values(), strict=True):
+            d.copy_(s)
+        copies.append(time.perf_counter() - t0)
+    del floor_buf
+    out: dict[str, Any] = {"memcpy": statistics.median(copies), "bytes": nbytes}
+    t0 = time.perf_counter()
+    ckpt = acp.Checkpointer(
+        a.root,
+        job="restart-bench",
+        shm_dir=a.shm,
+        ring_slots=a.slots,
+        ring_bytes=a.slots * (nbytes + (8 << 20)),
+        keep_last=2,
+    )
+    out["open"] = time.perf_counter() - t0
+    first = 0
+    if a.life == "restart":
+        into = {k: torch.empty_like(v) for k, v in state.items()}
+        t0 = time.perf_counter()
+        stats = ckpt.load(into=into)
+        out["load"] = time.perf_counter() - t0
+        out["source"] = stats.source
+        first = stats.step
+        if not all(torch.equal(into[k], state[k]) for k in state):
+            raise SystemExit("restored state differs from the saved one")
+    stalls = []
+    h = None
+    for i in range(1, a.saves + 1):
+        time.sleep(a.gap)
+        t0 = time.perf_counter()
+        h = ckpt.save(first + i, state)
+        stalls.append(time.perf_counter() - t0)
+    assert h is not None
+    h.wait()
+    out["stalls"] = stalls
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # no close: the ring stays, as after a crash
+
+
+def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str, Any]:
+    cmd = [
+        a.python,
+        os.path.abspath(__file__),
+        "--life",
+        which,
+        "--root",
+        root,
+        "--shm",
+        shm,
+        "--mib",
+        str(a.mib),
+        "--tensors",
+        str(a.tensors),
+        "--slots",
+        str(a.slots),
+        "--saves",
+        str(a.saves),
+        "--gap",
+        str(a.gap),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{which} life failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    line = done.stdout.strip().splitlines()[-1]
+    return json.loads(line)
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.0f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--mib", type=int, default=1024, help="state size in MiB (1024)")
+    ap.add_argument("--tensors", type=int, default=16, help="tensors in the state (16)")
+    ap.add_argument("--slots", type=int, default=3, help="ring slots (3)")
+    ap.add_argument("--saves", type=int, default=4, help="saves per process (4)")
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds between saves (2.0)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (3)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter with the acp to test")
+    ap.add_argument("--dir", default=None, help="where checkpoint roots go (system temp)")
+    ap.add_argument("--out", default=None, help="directory for restart.json and restart.md")
+    ap.add_argument("--life", choices=("first", "restart"), help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--shm", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.life:
+        life(a)
+        return
+    if a.rounds < 1 or a.saves < 1 or a.slots < 2:
+        ap.error("--rounds and --saves must be positive, --slots at least 2")
+    rounds = []
+    for r in range(a.rounds):
+        base = tempfile.mkdtemp(prefix="acp-restart-", dir=a.dir)
+        shm = tempfile.mkdtemp(prefix="acp-restart-", dir="/dev/shm")
+        try:
+            root = os.path.join(base, "ckpt")
+            first = run_life(a, "first", root, shm)
+            restart = run_life(a, "restart", root, shm)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)
+        rounds.append({"first": first, "restart": restart})
+        f, s = first, restart
+        print(
+            f"round {r + 1}: first life stalls {', '.join(ms(x) for x in f['stalls'])} "
+            f"(memcpy {ms(f['memcpy'])}); restart: open {ms(s['open'])}, "
+            f"load {ms(s['load'])} from {s['source']}, stalls "
+            f"{', '.join(ms(x) for x in s['stalls'])} (memcpy {ms(s['memcpy'])})",
+            flush=True,
+        )
+    report = summarize(a, rounds)
+    print(report)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "restart.json").write_text(
+            json.dumps({"command": sys.argv, "rounds": rounds}, indent=1)
+        )
+        (out / "restart.md").write_text(report + "\n")
+
+
+def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    lines = [
+        f"`restart.py --mib {a.mib} --tensors {a.tensors} --slots {a.slots} --saves {a.saves} "
+        f"--gap {a.gap} --rounds {a.rounds}`, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at the end",
+        "",
+        "| process | what | median | against memcpy (same process) |",
+        "|---|---|---:|---:|",
+    ]
+    for which in ("first", "restart"):
+        lives = [r[which] for r in rounds]
+        copy = med([x["memcpy"] for x in lives])
+        if which == "restart":
+            for key in ("open", "load"):
+                v = med([x[key] for x in lives])
+                lines.append(f"| restart | {key} | {ms(v)} | {v / copy:.2f}x |")
+        for i in range(a.saves):
+            v = med([x["stalls"][i] for x in lives])
+            lines.append(f"| {which} | save {i + 1} stall | {ms(v)} | {v / copy:.2f}x |")
+        lines.append(f"| {which} | memcpy | {ms(copy)} | 1.00x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

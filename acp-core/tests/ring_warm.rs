@@ -1,0 +1,125 @@
+//! Readying slots off the save path (`Ring::warm_next`): an open only maps
+//! the slots a previous process left, and the warming faults them in
+//! without changing a byte; free slots grow to the saves' size before a
+//! save needs them; a save never reports the ring full because of it.
+
+use std::path::Path;
+use std::sync::Barrier;
+
+use acp_core::staging::{Ring, RingOptions, SlotState};
+
+const MIB: u64 = 1 << 20;
+
+fn opts(dir: &Path, slots: usize) -> RingOptions {
+    RingOptions {
+        dir: dir.to_path_buf(),
+        prefix: "acp-test-r00000".to_owned(),
+        job_tag: [0x5A; 32],
+        rank: 0,
+        slots,
+        budget: slots as u64 * 8 * MIB,
+        chunk_bytes: MIB,
+        mlock: true,
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_mul(31).wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+fn save(ring: &Ring, step: u64, len: usize) {
+    let mut s = ring
+        .acquire(len as u64, None)
+        .expect("acquire")
+        .expect("a free slot");
+    s.image_mut()[..len].copy_from_slice(&pattern(step as u8, len));
+    drop(s.seal(step, len as u64));
+}
+
+/// Calls `warm_next(len)` until it has nothing left; returns how often it
+/// did something.
+fn warm_all(ring: &Ring, len: Option<u64>) -> usize {
+    let mut n = 0;
+    while ring.warm_next(len).expect("warm_next") {
+        n += 1;
+        assert!(n <= 16, "warm_next never runs out of work");
+    }
+    n
+}
+
+#[test]
+fn recovered_slots_are_warmed_in_place_and_free_ones_grown() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 3 * MIB as usize + 123;
+    {
+        let (ring, _) = Ring::open(opts(dir.path(), 3)).unwrap();
+        save(&ring, 1, len);
+        save(&ring, 2, len);
+        for s in ring.complete() {
+            ring.set_state(s.slot, SlotState::Persisted);
+        }
+    }
+    let (ring, report) = Ring::open(opts(dir.path(), 3)).unwrap();
+    assert_eq!(report.recovered.len(), 2);
+    // The two recovered slots, each once; the third was never grown.
+    assert_eq!(warm_all(&ring, None), 2);
+    for s in ring.complete() {
+        let pin = ring.pin(s.slot).unwrap();
+        assert_eq!(
+            pin.image(),
+            &pattern(s.step as u8, len)[..],
+            "step {}",
+            s.step
+        );
+    }
+    // Given the saves' size, the free slot grows, once.
+    let free = (0..3)
+        .find(|i| ring.complete().iter().all(|s| s.slot != *i))
+        .unwrap();
+    let before = std::fs::metadata(ring.slot_path(free)).unwrap().len();
+    assert_eq!(warm_all(&ring, Some(len as u64)), 1);
+    let after = std::fs::metadata(ring.slot_path(free)).unwrap().len();
+    assert!(
+        before < len as u64 && after > len as u64,
+        "{before} -> {after}"
+    );
+    assert_eq!(warm_all(&ring, Some(len as u64)), 0);
+    // The recovered images are untouched, and a save takes the grown slot
+    // rather than evict one of them.
+    save(&ring, 3, len);
+    let steps: Vec<u64> = ring.complete().iter().map(|s| s.step).collect();
+    assert_eq!(steps, vec![3, 2, 1]);
+    let (locked, why) = ring.mlock_state();
+    assert_eq!(locked, why.is_none());
+}
+
+#[test]
+fn a_save_waits_for_the_slot_being_grown_instead_of_finding_the_ring_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ring, _) = Ring::open(opts(dir.path(), 1)).unwrap();
+    let len = 2 * MIB as usize;
+    for round in 0..8u64 {
+        // Each round needs a bigger image, so the slot grows again.
+        let want = len as u64 + round * 512 * 1024;
+        let start = Barrier::new(2);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                start.wait();
+                warm_all(&ring, Some(want));
+            });
+            start.wait();
+            // Whichever comes first, the save gets the only slot: it grows
+            // it itself, or waits for the warming to let go of it.
+            let mut slot = ring
+                .acquire(want, None)
+                .expect("acquire")
+                .expect("the only slot, not `None` (ring full)");
+            slot.image_mut()[..4].copy_from_slice(b"abcd");
+            let pin = slot.seal(round + 1, 4);
+            assert_eq!(pin.image(), b"abcd");
+            ring.release(pin.slot());
+        });
+    }
+}
