@@ -814,6 +814,8 @@ class Checkpointer:
                 try:
                     copied = load_into(loaded, self._adapters, into, map_location, self._plans)
                 except AcpError as e:
+                    failed_step, why, failed = loaded.step, e, read_failed(loaded)
+                    del loaded
                     if from_ram and not storage_only and isinstance(e, CheckpointCorrupt):
                         # The resident copy failed its check (the slot is
                         # dropped): the same step from the next source,
@@ -821,11 +823,9 @@ class Checkpointer:
                         logger.warning(
                             "acp: the resident copy of step %d failed verification, "
                             "reading it from storage: %s",
-                            loaded.step,
+                            failed_step,
                             e,
                         )
-                        failed_step = loaded.step
-                        del loaded
                         try:
                             return self._load(
                                 failed_step,
@@ -847,29 +847,16 @@ class Checkpointer:
                             # and no step asked for, the newest intact step.
                             if not (fallback and step is None):
                                 raise
-                            logger.warning(
-                                "acp: step %d cannot be loaded, falling back: %s",
-                                failed_step,
-                                again,
-                            )
-                        # The failed slot is gone: this is another step.
-                        return self._load(
-                            None,
-                            into=into,
-                            map_location=map_location,
-                            fallback=fallback,
-                            storage_only=storage_only,
-                            rank=rank,
-                            defer=False,
-                        )
-                    if not (fallback and step is None and read_failed(loaded)):
+                            why = again
+                    elif not (fallback and step is None and failed):
                         raise
+                    # The failed step's slot is gone, or its read is
+                    # marked failed: the engine loads another step.
                     logger.warning(
-                        "acp: step %d cannot be loaded, falling back: %s", loaded.step, e
+                        "acp: step %d cannot be loaded, falling back: %s", failed_step, why
                     )
-                    del loaded
                     return self._load(
-                        step,
+                        None,
                         into=into,
                         map_location=map_location,
                         fallback=fallback,
