@@ -145,16 +145,15 @@ impl Ring {
         let Some(len) = len.filter(|l| *l <= inner.layout.max_image) else {
             return Ok(false);
         };
-        let grown = self.take(len, None, Take::Grow);
-        let did = matches!(grown, Ok(Some(_)));
-        drop(grown); // an unsealed slot: `Free` again, its memory kept
+        // The slot, dropped unsealed, is `Free` again with its memory kept.
+        let grown = self.take(len, None, Take::Grow).map(|slot| slot.is_some());
         let mut t = inner.lock();
         let was = t.warming.take();
         drop(t);
         if was.is_some() {
             inner.freed.notify_all();
         }
-        Ok(did)
+        grown
     }
 
     fn take(&self, len: u64, wait: Option<Duration>, take: Take) -> Result<Option<StagingSlot>> {
