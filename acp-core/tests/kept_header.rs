@@ -70,13 +70,24 @@ fn request(step: u64) -> LoadRequest {
 
 /// `load_into` of `step` into fresh buffers filled with 0xEE.
 fn load_into(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) -> (Checkpoint, Vec<Vec<u8>>) {
+    let (ck, bufs) = try_load_into(e, step, data);
+    (ck.unwrap(), bufs)
+}
+
+/// [`load_into`], its error returned.
+fn try_load_into(
+    e: &Engine,
+    step: u64,
+    data: &[(String, Vec<u8>)],
+) -> (acp_core::Result<Checkpoint>, Vec<Vec<u8>>) {
     let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
     let mut into: Vec<(&str, &mut [u8])> = data
         .iter()
         .zip(bufs.iter_mut())
         .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
         .collect();
-    let ck = e.load_into(&request(step), &mut into).unwrap();
+    let ck = e.load_into(&request(step), &mut into);
+    drop(into);
     (ck, bufs)
 }
 
@@ -168,13 +179,7 @@ fn a_header_byte_changed_after_it_was_kept_is_parsed_again_and_caught() {
     // refused (storage's verified header is not the planned one), and the
     // slot is dropped, so the next load reads storage, whose values and
     // bytes are the saved ones.
-    let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
-    let mut into: Vec<(&str, &mut [u8])> = data
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
-        .collect();
-    let err = e.load_into(&request(1), &mut into).unwrap_err();
+    let err = try_load_into(&e, 1, &data).0.unwrap_err();
     assert_eq!(err.kind(), acp_core::ErrorKind::Corrupt, "{err}");
     let (ck, bufs) = load_into(&e, 1, &data);
     assert_eq!(ck.report().source, Source::Storage);

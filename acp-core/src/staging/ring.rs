@@ -123,13 +123,7 @@ impl Ring {
             };
             let mut t = inner.lock();
             if let Some(e) = locked {
-                tracing::warn!(
-                    "{}: mlock {}: {e}; the slot stays pre-faulted but unlocked",
-                    inner.what(),
-                    inner.path(slot).display()
-                );
-                t.mlock_ok = false;
-                t.mlock_error = Some(format!("mlock {}: {e}", inner.path(slot).display()));
+                inner.mlock_refused(&mut t, format!("mlock {}: {e}", inner.path(slot).display()));
             }
             faulted.map_err(|e| Error::io("madvise(MADV_POPULATE_WRITE)", inner.path(slot), e))?;
             if let Some(m) = t
@@ -221,12 +215,7 @@ impl Ring {
         let prepared = inner.prepare(slot, len, old, generation, &mut mlock_error);
         let mut t = inner.lock();
         if let Some(why) = mlock_error {
-            tracing::warn!(
-                "{}: {why}; the slot stays pre-faulted but unlocked",
-                inner.what()
-            );
-            t.mlock_ok = false;
-            t.mlock_error = Some(why);
+            inner.mlock_refused(&mut t, why);
         }
         let Some(e) = t.slots.get_mut(slot) else {
             return Err(Error::invalid(inner.what(), format!("no slot {slot}")));

@@ -242,6 +242,17 @@ impl Inner {
         Ok(mem)
     }
 
+    /// Records a refused `mlock` (`why`): logged, and reported by
+    /// [`Ring::mlock_state`](super::Ring::mlock_state) from now on.
+    pub(super) fn mlock_refused(&self, t: &mut Table, why: String) {
+        tracing::warn!(
+            "{}: {why}; the slot stays pre-faulted but unlocked",
+            self.what()
+        );
+        t.mlock_ok = false;
+        t.mlock_error = Some(why);
+    }
+
     /// `mlock`s slot `slot`'s mapping when the ring locks, setting
     /// `mlock_error` when refused.
     pub(super) fn lock_slot(&self, slot: usize, mem: &SlotMem, mlock_error: &mut Option<String>) {
