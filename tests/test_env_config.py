@@ -213,6 +213,7 @@ READS: dict[str, tuple[str, object]] = {
     "ACP_COMPRESS": ("zstd", "zstd"),
     "ACP_COMPRESS_LEVEL": ("3", 3),
     "ACP_INCREMENTAL": ("0", False),
+    "ACP_OVERLAP": ("1", True),
 }
 
 # A value of each variable that is refused, and a word of what is accepted.
@@ -245,6 +246,7 @@ REFUSED: dict[str, tuple[str, str]] = {
     "ACP_COMPRESS": ("lz4", "none, zstd, auto"),
     "ACP_COMPRESS_LEVEL": ("22", "from 1 to 19"),
     "ACP_INCREMENTAL": ("maybe", "true"),
+    "ACP_OVERLAP": ("later", "true"),
 }
 
 
@@ -298,9 +300,10 @@ def engine_keywords(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     return open_with
 
 
-# The Checkpointer's own use of these, not the engine's (they need torch
-# and several ranks: replica.py's tests cover them).
-NOT_FOR_THE_ENGINE = {"ACP_REPLICAS", "ACP_REPLICA_TIMEOUT"}
+# The Checkpointer's own use of these, not the engine's (replicas need
+# torch and several ranks: replica.py's tests cover them; ACP_OVERLAP:
+# test_overlap.py).
+NOT_FOR_THE_ENGINE = {"ACP_REPLICAS", "ACP_REPLICA_TIMEOUT", "ACP_OVERLAP"}
 
 
 @pytest.mark.parametrize(

@@ -190,12 +190,13 @@ VARIABLES: tuple[Var, ...] = (
     Var("compress", _choice(*COMPRESS_MODES)),
     Var("compress_level", _integer(1, 19)),
     Var("incremental", _flag),
+    Var("overlap", _flag),
 )
 """Every ``Checkpointer`` keyword a variable can give, named ``ACP_<KEYWORD>``."""
 
 BY_KEYWORD: dict[str, Var] = {v.keyword: v for v in VARIABLES}
 
-CHECKPOINTER_ONLY = frozenset({"replicas", "replica_timeout"})
+CHECKPOINTER_ONLY = frozenset({"replicas", "replica_timeout", "overlap"})
 """The variables' keywords that a ``Checkpointer`` acts on itself and a bare
 engine (``acp.dcp`` opened on a root path) has none of."""
 

@@ -172,9 +172,11 @@ class Metrics:
             if s.skipped:
                 f.skipped += 1
             else:
-                f.copy.add(s.copy_secs)
+                # An overlapped save's copy ran mostly after save() returned.
+                copy = s.copy_secs if s.overlap_copy_secs is None else s.overlap_copy_secs
+                f.copy.add(copy)
                 f.tensor_bytes += s.tensor_bytes
-                f.staging_bps.add(_rate(s.tensor_bytes, s.copy_secs))
+                f.staging_bps.add(_rate(s.tensor_bytes, copy))
                 self._pending.append(handle)
         if s.skipped:
             logger.warning("acp: step %d skipped: no free ring slot (on_full='skip')", s.step)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from acp._codec import Adapters, parse, tensor_refs
+from acp._overlap import Split
 
 Signature = list[Any]
 BatchFn = Callable[[list[object]], Any]
@@ -277,7 +278,7 @@ class SavePlan:
     ``engine`` is the engine's own plan of the same tensors, values and
     copy ranges (``Engine.save_plan``): a save from it passes no list."""
 
-    __slots__ = ("engine", "frameworks", "sig", "specs", "tensor_bytes", "values_json")
+    __slots__ = ("engine", "frameworks", "sig", "specs", "split", "tensor_bytes", "values_json")
 
     def __init__(
         self,
@@ -288,6 +289,7 @@ class SavePlan:
         frameworks: set[str],
         tensor_bytes: int,
         sig: Signature,
+        split: Split | None,
     ) -> None:
         self.engine = engine
         self.specs = specs
@@ -295,6 +297,8 @@ class SavePlan:
         self.frameworks = frameworks
         self.tensor_bytes = tensor_bytes
         self.sig = sig
+        self.split = split
+        """Which tensors an overlapped save copies in its stall (acp._overlap)."""
 
 
 class Plans:
@@ -323,14 +327,21 @@ class Plans:
         values_json: str,
         frameworks: set[str],
         tensor_bytes: int,
+        host: list[tuple[int, int, int]] | None = None,
+        objs: list[object] | None = None,
     ) -> None:
         """Keeps the plan of a save that took the full path; ``engine``
-        None: not all plain host copies, nothing kept."""
+        None: not all plain host copies, nothing kept. ``host`` and
+        ``objs``: the save's copy ranges and its tensors, in entry order
+        (for overlapped saves)."""
         self.save = None
         if engine is None:
             return
         walked = self.walker.walk(state, values=True)
         if walked is not None:
+            split = None
+            if host is not None and objs is not None:
+                split = Split(host, walked[1], objs, [s[0] for s in specs])
             self.save = SavePlan(
                 engine=engine,
                 specs=specs,
@@ -338,18 +349,20 @@ class Plans:
                 frameworks=frameworks,
                 tensor_bytes=tensor_bytes,
                 sig=walked[0],
+                split=split,
             )
 
-    def for_save(self, state: object) -> tuple[SavePlan, list[object]] | None:
+    def for_save(self, state: object) -> tuple[SavePlan, list[object], list[object]] | None:
         """The kept plan when ``state`` has its signature, with what keeps
-        its tensors' memory alive while the copy runs."""
+        its tensors' memory alive while the copy runs, and the walk's
+        leaves (its tensors, in walk order)."""
         plan = self.save
         if plan is None:
             return None
         walked = self.walker.walk(state, values=True, limit=len(plan.sig))
         if walked is None or walked[0] != plan.sig:
             return None
-        return plan, self.walker.keep_alive(walked[1])
+        return plan, self.walker.keep_alive(walked[1]), walked[1]
 
     # --- load ---
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from acp import _acp
@@ -64,6 +64,14 @@ class SaveStats:
     took its place: never written) or ``"skipped"``; None until done."""
     persisted: bool | None = None
     """Whether the step was committed in storage; None until done."""
+    overlap_copy_secs: float | None = None
+    """An overlapped save (``overlap=True``): from ``save()`` returning to
+    its background copy being sealed (or dropped); None otherwise, and
+    until then. ``copy_secs`` is then the copy of its small tensors only."""
+    overlap_wait_secs: float | None = None
+    """An overlapped save: how long ``staged()`` (or whichever call sealed
+    it) waited for its background copy: the part of the copy training
+    waited for after all."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,10 +141,40 @@ def load_stats(
 class SaveHandle:
     """The completion handle of ``Checkpointer.save``."""
 
-    def __init__(self, handle: _acp.SaveHandle, stats: SaveStats) -> None:
+    def __init__(
+        self,
+        handle: _acp.SaveHandle | None,
+        stats: SaveStats,
+        *,
+        pending: Callable[[], object] | None = None,
+    ) -> None:
+        # None while an overlapped save's copy may run (``pending`` seals
+        # or drops it), or once it was dropped (``_error``).
         self._handle = handle
         self._stall = stats
         self._replicated: Future[list[int]] | None = None
+        self._pending = pending
+        self._error: BaseException | None = None
+
+    def _sealed(
+        self,
+        handle: _acp.SaveHandle | None,
+        error: BaseException | None,
+        waited: float,
+        copy_secs: float,
+    ) -> None:
+        """An overlapped save is sealed (``handle``) or dropped (``error``)."""
+        self._stall = replace(self._stall, overlap_copy_secs=copy_secs, overlap_wait_secs=waited)
+        self._handle = handle
+        self._error = error
+        self._pending = None
+
+    def _settled(self) -> _acp.SaveHandle | None:
+        """The engine's handle, once an overlapped save is sealed (sealing it
+        now if its copy may still run); None when it was dropped."""
+        if self._pending is not None:
+            self._pending()
+        return self._handle
 
     def wait_replicated(self, timeout: float | None = None) -> list[int]:
         """Blocks until this rank's image of the step is complete in the RAM
@@ -146,7 +184,7 @@ class SaveHandle:
 
     @property
     def step(self) -> int:
-        return self._handle.step
+        return self._stall.step
 
     @property
     def skipped(self) -> bool:
@@ -154,8 +192,11 @@ class SaveHandle:
         return self._stall.skipped
 
     def done(self) -> bool:
-        """Whether the save has finished (committed, failed or skipped)."""
-        return self._handle.done()
+        """Whether the save has finished (committed, failed or skipped);
+        False while an overlapped save is not sealed yet."""
+        if self._error is not None:
+            return True
+        return self._handle is not None and self._handle.done()
 
     def wait(self, timeout: float | None = None) -> SaveStats:
         """Blocks until the step is durable and committed; returns its
@@ -164,12 +205,22 @@ class SaveHandle:
         ``persisted=False`` and ``outcome="resident"`` (kept in RAM) or
         ``"superseded"`` (with the coalescing policy, when a newer save
         replaced it while it waited for the persist in flight; until then
-        it waits for that persist and its own)."""
-        return self._with(self._handle.wait(timeout))
+        it waits for that persist and its own). An overlapped save not
+        sealed yet is sealed first (``Checkpointer.staged``); one that was
+        dropped raises its error."""
+        handle = self._settled()
+        if handle is None:
+            assert self._error is not None
+            raise self._error
+        return self._with(handle.wait(timeout))
 
     @property
     def stats(self) -> SaveStats:
         """The figures so far; never blocks, never raises."""
+        if self._error is not None:
+            return replace(self._stall, done=True, error=str(self._error))
+        if self._handle is None:
+            return self._stall
         try:
             report = self._handle.report()
         except AcpError as e:

@@ -26,6 +26,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
 from acp._load import load_into, load_state, read_failed, run_transfers
 from acp._metrics import Metrics, logger
+from acp._overlap import Copier, Pending
 from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
 from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
@@ -219,6 +220,16 @@ class Checkpointer:
             (default True, or ``ACP_INCREMENTAL``). Each step stays
             loadable on its own; retention keeps a step that a kept step
             references. ``False`` writes every step whole.
+        overlap: overlapped saves (default False, or ``ACP_OVERLAP``):
+            ``save`` returns once the small tensors are copied and the large
+            ones are copied in the background while training goes on (the
+            forward and backward passes do not change the state); the save
+            is sealed at the next ``staged()``, which
+            ``staged_before(optimizer)`` calls before each optimizer step,
+            only if no tensor changed meanwhile (torch's version counters).
+            States of contiguous CPU torch tensors, from the second save of
+            the same structure on; see ``acp._overlap`` and
+            docs/tuning.md.
     """
 
     @from_environment
@@ -260,6 +271,7 @@ class Checkpointer:
         compress: str | None = None,
         compress_level: int | None = None,
         incremental: bool | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
         # ACP_* variables filled in what the keywords left out (acp._env).
@@ -345,6 +357,11 @@ class Checkpointer:
         # The last save's and load(into=)'s plans, reused while the state's
         # signature stays the same (acp._plan).
         self._plans = Plans(self._adapters)
+        # Overlapped saves (acp._overlap): the default, the thread that
+        # waits on their copies, and the one whose copy may still run.
+        self._overlap = bool(overlap)
+        self._copier = Copier()
+        self._pending: Pending | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._saves = 0
@@ -409,6 +426,7 @@ class Checkpointer:
         metadata: dict[str, str] | None = None,
         replicated: bool | Collection[str] = False,
         persist: bool | None = None,
+        overlap: bool | None = None,
     ) -> SaveHandle:
         """Saves ``state`` as ``step``; returns once its tensors are copied
         into the ring (the stall), while the engine writes and commits it.
@@ -438,22 +456,78 @@ class Checkpointer:
         of them, the bytes shared out evenly; a collection of top-level keys
         declares only those replicated. ``load`` gives every rank all of
         its tensors. See ``acp.distributed``.
+
+        ``overlap`` (default: the ``Checkpointer``'s ``overlap``) returns
+        before the large tensors are copied: they are copied in the
+        background while training goes on, and the save is sealed at the
+        next ``staged()`` (call it, or let ``staged_before(optimizer)``
+        call it, before anything changes the state), or at the next
+        ``save``, ``load``, ``wait`` or ``close``, only if no tensor changed
+        meanwhile; else it is dropped and its handle raises, naming the
+        tensor. Only saves whose plan is kept (the second save on of a
+        state of contiguous CPU tensors) overlap. See ``acp._overlap``.
         """
         self._check_open()
+        self._settle()
+        overlap = self._overlap if overlap is None else overlap
         with gc_paused():
-            handle = self._save(
+            return self._save(
                 step,
                 state,
                 overwrite=overwrite,
                 metadata=metadata,
                 replicated=replicated,
                 persist=persist,
+                overlap=overlap and not replicated,
             )
+
+    def staged(self, timeout: float | None = None) -> bool | None:
+        """Ends the overlapped save whose copy may still run: waits for the
+        copy (at most ``timeout`` seconds: ``acp.AcpTimeout``), then seals
+        it (True) or, when one of its tensors changed since ``save()``
+        returned, drops it (False: its handle raises, a warning is logged).
+        None when no save was pending. Never raises the dropped save's
+        error: call it from a hook."""
+        if self._closed:
+            return None
+        return self._settle(timeout)
+
+    def staged_before(self, optimizer: Any) -> Any:
+        """Registers ``staged()`` to run before each step of ``optimizer``
+        (a ``torch.optim.Optimizer``): what overlapped saves need in a loop
+        that saves after the optimizer step. Returns the hook's handle
+        (``.remove()`` takes it off)."""
+
+        def hook(*_: object) -> None:
+            self.staged()
+
+        return optimizer.register_step_pre_hook(hook)
+
+    def _settle(self, timeout: float | None = None) -> bool | None:
+        """``staged()``: the pending overlapped save, sealed or dropped."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            return pending.settle(timeout)
+        except _acp.AcpTimeout:
+            self._pending = pending
+            raise
+
+    def _queued(
+        self,
+        result: SaveHandle,
+        handle: _acp.SaveHandle | None,
+        coalescer: Coalescer | None,
+    ) -> None:
+        """What follows a sealed (or skipped) save: the coalescing decision
+        and the replica exchange."""
+        if coalescer is not None:
+            coalescer.staged(result.step, handle)
         if self._replicas is not None:
             # Every rank queues every step, skipped or not: the exchange is
             # collective (a rank with no image says so).
-            handle._replicated = self._replicas.replicate(handle.step)
-        return handle
+            result._replicated = self._replicas.replicate(result.step)
 
     def reserve(self, state: object, *, replicated: bool | Collection[str] = False) -> int:
         """Creates the shared memory of the ring's free slots for checkpoints
@@ -467,6 +541,7 @@ class Checkpointer:
         Nothing is saved.
         """
         self._check_open()
+        self._settle()
         with gc_paused():
             flat, tensors = self._flatten(state, replicated)
             specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
@@ -493,19 +568,20 @@ class Checkpointer:
 
     def _plan_save(
         self, state: object, replicated: bool | Collection[str]
-    ) -> tuple[SavePlan | None, Flat | None, list[Any], list[Spec], str, set[str]]:
-        """``(kept plan, flat, tensors, specs, values JSON, frameworks)``: a state
-        with the last save's signature reuses its plan (its names, JSON and
-        copy ranges, kept by the engine: one walk, no describe), and
-        ``tensors`` are then the storages of the walk's tensors, alive while
-        the copy runs; else the full flatten."""
+    ) -> tuple[SavePlan | None, Flat | None, list[Any], list[object], list[Spec], str, set[str]]:
+        """``(kept plan, flat, tensors, leaves, specs, values JSON,
+        frameworks)``: a state with the last save's signature reuses its
+        plan (its names, JSON and copy ranges, kept by the engine: one walk,
+        no describe), and ``tensors`` are then the storages of the walk's
+        tensors, alive while the copy runs, and ``leaves`` the tensors
+        themselves, in walk order; else the full flatten (no leaves)."""
         kept = None if replicated else self._plans.for_save(state)
         if kept is not None:
-            plan, alive = kept
-            return plan, None, alive, plan.specs, plan.values_json, plan.frameworks
+            plan, alive, leaves = kept
+            return plan, None, alive, leaves, plan.specs, plan.values_json, plan.frameworks
         flat, tensors = self._flatten(state, replicated)
         specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
-        return None, flat, tensors, specs, flat.json(), flat.frameworks()
+        return None, flat, tensors, [], specs, flat.json(), flat.frameworks()
 
     def _engine_plan(
         self,
@@ -514,16 +590,19 @@ class Checkpointer:
         tensors: list[Any],
         specs: list[Spec],
         values_json: str,
-    ) -> _acp.SavePlan | None:
+    ) -> tuple[_acp.SavePlan | None, list[tuple[int, int, int]] | None]:
         """The engine's plan of this save: the kept one, or (a state of
         plain host tensors, saved by this rank alone) a new one for the next
-        saves, made before the save so that its layout is planned once."""
+        saves, made before the save so that its layout is planned once;
+        with the new one, its copy ranges."""
         if kept is not None:
-            return kept.engine  # type: ignore[no-any-return]
+            return kept.engine, None
         if replicated:
-            return None
+            return None, None
         host = _host_plan(tensors)
-        return None if host is None else self._engine.save_plan(specs, values_json, host)
+        if host is None:
+            return None, None
+        return self._engine.save_plan(specs, values_json, host), host
 
     def _save(
         self,
@@ -534,6 +613,7 @@ class Checkpointer:
         metadata: dict[str, str] | None,
         replicated: bool | Collection[str],
         persist: bool | None,
+        overlap: bool = False,
     ) -> SaveHandle:
         t0 = perf_counter()
         step = _step(step)
@@ -548,18 +628,24 @@ class Checkpointer:
                 replicated=replicated,
                 persist=persist,
                 hold=coalescer is not None,
+                overlap=overlap,
+                coalescer=coalescer,
             )
         except BaseException:
-            if coalescer is not None:
-                # Rank 0 decides it "not persisted"; a hold that was staged
-                # before the error (nothing decides it now) is let go.
-                coalescer.staged(step, None)
-                with contextlib.suppress(AcpError):
-                    self._engine.decide(step, False)
+            self._unstaged(step, coalescer)
             raise
-        if coalescer is not None:
-            coalescer.staged(step, handle)
+        if not result._pending:
+            self._queued(result, handle, coalescer)
         return result
+
+    def _unstaged(self, step: int, coalescer: Coalescer | None) -> None:
+        """A save that failed before it was sealed: rank 0 decides it "not
+        persisted"; a hold that was staged before the error (nothing decides
+        it now) is let go."""
+        if coalescer is not None:
+            coalescer.staged(step, None)
+            with contextlib.suppress(AcpError):
+                self._engine.decide(step, False)
 
     def _stage(
         self,
@@ -572,10 +658,15 @@ class Checkpointer:
         replicated: bool | Collection[str],
         persist: bool | None,
         hold: bool,
+        overlap: bool,
+        coalescer: Coalescer | None,
     ) -> tuple[SaveHandle, _acp.SaveHandle | None]:
         """``_save``'s work: the save handle, and the engine's handle of
-        the staged save (None when skipped)."""
-        kept, flat, tensors, specs, values_json, frameworks = self._plan_save(state, replicated)
+        the staged save (None when skipped, or while an overlapped copy
+        runs: the handle is then pending, and ``_settle`` seals it)."""
+        kept, flat, tensors, leaves, specs, values_json, frameworks = self._plan_save(
+            state, replicated
+        )
         tensor_bytes = (
             kept.tensor_bytes if kept is not None else sum(t.info.nbytes for t in tensors)
         )
@@ -585,7 +676,8 @@ class Checkpointer:
             extra["format"] = {"torch": "pt", "numpy": "np"}.get(next(iter(frameworks)), "")
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
-        engine_plan = self._engine_plan(kept, replicated, tensors, specs, values_json)
+        engine_plan, host = self._engine_plan(kept, replicated, tensors, specs, values_json)
+        split = None if kept is None or not overlap else kept.split
         t1 = perf_counter()
         if engine_plan is not None:
             staging = self._engine.begin_save_planned(
@@ -602,6 +694,29 @@ class Checkpointer:
             if staging is None:
                 handle = _acp.SaveHandle.skipped(step)
                 copy_secs = 0.0
+            elif split is not None and split.lazy:
+                # Overlapped: the small tensors now, the rest in the
+                # background, sealed by ``_settle`` (acp._overlap).
+                t2 = perf_counter()
+                if split.eager:
+                    staging.copy_from(split.eager)
+                copy = self._copier.submit(staging.copy_from, split.lazy)
+                copy_secs = perf_counter() - t2
+                return self._overlapped(
+                    Pending(
+                        step=step,
+                        staging=staging,
+                        split=split,
+                        leaves=leaves,
+                        alive=tensors,
+                        copy=copy,
+                        seal=lambda *a: None,  # set below
+                    ),
+                    t0=t0,
+                    t1=t1,
+                    copy_secs=copy_secs,
+                    coalescer=coalescer,
+                )
             else:
                 t2 = perf_counter()
                 if engine_plan is not None:
@@ -626,6 +741,8 @@ class Checkpointer:
                 values_json=values_json,
                 frameworks=frameworks,
                 tensor_bytes=tensor_bytes,
+                host=host,
+                objs=None if flat is None else [t.obj for t in tensors],
             )
         stall = perf_counter() - t0
         stats = SaveStats(
@@ -639,6 +756,7 @@ class Checkpointer:
             tensor_bytes=tensor_bytes,
         )
         result = SaveHandle(handle, stats)
+        self._count(result, staged=staging is not None)
         if staging is not None:
             self._in.last_staged = result
             if self._in.cover_setup is not None:
@@ -654,14 +772,60 @@ class Checkpointer:
                     if covers and flat is not None
                     else None
                 )
+        self._metrics.saved(result)
+        return result, None if staging is None else handle
+
+    def _count(self, result: SaveHandle, *, staged: bool) -> None:
+        """Counts a save in ``stats()`` (its stall) and makes it the last."""
+        stall = result._stall.stall_secs
         with self._lock:
             self._saves += 1
-            self._skipped += staging is None
+            self._skipped += not staged
             self._stall_total += stall
             self._stall_max = max(self._stall_max, stall)
             self._last_save = result
-        self._metrics.saved(result)
-        return result, None if staging is None else handle
+
+    def _overlapped(
+        self,
+        pending: Pending,
+        *,
+        t0: float,
+        t1: float,
+        copy_secs: float,
+        coalescer: Coalescer | None,
+    ) -> tuple[SaveHandle, None]:
+        """The pending handle of an overlapped save whose background copy
+        was started; ``_settle`` seals or drops it."""
+        step, split = pending.step, pending.split
+        stats = SaveStats(
+            step=step,
+            skipped=False,
+            done=False,
+            stall_secs=perf_counter() - t0,
+            flatten_secs=t1 - t0,
+            copy_secs=copy_secs,
+            tensors=len(split.host),
+            tensor_bytes=sum(r[2] for r in split.host),
+        )
+        result = SaveHandle(None, stats, pending=self._settle)
+
+        def seal(
+            handle: _acp.SaveHandle | None, error: BaseException | None, waited: float, took: float
+        ) -> None:
+            result._sealed(handle, error, waited, took)
+            self._metrics.saved(result)
+            if handle is None:
+                self._unstaged(step, coalescer)
+                if self._replicas is not None:
+                    result._replicated = self._replicas.replicate(step)
+                return
+            self._in.last_staged = result
+            self._queued(result, handle, coalescer)
+
+        pending.seal = seal
+        self._pending = pending
+        self._count(result, staged=True)
+        return result, None
 
     # --- loading ----------------------------------------------------------
 
@@ -735,6 +899,7 @@ class Checkpointer:
         ``acp.CheckpointCorrupt`` naming the file and tensor.
         """
         self._check_open()
+        self._settle()  # a pending overlapped copy reads what into= writes
         if step is not None:
             step = _step(step)
         if zero_copy and into is not None:
@@ -910,8 +1075,10 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every save so far has finished (committed or failed;
         a RAM snapshot once it is hashed, so that ``load()`` can serve it;
-        with several ranks coalescing, once the ranks' decision is applied)."""
+        with several ranks coalescing, once the ranks' decision is applied;
+        an overlapped save's copy first, which seals or drops it)."""
         self._check_open()
+        self._settle()
         if self._coalescer is not None:
             started = perf_counter()
             if not self._coalescer.drain(timeout):
@@ -1005,6 +1172,11 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
+        try:
+            self._settle()  # sealed (or dropped) before the newest is committed
+        except AcpError as e:
+            logger.warning("acp: overlapped save not sealed at close: %s", e)
+        self._copier.close()
         self._plans.clear()
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()

@@ -129,6 +129,19 @@ class DyingReport:
         return asdict(self)
 
 
+def _settled(ckpt: Checkpointer, timeout: float | None) -> checkpointer.Internals:
+    """``ckpt``'s internals, once an overlapped save whose copy may still
+    run was sealed (or dropped, when its state changed), so that the newest
+    snapshot is the one the training saved last. Never raises."""
+    last = ckpt._last_save
+    try:
+        if ckpt.staged(timeout) is False and last is not None:
+            _say(logging.WARNING, f"acp: dying checkpoint: {last.stats.error}")
+    except AcpError as e:
+        _say(logging.WARNING, f"acp: dying checkpoint: overlapped save not sealed: {e}")
+    return checkpointer.internals(ckpt)
+
+
 def dying_checkpoint(
     ckpt: Checkpointer, *, cause: str = "call", timeout: float | None = None
 ) -> DyingReport:
@@ -138,7 +151,7 @@ def dying_checkpoint(
     failure is in the report. Takes no lock of the checkpointer, so a signal
     handler may call it while the main thread is anywhere."""
     t0 = perf_counter()
-    inner = checkpointer.internals(ckpt)
+    inner = _settled(ckpt, timeout)
     last = inner.last_staged
     staged = None if last is None else last.step
     error: str | None = None
