@@ -11,7 +11,10 @@ times each step (the training step plus the ``save()`` call) in each mode:
 - ``every`` (not run unless named): every step persisted.
 
 A mode may carry ``Checkpointer`` keywords, to compare settings in the same run:
-``snapshot:background_nice=19``, ``coalesce:copy_threads=1,ring_slots=4``.
+``snapshot:background_nice=19``, ``coalesce:copy_threads=1,ring_slots=4``. With
+``overlap=1`` (``snapshot:overlap=1``: overlapped saves) the mode's checkpointer is hooked to
+the optimizer (``staged_before``), so each step's optimizer step waits for the copy of the
+save before it, and that wait is in the step's time; the report gives its median.
 
 The modes alternate within each round (the order rotates from round to round), each mode
 running ``--steps`` timed steps; between two modes the engine is left to finish its work
@@ -117,6 +120,8 @@ class Tally:
         """Each timed block's median step time, in round order."""
         self.stalls: list[float] = []
         self.saves: list[float] = []
+        self.waits: list[float] = []
+        """Overlapped saves: how long the optimizer step waited for each copy."""
         self.cpu: dict[str, float] = {}
         self.faults = 0
 
@@ -125,6 +130,7 @@ class Tally:
         background work (untimed), so that the next mode starts clean."""
         cpu0, faults0 = _threads_cpu(), _faults()
         first = len(self.times)
+        handles = []
         for _ in range(steps):
             t0 = time.perf_counter()
             tr.train_step()
@@ -136,10 +142,14 @@ class Tally:
             if timed:
                 self.times.append(t1 - t0)
                 if ckpt is not None:
-                    self.stalls.append(h.stats.stall_secs)
+                    handles.append(h)
                     self.saves.append(t1 - ts)
         if ckpt is not None:
             ckpt.wait()
+        for h in handles:  # sealed by now
+            self.stalls.append(h.stats.stall_secs)
+            if h.stats.overlap_wait_secs is not None:
+                self.waits.append(h.stats.overlap_wait_secs)
         if timed:
             self.block_medians.append(statistics.median(self.times[first:]))
             spent = {n: s - cpu0.get(n, 0.0) for n, s in _threads_cpu().items()}
@@ -158,6 +168,8 @@ class Tally:
             "mean_s": statistics.fmean(t),
             "p90_s": statistics.quantiles(t, n=10)[-1] if len(t) >= 2 else t[0],
             "stall_median_s": statistics.median(self.stalls) if self.stalls else 0.0,
+            "overlap_wait_median_s": statistics.median(self.waits) if self.waits else None,
+            "overlapped_saves": len(self.waits),
             "save_call_median_s": statistics.median(self.saves) if self.saves else 0.0,
             "cpu_per_step_s": {k: v / len(t) for k, v in sorted(self.cpu.items()) if v > 0},
             "minor_faults_per_step": self.faults / len(t),
@@ -189,8 +201,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     started = time.time()
     try:
-        for ckpt in ckpts.values():
+        for mode, ckpt in ckpts.items():
             ckpt.reserve(tr.state())
+            if _keywords(mode).get("overlap"):
+                ckpt.staged_before(tr.opt)
         for round_ in range(-1, a.rounds):  # round -1 warms every mode up, untimed
             for mode in _order(list(a.modes), max(round_, 0)):
                 steps = a.warmup if round_ < 0 else a.steps
@@ -249,9 +263,17 @@ def report(got: dict[str, Any]) -> str:
     lines += ["", "CPU per step, by thread (ms), and minor page faults per step:", ""]
     for r in got["rows"]:
         threads = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["cpu_per_step_s"].items())
+        wait = r.get("overlap_wait_median_s")
+        overlapped = (
+            ""
+            if wait is None
+            else f"; {r['overlapped_saves']} saves overlapped, the optimizer step waited "
+            f"{wait * 1e3:.1f} ms (median) for their copies"
+        )
         lines.append(
             f"- {r['mode']}: {threads}; save() call median "
             f"{r['save_call_median_s'] * 1e3:.1f} ms; {r['minor_faults_per_step']:.0f} faults"
+            f"{overlapped}"
         )
     return "\n".join(lines) + "\n"
 

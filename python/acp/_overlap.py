@@ -59,15 +59,23 @@ HostRange = tuple[int, int, int]
 
 
 class Split:
-    """Which tensors of a kept save plan are copied in the stall
-    (``eager``) and which in the background (``lazy``), and where each lazy
-    one is among the walk's leaves (``watch``: ``(leaf position, entry
-    index)``), to read its version counter."""
+    """Which tensors of a save are copied in the stall (``eager``) and which
+    in the background (``lazy``), and where each lazy one is among the
+    leaves a save hands over (``watch``: ``(leaf position, entry index)``),
+    to read its version counter: the walk's leaves for a kept save plan,
+    the flattened tensors (``objs`` itself) otherwise. ``eager_names``:
+    the tensors to copy in the stall whatever their size (the
+    checkpointer's set, which :meth:`copy_eagerly` adds to)."""
 
     __slots__ = ("eager", "forced", "host", "lazy", "names", "positions", "watch")
 
     def __init__(
-        self, host: list[HostRange], leaves: list[object], objs: list[object], names: list[str]
+        self,
+        host: list[HostRange],
+        leaves: list[object],
+        objs: list[object],
+        names: list[str],
+        eager_names: set[str],
     ) -> None:
         self.host = host
         self.names = names
@@ -80,21 +88,21 @@ class Split:
             p = at.get(id(obj))
             if p is not None and isinstance(getattr(obj, "_version", None), int):
                 self.positions[index] = p
-        self.forced: set[int] = set()
+        self.forced = eager_names
         self.eager: list[HostRange] = []
         self.lazy: list[HostRange] = []
         self.watch: list[tuple[int, int]] = []
         self._divide()
 
     def _divide(self) -> None:
-        forced = self.forced
+        forced, names = self.forced, self.names
         eager: list[HostRange] = []
         lazy: list[HostRange] = []
         watch: list[tuple[int, int]] = []
         for r in self.host:
             index, _, nbytes = r
             p = self.positions.get(index)
-            if p is None or nbytes < EAGER_BELOW or index in forced:
+            if p is None or nbytes < EAGER_BELOW or (forced and names[index] in forced):
                 eager.append(r)
             else:
                 lazy.append(r)
@@ -102,8 +110,9 @@ class Split:
         self.eager, self.lazy, self.watch = eager, lazy, watch
 
     def copy_eagerly(self, indices: set[int]) -> None:
-        """Copies the tensors of ``indices`` in the stall from now on."""
-        self.forced |= indices
+        """Copies the tensors of ``indices`` in the stall from now on (in
+        every save of this checkpointer that names them)."""
+        self.forced.update(self.names[i] for i in indices)
         self._divide()
 
     def versions(self, leaves: list[object]) -> list[int]:

@@ -311,6 +311,9 @@ class Plans:
         self.walker = Walker(adapters)
         self.save: SavePlan | None = None
         self.load: LoadPlan | None = None
+        self.eager_names: set[str] = set()
+        """Tensors an overlapped save found changed: copied in the stall
+        from then on (acp._overlap)."""
 
     def clear(self) -> None:
         self.save = None
@@ -341,7 +344,7 @@ class Plans:
         if walked is not None:
             split = None
             if host is not None and objs is not None:
-                split = Split(host, walked[1], objs, [s[0] for s in specs])
+                split = Split(host, walked[1], objs, [s[0] for s in specs], self.eager_names)
             self.save = SavePlan(
                 engine=engine,
                 specs=specs,

@@ -26,7 +26,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
 from acp._load import load_into, load_state, read_failed, run_transfers
 from acp._metrics import Metrics, logger
-from acp._overlap import Copier, Pending
+from acp._overlap import Copier, Pending, Split
 from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
 from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
@@ -677,7 +677,20 @@ class Checkpointer:
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
         engine_plan, host = self._engine_plan(kept, replicated, tensors, specs, values_json)
-        split = None if kept is None or not overlap else kept.split
+        if kept is None and not replicated:
+            self._plans.saved(
+                state,
+                engine=engine_plan,
+                specs=specs,
+                values_json=values_json,
+                frameworks=frameworks,
+                tensor_bytes=tensor_bytes,
+                host=host,
+                objs=None if flat is None else [t.obj for t in tensors],
+            )
+        split, leaves = self._split(
+            overlap, kept=kept, host=host, flat=flat, tensors=tensors, leaves=leaves, specs=specs
+        )
         t1 = perf_counter()
         if engine_plan is not None:
             staging = self._engine.begin_save_planned(
@@ -733,17 +746,6 @@ class Checkpointer:
             if staging is not None:
                 staging.abort()
             raise
-        if kept is None and not replicated:
-            self._plans.saved(
-                state,
-                engine=engine_plan,
-                specs=specs,
-                values_json=values_json,
-                frameworks=frameworks,
-                tensor_bytes=tensor_bytes,
-                host=host,
-                objs=None if flat is None else [t.obj for t in tensors],
-            )
         stall = perf_counter() - t0
         stats = SaveStats(
             step=step,
@@ -774,6 +776,30 @@ class Checkpointer:
                 )
         self._metrics.saved(result)
         return result, None if staging is None else handle
+
+    def _split(
+        self,
+        overlap: bool,
+        *,
+        kept: SavePlan | None,
+        host: list[tuple[int, int, int]] | None,
+        flat: Flat | None,
+        tensors: list[Any],
+        leaves: list[object],
+        specs: list[Spec],
+    ) -> tuple[Split | None, list[object]]:
+        """An overlapped save's split of its tensors (None: copied in the
+        stall), and the leaves whose version counters it watches."""
+        if not overlap:
+            return None, leaves
+        if kept is not None:
+            return kept.split, leaves
+        if host is None or flat is None:
+            return None, leaves
+        # A state the kept plan does not fit (a first save, plain values
+        # that changed: a step counter, a scheduler's state).
+        objs = [t.obj for t in tensors]
+        return Split(host, objs, objs, [s[0] for s in specs], self._plans.eager_names), objs
 
     def _count(self, result: SaveHandle, *, staged: bool) -> None:
         """Counts a save in ``stats()`` (its stall) and makes it the last."""
