@@ -565,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
             "acp_persist": a.acp_persist, "faults": a.faults, "world": world(a),
             "acp_replicas": a.acp_replicas,
             "model": asdict(model), "checksum_stride": STRIDE, "schedule": describe(a),
+            # Checkpointer settings the workers inherit (ACP_OVERLAP=1, ...).
+            "acp_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("ACP_")},
         },
         "machine": machine(),
         "rounds": [],

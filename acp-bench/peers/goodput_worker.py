@@ -203,6 +203,10 @@ class AcpStore:
             on_full=a.acp_on_full,
             **policy,
         )
+        # With overlapped saves (ACP_OVERLAP=1 in the environment), each
+        # optimizer step first waits for the previous save's copy; without,
+        # the hook finds nothing pending.
+        self.ckpt.staged_before(tr.opt)
         self.pending: list[Any] = []
         self.replicating: list[Any] = []
 
