@@ -215,8 +215,9 @@ impl Staging {
     }
 
     /// Copies `ranges` (checked against this staging's entries) into the
-    /// slot, in parallel with the GIL released.
-    fn copy_ranges(&self, py: Python<'_>, ranges: &[HostRange]) -> PyResult<()> {
+    /// slot, in parallel with the GIL released (`background`: on
+    /// [`acp_core::Staging::background_threads`]).
+    fn copy_ranges(&self, py: Python<'_>, ranges: &[HostRange], background: bool) -> PyResult<()> {
         py.detach(|| -> Result<(), Error> {
             let mut state = lock(&self.state);
             let State::Open(staging) = &mut *state else {
@@ -235,7 +236,12 @@ impl Staging {
                 .zip(srcs)
                 .map(|(r, src)| (r.index(), src))
                 .collect();
-            staging.copy_some(&items)
+            let threads = if background {
+                staging.background_threads()
+            } else {
+                staging.copy_threads()
+            };
+            staging.copy_some_on(&items, threads)
         })
         .map_err(err)
     }
@@ -330,14 +336,22 @@ impl Staging {
     /// engine's copy threads with the GIL released.
     ///
     /// The caller guarantees each range is the live memory of a contiguous
-    /// tensor that nothing writes until the call returns.
-    fn copy_from(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
+    /// tensor that nothing writes until the call returns. `background`:
+    /// a copy that runs beside the training (an overlapped save), on half
+    /// the copy threads.
+    #[pyo3(signature = (items, background=false))]
+    fn copy_from(
+        &self,
+        py: Python<'_>,
+        items: Vec<(usize, usize, usize)>,
+        background: bool,
+    ) -> PyResult<()> {
         let ranges = host_ranges(
             &format!("copy into step {}", self.step),
             &self.entries,
             &items,
         )?;
-        self.copy_ranges(py, &ranges)
+        self.copy_ranges(py, &ranges, background)
     }
 
     /// `copy_from` of the host ranges `plan` was made with: this staging
@@ -357,7 +371,7 @@ impl Staging {
         let Some(ranges) = plan.host.as_deref() else {
             return Err(invalid(what(), "the plan was made without host ranges"));
         };
-        self.copy_ranges(py, ranges)
+        self.copy_ranges(py, ranges, false)
     }
 
     /// A writable memoryview over the slot bytes of tensor `i`, for copies

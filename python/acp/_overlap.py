@@ -20,8 +20,9 @@ structure did not change; every other save copies in its stall):
    save found changed are copied, and the version counter of each other
    tensor is recorded (torch bumps it at every in-place change: an
    optimizer step, ``add_``, ``copy_``).
-2. In the background: the other tensors are copied by the engine's copy
-   threads (a thread of this module waits on them, without the GIL).
+2. In the background: the other tensors are copied by half of the
+   engine's copy threads (at least one: the training keeps the other
+   cores; a thread of this module waits on them, without the GIL).
 3. At the next ``ckpt.staged()`` (what the hook of
    ``ckpt.staged_before(optimizer)`` calls before each optimizer step), or
    at the next ``save``, ``load``, ``wait``, ``reserve``, ``close`` or
@@ -129,12 +130,12 @@ class Copier:
         self._lock = threading.Lock()
 
     def submit(
-        self, fn: Callable[[list[HostRange]], None], ranges: list[HostRange]
+        self, fn: Callable[..., None], ranges: list[HostRange], **kwargs: Any
     ) -> Future[None]:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="acp-overlap")
-            return self._pool.submit(fn, ranges)
+            return self._pool.submit(fn, ranges, **kwargs)
 
     def close(self) -> None:
         with self._lock:

@@ -713,7 +713,7 @@ class Checkpointer:
                 t2 = perf_counter()
                 if split.eager:
                     staging.copy_from(split.eager)
-                copy = self._copier.submit(staging.copy_from, split.lazy)
+                copy = self._copier.submit(staging.copy_from, split.lazy, background=True)
                 copy_secs = perf_counter() - t2
                 return self._overlapped(
                     Pending(

@@ -110,6 +110,28 @@ impl Staging {
     /// [`Error::Invalid`] naming the tensor whose index is out of range,
     /// repeated, or whose length differs, before anything is copied.
     pub fn copy_some(&mut self, items: &[(usize, &[u8])]) -> Result<()> {
+        self.copy_some_on(items, self.copy_threads())
+    }
+
+    /// The configured copy threads (`EngineConfig::with_copy_threads`).
+    pub fn copy_threads(&self) -> usize {
+        self.engine.shared().cfg.copy_threads
+    }
+
+    /// The threads of a copy that runs beside the training (an overlapped
+    /// save): half the copy threads, at least one, so that the training's
+    /// own threads keep most of the cores.
+    pub fn background_threads(&self) -> usize {
+        (self.engine.shared().cfg.copy_threads / 2).max(1)
+    }
+
+    /// [`Staging::copy_some`] on `threads` threads (at least one) instead
+    /// of the configured copy threads: a copy that runs beside the
+    /// training (an overlapped save) leaves it the other cores.
+    ///
+    /// # Errors
+    /// As [`Staging::copy_some`].
+    pub fn copy_some_on(&mut self, items: &[(usize, &[u8])], threads: usize) -> Result<()> {
         let n = self.entries.len();
         let mut seen = vec![false; n];
         for (i, s) in items {
@@ -132,13 +154,12 @@ impl Staging {
                 ));
             }
         }
-        let threads = self.engine.shared().cfg.copy_threads;
         let mut dsts: Vec<Option<&mut [u8]>> = self.tensors_mut().into_iter().map(Some).collect();
         let pairs = items
             .iter()
             .filter_map(|(i, s)| dsts[*i].take().map(|d| (d, *s)))
             .collect();
-        copy::parallel_copy(pairs, threads);
+        copy::parallel_copy(pairs, threads.max(1));
         Ok(())
     }
 
