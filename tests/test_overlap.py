@@ -48,6 +48,20 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def pending_second_save(
+    ckpt: acp.Checkpointer, m: torch.nn.Module, opt: torch.optim.Optimizer
+) -> tuple[acp.SaveHandle, dict[str, torch.Tensor]]:
+    """Trains and saves step 1, trains again and saves step 2, whose copy is
+    left pending; returns its handle and the model's state it must hold."""
+    train_step(m, opt)
+    ckpt.save(1, state_of(m, opt), persist=False)
+    train_step(m, opt)
+    ref = copy_of(m)
+    h = ckpt.save(2, state_of(m, opt), persist=False)
+    assert h._pending is not None
+    return h, ref
+
+
 def test_a_loop_with_the_optimizer_hook_seals_every_save_bit_exact(
     make_ckpt: MakeCkpt,
 ) -> None:
@@ -135,12 +149,7 @@ def test_running_statistics_changed_by_the_forward_pass_are_saved_as_they_were(
     assert mean.nbytes < EAGER_BELOW <= m[0].weight.nbytes
     ckpt = make_ckpt(overlap=True)
     ckpt.staged_before(opt)
-    train_step(m, opt)
-    ckpt.save(1, state_of(m, opt), persist=False)
-    train_step(m, opt)
-    ref = copy_of(m)
-    h = ckpt.save(2, state_of(m, opt), persist=False)
-    assert h._pending is not None
+    h, ref = pending_second_save(ckpt, m, opt)
     version = mean._version
     m(torch.randn(16, 1024)).square().mean().backward()  # the next forward and backward
     assert mean._version == version  # unseen by the version counter...
@@ -155,12 +164,7 @@ def test_running_statistics_changed_by_the_forward_pass_are_saved_as_they_were(
 def test_close_seals_a_pending_save_and_commits_it(make_ckpt: MakeCkpt, tmp_path: Path) -> None:
     m, opt = model()
     ckpt = make_ckpt(overlap=True)
-    train_step(m, opt)
-    ckpt.save(1, state_of(m, opt), persist=False)
-    train_step(m, opt)
-    ref = copy_of(m)
-    h = ckpt.save(2, state_of(m, opt), persist=False)
-    assert h._pending is not None
+    h, ref = pending_second_save(ckpt, m, opt)
     ckpt.close()  # commits the newest snapshot: step 2, sealed first
     assert h.done()
     assert h.stats.error is None
