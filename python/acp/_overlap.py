@@ -9,9 +9,8 @@ the next step's forward and backward run, if the copy is over before the
 next optimizer step starts: ``save()`` then costs the walk of the state
 and the copy of its small tensors, not the copy of all of it.
 
-How a save is overlapped (only when the state's save plan is kept, i.e.
-from the second save of a state of plain contiguous CPU tensors whose
-structure did not change; every other save copies in its stall):
+How a save is overlapped (a state of contiguous CPU torch tensors, not a
+``replicated`` save; any other state is copied in the stall):
 
 1. In the stall: the tensors under :data:`EAGER_BELOW` bytes (running
    statistics such as BatchNorm's, which the forward pass changes in place
@@ -30,7 +29,7 @@ structure did not change; every other save copies in its stall):
    compared. All equal: the slot is sealed and the save goes on as any
    other (persisted by the policy, replicated). One differs: the slot is
    dropped, the previous checkpoint stays the newest, the save's handle
-   raises an ``acp.InvalidInput`` naming the tensor, a warning is logged,
+   raises an ``acp.InvalidInput`` naming the tensor, the failure is logged,
    and that tensor is copied in the stall from then on.
 
 What the version counter does not see is not caught: writes through

@@ -227,9 +227,8 @@ class Checkpointer:
             is sealed at the next ``staged()``, which
             ``staged_before(optimizer)`` calls before each optimizer step,
             only if no tensor changed meanwhile (torch's version counters).
-            States of contiguous CPU torch tensors, from the second save of
-            the same structure on; see ``acp._overlap`` and
-            docs/tuning.md.
+            States of contiguous CPU torch tensors (any other state is
+            copied in the stall); see ``acp._overlap`` and docs/tuning.md.
     """
 
     @from_environment
@@ -464,8 +463,8 @@ class Checkpointer:
         call it, before anything changes the state), or at the next
         ``save``, ``load``, ``wait`` or ``close``, only if no tensor changed
         meanwhile; else it is dropped and its handle raises, naming the
-        tensor. Only saves whose plan is kept (the second save on of a
-        state of contiguous CPU tensors) overlap. See ``acp._overlap``.
+        tensor. Only states of contiguous CPU torch tensors overlap (not
+        ``replicated`` saves). See ``acp._overlap``.
         """
         self._check_open()
         self._settle()
@@ -485,7 +484,7 @@ class Checkpointer:
         """Ends the overlapped save whose copy may still run: waits for the
         copy (at most ``timeout`` seconds: ``acp.AcpTimeout``), then seals
         it (True) or, when one of its tensors changed since ``save()``
-        returned, drops it (False: its handle raises, a warning is logged).
+        returned, drops it (False: its handle raises, the failure is logged).
         None when no save was pending. Never raises the dropped save's
         error: call it from a hook."""
         if self._closed:
