@@ -79,7 +79,9 @@ def test_a_loop_with_the_optimizer_hook_seals_every_save_bit_exact(
     # Each save overlaps, sealed by the hook before the next optimizer step.
     assert all(h._pending is None for h in handles[:-1])
     assert all(h.done() for h in handles[:-1])
+    assert all(h.staged for h in handles[:-1])
     assert handles[-1]._pending is not None  # no optimizer step after it yet
+    assert not handles[-1].staged  # a crash now would lose it
     ckpt.wait()
     for h in handles:
         s = h.wait()
@@ -113,6 +115,7 @@ def test_a_tensor_changed_before_staged_drops_the_save_and_is_copied_eagerly_nex
         m[0].weight.add_(1.0)  # the optimizer step the hook would have held
     assert ckpt.staged() is False
     assert h.done()
+    assert not h.staged
     with pytest.raises(acp.InvalidInput, match=r"step 2 \(overlap\).*`model.0.weight` changed"):
         h.wait()
     assert "model.0.weight" in (h.stats.error or "")

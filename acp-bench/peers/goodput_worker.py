@@ -209,6 +209,10 @@ class AcpStore:
         self.ckpt.staged_before(tr.opt)
         self.pending: list[Any] = []
         self.replicating: list[Any] = []
+        # An overlapped save whose copy may still run, and its stall: it is
+        # reported saved only once sealed (by the hook, before the next
+        # optimizer step): a kill before that loses it.
+        self.sealing: tuple[Any, float] | None = None
 
     def restore(self) -> dict[str, Any] | None:
         opened = self.ckpt.stats()["engine"]
@@ -230,19 +234,32 @@ class AcpStore:
             "persisted_on_open": opened["persisting_steps"],
         }
 
+    def _saved(self, h: Any, stall: float) -> None:
+        """Reports a save whose image is in the ring (sealed), or its error."""
+        if h.stats.error is not None:
+            _emit(self.fd, "error", step=h.step, error=h.stats.error)
+            return
+        _emit(self.fd, "saved", step=h.step, stall=stall)
+        self.pending.append(h)
+        if self.replicas:
+            self.replicating.append(h)
+
     def after_step(self) -> None:
         step = self.tr.step
+        if self.sealing is not None:  # the optimizer's hook sealed it (or dropped it)
+            self.ckpt.staged()
+            self._saved(*self.sealing)
+            self.sealing = None
         if step % self.every == 0:
             t0 = time.perf_counter()
             h = self.ckpt.save(step, self.tr.state())
             stall = time.perf_counter() - t0
             if h.skipped:
                 _emit(self.fd, "skipped", step=step, stall=stall)
+            elif h.staged:
+                self._saved(h, stall)
             else:
-                _emit(self.fd, "saved", step=step, stall=stall)
-                self.pending.append(h)
-                if self.replicas:
-                    self.replicating.append(h)
+                self.sealing = (h, stall)
         waiting = []
         for h in self.replicating:
             try:

@@ -32,6 +32,10 @@ How a save is overlapped (a state of contiguous CPU torch tensors, not a
    raises an ``acp.InvalidInput`` naming the tensor, the failure is logged,
    and that tensor is copied in the stall from then on.
 
+A process killed before step 3 loses the save (its slot was never sealed,
+so the restart discards it and restores the previous one); a SIGTERM seals
+it first (the dying checkpoint).
+
 What the version counter does not see is not caught: writes through
 ``.data``, through NumPy views or raw pointers, and in-place changes made
 inside a kernel (the reason small tensors are copied in the stall). Such

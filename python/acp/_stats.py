@@ -191,6 +191,15 @@ class SaveHandle:
         """True when the save was skipped (``on_full="skip"`` and no free slot)."""
         return self._stall.skipped
 
+    @property
+    def staged(self) -> bool:
+        """Whether the save's image is sealed in the ring, so that it survives
+        a crash of this process: at once for a save copied in its stall;
+        for an overlapped one, once ``Checkpointer.staged()`` sealed it
+        (False while its copy may run, and when it was dropped or skipped).
+        Never blocks."""
+        return self._pending is None and self._error is None and not self._stall.skipped
+
     def done(self) -> bool:
         """Whether the save has finished (committed, failed or skipped);
         False while an overlapped save is not sealed yet."""
