@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -270,3 +271,19 @@ def test_sigterm_with_a_save_pending_commits_it_unless_it_changed(
         assert torch.equal(w, torch.arange(512 * 1024, dtype=torch.float32) + (want - 1))
         if change == "change":
             assert "`w` changed" in p.stderr
+
+
+def test_one_thread_seals_a_pending_save_the_others_find_nothing(make_ckpt: MakeCkpt) -> None:
+    m, opt = model()
+    ckpt = make_ckpt(overlap=True)
+    h, ref = pending_second_save(ckpt, m, opt)
+    results: list[bool | None] = []
+    threads = [threading.Thread(target=lambda: results.append(ckpt.staged())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results, key=str) == [None, None, None, True]
+    assert h.staged
+    ckpt.wait()
+    assert same(ckpt.load(2)["model"], ref)

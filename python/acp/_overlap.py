@@ -53,7 +53,7 @@ from typing import Any
 from acp import _acp
 from acp._acp import InvalidInput
 
-__all__ = ["EAGER_BELOW", "Copier", "Pending", "Split"]
+__all__ = ["EAGER_BELOW", "Copier", "Overlaps", "Pending", "Split"]
 
 EAGER_BELOW = 1 << 20
 """Tensors of fewer bytes are copied in the stall of an overlapped save."""
@@ -226,3 +226,34 @@ def _wait(fut: Future[Any], timeout: float | None) -> tuple[bool, None]:
     except TimeoutError:
         return False, None
     return True, None
+
+
+class Overlaps:
+    """A checkpointer's overlapped saves: whether its saves overlap by
+    default, the thread that waits on their copies, and the one save whose
+    copy may still run (``pending``)."""
+
+    def __init__(self, default: bool) -> None:
+        self.default = default
+        self.copier = Copier()
+        self.pending: Pending | None = None
+        # Re-entrant: the dying checkpoint, run by a signal handler in the
+        # thread that may be sealing, finds nothing pending and goes on.
+        self._lock = threading.RLock()
+
+    def settle(self, timeout: float | None = None) -> bool | None:
+        """Seals or drops the pending save (``Pending.settle``), by one
+        thread: another waits, then finds nothing pending; None when
+        nothing was pending."""
+        with self._lock:
+            pending, self.pending = self.pending, None
+            if pending is None:
+                return None
+            try:
+                return pending.settle(timeout)
+            except _acp.AcpTimeout:
+                self.pending = pending
+                raise
+
+    def close(self) -> None:
+        self.copier.close()

@@ -26,7 +26,7 @@ from acp._codec import Adapters, Flat, FlatTensor, Transfer, flatten
 from acp._env import from_environment
 from acp._load import load_into, load_state, read_failed, run_transfers
 from acp._metrics import Metrics, logger
-from acp._overlap import Copier, Pending, Split
+from acp._overlap import Overlaps, Pending, Split
 from acp._plan import Plans, SavePlan, Spec
 from acp._rank import rank_and_world_size
 from acp._stats import LoadStats, SaveHandle, SaveStats, load_stats, replicas_held
@@ -358,9 +358,7 @@ class Checkpointer:
         self._plans = Plans(self._adapters)
         # Overlapped saves (acp._overlap): the default, the thread that
         # waits on their copies, and the one whose copy may still run.
-        self._overlap = bool(overlap)
-        self._copier = Copier()
-        self._pending: Pending | None = None
+        self._overlaps = Overlaps(bool(overlap))
         self._closed = False
         self._lock = threading.Lock()
         self._saves = 0
@@ -468,7 +466,7 @@ class Checkpointer:
         """
         self._check_open()
         self._settle()
-        overlap = self._overlap if overlap is None else overlap
+        overlap = self._overlaps.default if overlap is None else overlap
         with gc_paused():
             return self._save(
                 step,
@@ -504,14 +502,7 @@ class Checkpointer:
 
     def _settle(self, timeout: float | None = None) -> bool | None:
         """``staged()``: the pending overlapped save, sealed or dropped."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.settle(timeout)
-        except _acp.AcpTimeout:
-            self._pending = pending
-            raise
+        return self._overlaps.settle(timeout)
 
     def _queued(
         self,
@@ -712,7 +703,7 @@ class Checkpointer:
                 t2 = perf_counter()
                 if split.eager:
                     staging.copy_from(split.eager)
-                copy = self._copier.submit(staging.copy_from, split.lazy, background=True)
+                copy = self._overlaps.copier.submit(staging.copy_from, split.lazy, background=True)
                 copy_secs = perf_counter() - t2
                 return self._overlapped(
                     Pending(
@@ -848,7 +839,7 @@ class Checkpointer:
             self._queued(result, handle, coalescer)
 
         pending.seal = seal
-        self._pending = pending
+        self._overlaps.pending = pending
         self._count(result, staged=True)
         return result, None
 
@@ -1201,7 +1192,7 @@ class Checkpointer:
             self._settle()  # sealed (or dropped) before the newest is committed
         except AcpError as e:
             logger.warning("acp: overlapped save not sealed at close: %s", e)
-        self._copier.close()
+        self._overlaps.close()
         self._plans.clear()
         if self._in.sigterm is not None:
             self._in.sigterm.uninstall()
