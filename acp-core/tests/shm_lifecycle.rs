@@ -124,7 +124,15 @@ fn release_on_close_keeps_a_ring_holding_an_uncommitted_step() {
     // Step 2's flush fails: it is resident only.
     faults.arm(0, libc::EIO, true);
     assert!(save(&engine, 2).wait().is_err());
-    assert_eq!(engine.resident_steps(), [2, 1]);
+    // Step 2 is resident; step 1 (committed) too, unless step 2's save
+    // found the other slot still being grown by the warming thread and
+    // took step 1's slot instead (a committed step's resident copy is
+    // only a cache): which one happens depends on timing.
+    let resident = engine.resident_steps();
+    assert!(
+        resident == [2, 1] || resident == [2],
+        "resident steps: {resident:?}"
+    );
     engine.close().unwrap();
     assert_eq!(engine.kept_on_close(), Some(vec![2]));
     assert_eq!(
