@@ -557,15 +557,19 @@ class Checkpointer:
         return flat, flat.tensors
 
     def _plan_save(
-        self, state: object, replicated: bool | Collection[str]
+        self, state: object, replicated: bool | Collection[str], overlap: bool = False
     ) -> tuple[SavePlan | None, Flat | None, list[Any], list[object], list[Spec], str, set[str]]:
         """``(kept plan, flat, tensors, leaves, specs, values JSON,
         frameworks)``: a state with the last save's signature reuses its
         plan (its names, JSON and copy ranges, kept by the engine: one walk,
         no describe), and ``tensors`` are then the storages of the walk's
         tensors, alive while the copy runs, and ``leaves`` the tensors
-        themselves, in walk order; else the full flatten (no leaves)."""
+        themselves, in walk order; else the full flatten (no leaves). An
+        overlapped save does not reuse a plan kept without its split (kept
+        by saves that did not overlap): it plans again, keeping one."""
         kept = None if replicated else self._plans.for_save(state)
+        if kept is not None and overlap and kept[0].split is None:
+            kept = None
         if kept is not None:
             plan, alive, leaves = kept
             return plan, None, alive, leaves, plan.specs, plan.values_json, plan.frameworks
@@ -655,7 +659,7 @@ class Checkpointer:
         the staged save (None when skipped, or while an overlapped copy
         runs: the handle is then pending, and ``_settle`` seals it)."""
         kept, flat, tensors, leaves, specs, values_json, frameworks = self._plan_save(
-            state, replicated
+            state, replicated, overlap
         )
         tensor_bytes = (
             kept.tensor_bytes if kept is not None else sum(t.info.nbytes for t in tensors)
@@ -675,8 +679,10 @@ class Checkpointer:
                 values_json=values_json,
                 frameworks=frameworks,
                 tensor_bytes=tensor_bytes,
-                host=host,
-                objs=None if flat is None else [t.obj for t in tensors],
+                # What an overlapped save needs kept (not built otherwise:
+                # about 1 us per tensor, on the stall's path).
+                host=host if overlap else None,
+                objs=None if flat is None or not overlap else [t.obj for t in tensors],
             )
         split, leaves = self._split(
             overlap, kept=kept, host=host, flat=flat, tensors=tensors, leaves=leaves, specs=specs
