@@ -56,6 +56,7 @@ def pending_second_save(
     left pending; returns its handle and the model's state it must hold."""
     train_step(m, opt)
     ckpt.save(1, state_of(m, opt), persist=False)
+    ckpt.staged()  # what the optimizer hook does (a no-op when it did)
     train_step(m, opt)
     ref = copy_of(m)
     h = ckpt.save(2, state_of(m, opt), persist=False)

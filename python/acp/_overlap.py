@@ -180,8 +180,7 @@ class Pending:
         that many seconds for the copy (``acp.AcpTimeout`` past it; the save
         stays pending)."""
         t0 = perf_counter()
-        done, _ = _wait(self.copy, timeout)
-        if not done:
+        if not _done(self.copy, timeout):
             raise _acp.AcpTimeout(
                 f"save of step {self.step}: the overlapped copy did not end within {timeout:.3f} s"
             )
@@ -220,12 +219,13 @@ class Pending:
         return True
 
 
-def _wait(fut: Future[Any], timeout: float | None) -> tuple[bool, None]:
+def _done(fut: Future[Any], timeout: float | None) -> bool:
+    """Whether ``fut`` ended (well or not) within ``timeout`` seconds."""
     try:
         fut.exception(timeout)
     except TimeoutError:
-        return False, None
-    return True, None
+        return False
+    return True
 
 
 class Overlaps:

@@ -332,14 +332,15 @@ class Plans:
         tensor_bytes: int,
         host: list[tuple[int, int, int]] | None = None,
         objs: list[object] | None = None,
-    ) -> None:
+    ) -> list[object] | None:
         """Keeps the plan of a save that took the full path; ``engine``
         None: not all plain host copies, nothing kept. ``host`` and
         ``objs``: the save's copy ranges and its tensors, in entry order
-        (for overlapped saves)."""
+        (for overlapped saves). Returns the walk's leaves (the state's
+        tensors, in walk order) when a plan is kept."""
         self.save = None
         if engine is None:
-            return
+            return None
         walked = self.walker.walk(state, values=True)
         if walked is not None:
             split = None
@@ -354,6 +355,8 @@ class Plans:
                 sig=walked[0],
                 split=split,
             )
+            return walked[1]
+        return None
 
     def for_save(self, state: object) -> tuple[SavePlan, list[object], list[object]] | None:
         """The kept plan when ``state`` has its signature, with what keeps

@@ -671,7 +671,8 @@ class Checkpointer:
         extra.update(metadata or {})
         extra = {k: v for k, v in extra.items() if v}
         engine_plan, host = self._engine_plan(kept, replicated, tensors, specs, values_json)
-        if kept is None and not replicated:
+        # The walk's leaves of the plan this save keeps (when it keeps one).
+        walked = (
             self._plans.saved(
                 state,
                 engine=engine_plan,
@@ -684,9 +685,12 @@ class Checkpointer:
                 host=host if overlap else None,
                 objs=None if flat is None or not overlap else [t.obj for t in tensors],
             )
-        split, leaves = self._split(
-            overlap, kept=kept, host=host, flat=flat, tensors=tensors, leaves=leaves, specs=specs
+            if kept is None and not replicated
+            else None
         )
+        split, leaves = self._split(
+            overlap, kept=kept, leaves=leaves or walked, host=host, flat=flat, tensors=tensors
+        ) or (None, leaves)
         t1 = perf_counter()
         if engine_plan is not None:
             staging = self._engine.begin_save_planned(
@@ -778,24 +782,26 @@ class Checkpointer:
         overlap: bool,
         *,
         kept: SavePlan | None,
+        leaves: list[object] | None,
         host: list[tuple[int, int, int]] | None,
         flat: Flat | None,
         tensors: list[Any],
-        leaves: list[object],
-        specs: list[Spec],
-    ) -> tuple[Split | None, list[object]]:
-        """An overlapped save's split of its tensors (None: copied in the
-        stall), and the leaves whose version counters it watches."""
+    ) -> tuple[Split, list[object]] | None:
+        """An overlapped save's split of its tensors and the leaves whose
+        version counters it watches: those of the kept plan (the one this
+        save reused, or the one it just kept: ``leaves`` are then its
+        walk's), else a split made for this save (a state whose plan is
+        not kept). None: copied in the stall."""
+        plan = kept if kept is not None else self._plans.save if leaves else None
         if not overlap:
-            return None, leaves
-        if kept is not None:
-            return kept.split, leaves
-        if host is None or flat is None:
-            return None, leaves
-        # A state the kept plan does not fit (a first save, plain values
-        # that changed: a step counter, a scheduler's state).
+            return None
+        if plan is not None and plan.split is not None and leaves:
+            return plan.split, leaves
+        if kept is not None or host is None or flat is None:
+            return None
         objs = [t.obj for t in tensors]
-        return Split(host, objs, objs, [s[0] for s in specs], self._plans.eager_names), objs
+        names = [t.name for t in tensors]
+        return Split(host, objs, objs, names, self._plans.eager_names), objs
 
     def _count(self, result: SaveHandle, *, staged: bool) -> None:
         """Counts a save in ``stats()`` (its stall) and makes it the last."""

@@ -122,7 +122,7 @@ impl Staging {
     /// save): half the copy threads, at least one, so that the training's
     /// own threads keep most of the cores.
     pub fn background_threads(&self) -> usize {
-        (self.engine.shared().cfg.copy_threads / 2).max(1)
+        (self.copy_threads() / 2).max(1)
     }
 
     /// [`Staging::copy_some`] on `threads` threads (at least one) instead
