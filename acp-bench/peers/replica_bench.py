@@ -86,9 +86,14 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def raw_gloo(group: Any, rank: int, nbytes: int, repeats: int) -> list[float]:
+def raw_gloo(group: Any, rank: int, nbytes: int, repeats: int, beside: Any = None) -> list[float]:
     """Seconds of each raw exchange: isend ``nbytes`` to the holder, recv
-    the source's, as the replica exchange does."""
+    the source's, as the replica exchange does. ``beside``: called right
+    before each exchange is timed, it starts background work and returns
+    what waits for that work after the exchange (the bench passes a save of
+    the checkpointer without replicas: the exchange then runs beside that
+    save's flush, or its RAM snapshot's hash, as a replica exchange does;
+    that figure explains the replication one, it is not its baseline)."""
     holders = placement(["a"] * PER_NODE + ["b"] * PER_NODE, 1)
     to = holders[rank][0]
     src = next(r for r, hs in holders.items() if rank in hs)
@@ -97,12 +102,39 @@ def raw_gloo(group: Any, rank: int, nbytes: int, repeats: int) -> list[float]:
     secs = []
     for _ in range(repeats):
         dist.barrier(group=group)
+        done = beside() if beside is not None else None
         t = time.perf_counter()
         w = dist.isend(data, dst=to, group=group)
         dist.recv(out, src=src, group=group)
         w.wait()
         secs.append(time.perf_counter() - t)
+        if done is not None:
+            done()
     return secs
+
+
+def baselines(
+    rank: int, a: argparse.Namespace, nbytes: int, without: Any, last: int
+) -> dict[str, list[float]]:
+    """The raw gloo exchanges, alone and beside a save of ``without`` (the
+    checkpointer without replicas; its steps after ``last``)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+    steps = iter(range(last + 1, last + 1 + 2 * a.saves))
+    s = state(rank, last, a.mib)
+
+    def save_beside(persist: bool) -> Any:
+        def start() -> Any:
+            h = without.save(next(steps), s, persist=persist)
+            # Committed, or (a RAM snapshot) hashed.
+            return lambda: (h.wait(), without.wait())
+
+        return start
+
+    return {
+        "raw_gloo_secs": raw_gloo(group, rank, nbytes, a.saves),
+        "raw_gloo_beside_flush_secs": raw_gloo(group, rank, nbytes, a.saves, save_beside(True)),
+        "raw_gloo_beside_snapshot_secs": raw_gloo(group, rank, nbytes, a.saves, save_beside(False)),
+    }
 
 
 def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
@@ -167,14 +199,12 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
     h = with_rep.save(last, state(rank, last, a.mib), persist=True)
     h.wait_replicated(600)
     h.wait()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
-    raw = raw_gloo(group, rank, nbytes, a.saves)
     result = {
         "stall": stall,
         "replicate_secs": repl,
         "replicate_ram_only_secs": ram,
-        "raw_gloo_secs": raw,
         "bytes": nbytes,
+        **baselines(rank, a, nbytes, without, last),
     }
     Path(out, f"train-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -276,6 +306,8 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     warm = median([s for t in train for s in t["replicate_secs"][1:]])
     ram = median([s for t in train for s in t["replicate_ram_only_secs"]])
     raw = median([s for t in train for s in t["raw_gloo_secs"]])
+    flush = median([s for t in train for s in t["raw_gloo_beside_flush_secs"]])
+    snap = median([s for t in train for s in t["raw_gloo_beside_snapshot_secs"]])
     # A node's restore ends when its slowest rank has its state.
     peer = max(rest[r]["peer_secs"] for r in b)
     cold = max(median(rest[r]["storage_secs"]) for r in b)
@@ -295,6 +327,10 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         "replicate_over_raw": raw / repl,
         "replicate_warm_over_raw": raw / warm,
         "replicate_ram_only_over_raw": raw / ram,
+        "raw_beside_flush_gb_per_sec": nbytes / flush / 1e9,
+        "raw_beside_snapshot_gb_per_sec": nbytes / snap / 1e9,
+        "replicate_over_raw_beside_flush": flush / repl,
+        "replicate_ram_only_over_raw_beside_snapshot": snap / ram,
         "restore_node_b_secs": {
             "peer": peer,
             "storage": cold,
@@ -325,6 +361,11 @@ def print_table(r: dict[str, Any]) -> None:
         ("replication / raw gloo", r["replicate_over_raw"]),
         ("  replica slots warm / raw gloo", r["replicate_warm_over_raw"]),
         ("  persist=False / raw gloo", r["replicate_ram_only_over_raw"]),
+        ("raw gloo beside a save's flush (GB/s)", r["raw_beside_flush_gb_per_sec"]),
+        ("raw gloo beside a RAM snapshot's hash (GB/s)", r["raw_beside_snapshot_gb_per_sec"]),
+        ("replication / raw gloo beside a flush", r["replicate_over_raw_beside_flush"]),
+        ("  persist=False / raw beside a snapshot",
+         r["replicate_ram_only_over_raw_beside_snapshot"]),
         ("restore node B from peer RAM (s)", restore["peer"]),
         ("restore node B from storage (s)", restore["storage"]),
         (f"restore node B, storage at {cap:g} MB/s/node (s)", restore["storage_throttled"]),
