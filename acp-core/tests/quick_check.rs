@@ -385,3 +385,107 @@ fn a_header_planned_from_changed_bytes_is_not_the_checked_one() {
     drop(ck);
     e.close().unwrap();
 }
+
+fn snapshot(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) {
+    let shapes: Vec<[u64; 1]> = data.iter().map(|(_, d)| [d.len() as u64]).collect();
+    let host: Vec<HostTensor<'_>> = data
+        .iter()
+        .zip(&shapes)
+        .map(|((n, d), s)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: s,
+            data: d,
+        })
+        .collect();
+    let never = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    e.save(step, &host, &json!({}), &never)
+        .unwrap()
+        .wait()
+        .unwrap();
+    // Summed in the background.
+    e.wait_idle(None).unwrap();
+}
+
+/// A RAM snapshot that is not persisted gets quick sums, not blake3
+/// digests (none are recorded in its slot), and a load serves it from RAM
+/// checked against them; a byte changed afterwards is caught.
+#[test]
+fn a_ram_snapshot_is_summed_and_checked_by_its_sums() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    snapshot(&e, 1, &data);
+    let (file, image) = slot_of(&shm, 1);
+    let peek = acp_core::staging::peek_slot(&file).unwrap().unwrap();
+    assert!(!peek.digests_valid, "a snapshot is not hashed with blake3");
+    for _ in 0..2 {
+        let ck = load(&e, 1);
+        assert_eq!(ck.report().source, Source::Ram);
+        assert!(ck.report().verified);
+        assert_intact(&ck, &data);
+    }
+    flip(&file, image + (7 << 20) + 5);
+    let err = e
+        .load(&LoadRequest {
+            step: Some(1),
+            ..LoadRequest::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("differ from the quick sum"), "{err}");
+    assert!(err.contains("`a.w`"), "{err}");
+    assert!(
+        err.contains(file.file_name().unwrap().to_str().unwrap()),
+        "{err}"
+    );
+    drop(e);
+}
+
+/// Persisting a summed snapshot hashes it as it is written, and a chunk
+/// that no longer gives the sum taken at the snapshot is not committed
+/// under digests taken now: the persist fails naming the slot and chunk.
+#[test]
+fn a_summed_snapshot_changed_in_ram_is_not_persisted() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    snapshot(&e, 1, &data);
+    snapshot(&e, 2, &data);
+    // Unchanged: persisted, hashed on the way, and loadable from storage.
+    e.persist_resident(2).unwrap().wait().unwrap();
+    assert_eq!(e.steps().unwrap(), [2]);
+    let ck = e
+        .load(&LoadRequest {
+            step: Some(2),
+            storage_only: true,
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    assert_intact(&ck, &data);
+    drop(ck);
+    snapshot(&e, 3, &data);
+    let (file, image) = slot_of(&shm, 3);
+    // Chunk 100 of 64 KiB chunks.
+    flip(&file, image + 100 * (64 << 10) + 9);
+    let err = e
+        .persist_resident(3)
+        .unwrap()
+        .wait()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("chunk 100 changed in RAM"), "{err}");
+    assert!(
+        err.contains(file.file_name().unwrap().to_str().unwrap()),
+        "{err}"
+    );
+    assert_eq!(e.steps().unwrap(), [2], "step 3 is not committed");
+    drop(e);
+}

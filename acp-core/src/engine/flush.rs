@@ -259,8 +259,8 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             None
         };
         // Digests and quick sums recorded for the slot's image already (a
-        // snapshot hashed while it waited, a verified read, the replica
-        // send of this save, the process of this rank that sealed it) are
+        // verified read, the replica send of this save, the process of this
+        // rank that sealed it) are
         // taken as they are; each chunk must still give its sum as it is
         // written. Else the image is hashed before it is written only when
         // that is needed or shared: an incremental flush whose probe finds
@@ -282,6 +282,15 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             shared.cfg.copy_threads,
             &path,
         )?;
+        // A RAM snapshot summed while it waited (`hash.rs`) and not hashed
+        // since: every chunk written must still give its sum, or it
+        // changed in RAM since and is not committed under digests taken
+        // now (the pin holds the image these sums describe).
+        let summed = if pre.is_none() {
+            shared.ring.sums_alone(slot)
+        } else {
+            None
+        };
         let reuse = match (&base, &pre) {
             (Some(b), Some((d, _))) => super::incremental::reuse(b, d, len, chunk as u64),
             _ => Vec::new(),
@@ -290,6 +299,14 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let reused: Vec<bool> = reuse.iter().map(Option::is_some).collect();
         let mut stored_size = None;
         let stats = if compress || !refs.is_empty() {
+            // The packed writer hashes the chunks itself: the sums are
+            // checked first, in one pass.
+            if let Some(i) = summed
+                .as_ref()
+                .and_then(|s| crate::read::first_differing(image, chunk, s))
+            {
+                return Err(changed_since_hashed(shared, slot, i));
+            }
             let mode = super::compress::PackMode {
                 compress,
                 reuse: &reused,
@@ -320,7 +337,11 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 &mut |i, bytes| {
                     if !hashed {
                         debug_assert_eq!(i, digests.len());
-                        sums.push(crate::read::fast_sum(bytes));
+                        let sum = crate::read::fast_sum(bytes);
+                        if summed.as_ref().is_some_and(|s| s.get(i) != Some(&sum)) {
+                            return Err(changed_since_hashed(shared, slot, i));
+                        }
+                        sums.push(sum);
                         digests.push(digest(bytes));
                     } else if sums.get(i) != Some(&crate::read::fast_sum(bytes)) {
                         // Digests taken before the write vouch for the
@@ -606,6 +627,8 @@ pub(super) fn changed_since_hashed(shared: &Shared, slot: usize, i: usize) -> Er
     Error::corrupt(
         shared.ring.slot_path(slot),
         None,
-        format!("chunk {i} changed in RAM after it was hashed; the step is not committed"),
+        format!(
+            "chunk {i} changed in RAM after it was hashed or summed; the step is not committed"
+        ),
     )
 }

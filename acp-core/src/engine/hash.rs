@@ -1,23 +1,32 @@
-//! Hashing RAM snapshots: the chunk digests that make a snapshot that is
-//! not persisted verifiable, so `load` can serve it from RAM.
+//! Summing RAM snapshots: the per-chunk quick sums that make a snapshot
+//! that is not persisted verifiable, so `load` can serve it from RAM.
 //!
-//! A persisted save gets its digests from its flush, which hashes each
-//! chunk as it writes it. A snapshot the policy keeps resident only is
-//! hashed on the flush thread (low priority, behind any persist already
-//! queued; on one thread, or on the copy threads for a rank that takes
-//! part in a replica exchange, whose send waits for this hash): hash
-//! only, nothing written. Coalesced like the persists: one
-//! snapshot waits to be hashed at a time, the newest; a newer one takes its
-//! place, so a snapshot superseded before its turn is never hashed. The
-//! digests go into the slot's control block ([`Ring::set_digests`]) while
-//! the slot is pinned and still holds that image (same generation), before
-//! any load can read them; a load then checks the slot's bytes against them
-//! exactly as it checks a persisted slot against its index, so a byte
-//! changed in RAM after the hash is caught. Bytes changed between the seal
-//! and the hash are not, as for a persisted save between seal and flush:
-//! the digests vouch for the image from the moment they were taken.
+//! A persisted save gets blake3 digests (and the quick sums beside them)
+//! from its flush, which hashes each chunk as it writes it. A snapshot the
+//! policy keeps resident only is summed on the flush thread (low priority,
+//! behind any persist already queued, one thread): xxh3 only, nothing
+//! written, several times cheaper than blake3 per core. Coalesced like the
+//! persists: one snapshot waits to be summed at a time, the newest; a newer
+//! one takes its place, so a snapshot superseded before its turn is never
+//! summed. The sums go into the slot's control block
+//! ([`Ring::record_sums_alone`]), bound to the image (step, length, slot
+//! generation), while the slot is pinned and still holds that image, before
+//! any load can read them; a load checks the slot's bytes against them, so
+//! a byte changed in RAM after they were taken is caught. Bytes changed
+//! between the seal and the sums are not, as for a persisted save between
+//! seal and flush: the sums vouch for the image from the moment they were
+//! taken.
 //!
-//! [`Ring::set_digests`]: crate::staging::Ring::set_digests
+//! A snapshot has no digests of record until it is persisted or sent to a
+//! replica holder: the flush (or the replica send, `replicate::hash_once`)
+//! then hashes it with blake3, and each chunk must still give the sum
+//! taken here, or it changed in RAM since and is not committed (or sent)
+//! under the new digests. `read/fast.rs` says what the sums prove, and
+//! why they stand for the image in RAM as well as recorded blake3
+//! digests would: both live in the same slot file, written by the same
+//! process.
+//!
+//! [`Ring::record_sums_alone`]: crate::staging::Ring::record_sums_alone
 
 use super::state::{EngineState, Shared, Snapshot};
 use crate::staging::SlotInfo;
@@ -45,17 +54,9 @@ pub(super) fn hash_waiting(shared: &Shared) {
         next
     };
     if let Some(s) = next {
-        // One thread, off the training's way; but a rank whose images go
-        // to replica holders sends this snapshot too, and its send waits
-        // for this hash (the two share it, `replicate::hash_once`): then
-        // the hash is on the replication's path and takes the copy
-        // threads, as the send would have.
-        let threads = if shared.sends_replicas() {
-            shared.cfg.copy_threads
-        } else {
-            1
-        };
-        hash_slot(shared, s.slot, Some(s.generation), s.step, threads);
+        // One thread, off the training's way (a replica send does not
+        // wait for these sums: it hashes the image itself).
+        hash_slot(shared, s.slot, Some(s.generation), s.step, 1);
         shared.lock().hashing = false;
         shared.idle.notify_all();
     }
@@ -68,11 +69,14 @@ impl EngineState {
     }
 }
 
-/// Hashes the image of `step` in slot `slot` on `threads` threads and
-/// records its digests, unless the slot no longer holds that image (another
-/// generation, when `generation` is given), holds no complete image, or
-/// already has digests (its flush, or a replica send, recorded them).
-/// Returns whether the slot has digests afterwards.
+/// Sums the image of `step` in slot `slot` on `threads` threads and
+/// records the sums ([`Ring::record_sums_alone`]), unless the slot no
+/// longer holds that image (another generation, when `generation` is
+/// given), holds no complete image, or is verifiable already (digests
+/// recorded by its flush, a replica send or a verified read, or sums by
+/// an earlier call). Returns whether the slot is verifiable afterwards.
+///
+/// [`Ring::record_sums_alone`]: crate::staging::Ring::record_sums_alone
 pub(super) fn hash_slot(
     shared: &Shared,
     slot: usize,
@@ -81,7 +85,7 @@ pub(super) fn hash_slot(
     threads: usize,
 ) -> bool {
     let ring = &shared.ring;
-    // The pin keeps this image in the slot while it is hashed: the slot is
+    // The pin keeps this image in the slot while it is summed: the slot is
     // neither freed nor acquired again until the pin drops.
     let Ok(pin) = ring.pin(slot) else {
         return false;
@@ -89,53 +93,42 @@ pub(super) fn hash_slot(
     if pin.step() != step || generation.is_some_and(|g| g != pin.generation()) {
         return false;
     }
-    if ring.digests(slot).is_some() {
+    let summed = || ring.digests(slot).is_some() || ring.sums_alone(slot).is_some();
+    if summed() {
         return true;
     }
-    // With the quick sums, under the lock the flush and the replica send
-    // hash under (`replicate::hash_once`), so none of them hashes this
-    // image again: a load checks the sums, and a persist of the snapshot
-    // takes these digests, checking each chunk's sum as it writes it. A
-    // slot released meanwhile (superseded) ignores them.
-    let path = ring.slot_path(slot);
-    match super::replicate::hash_once(
-        shared,
-        slot,
-        pin.generation(),
-        pin.image(),
-        true,
-        threads,
-        &path,
-    ) {
-        Ok(_) => tracing::debug!(step, slot, "acp: RAM snapshot hashed"),
-        Err(e) => {
-            tracing::warn!(step, "acp: RAM snapshot not hashed: {e}");
-            return false;
-        }
+    let sums = crate::read::chunk_sums(pin.image(), shared.cfg.chunk_bytes, threads);
+    // Not recorded when digests were recorded meanwhile (a flush or a
+    // replica send of the same image), or the slot was released
+    // (superseded): either way nothing more is needed.
+    if ring.record_sums_alone(slot, pin.generation(), &sums) {
+        tracing::debug!(step, slot, "acp: RAM snapshot summed");
     }
-    ring.digests(slot).is_some()
+    summed()
 }
 
-/// At open: hashes the images of `recovered` (slots a previous process
-/// left, to be persisted) that have no digests, on `threads` threads.
+/// At open: sums the images of `recovered` (slots a previous process
+/// left, to be persisted) that have neither digests nor sums, on
+/// `threads` threads.
 ///
-/// A process killed before its newest snapshot was persisted (or hashed)
-/// leaves a sealed image without digests. It could be made loadable by
+/// A process killed before its newest snapshot was persisted (or summed)
+/// leaves a sealed image with neither. It could be made loadable by
 /// waiting for persist-on-open's write to storage, which hashes it on the
-/// way; instead it is hashed here, at memory speed and before training
+/// way; instead it is summed here, at memory speed and before training
 /// starts (nothing competes with it yet), so `load` serves it from RAM,
-/// verified against digests recorded before the load reads it, while the
+/// checked against sums recorded before the load reads it, while the
 /// write to storage runs in the background. The seal protocol guarantees
 /// that a slot listed as complete holds a whole image (a half-staged one
-/// is discarded at open), so hashing it records what the previous process
-/// sealed, unless its bytes changed in RAM after the seal, which no
-/// digest taken later can tell.
+/// is discarded at open), so summing it records what the previous process
+/// sealed, unless its bytes changed in RAM after the seal, which no sum
+/// taken later can tell.
 pub(super) fn hash_recovered(shared: &Shared, recovered: &[SlotInfo], threads: usize) {
     for info in recovered {
-        if !info.has_digests && hash_slot(shared, info.slot, None, info.step, threads) {
+        let summed = info.has_digests || shared.ring.sums_alone(info.slot).is_some();
+        if !summed && hash_slot(shared, info.slot, None, info.step, threads) {
             tracing::info!(
                 step = info.step,
-                "acp: hashed the resident step a previous process left, to restore it from RAM"
+                "acp: summed the resident step a previous process left, to restore it from RAM"
             );
         }
     }

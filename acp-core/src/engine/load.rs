@@ -56,9 +56,9 @@ impl Engine {
     /// a slot, which becomes resident). A source that is missing or fails
     /// verification is logged, naming it, and the next one is used. An
     /// explicit `step` that is not committed is loaded from RAM only,
-    /// checked against the digests recorded with the image (by its flush,
-    /// by the background hash of a RAM snapshot, or at open for one a
-    /// previous process left); without a step, the newest such snapshot of
+    /// checked against the quick sums or digests recorded with the image
+    /// (by its flush, by the background sums of a RAM snapshot, or at open
+    /// for one a previous process left); without a step, the newest such snapshot of
     /// this rank (one rank only) is tried before the committed steps.
     ///
     /// # Errors
@@ -615,8 +615,9 @@ fn load_with(engine: &Engine, req: &LoadRequest, defer: bool) -> Result<Opened> 
 
 /// The steps of this rank's RAM snapshots that a load without a step may
 /// serve, newest first: resident in its ring with recorded digests (hashed
-/// by their flush, in the background, or at open), so they are verified
-/// like a committed step; not the image of a save whose flush failed (a
+/// by their flush or a replica send) or quick sums (summed in the
+/// background or at open, `hash.rs`), so they are checked before they are
+/// used; not the image of a save whose flush failed (a
 /// failed save is not offered in place of the committed step before it).
 /// Only for this rank's own image read from wherever it is, and only with
 /// one rank: with several, a step is loadable only once every rank holds
@@ -639,7 +640,7 @@ fn ram_snapshots(shared: &Shared, req: &LoadRequest) -> Vec<u64> {
         .ring
         .complete()
         .into_iter()
-        .filter(|i| i.has_digests)
+        .filter(|i| i.has_digests || shared.ring.sums_alone(i.slot).is_some())
         .filter(|i| {
             shared
                 .ring

@@ -170,15 +170,18 @@ impl Engine {
     /// the flush (or an earlier call) recorded in its slot, else taken now
     /// on the engine's copy threads, each chunk's quick sum before its
     /// digest, as a flush takes them, and recorded, so that the flush of
-    /// the same image, the hash of a RAM snapshot and a restore of the
-    /// step from this node's RAM use them rather than hashing it again
-    /// (the flush and this call hash under one lock: the second takes the
-    /// first one's). The sums are empty when the slot records digests
-    /// without sums (laid out by an older version). Never call it in the
-    /// stall.
+    /// the same image and a restore of the step from this node's RAM use
+    /// them rather than hashing it again (the flush and this call hash
+    /// under one lock: the second takes the first one's). A RAM snapshot
+    /// summed before (`hash.rs`) must still give its sums, or this fails
+    /// ([`Error::Corrupt`]). The sums are empty when the slot records
+    /// digests without sums (laid out by an older version). Never call it
+    /// in the stall.
     ///
     /// # Errors
-    /// [`Error::Io`] when a hashing thread cannot start.
+    /// [`Error::Io`] when a hashing thread cannot start; [`Error::Corrupt`]
+    /// naming the slot file and chunk when the image changed in RAM since
+    /// its quick sums were taken.
     pub fn resident_hashes(&self, pin: &PinnedSlot) -> Result<(Vec<Digest>, Vec<u64>)> {
         let shared = self.shared();
         let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
@@ -414,7 +417,21 @@ pub(super) fn hash_once(
     if !compute {
         return Ok(None);
     }
+    // A RAM snapshot summed before it was hashed (`hash.rs`): the bytes
+    // hashed now must be those the sums were taken from (each chunk's sum
+    // is taken before its digest), or the new digests would vouch for a
+    // change made in RAM since.
+    let summed = ring
+        .sums_alone(slot)
+        .filter(|_| ring.generation(slot) == Some(generation));
     let (digests, sums) = super::incremental::prehash(image, chunk, threads, path)?;
+    if let Some(i) = summed.and_then(|before| (0..want).find(|&i| before.get(i) != sums.get(i))) {
+        return Err(Error::corrupt(
+            ring.slot_path(slot),
+            None,
+            format!("chunk {i} changed in RAM after its quick sum was taken; not hashed"),
+        ));
+    }
     // The caller's pin keeps this image in the slot: still this generation.
     if ring.generation(slot) == Some(generation) {
         ring.set_digests(slot, &digests);
@@ -519,26 +536,54 @@ fn same_digests(entry: &FileEntry, chunk_bytes: u64, digests: &[Digest]) -> bool
 }
 
 /// This rank's own image of uncommitted `step` in its ring, checked
-/// against the digests recorded in its slot (by the flush, or by
-/// [`Engine::resident_replica`]); a slot without digests cannot be checked
-/// and is skipped.
+/// against the quick sums recorded for it (beside its digests, or alone:
+/// a RAM snapshot summed but not hashed, `hash.rs`), else against the
+/// digests recorded in its slot (by the flush, or by
+/// [`Engine::resident_replica`]) with blake3; a slot with neither cannot
+/// be checked and is skipped, as is one whose bytes give neither.
 pub(super) fn own_uncommitted(
     shared: &Shared,
     step: u64,
     rejected: &mut Option<String>,
 ) -> Option<Found> {
-    let info = shared
-        .ring
-        .complete()
-        .into_iter()
-        .find(|i| i.step == step)?;
-    let pin = shared.ring.pin(info.slot).ok()?;
-    let origin = shared.ring.slot_path(info.slot);
-    let Some(digests) = shared.ring.digests(info.slot) else {
-        tracing::warn!(
-            "acp: resident image of step {step} in {} has no digests (never hashed), trying the next source",
-            origin.display()
-        );
+    let ring = &shared.ring;
+    let info = ring.complete().into_iter().find(|i| i.step == step)?;
+    let pin = ring.pin(info.slot).ok()?;
+    let origin = ring.slot_path(info.slot);
+    let threads = shared.cfg.copy_threads;
+    let found = |pin| Found {
+        backing: Backing::Slot(pin),
+        origin: origin.clone(),
+        source: Source::Ram,
+    };
+    // The pin holds the image the sums and digests read now describe.
+    let digests = ring.digests(info.slot);
+    let sums = if digests.is_some() {
+        ring.quick_sums(info.slot)
+    } else {
+        ring.sums_alone(info.slot)
+    };
+    if let Some(s) = &sums {
+        if sums_match(pin.image(), shared.cfg.chunk_bytes, s, threads) {
+            return Some(found(pin));
+        }
+    }
+    let Some(digests) = digests else {
+        if let Some(s) = &sums {
+            let e = differs_from_sums(pin.image(), shared.cfg.chunk_bytes, s, &origin);
+            let why = format!(
+                "rank {}'s image of step {step} in {} rejected: {e}",
+                shared.cfg.rank,
+                origin.display()
+            );
+            tracing::warn!("acp: {why}; trying the next source");
+            *rejected = Some(why);
+        } else {
+            tracing::warn!(
+                "acp: resident image of step {step} in {} has neither digests nor quick sums (never summed), trying the next source",
+                origin.display()
+            );
+        }
         return None;
     };
     let entry = to_entry(
@@ -547,19 +592,39 @@ pub(super) fn own_uncommitted(
         shared.cfg.chunk_bytes as u64,
         digests,
     );
-    verified(
-        pin.image(),
-        &origin,
-        &entry,
-        shared.cfg.copy_threads,
-        step,
-        rejected,
-    )
-    .then(|| Found {
-        backing: Backing::Slot(pin),
-        origin,
-        source: Source::Ram,
-    })
+    verified(pin.image(), &origin, &entry, threads, step, rejected).then(|| found(pin))
+}
+
+/// The error for `image`, from `path`, whose first chunk that differs from
+/// its quick sum in `sums` names the tensors it holds (read from the
+/// image's own header, unverified, for naming only).
+fn differs_from_sums(image: &[u8], chunk: usize, sums: &[u64], path: &Path) -> Error {
+    let chunk = chunk.max(1);
+    let i = crate::read::first_differing(image, chunk, sums).unwrap_or(0);
+    let (start, end) = (
+        (i * chunk) as u64,
+        ((i + 1) * chunk).min(image.len()) as u64,
+    );
+    let tensors: Vec<String> = crate::format::parse_header(path, image, image.len() as u64)
+        .map(|h| {
+            h.entries
+                .into_iter()
+                .filter(|e| e.offset < end && start < e.offset + e.len.max(1))
+                .map(|e| e.name)
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut reason = format!(
+        "bytes {start}..{end} (chunk {i}) differ from the quick sum taken when the snapshot was summed"
+    );
+    if tensors.len() > 1 {
+        reason = format!(
+            "{reason}, which hold parts of {} tensors: `{}`",
+            tensors.len(),
+            tensors.join("`, `")
+        );
+    }
+    Error::corrupt(path, tensors.first().map(String::as_str), reason)
 }
 
 /// `rank`'s image of `step` from a replica slot on this node (kept by any

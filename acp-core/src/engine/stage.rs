@@ -243,7 +243,7 @@ impl Staging {
                     step: self.step,
                 };
                 // Held with its pin until decided (`Engine::decide`);
-                // hashed meanwhile, so `load` can verify it.
+                // summed meanwhile, so `load` can check it.
                 st.held.push(job);
                 let wake = Shared::want_hash(&mut st, snap);
                 drop(st);
@@ -259,7 +259,7 @@ impl Staging {
                     step: self.step,
                 };
                 st.snapshots.push(snap);
-                // Hashed in the background, so `load` can verify it.
+                // Summed in the background, so `load` can check it.
                 let wake = Shared::want_hash(&mut st, snap);
                 drop(st);
                 if wake {

@@ -32,6 +32,25 @@
 //! pass it) gives such a writer nothing new. Against anyone else the slot
 //! file cannot be written at all.
 //!
+//! # Sums alone: RAM snapshots
+//!
+//! A RAM snapshot that is not persisted has no committed index to be
+//! checked against: digests taken for it would be recorded by the same
+//! process, in the same control block, as its sums, and compared with
+//! nothing else. Such a snapshot is summed, not hashed (`engine/hash.rs`):
+//! its sums are recorded alone, in a record with its own magic
+//! (`ACPXXH3A`) whose tag binds them to the image (its step, length and
+//! slot generation, and the chunk size), and a load checks the slot's
+//! bytes against them. They catch what sums beside digests catch (any
+//! accidental change), at a fraction of blake3's CPU per snapshot, which
+//! is what saving a snapshot every step costs in the background. Digests
+//! are taken when the snapshot leaves RAM: its flush hashes it as it
+//! writes it, and a replica send hashes it before sending; each chunk's
+//! sum is taken again first and must be the recorded one, so the new
+//! digests never vouch for a change made in RAM after the snapshot was
+//! summed. A slot that holds sums alone has no digests (`digests_valid`
+//! 0): a version that knows nothing of them sees a snapshot never hashed.
+//!
 //! A sums record is believed only while its tag is the xxh3 of the digests
 //! recorded now (and their chunk size): digests recorded again, by this
 //! version or by one that knows nothing of sums, leave the old record
@@ -73,6 +92,39 @@ pub(crate) fn fast_sum(bytes: &[u8]) -> u64 {
 
 /// Below this many bytes, the check runs on the calling thread alone.
 const PARALLEL_MIN_BYTES: usize = 8 << 20;
+
+/// The quick sum of every `chunk`-byte piece of `image`, taken on up to
+/// `threads` threads, each a contiguous run of chunks.
+pub(crate) fn chunk_sums(image: &[u8], chunk: usize, threads: usize) -> Vec<u64> {
+    let chunk = chunk.max(1);
+    let n = image.len().div_ceil(chunk);
+    let mut out = vec![0u64; n];
+    if threads <= 1 || image.len() < PARALLEL_MIN_BYTES || n < 2 {
+        for (o, piece) in out.iter_mut().zip(image.chunks(chunk)) {
+            *o = fast_sum(piece);
+        }
+        return out;
+    }
+    let per = n.div_ceil(threads);
+    let work: Vec<(&mut [u64], &[u8])> =
+        out.chunks_mut(per).zip(image.chunks(per * chunk)).collect();
+    crate::io::run_on_threads("acp-sums", work, |(o, data)| {
+        for (s, piece) in o.iter_mut().zip(data.chunks(chunk)) {
+            *s = fast_sum(piece);
+        }
+    });
+    out
+}
+
+/// The first `chunk`-byte piece of `image` that does not give its sum in
+/// `sums` (a missing sum counts as not given), on the calling thread.
+pub(crate) fn first_differing(image: &[u8], chunk: usize, sums: &[u64]) -> Option<usize> {
+    image
+        .chunks(chunk.max(1))
+        .enumerate()
+        .find(|(i, piece)| sums.get(*i) != Some(&fast_sum(piece)))
+        .map(|(i, _)| i)
+}
 
 /// Whether every `chunk`-byte piece of `image` gives the sum `sums`
 /// records for it (and there is one sum per piece), checked over up to

@@ -70,7 +70,7 @@ mod whole;
 
 use std::path::Path;
 
-pub(crate) use fast::{check_and_copy, fast_sum, sums_match};
+pub(crate) use fast::{check_and_copy, chunk_sums, fast_sum, first_differing, sums_match};
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};
 pub(crate) use whole::Target;

@@ -30,8 +30,12 @@ pub(super) const SUM_BYTES: usize = 8;
 /// The first bytes of a sums record; a record whose magic differs (none
 /// written, a later layout) is no record.
 pub(super) const SUMS_MAGIC: [u8; 8] = *b"ACPXXH31";
+/// The first bytes of a sums record written without digests (a RAM
+/// snapshot summed but never persisted: [`sums_alone_tag`]); a reader of a
+/// version that knows only [`SUMS_MAGIC`] finds no record there.
+pub(super) const SUMS_ALONE_MAGIC: [u8; 8] = *b"ACPXXH3A";
 /// Bytes of a sums record before the sums: the magic, then the `u64` tag
-/// ([`sums_tag`]).
+/// ([`sums_tag`], [`sums_alone_tag`]).
 pub(super) const SUMS_FIXED: usize = 16;
 
 /// Byte offsets of the control-block fields.
@@ -246,6 +250,22 @@ pub(super) fn sums_tag(digests: &[Digest], chunk_bytes: u64) -> u64 {
     b.extend_from_slice(&chunk_bytes.to_le_bytes());
     for d in digests {
         b.extend_from_slice(d);
+    }
+    twox_hash::XxHash3_64::oneshot(&b)
+}
+
+/// The tag that binds a sums record written without digests to the image
+/// it was taken from: the xxh3-64 of a domain string, the sum count, the
+/// chunk size and the image's step, length and slot generation (each 8
+/// bytes LE), as the header records them. A record left by an earlier
+/// image of the slot (another generation) is not believed for a later one.
+pub(super) fn sums_alone_tag(count: usize, chunk_bytes: u64, image: [u64; 3]) -> u64 {
+    let mut b = Vec::with_capacity(64);
+    b.extend_from_slice(b"acp sums alone\0\0");
+    b.extend_from_slice(&(count as u64).to_le_bytes());
+    b.extend_from_slice(&chunk_bytes.to_le_bytes());
+    for v in image {
+        b.extend_from_slice(&v.to_le_bytes());
     }
     twox_hash::XxHash3_64::oneshot(&b)
 }

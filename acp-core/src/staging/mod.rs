@@ -79,8 +79,8 @@
 //! |    112 |    … | origin record   | the ring's checkpoint root and job id ([`Ring::record_origin`]; zero when not recorded) |
 //! |      … |    … | reserved        | zero |
 //! |   4096 |    … | digest area     | `digest_count` × 32-byte blake3 chunk digests |
-//! | 4096 + 32 × `digest_count` | 8 | sums magic | `b"ACPXXH31"` when a sums record follows |
-//! | … + 8 |    8 | sums tag        | xxh3-64 of `chunk_bytes` (8 bytes LE) then every recorded digest |
+//! | 4096 + 32 × `digest_count` | 8 | sums magic | `b"ACPXXH31"` when a sums record follows the digests; `b"ACPXXH3A"` for sums recorded alone (no digests, `digests_valid` 0) |
+//! | … + 8 |    8 | sums tag        | `ACPXXH31`: xxh3-64 of `chunk_bytes` (8 bytes LE) then every recorded digest; `ACPXXH3A`: xxh3-64 of `b"acp sums alone\0\0"`, then `digest_count`, `chunk_bytes`, `step`, `image_len` and `generation` (8 bytes LE each) |
 //! | … + 16 | 8 × `digest_count` | quick sums | xxh3-64 of each chunk ([`Ring::record_quick_sums`]) |
 //!
 //! The digest area holds one digest and one quick sum per `chunk_bytes` of
@@ -96,8 +96,12 @@
 //! its tag is that of the digests and chunk size recorded now: recording
 //! digests (or clearing them) zeroes the magic of the record beside the
 //! old ones first, and digests recorded by a writer that knows nothing of
-//! the record leave a tag that no longer matches. What the sums prove, and
-//! why they may live in shared memory, is in `read/fast.rs`.
+//! the record leave a tag that no longer matches. Sums recorded alone (a RAM
+//! snapshot summed, not hashed) set `digest_count` and `chunk_bytes` with
+//! `digests_valid` 0, and are believed only for the image their tag names:
+//! recording digests or clearing them unmakes them the same way, and an
+//! image staged later in the slot has another generation. What the sums
+//! prove, and why they may live in shared memory, is in `read/fast.rs`.
 //!
 //! A control block whose magic, version, job tag or rank is not ours, whose
 //! state code is unknown, or that claims a complete image with inconsistent

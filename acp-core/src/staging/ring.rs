@@ -389,6 +389,51 @@ impl Ring {
             .sums()
     }
 
+    /// Records `sums`, the quick sum of each chunk of slot `slot`'s image
+    /// of generation `generation`, without digests: a RAM snapshot checked
+    /// by its sums until it is persisted (whose flush hashes it, checking
+    /// each chunk against its sum) or sent to a replica holder (hashed then,
+    /// checked the same way); `read/fast.rs` says what the sums prove.
+    /// Recorded in the control block bound to the image (its step, length
+    /// and generation), so a later process finds them. Returns whether they
+    /// were recorded: not when the slot holds another image or one with
+    /// digests already, the count is not the image's, or they do not fit.
+    pub fn record_sums_alone(&self, slot: usize, generation: u64, sums: &[u64]) -> bool {
+        let chunk = self.inner.opts.chunk_bytes;
+        let mut t = self.inner.lock();
+        let Some(e) = t.slots.get_mut(slot).filter(|e| {
+            e.is_available()
+                && !e.has_digests
+                && e.generation == generation
+                && e.len.div_ceil(chunk.max(1)) == sums.len() as u64
+        }) else {
+            return false;
+        };
+        let image = [e.step, e.len, e.generation];
+        e.mem
+            .as_mut()
+            .is_some_and(|m| m.ctrl.set_sums_alone(sums, chunk, image))
+    }
+
+    /// The sums recorded for slot `slot`'s image without digests
+    /// ([`Ring::record_sums_alone`], by this process or an earlier one),
+    /// if any: none once digests are recorded.
+    #[must_use]
+    pub fn sums_alone(&self, slot: usize) -> Option<Vec<u64>> {
+        let chunk = self.inner.opts.chunk_bytes;
+        let t = self.inner.lock();
+        let e = t
+            .slots
+            .get(slot)
+            .filter(|e| e.is_available() && !e.has_digests)?;
+        let sums = e
+            .mem
+            .as_ref()?
+            .ctrl
+            .sums_alone(chunk, [e.step, e.len, e.generation])?;
+        (sums.len() as u64 == e.len.div_ceil(chunk.max(1))).then_some(sums)
+    }
+
     /// Whether a slot released while pinned (a superseded snapshot being
     /// hashed or sent) becomes free once its pins drop: a ring waiting
     /// for room then needs no other way to make it.

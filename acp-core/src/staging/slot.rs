@@ -16,8 +16,8 @@ use std::sync::Arc;
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 use super::control::{
-    off, sums_at, sums_record_len, sums_tag, Header, DIGEST_BYTES, HEADER_BYTES, HEADER_PAGE, PAGE,
-    SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
+    off, sums_alone_tag, sums_at, sums_record_len, sums_tag, Header, DIGEST_BYTES, HEADER_BYTES,
+    HEADER_PAGE, PAGE, SUMS_ALONE_MAGIC, SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
 };
 use super::SlotState;
 use crate::format::Digest;
@@ -364,18 +364,11 @@ impl Control {
         let Some(digests) = self.digests() else {
             return false;
         };
-        let at = sums_at(digests.len());
-        if sums.len() != digests.len() || self.ptr(at, sums_record_len(sums.len())).is_none() {
+        if sums.len() != digests.len() {
             return false;
         }
-        self.write(at, &[0u8; 8]);
         let tag = sums_tag(&digests, self.chunk_bytes());
-        self.write(at + SUMS_MAGIC.len(), &tag.to_le_bytes());
-        let body: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
-        self.write(at + SUMS_FIXED, &body);
-        fence(Ordering::Release);
-        self.write(at, &SUMS_MAGIC);
-        true
+        self.write_sums_record(SUMS_MAGIC, tag, sums)
     }
 
     /// The recorded quick sums: only when the digests are recorded, a
@@ -383,20 +376,90 @@ impl Control {
     /// digests and chunk size recorded now.
     pub(super) fn sums(&self) -> Option<Vec<u64>> {
         let digests = self.digests()?;
-        let at = sums_at(digests.len());
-        self.ptr(at, sums_record_len(digests.len()))?;
-        let mut fixed = [0u8; SUMS_FIXED];
-        self.read(at, &mut fixed);
-        let (magic, tag) = fixed.split_at(SUMS_MAGIC.len());
-        if magic != SUMS_MAGIC
-            || tag
-                != sums_tag(&digests, self.chunk_bytes())
-                    .to_le_bytes()
-                    .as_slice()
+        let tag = sums_tag(&digests, self.chunk_bytes());
+        self.read_sums_record(digests.len(), SUMS_MAGIC, tag)
+    }
+
+    /// Records `sums` without digests (a RAM snapshot summed, not hashed:
+    /// `read/fast.rs`), bound by their tag ([`sums_alone_tag`]) to the
+    /// chunk size and to `image` (the step, length and generation the
+    /// header records for the image they were taken from): digests cleared
+    /// first (so the record of any earlier ones is unmade), then the count
+    /// and chunk size, then the record, magic last. Returns `false` (and
+    /// writes nothing) when the record does not fit the digest area.
+    pub(super) fn set_sums_alone(
+        &mut self,
+        sums: &[u64],
+        chunk_bytes: u64,
+        image: [u64; 3],
+    ) -> bool {
+        let Ok(count) = u32::try_from(sums.len()) else {
+            return false;
+        };
+        if sums.len() > self.digest_slots()
+            || self
+                .ptr(sums_at(sums.len()), sums_record_len(sums.len()))
+                .is_none()
         {
+            return false;
+        }
+        self.clear_digests();
+        self.write(off::DIGEST_COUNT, &count.to_le_bytes());
+        self.write(off::CHUNK_BYTES, &chunk_bytes.to_le_bytes());
+        let tag = sums_alone_tag(sums.len(), chunk_bytes, image);
+        self.write_sums_record(SUMS_ALONE_MAGIC, tag, sums)
+    }
+
+    /// The sums recorded without digests ([`Control::set_sums_alone`]) in
+    /// chunks of `chunk_bytes` for `image` (step, length, generation): only
+    /// while no digests are recorded, and the record's magic and tag are
+    /// those of the count recorded now, `chunk_bytes` and `image`.
+    pub(super) fn sums_alone(&self, chunk_bytes: u64, image: [u64; 3]) -> Option<Vec<u64>> {
+        if self.word(off::DIGESTS_VALID)?.load(Ordering::Acquire) != 0 {
             return None;
         }
-        let mut body = vec![0u8; digests.len() * SUM_BYTES];
+        let mut c = [0u8; 4];
+        self.read(off::DIGEST_COUNT, &mut c);
+        let count = usize::try_from(u32::from_le_bytes(c)).ok()?;
+        if count > self.digest_slots() {
+            return None;
+        }
+        if self.chunk_bytes() != chunk_bytes {
+            return None;
+        }
+        let tag = sums_alone_tag(count, chunk_bytes, image);
+        self.read_sums_record(count, SUMS_ALONE_MAGIC, tag)
+    }
+
+    /// Writes the sums record after the digest area of `sums.len()`
+    /// digests: magic zeroed, tag and sums written, `magic` last. `false`
+    /// when it does not fit before the image area.
+    fn write_sums_record(&mut self, magic: [u8; 8], tag: u64, sums: &[u64]) -> bool {
+        let at = sums_at(sums.len());
+        if self.ptr(at, sums_record_len(sums.len())).is_none() {
+            return false;
+        }
+        self.write(at, &[0u8; 8]);
+        self.write(at + magic.len(), &tag.to_le_bytes());
+        let body: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+        self.write(at + SUMS_FIXED, &body);
+        fence(Ordering::Release);
+        self.write(at, &magic);
+        true
+    }
+
+    /// The `count` sums of the record after a digest area of `count`
+    /// digests, when its magic is `magic` and its tag `tag`.
+    fn read_sums_record(&self, count: usize, magic: [u8; 8], tag: u64) -> Option<Vec<u64>> {
+        let at = sums_at(count);
+        self.ptr(at, sums_record_len(count))?;
+        let mut fixed = [0u8; SUMS_FIXED];
+        self.read(at, &mut fixed);
+        let (m, t) = fixed.split_at(magic.len());
+        if m != magic || t != tag.to_le_bytes().as_slice() {
+            return None;
+        }
+        let mut body = vec![0u8; count * SUM_BYTES];
         self.read(at + SUMS_FIXED, &mut body);
         Some(
             body.chunks_exact(SUM_BYTES)
@@ -703,6 +766,42 @@ mod tests {
         assert!(!mem.ctrl.set_sums(&[7; 128]));
         assert_eq!(mem.ctrl.sums(), None);
         assert_eq!(mem.ctrl.digests().map(|d| d.len()), Some(128));
+    }
+
+    #[test]
+    fn sums_alone_are_bound_to_their_image_and_unmade_by_digests() {
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(3 * 4096).unwrap();
+        // SAFETY: the file is private to this test.
+        let mut mem = unsafe { SlotMem::map(&f, 3 * 4096, 8192) }.unwrap();
+        mem.ctrl.write_header(&header());
+        let image = [7, 8192, 3];
+        assert_eq!(mem.ctrl.sums_alone(4096, image), None, "none recorded");
+        assert!(mem.ctrl.set_sums_alone(&[5, 6], 4096, image));
+        assert_eq!(mem.ctrl.sums_alone(4096, image), Some(vec![5, 6]));
+        assert_eq!(mem.ctrl.digests(), None, "no digests with them");
+        assert_eq!(mem.ctrl.sums(), None, "not sums beside digests");
+        // Their own magic, after a digest area of two digests.
+        let mut rec = [0u8; 8];
+        f.read_exact_at(&mut rec, 4096 + 64).unwrap();
+        assert_eq!(&rec, b"ACPXXH3A");
+        // Not believed for another image of the slot (step, length,
+        // generation) or another chunk size.
+        assert_eq!(mem.ctrl.sums_alone(4096, [8, 8192, 3]), None);
+        assert_eq!(mem.ctrl.sums_alone(4096, [7, 8000, 3]), None);
+        assert_eq!(mem.ctrl.sums_alone(4096, [7, 8192, 4]), None);
+        assert_eq!(mem.ctrl.sums_alone(2048, image), None);
+        // Digests recorded unmake them; so does clearing.
+        assert!(mem.ctrl.set_digests(&[[1; 32], [2; 32]], 4096));
+        assert_eq!(mem.ctrl.sums_alone(4096, image), None);
+        mem.ctrl.clear_digests();
+        assert_eq!(mem.ctrl.sums_alone(4096, image), None);
+        assert!(mem.ctrl.set_sums_alone(&[5, 6], 4096, image));
+        mem.ctrl.clear_digests();
+        assert_eq!(mem.ctrl.sums_alone(4096, image), None);
+        // No room: nothing written.
+        assert!(!mem.ctrl.set_sums_alone(&[7; 128], 4096, image));
+        assert_eq!(mem.ctrl.sums_alone(4096, image), None);
     }
 
     #[test]
