@@ -163,12 +163,32 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
     assert got["sources"] == ["ram", "ram", "peer", "peer"]
     for key in ("replicas", "none"):
         assert got["stall_ms"][key] > 0
-    for key in ("replicate_gb_per_sec", "raw_gloo_gb_per_sec", "replicate_over_raw"):
+    for key in (
+        "replicate_gb_per_sec",
+        "raw_gloo_gb_per_sec",
+        "replicate_over_raw",
+        "raw_beside_flush_gb_per_sec",
+        "raw_beside_snapshot_gb_per_sec",
+        "replicate_over_raw_beside_flush",
+    ):
         assert got[key] > 0, key
     for key in ("peer", "storage", "storage_throttled"):
         assert got["restore_node_b_secs"][key] > 0, key
     assert "restore node B from peer RAM" in proc.stdout
     assert not list(tmp_path.glob("acp-replica-bench-*"))
+
+
+def test_snapshot_restore_tiny(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(PEERS / "snapshot_restore.py"), "--mib", "4", "--saves", "3"]
+    cmd += ["--dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["mib"] == 4
+    for key in ("background_ms", "restore_ms", "memcpy_ms", "restore_over_memcpy"):
+        assert got[key] > 0, key
+    assert not list(tmp_path.iterdir())  # its root is removed
 
 
 def test_overhead_quick(tmp_path: Path) -> None:
