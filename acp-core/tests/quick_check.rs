@@ -489,3 +489,59 @@ fn a_summed_snapshot_changed_in_ram_is_not_persisted() {
     assert_eq!(e.steps().unwrap(), [2], "step 3 is not committed");
     drop(e);
 }
+
+/// `load_into` of a summed snapshot checks each chunk against its sum and
+/// copies it in the same pass (`open_load` gives a pending load of the
+/// slot); a byte changed in RAM fails it naming the slot and tensor, with
+/// no other copy to read.
+#[test]
+fn load_into_of_a_summed_snapshot_checks_as_it_copies() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let e = engine(&root, &shm);
+    snapshot(&e, 1, &data);
+    let pending = e
+        .open_load(&LoadRequest {
+            step: Some(1),
+            ..LoadRequest::default()
+        })
+        .unwrap();
+    assert!(
+        matches!(pending, acp_core::Opened::Pending(_)),
+        "a summed snapshot is checked by the copy"
+    );
+    drop(pending);
+    let (ck, bufs) = load_into(&e, &data);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().verified);
+    assert_filled(&bufs, &data);
+    drop(ck);
+    let (file, image) = slot_of(&shm, 1);
+    let b = offset_of(&e, "b.w");
+    flip(&file, image + b + (3 << 20) + 1);
+    let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
+    let mut into: Vec<(&str, &mut [u8])> = data
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
+        .collect();
+    let err = e
+        .load_into(
+            &LoadRequest {
+                step: Some(1),
+                ..LoadRequest::default()
+            },
+            &mut into,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("differ from the quick sum"), "{err}");
+    assert!(err.contains("`b.w`"), "{err}");
+    assert!(
+        err.contains(file.file_name().unwrap().to_str().unwrap()),
+        "{err}"
+    );
+    drop(e);
+}

@@ -893,3 +893,54 @@ fn a_snapshot_whose_exchange_is_in_flight_stays_and_is_protected() {
         }
     });
 }
+
+/// A RAM snapshot is replicated with quick sums alone (its sender never
+/// hashes it with blake3 for the send); the holder keeps them, bound to
+/// the image, and a replica slot whose bytes changed afterwards is refused
+/// by `acp persist`, naming it, rather than committed under digests taken
+/// from the changed bytes.
+#[test]
+fn a_snapshot_replica_carries_sums_alone_and_a_changed_one_is_not_persisted() {
+    let c = a_job_dies_with_a_replicated_snapshot();
+    let dir = acp_core::staging::user_dir(&c.shm[0]);
+    let (file, image) = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains("replica-r00002-"))
+        .find_map(|p| {
+            let peek = acp_core::staging::peek_slot(&p).ok()??;
+            (peek.is_complete() && peek.step == 20).then(|| {
+                assert!(!peek.digests_valid, "sums alone, no digests");
+                (p, peek.image_offset)
+            })
+        })
+        .expect("rank 2's replica of step 20 on node A");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&file)
+            .unwrap();
+        let at = image + 200;
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x21], at).unwrap();
+    }
+    // Rank 2's share alone, as `acp persist --rank 2` on node A.
+    let got = match acp_core::ops::persist(&acp_core::ops::PersistOptions {
+        root: c.root.clone(),
+        job: Some("replicas".into()),
+        ranks: Some(vec![2]),
+        shm_dir: c.shm[0].clone(),
+        world_size: Some(WORLD),
+        commit_timeout: Duration::from_secs(5),
+    }) {
+        Err(e) => e.to_string(),
+        Ok(report) => format!("{report:?}"),
+    };
+    let name = file.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(got.contains(&name), "{got}");
+    assert!(got.contains("quick sum"), "{got}");
+    assert!(!c.root.join("step-000000000020").exists());
+}
