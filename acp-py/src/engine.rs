@@ -321,12 +321,6 @@ impl Engine {
         if !image.known_digests().is_empty() {
             return Ok(digests_bytes(py, image.known_digests()));
         }
-        if !image.known_sums().is_empty() {
-            return Err(invalid(
-                "replica image",
-                "it was received with quick sums alone, without digests (`resident_sums`)",
-            ));
-        }
         let engine = self.get()?;
         let digests = py
             .detach(|| engine.resident_digests(image.pin()))
@@ -350,41 +344,9 @@ impl Engine {
                 sums_bytes(py, image.known_sums()),
             ));
         }
-        if !image.known_sums().is_empty() {
-            // A replica held with sums alone: nothing of this rank's ring.
-            return Err(invalid(
-                "replica image",
-                "it was received with quick sums alone, without digests (`resident_sums`)",
-            ));
-        }
         let engine = self.get()?;
         let (digests, sums) = py
             .detach(|| engine.resident_hashes(image.pin()))
-            .map_err(err)?;
-        Ok((digests_bytes(py, &digests), sums_bytes(py, &sums)))
-    }
-
-    /// What a replica of `image` carries (32-byte digests and 8-byte
-    /// little-endian quick sums, each concatenated): those it was pinned
-    /// with (a replica held here: digests and sums, or sums alone), else
-    /// those of this rank's resident image it holds: its sums, with its
-    /// digests when recorded, never hashed with blake3 for this (GIL
-    /// released while sums are taken). The digests are empty when the
-    /// replica is to carry sums alone.
-    fn resident_sums<'py>(
-        &self,
-        py: Python<'py>,
-        image: &ReplicaImage,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        if !image.known_digests().is_empty() || !image.known_sums().is_empty() {
-            return Ok((
-                digests_bytes(py, image.known_digests()),
-                sums_bytes(py, image.known_sums()),
-            ));
-        }
-        let engine = self.get()?;
-        let (digests, sums) = py
-            .detach(|| engine.resident_sums(image.pin()))
             .map_err(err)?;
         Ok((digests_bytes(py, &digests), sums_bytes(py, &sums)))
     }

@@ -11,15 +11,11 @@ up on every rank. Node identity comes from ``ACP_NODE_ID``, else the host
 name. Rank r's image goes to ``replicas`` ranks: the same local rank on
 each of the next ``replicas`` nodes (wrapping around).
 
-Every image travels with the xxh3 quick sum of each chunk, and with the
-blake3 digests of its chunks when the sender has them already (its flush
-hashed the image): a sender never hashes an image with blake3 to send it
-(``Engine.resident_sums``; a RAM snapshot's sums come from its background
-pass). Before ``load`` uses a replica, every chunk must give its quick
-sum, and its digests, when it has some, must be the ones wanted (the
-committed index's, when the step is committed); a replica with sums
-alone of a committed step is checked with blake3 against the committed
-index's digests. A chunk that differs is checked against its digest
+Every image travels with the blake3 digests of its chunks and the xxh3
+quick sums the sender took from the same bytes in the same pass. Before
+``load`` uses a replica, its digests must be the ones wanted (the
+committed index's, when the step is committed) and every chunk must give
+its quick sum; a chunk that does not is checked against its digest
 (``acp-core``'s one verified reader), and a replica that fails is skipped
 with a log line naming it, and the next source is used. The quick sums
 catch any accidental change of the bytes (in transit, in a replica slot)
@@ -187,17 +183,15 @@ class TorchReplicas:
                 fut.set_exception(e)
 
     # --- the wire, per image: a header of 5 int64 (rank, step, len,
-    # chunk_bytes, chunk count n), len -1 for "nothing"; then the image,
+    # chunk_bytes, digest count n), len -1 for "nothing"; then the image,
     # received straight into the memory that keeps it (a replica slot, or
     # the buffer the load verifies and reads); then a trailer, last, so
-    # that the sender takes the sums while the bytes travel: the digests
-    # (32 bytes per chunk, zeros when the sender has none), the count of
-    # quick sums (an int64, little-endian: n, or 0 when the sender has
-    # none), n quick sums (8 bytes each, zeros when none) and whether the
-    # digests are there (an int64: 1 or 0). The receiver seals the image
-    # with them: nothing uses it before its bytes were checked against the
-    # sums (bound to digests that are the ones wanted, or to the image
-    # alone when the step is not committed) or the digests.
+    # that the sender hashes while the bytes travel: the digests (32 bytes
+    # per chunk), the count of quick sums (an int64, little-endian: n, or
+    # 0 when the sender has none) and n quick sums (8 bytes each, zeros
+    # when none). The receiver seals the image with them: nothing uses it
+    # before its bytes were checked against the sums (bound to digests
+    # that are the ones wanted) or the digests.
 
     def _isend(self, to: int, image: _acp.ReplicaImage | None, rank: int, step: int) -> list[Any]:
         """Posts the header and the bytes of ``image`` (``None``: "nothing"
@@ -218,18 +212,12 @@ class TorchReplicas:
         return works
 
     def _isend_digests(self, to: int, hashes: tuple[bytes, bytes]) -> list[Any]:
-        """Posts the trailer of an image: ``hashes`` is its digests (or
-        none) and quick sums (``Engine.resident_sums``)."""
+        """Posts the trailer of an image: ``hashes`` is its digests and
+        quick sums (``Engine.resident_hashes``)."""
         digests, sums = hashes
-        n = max(len(digests) // 32, len(sums) // 8)
+        n = len(digests) // 32
         count = n if len(sums) == 8 * n else 0
-        has = 1 if digests else 0
-        raw = (
-            bytearray(digests if has else bytes(32 * n))
-            + count.to_bytes(8, "little")
-            + (sums if count else bytes(8 * n))
-            + has.to_bytes(8, "little")
-        )
+        raw = bytearray(digests) + count.to_bytes(8, "little") + (sums if count else bytes(8 * n))
         d = torch.frombuffer(raw, dtype=torch.uint8)
         return [dist.isend(d, dst=to, group=self.group), d]
 
@@ -253,13 +241,12 @@ class TorchReplicas:
         # The receipt seals only once nothing can write into its buffer.
         inc.data = inc.work = None
         n = inc.digests
-        d = torch.empty(n * 40 + 16, dtype=torch.uint8)
+        d = torch.empty(n * 40 + 8, dtype=torch.uint8)
         dist.recv(d, src=inc.src, group=self.group)
         raw = d.numpy().tobytes()
         count = int.from_bytes(raw[32 * n : 32 * n + 8], "little")
-        sums = raw[32 * n + 8 : 40 * n + 8] if count == n else b""
-        has = int.from_bytes(raw[40 * n + 8 :], "little")
-        inc.receipt.finish(raw[: 32 * n] if has else b"", sums)
+        sums = raw[32 * n + 8 :] if count == n else b""
+        inc.receipt.finish(raw[: 32 * n], sums)
 
     @staticmethod
     def _wait(works: list[Any]) -> None:
@@ -293,8 +280,8 @@ class TorchReplicas:
         # Every source posted its header before anything that can wait.
         incoming = [self._irecv(src, e.begin_replica) for src in self.sources]
         if image is not None:
-            # Its sums (taken now unless recorded), while the bytes travel.
-            hashes = e.resident_sums(image)
+            # Hashed (unless the flush already did) while the bytes travel.
+            hashes = e.resident_hashes(image)
             for h in holders:
                 works += self._isend_digests(h, hashes)
         for inc in incoming:
@@ -355,7 +342,7 @@ class TorchReplicas:
                 held_image = e.pin_replica(r, step)
                 works += self._isend(r, held_image, r, step)
                 if held_image is not None:
-                    works += self._isend_digests(r, e.resident_sums(held_image))
+                    works += self._isend_digests(r, e.resident_hashes(held_image))
         incoming = []
         for h, r in transfers:
             if self.rank == r:

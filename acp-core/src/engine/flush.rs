@@ -259,17 +259,20 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             None
         };
         // Digests and quick sums recorded for the slot's image already (a
-        // verified read, the process of this rank that sealed it) are taken
-        // as they are; each chunk must still give its sum as it is written.
-        // Else the image is hashed before it is written only when that is
-        // needed: an incremental flush whose probe finds chunks to reuse
-        // (training changes them all, and the step is then written whole).
-        // Otherwise the image is hashed as it is written, overlapped with
-        // the writes (a replica send needs only quick sums:
-        // `Engine::resident_sums`).
-        let compute = base
-            .as_ref()
-            .is_some_and(|b| super::incremental::likely_reuse(b, image, chunk));
+        // verified read, the replica send of this save, the process of this
+        // rank that sealed it) are
+        // taken as they are; each chunk must still give its sum as it is
+        // written. Else the image is hashed before it is written only when
+        // that is needed or shared: an incremental flush whose probe finds
+        // chunks to reuse (training changes them all, and the step is then
+        // written whole), or a rank whose images are replicated (its
+        // replica send takes the same digests: hashed once, whichever of
+        // the two comes first). Otherwise the image is hashed as it is
+        // written, overlapped with the writes.
+        let compute = shared.sends_replicas()
+            || base
+                .as_ref()
+                .is_some_and(|b| super::incremental::likely_reuse(b, image, chunk));
         let pre = super::replicate::hash_once(
             shared,
             slot,

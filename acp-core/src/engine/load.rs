@@ -201,8 +201,8 @@ enum Deferred {
 }
 
 /// This rank's resident slot holding a committed step, whose recorded
-/// digests are the index's ([`slot_matches_entry`]), or a RAM snapshot
-/// with quick sums alone (`hash.rs`), pinned; its bytes not checked yet.
+/// digests are the index's ([`slot_matches_entry`]), pinned; its bytes not
+/// checked yet.
 #[derive(Debug)]
 struct ResidentSlot {
     step: u64,
@@ -211,9 +211,7 @@ struct ResidentSlot {
     info: SlotInfo,
     /// The slot file, for messages.
     path: PathBuf,
-    /// The committed index's entry; `None` for a snapshot that is not
-    /// committed, checked against its sums alone.
-    entry: Option<FileEntry>,
+    entry: FileEntry,
     expected: Expected,
     rejected: Option<String>,
     /// The image's header bytes (its length prefix included) that
@@ -271,7 +269,7 @@ impl PendingLoad {
     pub fn image_bytes(&self) -> u64 {
         match &self.what {
             Deferred::Stored(f) => f.entry.size,
-            Deferred::Resident(r) => r.info.len,
+            Deferred::Resident(r) => r.entry.size,
         }
     }
 
@@ -363,35 +361,18 @@ fn read_resident_into(
     let ring = &shared.ring;
     let threads = shared.cfg.copy_threads;
     let image = slot.pin.image();
-    let chunk = shared.cfg.chunk_bytes;
+    let chunk = to_usize(slot.entry.chunk_bytes);
     // The check and the copy in one pass, when the slot has sums.
-    // A snapshot's sums alone may have given way to digests and the sums
-    // beside them (its persist finished meanwhile): the pin holds the
-    // image both describe.
-    let sums = if slot.entry.is_some() {
-        ring.quick_sums(slot.info.slot)
-    } else {
-        ring.sums_alone(slot.info.slot)
-            .or_else(|| ring.quick_sums(slot.info.slot))
-    };
-    let copied = sums.as_ref().is_some_and(|sums| {
+    let copied = ring.quick_sums(slot.info.slot).is_some_and(|sums| {
         let targets = into
             .iter_mut()
             .filter_map(|(i, d)| Some((planned.entries.get(*i)?.offset, &mut **d)))
             .collect::<Vec<Target<'_>>>();
-        check_and_copy(image, chunk, sums, targets, threads)
+        check_and_copy(image, chunk, &sums, targets, threads)
     });
     if !copied {
-        let Some(entry) = &slot.entry else {
-            // A snapshot not committed: its sums are its only check, and
-            // there is no copy of record to read instead.
-            let sums = sums.unwrap_or_default();
-            return Err(replicate::differs_from_sums(
-                image, chunk, &sums, &slot.path,
-            ));
-        };
         // No sums, or a chunk that differs from its sum: the full check.
-        if let Err(e) = check_resident(ring, &slot.info, image, &slot.path, entry, threads) {
+        if let Err(e) = check_resident(ring, &slot.info, image, &slot.path, &slot.entry, threads) {
             // The resident copy is only a cache of the committed one:
             // drop it and read storage.
             tracing::warn!(
@@ -686,11 +667,6 @@ fn load_step(
         // Not committed: only RAM copies (own, this node's, a peer's) can
         // have it, each checked against the digests recorded with it.
         Err(e) if e.kind() == ErrorKind::NotFound && !storage_only => {
-            if defer && rank == own && shared.cfg.verify == Verify::Always {
-                if let Some(p) = pending_snapshot(engine, step, t0) {
-                    return Ok(Opened::Pending(p));
-                }
-            }
             return load_uncommitted(shared, step, rank, t0).map(Opened::Ready);
         }
         Err(e) => return Err(e),
@@ -777,7 +753,7 @@ fn load_step(
                                 pin,
                                 info,
                                 path: slot_path,
-                                entry: Some(entry.clone()),
+                                entry: entry.clone(),
                                 expected,
                                 rejected,
                                 header_bytes,
@@ -1100,53 +1076,6 @@ fn read_stored(
         &stored.expected,
     )
     .map(|c| c.with_rejected(stored.rejected.clone()))
-}
-
-/// This rank's RAM snapshot of `step` (not committed) as a pending load,
-/// when its slot holds quick sums alone (`hash.rs`): the copy checks each
-/// chunk against its sum and copies it in one pass
-/// ([`PendingLoad::read_into`]), planned from the image's own header (the
-/// tensors it lists are what it is checked against, as
-/// [`load_uncommitted`] checks them). `None` otherwise: the load then
-/// takes [`load_uncommitted`]'s way.
-fn pending_snapshot(engine: &Engine, step: u64, t0: Instant) -> Option<PendingLoad> {
-    let shared = engine.shared();
-    let info = shared
-        .ring
-        .complete()
-        .into_iter()
-        .find(|i| i.step == step)?;
-    let pin = shared.ring.pin(info.slot).ok()?;
-    // The pin holds the image the sums describe.
-    if pin.step() != step || shared.ring.sums_alone(info.slot).is_none() {
-        return None;
-    }
-    let path = shared.ring.slot_path(info.slot);
-    let (header, header_bytes) = image_header(shared, &path, pin.image()).ok()?;
-    let mut tensors: Vec<String> = header.entries.iter().map(|e| e.name.clone()).collect();
-    tensors.sort_unstable();
-    let expected = Expected {
-        tensors,
-        rank: shared.cfg.rank,
-        world_size: shared.cfg.world_size,
-    };
-    check_header(&path, &header, step, &expected).ok()?;
-    Some(PendingLoad {
-        engine: engine.clone(),
-        what: Deferred::Resident(Box::new(ResidentSlot {
-            step,
-            rank: shared.cfg.rank,
-            pin,
-            info,
-            path,
-            entry: None,
-            expected,
-            rejected: None,
-            header_bytes,
-        })),
-        header,
-        t0,
-    })
 }
 
 /// Loads `rank`'s image of `step`, which is not committed, from RAM: this

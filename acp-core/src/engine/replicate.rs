@@ -203,42 +203,6 @@ impl Engine {
         Ok(hashed.unwrap_or_default())
     }
 
-    /// The quick sums of the image `pin` holds (this rank's own, from
-    /// [`Engine::pin_resident`]), with its digests when they are recorded
-    /// (by its flush, or an earlier [`Engine::resident_hashes`]): what a
-    /// replica of it needs, without hashing it with blake3. Sums recorded
-    /// for it (alone, by the background pass of a RAM snapshot, or beside
-    /// its digests) are taken as they are; else they are taken now on the
-    /// engine's copy threads and recorded alone. The holder of a replica
-    /// with sums alone checks it against them, or against the committed
-    /// index's digests once the step is committed. Never call it in the
-    /// stall.
-    ///
-    /// # Errors
-    /// As [`Engine::resident_hashes`], for a slot whose digests have no
-    /// sums beside them (laid out by an older version), which it hashes.
-    pub fn resident_sums(&self, pin: &PinnedSlot) -> Result<(Vec<Digest>, Vec<u64>)> {
-        let shared = self.shared();
-        let ring = &shared.ring;
-        let chunk = shared.cfg.chunk_bytes;
-        let want = pin.image().len().div_ceil(chunk.max(1));
-        if let Some(d) = ring.digests(pin.slot()).filter(|d| d.len() == want) {
-            let sums = crate::replica::sums_of(ring, pin.slot(), want);
-            if sums.len() == want {
-                return Ok((d, sums));
-            }
-            return self.resident_hashes(pin);
-        }
-        if let Some(sums) = ring.sums_alone(pin.slot()).filter(|s| s.len() == want) {
-            return Ok((Vec::new(), sums));
-        }
-        let sums = crate::read::chunk_sums(pin.image(), chunk, shared.cfg.copy_threads);
-        // The pin holds this image: recorded for it (not when digests
-        // were recorded meanwhile), so the snapshot's own pass finds them.
-        ring.record_sums_alone(pin.slot(), pin.generation(), &sums);
-        Ok((Vec::new(), sums))
-    }
-
     /// Sends this rank's resident image of `step` to its holders (the
     /// transport's [`holders`](crate::replica::Transport::holders)) on the
     /// engine's replica thread (one per engine, sending in the order of
@@ -285,13 +249,7 @@ impl Engine {
         let rank = shared.cfg.rank;
         shared.replicas.send_in_background(Box::new(move || {
             let result = (|| {
-                let pin = engine.pin_resident(step)?;
-                let (digests, sums) = engine.resident_sums(&pin)?;
-                let meta = ReplicaMeta {
-                    digests,
-                    sums,
-                    ..engine.resident_meta(&pin)
-                };
+                let (meta, pin) = engine.resident_replica(step)?;
                 drop(early);
                 let mut sent = Vec::new();
                 for to in transport.holders(rank) {
@@ -519,34 +477,6 @@ fn verified(
     }
 }
 
-/// Whether `image`, rank `rank`'s image of `step` from `origin`, gives the
-/// quick sums `sums` (in chunks of `sums.0` bytes) recorded for it alone (a
-/// RAM snapshot that was never hashed, of a step not committed: its only
-/// check); when it does not, logs it, records why in `rejected`, naming
-/// the first chunk that differs and its tensors, and returns `false`.
-fn by_sums(
-    image: &[u8],
-    origin: &Path,
-    rank: u32,
-    step: u64,
-    sums: (u64, &[u64]),
-    threads: usize,
-    rejected: &mut Option<String>,
-) -> bool {
-    let chunk = usize::try_from(sums.0).unwrap_or(usize::MAX);
-    if sums_match(image, chunk, sums.1, threads) {
-        return true;
-    }
-    let e = differs_from_sums(image, chunk, sums.1, origin);
-    let why = format!(
-        "rank {rank}'s image of step {step} in {} rejected: {e}",
-        origin.display()
-    );
-    tracing::warn!("acp: {why}; trying the next source");
-    *rejected = Some(why);
-    false
-}
-
 /// Whether `image`, a replica from `origin` described by `meta`, is the
 /// image `entry` records, checked by the quick sums shipped with it
 /// rather than by hashing it again: `meta`'s digests must be `entry`'s
@@ -626,13 +556,13 @@ pub(super) fn own_uncommitted(
         origin: origin.clone(),
         source: Source::Ram,
     };
-    // The pin holds the image the sums and digests read now describe. The
-    // sums alone first: a persist that ends meanwhile records digests and
-    // sums beside them in their place.
-    let sums = ring
-        .sums_alone(info.slot)
-        .or_else(|| ring.quick_sums(info.slot));
+    // The pin holds the image the sums and digests read now describe.
     let digests = ring.digests(info.slot);
+    let sums = if digests.is_some() {
+        ring.quick_sums(info.slot)
+    } else {
+        ring.sums_alone(info.slot)
+    };
     if let Some(s) = &sums {
         if sums_match(pin.image(), shared.cfg.chunk_bytes, s, threads) {
             return Some(found(pin));
@@ -668,7 +598,7 @@ pub(super) fn own_uncommitted(
 /// The error for `image`, from `path`, whose first chunk that differs from
 /// its quick sum in `sums` names the tensors it holds (read from the
 /// image's own header, unverified, for naming only).
-pub(super) fn differs_from_sums(image: &[u8], chunk: usize, sums: &[u64], path: &Path) -> Error {
+fn differs_from_sums(image: &[u8], chunk: usize, sums: &[u64], path: &Path) -> Error {
     let chunk = chunk.max(1);
     let i = crate::read::first_differing(image, chunk, sums).unwrap_or(0);
     let (start, end) = (
@@ -743,29 +673,17 @@ fn copy_node_replica(
         len: peek.image_len,
     };
     let slot = PeerSlot::open(file, want).ok()??;
-    // Digests, checked with blake3 (and bound to the committed index's),
-    // or quick sums alone (a RAM snapshot sent before it was hashed):
-    // checked against the committed index's digests with blake3 when the
-    // step is committed, else against the sums.
-    let check = match slot.digests().ok()? {
-        Some((chunk, digests)) => match committed {
-            Some(e) if same_digests(e, chunk, &digests) => Ok(e.clone()),
-            Some(_) => {
-                tracing::warn!(
-                    "acp: {} holds another image of step {step} than the committed one, trying the next source",
-                    path.display()
-                );
-                return None;
-            }
-            None => Ok(to_entry(file.rank, peek.image_len, chunk, digests)),
-        },
-        None => {
-            let (chunk, sums) = slot.sums_alone().ok()??;
-            match committed {
-                Some(e) => Ok(e.clone()),
-                None => Err((chunk, sums)),
-            }
+    let (chunk, digests) = slot.digests().ok()??;
+    let entry = match committed {
+        Some(e) if same_digests(e, chunk, &digests) => e.clone(),
+        Some(_) => {
+            tracing::warn!(
+                "acp: {} holds another image of step {step} than the committed one, trying the next source",
+                path.display()
+            );
+            return None;
         }
+        None => to_entry(file.rank, peek.image_len, chunk, digests),
     };
     let mut buf = super::load::heap(peek.image_len, &path).ok()?;
     let len = super::to_usize(peek.image_len);
@@ -774,20 +692,15 @@ fn copy_node_replica(
         tracing::debug!("acp: {} was reused during the copy", path.display());
         return None;
     }
-    let threads = shared.cfg.copy_threads;
-    let ok = match check {
-        Ok(entry) => verified(&buf[..len], &path, &entry, threads, step, rejected),
-        Err((chunk, sums)) => by_sums(
-            &buf[..len],
-            &path,
-            file.rank,
-            step,
-            (chunk, &sums),
-            threads,
-            rejected,
-        ),
-    };
-    ok.then(|| Found {
+    verified(
+        &buf[..len],
+        &path,
+        &entry,
+        shared.cfg.copy_threads,
+        step,
+        rejected,
+    )
+    .then(|| Found {
         backing: Backing::Heap(buf, len),
         origin: path,
         source: Source::Ram,
@@ -827,27 +740,24 @@ pub(super) fn from_peers(
             );
             continue;
         }
-        let threads = shared.cfg.copy_threads;
-        let image = fetched.image.as_slice();
-        let ok = match committed {
-            // Sums alone (a RAM snapshot sent before it was hashed), of a
-            // step not committed: they are its only check.
-            None if !meta.has_digests() => by_sums(
-                image,
-                &origin,
-                rank,
-                step,
-                (meta.chunk_bytes, &meta.sums),
-                threads,
-                rejected,
-            ),
-            _ => {
-                let entry = committed.cloned().unwrap_or_else(|| meta.entry());
-                verified_by_sums(image, &origin, &entry, meta, threads)
-                    || verified(image, &origin, &entry, threads, step, rejected)
-            }
+        let entry = match committed {
+            Some(e) => e.clone(),
+            None => meta.entry(),
         };
-        if ok {
+        if verified_by_sums(
+            fetched.image.as_slice(),
+            &origin,
+            &entry,
+            meta,
+            shared.cfg.copy_threads,
+        ) || verified(
+            fetched.image.as_slice(),
+            &origin,
+            &entry,
+            shared.cfg.copy_threads,
+            step,
+            rejected,
+        ) {
             let (map, len) = fetched.image.into_parts();
             return Some(Found {
                 backing: Backing::Heap(map, len),

@@ -127,6 +127,15 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether this rank's images go to replica holders: it holds
+    /// replicas (a rank of a replica exchange sends as it receives), or
+    /// its transport sends them ([`Transport::sends`](crate::Transport)).
+    /// Their send needs the digests first, so whoever hashes an image
+    /// hashes it for the send too (`replicate::hash_once`).
+    pub(super) fn sends_replicas(&self) -> bool {
+        self.cfg.replicas_held > 0 || self.replicas.transport().is_some_and(|t| t.sends())
+    }
+
     /// Forgets the failures recorded for a slot just acquired again: they
     /// named its previous image.
     pub(super) fn reused(&self, slot: StagingSlot) -> StagingSlot {

@@ -37,30 +37,21 @@
 //!
 //! # What a replica carries, and how it is checked
 //!
-//! An image travels with its [`ReplicaMeta`]: the rank, step, length and
-//! the xxh3-64 quick sum of each chunk, with the blake3 digest of each
-//! chunk when the sender has them (its flush, or a verified read, hashed
-//! the slot already; [`Engine::resident_sums`](crate::Engine::resident_sums)).
-//! A sender never hashes an image with blake3 to send it: the sums are
-//! those its RAM snapshot's background pass took, or are taken off the
-//! stall when the send comes first. The holder records the digests in the
+//! An image travels with its [`ReplicaMeta`]: the rank, step, length, the
+//! blake3 digest of each chunk and the xxh3-64 quick sum of each chunk,
+//! both computed by the sender off the stall in one pass (each chunk's sum
+//! before its digest), or taken from the flush or the snapshot hash when
+//! one already hashed the slot. The holder records the digests in the
 //! replica slot's digest area and the sums beside them, bound to them
 //! (`read/fast.rs`: a sums record is believed only while the digests it
-//! was recorded with are the slot's), or, without digests, the sums
-//! alone, bound to the replica image. A replica with sums alone is checked
-//! against them when its step is not committed (the same trust as digests
-//! the sender would have taken: both come from the sender), and with
-//! blake3 against the committed index's digests when it is, wherever it is
-//! read (fetched from a peer, or a replica slot on this node). Nothing of a
-//! replica reaches a
+//! was recorded with are the slot's). Nothing of a replica reaches a
 //! caller before every chunk was checked: a replica fetched from a peer
 //! whose digests are the ones wanted (the committed index's when the step
 //! is committed, else its own) is checked against its quick sums; one
 //! without sums, or with a chunk that does not give its sum, goes to the
 //! one verified reader (`crate::read`), which checks every chunk against
 //! those digests with blake3 and names what is wrong. A replica slot read
-//! on this node is checked with blake3 (by its sums, when it has them
-//! alone and the step is not committed). A replica that is missing, of
+//! on this node is checked with blake3. A replica that is missing, of
 //! another length, or that fails verification is skipped with a log line
 //! naming it, and the restore takes the next source.
 //!
@@ -144,8 +135,7 @@ impl ReplicaMeta {
     }
 
     /// The index entry these digests make: what the verified reader checks
-    /// a replica's bytes against when its step is not committed (a replica
-    /// with sums alone has none: [`ReplicaMeta::has_digests`]).
+    /// a replica's bytes against when its step is not committed.
     #[must_use]
     pub fn entry(&self) -> FileEntry {
         FileEntry {
@@ -161,9 +151,8 @@ impl ReplicaMeta {
     }
 
     /// Checks that the fields describe an image a replica slot may take:
-    /// a chunk size of `chunk_bytes` (the receiver's), and one digest per
-    /// chunk with one quick sum per chunk or none, or no digests and one
-    /// quick sum per chunk (a RAM snapshot sent before it was hashed).
+    /// a chunk size of `chunk_bytes` (the receiver's), one digest per
+    /// chunk, and one quick sum per chunk or none.
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the replica.
@@ -178,10 +167,6 @@ impl ReplicaMeta {
             ));
         }
         let want = self.len.div_ceil(chunk_bytes.max(1));
-        // Sums alone: a RAM snapshot sent before it was hashed.
-        if self.digests.is_empty() && self.sums.len() as u64 == want {
-            return Ok(());
-        }
         if self.digests.len() as u64 != want {
             return Err(Error::invalid(
                 self.what(),
@@ -203,12 +188,6 @@ impl ReplicaMeta {
             ));
         }
         Ok(())
-    }
-
-    /// Whether it carries digests (else sums alone).
-    #[must_use]
-    pub fn has_digests(&self) -> bool {
-        !self.digests.is_empty()
     }
 
     /// "replica of rank R's step S", for messages.
@@ -317,10 +296,11 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn holders(&self, rank: u32) -> Vec<u32>;
 
     /// Whether the engine sends this rank's images through
-    /// [`Transport::send`]. Default `true`; a transport that only serves
-    /// restores says `false`. (The engine no longer needs to know: a send
-    /// carries quick sums, [`Engine::resident_sums`](crate::Engine::resident_sums),
-    /// and no longer makes the flush hash an image before writing it.)
+    /// [`Transport::send`]. When it does, a flush hashes an image before
+    /// writing it, once for the write and the send (the send needs the
+    /// digests first); otherwise the flush hashes each chunk as it writes
+    /// it, overlapped with the writes. Default `true`; a transport that
+    /// only serves restores says `false`.
     fn sends(&self) -> bool {
         true
     }

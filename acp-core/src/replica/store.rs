@@ -286,7 +286,7 @@ impl Store {
         let mut out = Vec::new();
         for (rank, ring) in rings {
             for info in ring.complete() {
-                let Some((digests, sums)) = recorded(&ring, info.slot) else {
+                let Some(digests) = ring.digests(info.slot) else {
                     continue;
                 };
                 out.push(ReplicaMeta {
@@ -294,7 +294,7 @@ impl Store {
                     step: info.step,
                     len: info.len,
                     chunk_bytes: self.opts.chunk_bytes,
-                    sums,
+                    sums: sums_of(&ring, info.slot, digests.len()),
                     digests,
                 });
             }
@@ -318,29 +318,18 @@ impl Store {
         let pin = ring.pin(info.slot).ok()?;
         // Read after the pin: the digests and sums then belong to the
         // pinned image (a sums record is believed only while bound to the
-        // digests recorded now, or to the image).
-        let (digests, sums) = recorded(&ring, info.slot)?;
+        // digests recorded now).
+        let digests = ring.digests(info.slot)?;
         let meta = ReplicaMeta {
             rank,
             step,
             len: info.len,
             chunk_bytes: self.opts.chunk_bytes,
-            sums,
+            sums: sums_of(&ring, info.slot, digests.len()),
             digests,
         };
         Some((meta, pin, ring.slot_path(info.slot)))
     }
-}
-
-/// What a replica slot records to check its image by: its digests (with
-/// their quick sums, when recorded), or its quick sums alone; `None` when
-/// neither.
-fn recorded(ring: &Ring, slot: usize) -> Option<(Vec<Digest>, Vec<u64>)> {
-    if let Some(digests) = ring.digests(slot) {
-        let sums = sums_of(ring, slot, digests.len());
-        return Some((digests, sums));
-    }
-    ring.sums_alone(slot).map(|sums| (Vec::new(), sums))
 }
 
 /// The quick sums recorded for `slot` of `ring` when there is one per
@@ -404,11 +393,8 @@ impl ReplicaWriter {
     /// `sums` the sender took in the same pass (one per chunk), recorded
     /// in the slot's control block bound to those digests (`read/fast.rs`):
     /// a restore served from this slot then checks the bytes against the
-    /// sums instead of hashing them with blake3. With no digests, `sums`
-    /// alone (a RAM snapshot sent before it was hashed) are recorded,
-    /// bound to the sealed image, and are all a restore checks it against
-    /// (against the committed index's digests, with blake3, when the step
-    /// is committed). Frees the rank's replicas but the newest two.
+    /// sums instead of hashing them with blake3. Frees the rank's replicas
+    /// but the newest two.
     ///
     /// # Errors
     /// [`Error::Invalid`] when the digest count is not the length's, or the
@@ -420,24 +406,10 @@ impl ReplicaWriter {
         meta.sums = sums;
         meta.check(self.chunk_bytes)?;
         let pin = self.staging.seal(meta.step, meta.len);
-        if meta.has_digests() {
-            self.ring.set_digests(pin.slot(), &meta.digests);
-            if !meta.sums.is_empty() {
-                self.ring
-                    .record_quick_sums(pin.slot(), &meta.digests, &meta.sums);
-            }
-        } else if !self
-            .ring
-            .record_sums_alone(pin.slot(), pin.generation(), &meta.sums)
-        {
-            // Unverifiable without them: not kept as a replica.
-            let slot = pin.slot();
-            drop(pin);
-            self.ring.release(slot);
-            return Err(Error::invalid(
-                meta.what(),
-                "its quick sums do not fit the replica slot's digest area",
-            ));
+        self.ring.set_digests(pin.slot(), &meta.digests);
+        if !meta.sums.is_empty() {
+            self.ring
+                .record_quick_sums(pin.slot(), &meta.digests, &meta.sums);
         }
         drop(pin);
         // The previous replica stays beside the new one: the new step may

@@ -14,10 +14,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::format::Digest;
 
-use super::control::{
-    off, sums_alone_tag, sums_at, sums_record_len, Header, HEADER_PAGE, SUMS_ALONE_MAGIC,
-    SUMS_FIXED, SUM_BYTES,
-};
+use super::control::{off, Header, HEADER_PAGE};
 use super::{SlotFile, SlotState};
 
 /// The image a caller wants from another rank's slot.
@@ -129,49 +126,6 @@ impl PeerSlot {
             })
             .collect();
         Ok(Some((now.chunk_bytes, digests)))
-    }
-
-    /// The quick sums the slot records for its image without digests (a
-    /// RAM snapshot sent before it was hashed: `read/fast.rs`), and their
-    /// chunk size; `None` when there are none, or digests are recorded.
-    /// Like the bytes, they are the image's only if
-    /// [`PeerSlot::unchanged`] holds afterwards.
-    ///
-    /// # Errors
-    /// [`Error::Io`] reading the control block or the record.
-    pub fn sums_alone(&self) -> Result<Option<(u64, Vec<u64>)>> {
-        let Some(now) = control_block(&self.file, &self.path)? else {
-            return Ok(None);
-        };
-        if now.digests_valid != 0 || now.chunk_bytes == 0 {
-            return Ok(None);
-        }
-        let count = usize::try_from(now.digest_count).unwrap_or(usize::MAX);
-        let (at, len) = (sums_at(count), sums_record_len(count));
-        if (at as u64).saturating_add(len as u64) > now.image_offset {
-            return Ok(None);
-        }
-        let mut rec = vec![0u8; len];
-        self.file
-            .read_exact_at(&mut rec, at as u64)
-            .map_err(|e| Error::io("read", &self.path, e))?;
-        let tag = sums_alone_tag(
-            count,
-            now.chunk_bytes,
-            [now.step, now.image_len, now.generation],
-        );
-        if rec[..8] != SUMS_ALONE_MAGIC || rec[8..SUMS_FIXED] != tag.to_le_bytes() {
-            return Ok(None);
-        }
-        let sums = rec[SUMS_FIXED..]
-            .chunks_exact(SUM_BYTES)
-            .map(|c| {
-                let mut b = [0u8; SUM_BYTES];
-                b.copy_from_slice(c);
-                u64::from_le_bytes(b)
-            })
-            .collect();
-        Ok(Some((now.chunk_bytes, sums)))
     }
 
     /// Whether the slot still holds the same image, not reacquired since
