@@ -45,6 +45,16 @@ fn save(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) {
 }
 
 fn save_with(e: &Engine, step: u64, data: &[(String, Vec<u8>)], values: &serde_json::Value) {
+    save_opts(e, step, data, values, &SaveOptions::default());
+}
+
+fn save_opts(
+    e: &Engine,
+    step: u64,
+    data: &[(String, Vec<u8>)],
+    values: &serde_json::Value,
+    opts: &SaveOptions,
+) {
     let shapes: Vec<[u64; 1]> = data.iter().map(|(_, d)| [d.len() as u64]).collect();
     let host: Vec<HostTensor<'_>> = data
         .iter()
@@ -56,10 +66,7 @@ fn save_with(e: &Engine, step: u64, data: &[(String, Vec<u8>)], values: &serde_j
             data: d,
         })
         .collect();
-    e.save(step, &host, values, &SaveOptions::default())
-        .unwrap()
-        .wait()
-        .unwrap();
+    e.save(step, &host, values, opts).unwrap().wait().unwrap();
 }
 
 fn load(e: &Engine, step: u64) -> acp_core::Checkpoint {
@@ -387,25 +394,11 @@ fn a_header_planned_from_changed_bytes_is_not_the_checked_one() {
 }
 
 fn snapshot(e: &Engine, step: u64, data: &[(String, Vec<u8>)]) {
-    let shapes: Vec<[u64; 1]> = data.iter().map(|(_, d)| [d.len() as u64]).collect();
-    let host: Vec<HostTensor<'_>> = data
-        .iter()
-        .zip(&shapes)
-        .map(|((n, d), s)| HostTensor {
-            name: n,
-            dtype: Dtype::U8,
-            shape: s,
-            data: d,
-        })
-        .collect();
     let never = SaveOptions {
         persist: acp_core::Persist::Never,
         ..SaveOptions::default()
     };
-    e.save(step, &host, &json!({}), &never)
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_opts(e, step, data, &json!({}), &never);
     // Summed in the background.
     e.wait_idle(None).unwrap();
 }

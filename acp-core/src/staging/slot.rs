@@ -415,15 +415,7 @@ impl Control {
     /// while no digests are recorded, and the record's magic and tag are
     /// those of the count recorded now, `chunk_bytes` and `image`.
     pub(super) fn sums_alone(&self, chunk_bytes: u64, image: [u64; 3]) -> Option<Vec<u64>> {
-        if self.word(off::DIGESTS_VALID)?.load(Ordering::Acquire) != 0 {
-            return None;
-        }
-        let mut c = [0u8; 4];
-        self.read(off::DIGEST_COUNT, &mut c);
-        let count = usize::try_from(u32::from_le_bytes(c)).ok()?;
-        if count > self.digest_slots() {
-            return None;
-        }
+        let count = self.digest_count_if(0)?;
         if self.chunk_bytes() != chunk_bytes {
             return None;
         }
@@ -521,18 +513,22 @@ impl Control {
         true
     }
 
-    /// The recorded digests, when `digests_valid` is set and the count fits.
-    pub(super) fn digests(&self) -> Option<Vec<Digest>> {
-        let valid = self.word(off::DIGESTS_VALID)?.load(Ordering::Acquire);
-        if valid != 1 {
+    /// The recorded digest count, when `digests_valid` is `valid` (1:
+    /// digests recorded; 0: none, the count then that of sums recorded
+    /// alone, if any) and the count fits the digest area.
+    fn digest_count_if(&self, valid: u32) -> Option<usize> {
+        if self.word(off::DIGESTS_VALID)?.load(Ordering::Acquire) != valid {
             return None;
         }
         let mut c = [0u8; 4];
         self.read(off::DIGEST_COUNT, &mut c);
         let count = usize::try_from(u32::from_le_bytes(c)).ok()?;
-        if count > self.digest_slots() {
-            return None;
-        }
+        (count <= self.digest_slots()).then_some(count)
+    }
+
+    /// The recorded digests, when `digests_valid` is set and the count fits.
+    pub(super) fn digests(&self) -> Option<Vec<Digest>> {
+        let count = self.digest_count_if(1)?;
         let base = HEADER_BYTES;
         let mut out = vec![[0u8; 32]; count];
         for (k, d) in out.iter_mut().enumerate() {
