@@ -260,9 +260,8 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         };
         // Digests and quick sums recorded for the slot's image already (a
         // verified read, the replica send of this save, the process of this
-        // rank that sealed it) are
-        // taken as they are; each chunk must still give its sum as it is
-        // written. Else the image is hashed before it is written only when
+        // rank that sealed it) are taken as they are; each chunk must still
+        // give its sum as it is written. Else the image is hashed before it is written only when
         // that is needed or shared: an incremental flush whose probe finds
         // chunks to reuse (training changes them all, and the step is then
         // written whole), or a rank whose images are replicated (its

@@ -556,13 +556,13 @@ pub(super) fn own_uncommitted(
         origin: origin.clone(),
         source: Source::Ram,
     };
-    // The pin holds the image the sums and digests read now describe.
+    // The pin holds the image the sums and digests read now describe. The
+    // sums alone first: a persist that ends meanwhile records digests, and
+    // sums beside them, in their place.
+    let sums = ring
+        .sums_alone(info.slot)
+        .or_else(|| ring.quick_sums(info.slot));
     let digests = ring.digests(info.slot);
-    let sums = if digests.is_some() {
-        ring.quick_sums(info.slot)
-    } else {
-        ring.sums_alone(info.slot)
-    };
     if let Some(s) = &sums {
         if sums_match(pin.image(), shared.cfg.chunk_bytes, s, threads) {
             return Some(found(pin));
