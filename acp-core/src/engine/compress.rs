@@ -111,8 +111,11 @@ pub(super) struct PackMode<'a> {
     /// The chunks' digests and quick sums, when already taken: each
     /// chunk must still give its sum as it is written.
     pub(super) pre: Option<(&'a [Digest], &'a [u64])>,
+    /// Without `pre`: the quick sums a RAM snapshot was summed with
+    /// (`hash.rs`), which each chunk must still give as it is hashed.
+    pub(super) summed: Option<&'a [u64]>,
     /// The ring slot holding the image, named when a chunk changed since
-    /// `pre` was taken.
+    /// `pre` or `summed` was taken.
     pub(super) slot: usize,
 }
 
@@ -272,7 +275,15 @@ pub(super) fn write_packed(
                             Some((d, s)) => (s[i], d[i]),
                             // The quick sum before the digest, as in a
                             // plain flush (`read/fast.rs` says why).
-                            None => (crate::read::fast_sum(bytes), digest(bytes)),
+                            None => {
+                                let sum = crate::read::fast_sum(bytes);
+                                if mode.summed.is_some_and(|s| s.get(i) != Some(&sum)) {
+                                    return Err(super::flush::changed_since_hashed(
+                                        shared, mode.slot, i,
+                                    ));
+                                }
+                                (sum, digest(bytes))
+                            }
                         };
                         let entry = FrameEntry {
                             stored: frame.len() as u64,

@@ -298,18 +298,11 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         let reused: Vec<bool> = reuse.iter().map(Option::is_some).collect();
         let mut stored_size = None;
         let stats = if compress || !refs.is_empty() {
-            // The packed writer hashes the chunks itself: the sums are
-            // checked first, in one pass.
-            if let Some(i) = summed
-                .as_ref()
-                .and_then(|s| crate::read::first_differing(image, chunk, s))
-            {
-                return Err(changed_since_hashed(shared, slot, i));
-            }
             let mode = super::compress::PackMode {
                 compress,
                 reuse: &reused,
                 pre: pre.as_ref().map(|(d, s)| (&d[..], &s[..])),
+                summed: summed.as_deref(),
                 slot,
             };
             let packed = super::compress::write_packed(shared, &file, &path, image, chunk, mode)?;
