@@ -168,7 +168,14 @@ fn ls_shm_shows_each_ring_its_root_steps_and_holder() {
         .unwrap();
     let canon = std::fs::canonicalize(&root).unwrap();
     assert_eq!(dead.root.as_deref(), Some(canon.to_str().unwrap()));
-    assert_eq!(dead.resident_steps, [4, 3]);
+    // Step 3's resident copy may have been taken by step 4's save while
+    // the warming thread grew the other slot (timing: see above); step 4,
+    // the newest, is resident either way.
+    assert!(
+        dead.resident_steps == [4, 3] || dead.resident_steps == [4],
+        "{:?}",
+        dead.resident_steps
+    );
     assert_eq!(dead.committed_steps, [4, 3]);
     assert!(dead.only_copy_steps.is_empty());
     assert!(!dead.live);
