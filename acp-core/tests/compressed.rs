@@ -7,7 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
-use acp_core::format::{digest, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC};
+use acp_core::format::{
+    digest, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC, QUICK_FRAME_VERSION,
+};
 use acp_core::ops::{export_safetensors, inspect, verify, Quiet};
 use acp_core::{
     Compress, Dtype, Engine, EngineConfig, Error, ErrorKind, HostTensor, LoadRequest, SaveOptions,
@@ -141,7 +143,7 @@ fn a_compressed_save_round_trips_verifies_and_exports_as_plain() {
     assert!(stored.starts_with(&PACKED_MAGIC));
 
     let acp = &acp_meta(&s.root, 7);
-    assert_eq!(acp["format_version"], json!(2));
+    assert_eq!(acp["format_version"], json!(QUICK_FRAME_VERSION));
     let entry = &acp["files"]["rank-00000.safetensors"];
     assert_eq!(entry["stored_size"], json!(stored.len()));
     let size = entry["size"].as_u64().unwrap();
@@ -294,7 +296,7 @@ fn a_newer_compressed_file_is_unsupported() {
 }
 
 #[test]
-fn ranks_commit_compressed_files_under_a_version_2_index() {
+fn ranks_commit_compressed_files_under_a_version_4_index() {
     let s = setup();
     let open = |rank| {
         Engine::open(
@@ -322,7 +324,7 @@ fn ranks_commit_compressed_files_under_a_version_2_index() {
     h0.wait().unwrap();
     h1.wait().unwrap();
     let acp = &acp_meta(&s.root, 7);
-    assert_eq!(acp["format_version"], json!(2));
+    assert_eq!(acp["format_version"], json!(QUICK_FRAME_VERSION));
     for f in ["rank-00000.safetensors", "rank-00001.safetensors"] {
         assert!(acp["files"][f]["stored_size"].is_u64(), "{f}");
     }
@@ -361,7 +363,7 @@ fn auto_writes_the_first_flush_plain_and_the_second_compressed() {
     let version = |step: u64| acp_meta(&s.root, step)["format_version"].clone();
     // The first measures the storage, the second the codec.
     assert_eq!(version(1), json!(1));
-    assert_eq!(version(2), json!(2));
+    assert_eq!(version(2), json!(QUICK_FRAME_VERSION));
     for step in [1, 2] {
         let ck = e
             .load(&LoadRequest {

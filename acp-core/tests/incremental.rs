@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use acp_core::format::{FORMAT_VERSION, INCREMENTAL_VERSION, PACKED_MAGIC};
+use acp_core::format::{FORMAT_VERSION, PACKED_MAGIC, QUICK_FRAME_VERSION};
 use acp_core::ops::{export_safetensors, gc, inspect, verify, GcOptions, Quiet};
 use acp_core::storage::faults::FaultInjector;
 use acp_core::{
@@ -191,7 +191,11 @@ fn round_trip(compress: Compress) {
     let r1 = save(&e, 1, &t1);
     assert_eq!((r1.reused_chunks, r1.reused_bytes), (0, 0));
     let first_version = index(&s.root, 1)["metadata"]["acp"]["format_version"].clone();
-    let expect_first = if compress == Compress::None { 1 } else { 2 };
+    let expect_first = if compress == Compress::None {
+        1
+    } else {
+        QUICK_FRAME_VERSION
+    };
     assert_eq!(
         first_version,
         json!(expect_first),
@@ -209,11 +213,14 @@ fn round_trip(compress: Compress) {
         "only the new chunks are written: {r2:?}"
     );
     let meta = &index(&s.root, 2)["metadata"]["acp"];
-    assert_eq!(meta["format_version"], json!(INCREMENTAL_VERSION));
+    assert_eq!(meta["format_version"], json!(QUICK_FRAME_VERSION));
     assert_eq!(ref_steps(&s.root, 2), vec![1]);
     let file = std::fs::read(data_path(&s.root, 2)).unwrap();
     assert!(file.starts_with(&PACKED_MAGIC));
-    assert_eq!(u32::from_le_bytes(file[8..12].try_into().unwrap()), 3);
+    assert_eq!(
+        u32::from_le_bytes(file[8..12].try_into().unwrap()),
+        QUICK_FRAME_VERSION
+    );
     assert_eq!(file.len() as u64, r2.stored_bytes);
 
     // Both steps from storage, bit-exact, every dtype.
@@ -649,7 +656,7 @@ fn ranks_commit_incremental_files_and_read_each_others() {
         }
     }
     let meta = &index(&s.root, 2)["metadata"]["acp"];
-    assert_eq!(meta["format_version"], json!(INCREMENTAL_VERSION));
+    assert_eq!(meta["format_version"], json!(QUICK_FRAME_VERSION));
     for r in 0..world {
         let name = format!("rank-{r:05}.safetensors");
         let refs = meta["files"][&name]["refs"].as_array().unwrap();

@@ -32,8 +32,8 @@ use super::state::Shared;
 use crate::config::Compress;
 use crate::error::{Error, Result};
 use crate::format::{
-    chunk_runs, digest, encode_frame, packed_frames_start, packed_head_of, parse_header, Digest,
-    FrameCodec, FrameEntry,
+    chunk_runs, digest, encode_frame, packed_frames_start, packed_head_of, parse_header,
+    quick_frame_check, Digest, FrameCodec, FrameEntry,
 };
 use crate::io::{IoStats, StreamWriter};
 
@@ -287,12 +287,13 @@ pub(super) fn write_packed(
                         };
                         let entry = FrameEntry {
                             stored: frame.len() as u64,
-                            // A reference frame's check is the chunk's
-                            // plain digest.
-                            check: if codec == FrameCodec::Reference {
-                                dig
+                            // A stored frame is its chunk, and a reference
+                            // frame's check is the chunk's plain digest:
+                            // both are `dig`, taken once.
+                            check: if codec == FrameCodec::GroupedZstd {
+                                quick_frame_check(&frame)
                             } else {
-                                digest(&frame)
+                                dig
                             },
                             codec,
                         };

@@ -34,7 +34,7 @@ use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
     data_file_name, digest, hex, parse_header, root_digest, Digest, FileEntry, Index, Manifest,
-    COMPRESSED_VERSION, INCREMENTAL_VERSION, INDEX_FILE_NAME, PLAIN_VERSION,
+    INDEX_FILE_NAME, PLAIN_VERSION, QUICK_FRAME_VERSION,
 };
 use crate::staging::{PinnedSlot, SlotState};
 use crate::storage::Pending;
@@ -478,22 +478,15 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
 }
 
 /// The format version of an index (or manifest) of these files: a step
-/// with a compressed file needs a reader that knows them; an all-plain
-/// step stays readable by readers that predate compression.
+/// with a container (a compressed or incremental file) is written in the
+/// container's version, which only readers that know it read; an
+/// all-plain step stays readable by readers that predate compression.
 fn version_of<'a>(files: impl IntoIterator<Item = &'a FileEntry>) -> u32 {
-    files
-        .into_iter()
-        .map(|f| {
-            if !f.refs.is_empty() {
-                INCREMENTAL_VERSION
-            } else if f.stored_size.is_some() {
-                COMPRESSED_VERSION
-            } else {
-                PLAIN_VERSION
-            }
-        })
-        .max()
-        .unwrap_or(PLAIN_VERSION)
+    if files.into_iter().any(|f| f.stored_size.is_some()) {
+        QUICK_FRAME_VERSION
+    } else {
+        PLAIN_VERSION
+    }
 }
 
 /// How often the ranks look for each other's progress on storage.

@@ -1,15 +1,17 @@
 //! The on-disk and in-RAM format of an acp checkpoint.
 //!
-//! This module's docs are the format's specification. Version 3
+//! This module's docs are the format's specification. Version 4
 //! ([`FORMAT_VERSION`]) is described here: version 1 ([`PLAIN_VERSION`])
-//! with compressed data files added in version 2 ([`COMPRESSED_VERSION`])
-//! and incremental steps, whose files reference chunks of earlier steps,
-//! in version 3 ([`INCREMENTAL_VERSION`]). Each step is written in the
-//! oldest version that holds it: all plain files, version 1, which a build
-//! that predates compression still reads; a compressed file and no
-//! references, version 2; references, version 3. A build refuses a newer
-//! version as [`Unsupported`](crate::Error::Unsupported). All integers on
-//! disk are little-endian; all text is UTF-8.
+//! with compressed data files added in version 2 ([`COMPRESSED_VERSION`]),
+//! incremental steps, whose files reference chunks of earlier steps, in
+//! version 3 ([`INCREMENTAL_VERSION`]), and in version 4
+//! ([`QUICK_FRAME_VERSION`]) compressed frames checked with xxh3-128
+//! instead of blake3 before they are decoded. A step of plain files is
+//! written in version 1, which a build that predates compression still
+//! reads; a step with a compressed or incremental file (a container) in
+//! version 4. A build reads every version up to its own and refuses a
+//! newer one as [`Unsupported`](crate::Error::Unsupported). All integers
+//! on disk are little-endian; all text is UTF-8.
 //!
 //! # Directory layout
 //!
@@ -98,7 +100,7 @@
 //!
 //! ```text
 //! offset 0   magic  "ACPZ\r\n\x1a\n" (8 bytes; as a safetensors prefix, far past any header)
-//!        8   u32    container version (2; 3 when a frame is a reference)
+//!        8   u32    container version (4 as written; 2 and 3 are read)
 //!        12  u32    n, the number of frames = ceil(image_len / chunk_bytes)
 //!        16  u64    image_len (the index's size)
 //!        24  u64    chunk_bytes (the index's chunk_bytes)
@@ -107,8 +109,11 @@
 //!                   u64 offset, u64 stored length, u64 decoded length,
 //!                   u8 codec (0 stored, 1 byte-grouped zstd, 2 reference),
 //!                   7 zero bytes,
-//!                   [32] blake3 of the frame's bytes (of a reference: the
-//!                   chunk's plain digest)
+//!                   [32] the frame's check: of a codec-1 frame, xxh3-128
+//!                   of its bytes (16 bytes, little-endian) and 16 zero
+//!                   bytes; of a stored frame, blake3 of its bytes, which
+//!                   is the chunk's plain digest; of a reference, the
+//!                   chunk's plain digest
 //!        64 + 64n   the frames, back to back, to the end of the file
 //! ```
 //!
@@ -125,11 +130,22 @@
 //! file exactly: the first starts where the table ends, each where the
 //! previous ends, the last ends the file, and each decodes to its chunk's
 //! length (a stored frame is exactly its chunk). Before a frame is decoded
-//! its bytes are checked against its blake3 ([`decode_frame`]), and the
+//! its bytes are checked against its check ([`decode_frame`]), and the
 //! decoder writes into a buffer of the chunk's length and fails rather
-//! than grow it, so a hostile frame can neither reach the decoder unchecked
-//! nor expand past its chunk. The decoded chunk is then checked against
-//! the index's digest like any plain chunk.
+//! than grow it, so a changed frame never reaches the decoder and a
+//! hostile one cannot expand past its chunk. The decoded chunk is then
+//! checked against the index's blake3 digest like any plain chunk: that
+//! digest, over the uncompressed bytes, is the integrity of record.
+//!
+//! The frame check catches a changed frame before it is decoded and names
+//! it; it is not what makes the bytes trustworthy (a writer that forges a
+//! file can forge its frame checks whatever the hash). So since version 4
+//! a codec-1 frame's check is xxh3-128, about ten times cheaper than
+//! blake3, instead of blake3 (versions 2 and 3, still read): a cold
+//! restore of a compressed file then pays one blake3 pass per chunk, as a
+//! plain one does, plus the decode. A stored frame's check was always its
+//! chunk's digest, so a reader that checks the chunk against the index
+//! reads it straight into place and hashes it once.
 //!
 //! # Incremental steps
 //!
@@ -141,7 +157,7 @@
 //! have codec 2, "reference": no bytes (stored length 0, the offset where
 //! the previous frame ends), the chunk's length, and the chunk's plain
 //! digest as the check; the other frames are compressed or stored as the
-//! step's `compress` says. Its head says container version 3. The index
+//! step's `compress` says (a container of version 3 or later). The index
 //! entry lists the references as runs:
 //!
 //! ```text
@@ -269,15 +285,19 @@ pub use layout::{
 };
 pub use manifest::{manifest_file_name, Manifest};
 pub use packed::{
-    chunk_runs, decode_frame, encode_frame, is_packed, pack_image, packed_frames_start,
-    packed_head, packed_head_of, read_packed_table, Frame, FrameCodec, FrameEntry, PackedTable,
-    FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
+    chunk_runs, decode_frame, encode_frame, frame_check, is_packed, pack_image,
+    packed_frames_start, packed_head, packed_head_of, quick_frame_check, read_packed_table, Frame,
+    FrameCodec, FrameEntry, PackedTable, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
 };
 
 /// The newest format version this build reads, and the one it writes for a
-/// step whose files reference chunks of earlier steps (and in the head of
-/// a container with reference frames).
-pub const FORMAT_VERSION: u32 = 3;
+/// step with a compressed or incremental file (in its index and in the
+/// head of each container).
+pub const FORMAT_VERSION: u32 = 4;
+
+/// The first version whose compressed (codec 1) frames are checked with
+/// xxh3-128 rather than blake3: every container is written in it.
+pub const QUICK_FRAME_VERSION: u32 = 4;
 
 /// The first version with incremental steps: index entries with `refs`,
 /// containers with reference frames.

@@ -67,8 +67,12 @@ pub struct Frame {
     pub raw: u64,
     /// How the frame holds the chunk.
     pub codec: FrameCodec,
-    /// blake3 of the frame's bytes, checked before they are decoded.
+    /// The frame's check, verified before its bytes are decoded: blake3
+    /// of them, or xxh3-128 where [`Frame::quick`] says so.
     pub check: Digest,
+    /// Whether [`Frame::check`] is xxh3-128 ([`quick_frame_check`]): a
+    /// compressed frame of a container of version 4 or later.
+    pub quick: bool,
 }
 
 /// A compressed file's head and frame table, checked.
@@ -174,11 +178,34 @@ pub fn packed_head(image_len: u64, chunk_bytes: u64, frames: &[(&[u8], FrameCode
         .iter()
         .map(|(bytes, codec)| FrameEntry {
             stored: bytes.len() as u64,
-            check: digest(bytes),
+            check: frame_check(*codec, bytes),
             codec: *codec,
         })
         .collect();
     packed_head_of(image_len, chunk_bytes, &entries)
+}
+
+/// The check the frame table records for a frame of `codec` holding
+/// `bytes`, as this build writes it: xxh3-128 for a compressed frame
+/// ([`quick_frame_check`]), blake3 for a stored one (the chunk's own
+/// digest). A reference frame's check is its chunk's plain digest, which
+/// its writer has.
+#[must_use]
+pub fn frame_check(codec: FrameCodec, bytes: &[u8]) -> Digest {
+    if codec == FrameCodec::GroupedZstd {
+        quick_frame_check(bytes)
+    } else {
+        digest(bytes)
+    }
+}
+
+/// The check of a compressed frame in a container of version 4 or later:
+/// xxh3-128 of its bytes, little-endian, then 16 zero bytes.
+#[must_use]
+pub fn quick_frame_check(bytes: &[u8]) -> Digest {
+    let mut d = [0u8; 32];
+    d[..16].copy_from_slice(&twox_hash::XxHash3_128::oneshot(bytes).to_le_bytes());
+    d
 }
 
 /// What the frame table says of one frame, known once it is encoded: a
@@ -187,7 +214,7 @@ pub fn packed_head(image_len: u64, chunk_bytes: u64, frames: &[(&[u8], FrameCode
 pub struct FrameEntry {
     /// The frame's length.
     pub stored: u64,
-    /// blake3 of the frame's bytes.
+    /// The frame's check ([`frame_check`]).
     pub check: Digest,
     /// How the frame holds its chunk.
     pub codec: FrameCodec,
@@ -218,14 +245,7 @@ pub fn packed_head_of(image_len: u64, chunk_bytes: u64, frames: &[FrameEntry]) -
     }
     let mut out = Vec::with_capacity(PACKED_HEAD_BYTES as usize + table.len());
     out.extend_from_slice(&PACKED_MAGIC);
-    // A container without reference frames stays readable by the builds
-    // that know compressed files only.
-    let version = if frames.iter().any(|f| f.codec == FrameCodec::Reference) {
-        super::INCREMENTAL_VERSION
-    } else {
-        super::COMPRESSED_VERSION
-    };
-    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&super::QUICK_FRAME_VERSION.to_le_bytes());
     // Chunk counts are bounded by the index (a u64 image of >= 4 KiB
     // chunks); a u32 holds every count a writer makes.
     out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
@@ -374,12 +394,19 @@ pub fn read_packed_table(
         }
         let mut check = [0u8; 32];
         check.copy_from_slice(&e[32..64]);
+        let quick = codec == FrameCodec::GroupedZstd && version >= super::QUICK_FRAME_VERSION;
+        if quick && check[16..] != [0u8; 16] {
+            return Err(bad(format!(
+                "compressed frame {i}'s check has bytes past its 16"
+            )));
+        }
         frames.push(Frame {
             offset,
             stored,
             raw,
             codec,
             check,
+            quick,
         });
         expect = frame_end;
     }
@@ -396,9 +423,9 @@ pub fn read_packed_table(
 }
 
 /// Decodes `frame_bytes` (frame `i` of the file at `path`, as `frame`
-/// describes it) into `dst` (the chunk's length): its check first, so
-/// nothing changed reaches the decoder; the decoder then writes exactly
-/// `dst`, never more.
+/// describes it) into `dst` (the chunk's length): its check first
+/// ([`Frame::quick`] says which), so nothing changed reaches the decoder;
+/// the decoder then writes exactly `dst`, never more.
 ///
 /// # Errors
 /// [`Error::Corrupt`] naming `path` and the frame when its check differs
@@ -430,7 +457,12 @@ pub fn decode_frame(
     if frame_bytes.len() as u64 != frame.stored || dst.len() as u64 != frame.raw {
         return Err(fail("not the length its table records".to_owned()));
     }
-    if digest(frame_bytes) != frame.check {
+    let check = if frame.quick {
+        quick_frame_check(frame_bytes)
+    } else {
+        digest(frame_bytes)
+    };
+    if check != frame.check {
         return Err(fail(
             "check mismatch (the compressed bytes changed)".to_owned(),
         ));

@@ -238,6 +238,91 @@ fn hostile_frame_tables_are_clear_errors() {
         .contains("frames end at"));
 }
 
+/// `file` (written by this build) relabelled as container `version`,
+/// each frame's check rewritten by `check` and the table resealed.
+fn relabelled(file: &[u8], version: u32, check: impl Fn(&[u8]) -> Digest) -> Vec<u8> {
+    let mut f = file.to_vec();
+    f[8..12].copy_from_slice(&version.to_le_bytes());
+    let n = usize::try_from(u32::from_le_bytes(f[12..16].try_into().unwrap())).unwrap();
+    let (h, e) = (PACKED_HEAD_BYTES as usize, FRAME_ENTRY_BYTES as usize);
+    for i in 0..n {
+        let at = h + i * e;
+        let off = usize::try_from(u64::from_le_bytes(f[at..at + 8].try_into().unwrap())).unwrap();
+        let len =
+            usize::try_from(u64::from_le_bytes(f[at + 8..at + 16].try_into().unwrap())).unwrap();
+        let c = check(&file[off..off + len]);
+        f[at + 32..at + 64].copy_from_slice(&c);
+    }
+    let d = digest(&f[h..h + n * e]);
+    f[32..64].copy_from_slice(&d);
+    f
+}
+
+#[test]
+fn compressed_frames_are_checked_with_xxh3_since_version_4() {
+    let img = sample();
+    let file = pack_image(Path::new(PATH), &img, CHUNK, 3).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(file[8..12].try_into().unwrap()),
+        QUICK_FRAME_VERSION
+    );
+    let t = table(&file, &img).unwrap();
+    let bytes = |f: &Frame| {
+        &file[usize::try_from(f.offset).unwrap()..][..usize::try_from(f.stored).unwrap()]
+    };
+    assert!(t.frames.iter().any(|f| f.codec == FrameCodec::GroupedZstd));
+    for f in &t.frames {
+        assert_eq!(f.quick, f.codec == FrameCodec::GroupedZstd, "{f:?}");
+        let want = if f.quick {
+            quick_frame_check(bytes(f))
+        } else {
+            digest(bytes(f))
+        };
+        assert_eq!(f.check, want, "{f:?}");
+    }
+    // A quick check is 16 bytes: a table with more is refused.
+    let i = t
+        .frames
+        .iter()
+        .position(|f| f.codec == FrameCodec::GroupedZstd)
+        .unwrap();
+    let err = table(&forge(&file, i, |e| e[63] = 1), &img).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("past its 16"), "{err}");
+}
+
+#[test]
+fn containers_of_versions_2_and_3_are_read_with_blake3_frame_checks() {
+    let img = sample();
+    let file = pack_image(Path::new(PATH), &img, CHUNK, 3).unwrap();
+    for version in [COMPRESSED_VERSION, INCREMENTAL_VERSION] {
+        let old = relabelled(&file, version, digest);
+        let t = table(&old, &img).unwrap();
+        assert!(t.frames.iter().all(|f| !f.quick), "version {version}");
+        assert_eq!(
+            unpack(&old, img.len(), &t).unwrap(),
+            img,
+            "version {version}"
+        );
+        // A changed frame is caught by its blake3.
+        let f = t
+            .frames
+            .iter()
+            .find(|f| f.codec == FrameCodec::GroupedZstd)
+            .unwrap();
+        let mut bad = old.clone();
+        bad[usize::try_from(f.offset + f.stored / 2).unwrap()] ^= 1;
+        let err = unpack(&bad, img.len(), &t).unwrap_err();
+        assert!(err.to_string().contains("check mismatch"), "{err}");
+        // The version decides the hash: xxh3 checks under an old version
+        // are not taken.
+        let mixed = relabelled(&file, version, quick_frame_check);
+        let t = table(&mixed, &img).unwrap();
+        let err = unpack(&mixed, img.len(), &t).unwrap_err();
+        assert!(err.to_string().contains("check mismatch"), "{err}");
+    }
+}
+
 #[test]
 fn a_newer_container_is_unsupported_not_corrupt() {
     let img = sample();
