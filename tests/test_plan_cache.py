@@ -476,3 +476,83 @@ def test_a_state_that_came_to_contain_itself_is_refused(make_ckpt: MakeCkpt) -> 
     s["nested"]["loop"] = s
     with pytest.raises(acp.InvalidInput, match="contains itself"):
         ckpt.save(2, s)
+
+
+# --- save: plain values that change at every save keep the plan -------------
+
+
+def valued_state(i: int) -> dict[str, Any]:
+    """Tensors and plain values of every kind, the values depending on ``i``
+    (their types do not): a training loop's step counter, scheduler state
+    and the like."""
+    torch.manual_seed(0)
+    sched: OrderedDict[str, Any] = OrderedDict(
+        last_epoch=i, _last_lr=[0.1 / (i + 1), 0.2], name=f"cosine-{i}-é"
+    )
+    sched._metadata = {"": {"version": i}}  # type: ignore[attr-defined]
+    return {
+        "w": torch.randn(4, 3),
+        "step": i,
+        "big": 2**70 + i,
+        "neg": -(2**63) - i,
+        "nan": float("nan") if i % 2 else float("inf"),
+        "zero": -0.0 if i % 2 else 0.0,
+        "flag": i % 2 == 0,
+        "none": None,
+        "blob": bytes([i % 256]) * (i + 1),
+        "sched": sched,
+        "groups": [{"lr": 1e-3 * i, "betas": (0.9, 0.99 + i * 1e-4), "params": [0, i]}],
+    }
+
+
+def test_changing_plain_values_keep_the_plan_and_save_as_they_are(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = make_ckpt()
+    s = valued_state(1)
+    assert same(s, roundtrip(ckpt, 1, s))
+    walks: list[int] = []
+    real = acp.checkpointer.Checkpointer._flatten
+
+    def counting(self: Any, *args: Any) -> Any:
+        walks.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(acp.checkpointer.Checkpointer, "_flatten", counting)
+    for i in range(2, 6):
+        fresh = valued_state(i)
+        fresh["w"] = s["w"]  # the same tensor: only values change
+        fresh["w"].add_(1)
+        assert same(fresh, roundtrip(ckpt, i, fresh)), i
+    assert walks == [], "the kept plan took every save"
+    # Every step kept its own values.
+    got = ckpt.load(3)
+    assert got["step"] == 3
+    assert got["sched"]["name"] == "cosine-3-é"
+    assert got["sched"]._metadata == {"": {"version": 3}}
+
+
+def test_a_kept_plan_refuses_a_value_the_codec_refuses(make_ckpt: MakeCkpt) -> None:
+    ckpt = make_ckpt()
+    s = {"w": torch.randn(3), "note": "ok"}
+    roundtrip(ckpt, 1, s)
+    roundtrip(ckpt, 2, s)
+    s["note"] = "bad \ud800"  # a lone surrogate: not valid Unicode
+    with pytest.raises(acp.InvalidInput, match="note"):
+        ckpt.save(3, s)
+    assert ckpt.steps() == [1, 2]
+    s["note"] = "fine again"
+    assert same(s, roundtrip(ckpt, 4, s))
+
+
+def test_values_that_outgrow_the_header_move_the_data(make_ckpt: MakeCkpt) -> None:
+    # The header is padded to a multiple of 4096 bytes: values that grow
+    # past the padding move the data section, which the engine lays out
+    # again from the kept plan.
+    ckpt = make_ckpt()
+    s = {"w": torch.randn(64, 64), "log": "x", "b": torch.arange(10)}
+    roundtrip(ckpt, 1, s)
+    for n in (10_000, 3, 50_000):
+        s["log"] = "y" * n
+        s["w"].mul_(2)
+        assert same(s, roundtrip(ckpt, 1 + n, s)), n

@@ -151,3 +151,49 @@ fn a_header_that_grows_past_the_alignment_moves_the_tensors() {
     }
     engine.close().unwrap();
 }
+
+#[test]
+fn a_planned_save_with_other_values_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let cfg = EngineConfig::new(dir.path().join("ckpt"))
+        .with_shm_dir(&shm)
+        .with_job("test")
+        .with_ring_bytes(8 << 20);
+    let engine = Engine::open(cfg).unwrap();
+    let plan = engine.save_plan(&specs(), r#"{"step":1}"#).unwrap();
+    // A step counter, then values long enough to move the data section.
+    let long = format!(r#"{{"step":3,"log":"{}"}}"#, "y".repeat(10_000));
+    for (step, values) in [(2u64, r#"{"step":2}"#.to_owned()), (3, long)] {
+        let srcs = data(u8::try_from(step).unwrap());
+        let srcs: Vec<&[u8]> = srcs.iter().map(Vec::as_slice).collect();
+        let mut s = engine
+            .begin_save_planned_values(step, &plan, &values, &SaveOptions::default())
+            .unwrap()
+            .unwrap();
+        s.copy_from(&srcs).unwrap();
+        s.finish().wait().unwrap();
+        let ck = engine
+            .load(&LoadRequest {
+                step: Some(step),
+                storage_only: true,
+                ..LoadRequest::default()
+            })
+            .unwrap();
+        let want: serde_json::Value = serde_json::from_str(&values).unwrap();
+        assert_eq!(ck.values(), &want, "step {step}");
+        for (i, name) in ["b", "w", "empty"].iter().enumerate() {
+            assert_eq!(
+                ck.tensor(name).unwrap().data,
+                srcs[i],
+                "step {step}, {name}"
+            );
+        }
+    }
+    let e = engine
+        .begin_save_planned_values(4, &plan, "{", &SaveOptions::default())
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Invalid);
+    engine.close().unwrap();
+}

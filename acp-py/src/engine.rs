@@ -543,10 +543,10 @@ impl Engine {
     }
 
     /// `begin_save` of the tensors and values of `plan`.
-    #[pyo3(signature = (step, plan, overwrite=false, extra_metadata=None, persist=None, hold=false))]
+    #[pyo3(signature = (step, plan, overwrite=false, extra_metadata=None, persist=None, hold=false, values_json=None))]
     #[expect(
         clippy::too_many_arguments,
-        reason = "one argument per SaveOptions field"
+        reason = "one argument per SaveOptions field, and the values"
     )]
     fn begin_save_planned(
         &self,
@@ -557,6 +557,7 @@ impl Engine {
         extra_metadata: Option<BTreeMap<String, String>>,
         persist: Option<bool>,
         hold: bool,
+        values_json: Option<&str>,
     ) -> PyResult<Option<Staging>> {
         start_save(
             py,
@@ -565,7 +566,10 @@ impl Engine {
             extra_metadata,
             persist_of(persist, hold)?,
             |engine, opts| {
-                let staging = engine.begin_save_planned(step, &plan.core, opts)?;
+                let staging = match values_json {
+                    None => engine.begin_save_planned(step, &plan.core, opts)?,
+                    Some(v) => engine.begin_save_planned_values(step, &plan.core, v, opts)?,
+                };
                 Ok(staging.map(|s| Staging::planned(s, plan)))
             },
         )

@@ -139,6 +139,7 @@ class Engine:
         extra_metadata: dict[str, str] | None = None,
         persist: bool | None = None,
         hold: bool = False,
+        values_json: str | None = None,
     ) -> Staging | None: ...
     def reserve(self, specs: list[tuple[str, str, tuple[int, ...]]], values_json: str) -> int: ...
     def load(

@@ -302,13 +302,7 @@ class Flat:
 
     def json(self) -> str:
         # The flattener builds a new tree and refuses cyclic states: no cycle check.
-        return json.dumps(
-            self.tree,
-            allow_nan=False,
-            ensure_ascii=False,
-            separators=(",", ":"),
-            check_circular=False,
-        )
+        return dumps(self.tree)
 
     def frameworks(self) -> set[str]:
         return {t.adapter.framework for t in self.tensors}
@@ -371,21 +365,8 @@ class _Flattener:
         fast = self.by_type.get(t)
         if fast is not None:  # a type an adapter took before: most of a state's values
             return self.framework_value(fast, obj, key)
-        if obj is None or t is bool:
-            return obj
-        if t is str:
-            _check_str(obj, key)  # type: ignore[arg-type]
-            return obj
-        if t is int:
-            if _I64_MIN <= obj <= _U64_MAX:  # type: ignore[operator]
-                return obj
-            return {"t": "int", "v": str(obj)}
-        if t is float:
-            if math.isfinite(obj):  # type: ignore[arg-type]
-                return obj
-            return {"t": "float", "bits": struct.pack(">d", obj).hex()}
-        if t is bytes:
-            return {"t": "bytes", "v": base64.b64encode(obj).decode()}  # type: ignore[arg-type]
+        if t in PLAIN_TYPES:
+            return plain_node(obj, key)
         if t in (dict, OrderedDict, list, tuple):
             return self.container(obj, key)
         framework = self.adapters.framework_of(obj)
@@ -455,6 +436,46 @@ class _Flattener:
         if info.meta:
             ref.update(info.meta)
         return ref
+
+
+PLAIN_TYPES = frozenset((type(None), bool, str, int, float, bytes))
+"""The types of the plain values a state holds (leaves that are neither
+containers nor framework values)."""
+
+
+def plain_node(obj: object, key: str) -> Any:
+    """The tree node of plain value ``obj`` (its type in
+    :data:`PLAIN_TYPES`) at key path ``key``.
+
+    Raises:
+        InvalidInput: a string that is not valid Unicode, naming ``key``.
+    """
+    t = type(obj)
+    if obj is None or t is bool:
+        return obj
+    if t is str:
+        _check_str(obj, key)  # type: ignore[arg-type]
+        return obj
+    if t is int:
+        if _I64_MIN <= obj <= _U64_MAX:  # type: ignore[operator]
+            return obj
+        return {"t": "int", "v": str(obj)}
+    if t is float:
+        if math.isfinite(obj):  # type: ignore[arg-type]
+            return obj
+        return {"t": "float", "bits": struct.pack(">d", obj).hex()}
+    return {"t": "bytes", "v": base64.b64encode(obj).decode()}  # type: ignore[arg-type]
+
+
+def dumps(tree: Any) -> str:
+    """The values JSON text of ``tree`` (a values tree or a node of one)."""
+    return json.dumps(
+        tree,
+        allow_nan=False,
+        ensure_ascii=False,
+        separators=(",", ":"),
+        check_circular=False,
+    )
 
 
 def flatten(state: object, adapters: Adapters, name_prefix: str = "") -> Flat:

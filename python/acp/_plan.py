@@ -7,7 +7,10 @@ A plan is reused only when a fresh walk of the state gives the same
 length, and its identity when a load plan assigns into it; for every
 tensor, what the plan read of it (type, address, shape, strides, dtype,
 device, layout, ``requires_grad``); for every other leaf, its type, and for
-a save its value (it is in the checkpoint's JSON).
+a save its value (it is in the checkpoint's JSON), unless the save plan
+keeps a :class:`ValuesTemplate`: the values JSON with a hole for each plain
+value, filled anew at each save, so a step counter or a scheduler's epoch
+that changes at every save does not make it plan again.
 Anything else the plan depends on is compared too: the checkpoint's values
 and entries for a load, the options of a save. A state that changed in any
 of these ways takes the full path, which checks it and plans afresh.
@@ -19,12 +22,15 @@ load in hand.
 
 from __future__ import annotations
 
+import math
+import re
+import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Container
 from typing import Any
 
-from acp._codec import Adapters, parse, tensor_refs
+from acp._codec import PLAIN_TYPES, Adapters, dumps, parse, plain_node, tensor_refs
 from acp._overlap import Split
 
 Signature = list[Any]
@@ -272,13 +278,135 @@ class LoadPlan:
         self.containers: list[object] = []
 
 
+_META = object()
+"""The step of a :class:`ValuesTemplate` path into an ``OrderedDict``'s
+``_metadata``."""
+
+_I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
+
+
+class ValuesTemplate:
+    """The values JSON of a save with a hole for each plain value: ``parts``
+    around the holes, and for each hole (in the text's order) the path of
+    its value from the state's root (dict keys, list and tuple indices,
+    :data:`_META`). A state with the plan's signature (plain values by type)
+    has a value of the same type at each path; :meth:`render` encodes them
+    as the codec does (:func:`acp._codec.plain_node`) and fills the holes."""
+
+    __slots__ = ("parts", "paths")
+
+    def __init__(self, parts: list[str], paths: list[tuple[Any, ...]]) -> None:
+        self.parts = parts
+        self.paths = paths
+
+    @classmethod
+    def of(cls, state: object, tree: dict[str, Any], values_json: str) -> ValuesTemplate | None:
+        """The template of ``state``, whose values tree is ``tree`` (the
+        flattener's, put back as it was before this returns) and whose
+        values JSON is ``values_json``; None when ``state`` holds no plain
+        value or the template does not give ``values_json`` back."""
+        holes: list[tuple[Any, Any, Any]] = []
+        _holes(state, tree, "state", (), holes)
+        spots = [(where, at) for where, at, _ in holes]
+        paths = [path for _, _, path in holes]
+        if not spots:
+            return None
+        nonce = secrets.token_hex(8)
+        kept = [where[at] for where, at in spots]
+        try:
+            for i, (where, at) in enumerate(spots):
+                where[at] = f"\0acp{nonce}:{i}\0"
+            text = dumps(tree)
+        finally:
+            for (where, at), node in zip(spots, kept):
+                where[at] = node
+        pieces = re.split(r'"\\u0000acp' + nonce + r':(\d+)\\u0000"', text)
+        order = [int(i) for i in pieces[1::2]]
+        if sorted(order) != list(range(len(spots))):
+            return None
+        template = cls(pieces[0::2], [paths[i] for i in order])
+        try:
+            if template.render(state) != values_json:
+                return None
+        except Exception:
+            return None
+        return template
+
+    def render(self, state: object) -> str:
+        """The values JSON of ``state`` (with the template's signature).
+
+        Raises:
+            InvalidInput: a value the codec refuses (a string that is not
+                valid Unicode), naming its key path.
+        """
+        parts = self.parts
+        out = [parts[0]]
+        for path, part in zip(self.paths, parts[1:]):
+            v: Any = state
+            for step in path:
+                v = v._metadata if step is _META else v[step]
+            t = type(v)
+            if t is int and _I64_MIN <= v <= _U64_MAX:
+                out.append(int.__repr__(v))
+            elif t is float and math.isfinite(v):
+                out.append(float.__repr__(v))
+            elif v is None:
+                out.append("null")
+            elif t is bool:
+                out.append("true" if v else "false")
+            else:
+                key = ".".join("_metadata" if s is _META else str(s) for s in path)
+                out.append(dumps(plain_node(v, key)))
+            out.append(part)
+        return "".join(out)
+
+
+def _holes(
+    obj: object, where: Any, at: Any, path: tuple[Any, ...], out: list[tuple[Any, Any, Any]]
+) -> None:
+    """Appends to ``out``, for each plain value under ``obj`` (whose tree
+    node is ``where[at]``), where its node is in the tree and its path from
+    the state's root. Tensors and framework values are left alone;
+    containers are followed as the codec lays them out."""
+    t = type(obj)
+    if t in PLAIN_TYPES:
+        out.append((where, at, path))
+        return
+    node = where[at]
+    if t is dict or t is OrderedDict:
+        vals = node["v"]
+        for i, (k, v) in enumerate(obj.items()):  # type: ignore[attr-defined]
+            _holes(v, vals, i, (*path, k), out)
+        meta = getattr(obj, "_metadata", None) if t is OrderedDict else None
+        if meta is not None:
+            _holes(meta, node, "meta", (*path, _META), out)
+    elif t is list:
+        for i, v in enumerate(obj):  # type: ignore[arg-type]
+            _holes(v, node, i, (*path, i), out)
+    elif t is tuple:
+        vals = node["v"]
+        for i, v in enumerate(obj):  # type: ignore[arg-type]
+            _holes(v, vals, i, (*path, i), out)
+
+
 class SavePlan:
     """A save of host tensors, kept for the next save of a state with the
-    same signature (values included: they are in ``values_json``).
-    ``engine`` is the engine's own plan of the same tensors, values and
-    copy ranges (``Engine.save_plan``): a save from it passes no list."""
+    same signature: with ``template``, plain values by type (each save
+    renders its values JSON from it), else by value (they are in
+    ``values_json``). ``engine`` is the engine's own plan of the same
+    tensors, values and copy ranges (``Engine.save_plan``): a save from it
+    passes no list, and its values JSON only when it differs."""
 
-    __slots__ = ("engine", "frameworks", "sig", "specs", "split", "tensor_bytes", "values_json")
+    __slots__ = (
+        "engine",
+        "frameworks",
+        "sig",
+        "specs",
+        "split",
+        "template",
+        "tensor_bytes",
+        "values_json",
+    )
 
     def __init__(
         self,
@@ -290,6 +418,7 @@ class SavePlan:
         tensor_bytes: int,
         sig: Signature,
         split: Split | None,
+        template: ValuesTemplate | None = None,
     ) -> None:
         self.engine = engine
         self.specs = specs
@@ -299,6 +428,12 @@ class SavePlan:
         self.sig = sig
         self.split = split
         """Which tensors an overlapped save copies in its stall (acp._overlap)."""
+        self.template = template
+
+    def values_of(self, state: object) -> str:
+        """The values JSON of a save of ``state`` (with this plan's
+        signature): rendered from the template, else the plan's."""
+        return self.values_json if self.template is None else self.template.render(state)
 
 
 class Plans:
@@ -332,16 +467,19 @@ class Plans:
         tensor_bytes: int,
         host: list[tuple[int, int, int]] | None = None,
         objs: list[object] | None = None,
+        tree: dict[str, Any] | None = None,
     ) -> list[object] | None:
         """Keeps the plan of a save that took the full path; ``engine``
         None: not all plain host copies, nothing kept. ``host`` and
         ``objs``: the save's copy ranges and its tensors, in entry order
-        (for overlapped saves). Returns the walk's leaves (the state's
-        tensors, in walk order) when a plan is kept."""
+        (for overlapped saves). ``tree``: the save's values tree, from
+        which a :class:`ValuesTemplate` is made. Returns the walk's leaves
+        (the state's tensors, in walk order) when a plan is kept."""
         self.save = None
         if engine is None:
             return None
-        walked = self.walker.walk(state, values=True)
+        template = None if tree is None else ValuesTemplate.of(state, tree, values_json)
+        walked = self.walker.walk(state, values=template is None)
         if walked is not None:
             split = None
             if host is not None and objs is not None:
@@ -354,6 +492,7 @@ class Plans:
                 tensor_bytes=tensor_bytes,
                 sig=walked[0],
                 split=split,
+                template=template,
             )
             return walked[1]
         return None
@@ -365,7 +504,7 @@ class Plans:
         plan = self.save
         if plan is None:
             return None
-        walked = self.walker.walk(state, values=True, limit=len(plan.sig))
+        walked = self.walker.walk(state, values=plan.template is None, limit=len(plan.sig))
         if walked is None or walked[0] != plan.sig:
             return None
         return plan, self.walker.keep_alive(walked[1]), walked[1]

@@ -572,7 +572,8 @@ class Checkpointer:
             kept = None
         if kept is not None:
             plan, alive, leaves = kept
-            return plan, None, alive, leaves, plan.specs, plan.values_json, plan.frameworks
+            values_json = plan.values_of(state)
+            return plan, None, alive, leaves, plan.specs, values_json, plan.frameworks
         flat, tensors = self._flatten(state, replicated)
         specs = [(t.name, t.info.dtype, t.info.shape) for t in tensors]
         return None, flat, tensors, [], specs, flat.json(), flat.frameworks()
@@ -684,6 +685,7 @@ class Checkpointer:
                 # about 1 us per tensor, on the stall's path).
                 host=host if overlap else None,
                 objs=None if flat is None or not overlap else [t.obj for t in tensors],
+                tree=None if flat is None else flat.tree,
             )
             if kept is None and not replicated
             else None
@@ -693,8 +695,17 @@ class Checkpointer:
         ) or (None, leaves)
         t1 = perf_counter()
         if engine_plan is not None:
+            # A kept plan's values JSON, rendered anew, goes in only when it
+            # changed (a step counter): the engine then writes a new header.
+            fresh = kept is not None and values_json != kept.values_json
             staging = self._engine.begin_save_planned(
-                step, engine_plan, overwrite, extra, persist, hold=hold
+                step,
+                engine_plan,
+                overwrite,
+                extra,
+                persist,
+                hold=hold,
+                values_json=values_json if fresh else None,
             )
         else:
             staging = self._engine.begin_save(

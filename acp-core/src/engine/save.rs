@@ -82,9 +82,11 @@ impl SavePlan {
         &self.entries
     }
 
-    /// The image of a save of this plan with the header fields `meta`.
-    fn image(&self, meta: &ImageMeta) -> Result<Image> {
-        let (header, data_start) = self.layout.restamp_header(meta, &self.values_json)?;
+    /// The image of a save of this plan with the header fields `meta` and
+    /// the values `values` (checked JSON text; the plan's own when None).
+    fn image(&self, meta: &ImageMeta, values: Option<&str>) -> Result<Image> {
+        let values = values.unwrap_or(&self.values_json);
+        let (header, data_start) = self.layout.restamp_header(meta, values)?;
         let base = self.layout.data_start;
         let entries = if data_start == base {
             Arc::clone(&self.entries)
@@ -245,7 +247,29 @@ impl Engine {
         plan: &SavePlan,
         opts: &SaveOptions,
     ) -> Result<Option<Staging>> {
-        self.begin(step, opts, |meta| plan.image(&meta))
+        self.begin(step, opts, |meta| plan.image(&meta, None))
+    }
+
+    /// [`Engine::begin_save_planned`] with other values than the plan's:
+    /// the plan's tensors, their layout kept (only the header is written
+    /// anew; a header that crosses a multiple of
+    /// [`DATA_ALIGN`](crate::format::DATA_ALIGN) moves the data section
+    /// as a longer step number does), and `values_json` in the header. For
+    /// a state whose plain values (a step counter, a scheduler's epoch)
+    /// change between saves while its tensors keep their structure.
+    ///
+    /// # Errors
+    /// As [`Engine::begin_save_json`], and [`Error::Invalid`] naming
+    /// `values` when the text is not JSON.
+    pub fn begin_save_planned_values(
+        &self,
+        step: u64,
+        plan: &SavePlan,
+        values_json: &str,
+        opts: &SaveOptions,
+    ) -> Result<Option<Staging>> {
+        check_values_json(values_json)?;
+        self.begin(step, opts, |meta| plan.image(&meta, Some(values_json)))
     }
 
     /// Readies every free ring slot for a checkpoint of `tensors` and
