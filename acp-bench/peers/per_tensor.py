@@ -4,6 +4,7 @@
     python acp-bench/peers/per_tensor.py                  # 20,000 tensors of 4 KiB, 7 rounds
     python acp-bench/peers/per_tensor.py --count 100000 --elements 256
     python acp-bench/peers/per_tensor.py --count 100000 --elements 256 --no-load  # saves only
+    python acp-bench/peers/per_tensor.py --count 100000 --elements 256 --counter  # + a counter
 
 A flat dict of ``--count`` fp32 tensors of ``--elements`` each, saved and committed, then
 restored from RAM into a second dict of the same shapes, ``--rounds`` times; the first two
@@ -12,8 +13,9 @@ save stall and its parts (walking and planning the state, the copy) and of ``loa
 (find + verify in the engine, then the Python side and the copy), and the stall's cost per
 tensor beyond the copy and beyond a memcpy of the same bytes (one contiguous ``copy_`` into
 a preallocated buffer, timed in the same run: torch's copy uses its intra-op threads).
-Checks the restored bytes. Its root and shared-memory directory are
-removed at the end.
+Checks the restored bytes. ``--counter`` saves ``{"model": tensors, "step": step,
+"sched": {...}}`` instead, with plain values that change at every save, as a training
+loop's state has. Its root and shared-memory directory are removed at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -41,10 +44,21 @@ def main() -> None:
     p.add_argument("--elements", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-load", action="store_true", help="time the saves only")
+    p.add_argument(
+        "--counter", action="store_true", help="plain values that change at every save, beside"
+    )
     a = p.parse_args()
-    state = {f"layer{i // 8}.w{i % 8}": torch.randn(a.elements) for i in range(a.count)}
-    into = {k: torch.empty_like(v) for k, v in state.items()}
-    nbytes = sum(t.nbytes for t in state.values())
+    model = {f"layer{i // 8}.w{i % 8}": torch.randn(a.elements) for i in range(a.count)}
+    into_model = {k: torch.empty_like(v) for k, v in model.items()}
+
+    def states(step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state saved at ``step`` and the one it is loaded into."""
+        if not a.counter:
+            return model, into_model
+        values = {"step": step, "sched": {"last_epoch": step, "_last_lr": [0.1 / (step + 1)]}}
+        return {"model": model, **values}, {"model": into_model, **values}
+
+    nbytes = sum(t.nbytes for t in model.values())
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     root = tempfile.mkdtemp(prefix="acp-per-tensor-")
@@ -52,11 +66,12 @@ def main() -> None:
     try:
         ckpt = acp.Checkpointer(root, shm_dir=shm, ring_bytes=4 * nbytes + (64 << 20))
         try:
-            ckpt.reserve(state)
+            ckpt.reserve(states(0)[0])
             saves, loads = [], []
             for step in range(a.rounds):
+                saved, into = states(step)
                 t0 = time.perf_counter()
-                handle = ckpt.save(step, state)
+                handle = ckpt.save(step, saved)
                 stall = time.perf_counter() - t0
                 stats = handle.wait()
                 saves.append((stall, stats.flatten_secs, stats.copy_secs, memcpy(src, dst)))
@@ -66,12 +81,17 @@ def main() -> None:
                 got = ckpt.load(step, into=into)
                 loads.append((time.perf_counter() - t0, got.engine_secs, got.copy_secs))
             if not a.no_load:
-                assert all(torch.equal(into[k], v) for k, v in state.items())
+                assert all(torch.equal(into_model[k], v) for k, v in model.items())
         finally:
             ckpt.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+    report(a, nbytes, saves, loads)
+
+
+def report(a: argparse.Namespace, nbytes: int, saves: list[Any], loads: list[Any]) -> None:
+    """Prints the medians of the rounds after the first two."""
     s = [statistics.median(x[i] for x in saves[2:]) for i in range(4)]
     ld = [statistics.median(x[i] for x in loads[2:]) for i in range(3)] if loads else []
     print(f"{a.count} tensors, {nbytes / 1e6:.1f} MB, medians of {a.rounds - 2}")
