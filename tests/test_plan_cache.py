@@ -265,12 +265,9 @@ def test_a_kept_save_plan_copies_the_current_bytes(make_ckpt: MakeCkpt) -> None:
     assert same(s, roundtrip(ckpt, 2, s))
 
 
-def test_a_fresh_state_dict_each_save_reuses_the_plan(
-    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = torch.nn.Linear(3, 2)
-    ckpt = make_ckpt()
-    ckpt.save(1, {"model": model.state_dict()}).wait()
+def count_full_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an item for each save that takes the full path
+    (the state flattened, no kept plan)."""
     walks: list[int] = []
     real = acp.checkpointer.Checkpointer._flatten
 
@@ -279,6 +276,16 @@ def test_a_fresh_state_dict_each_save_reuses_the_plan(
         return real(self, *args)
 
     monkeypatch.setattr(acp.checkpointer.Checkpointer, "_flatten", counting)
+    return walks
+
+
+def test_a_fresh_state_dict_each_save_reuses_the_plan(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.Linear(3, 2)
+    ckpt = make_ckpt()
+    ckpt.save(1, {"model": model.state_dict()}).wait()
+    walks = count_full_walks(monkeypatch)
     ckpt.save(2, {"model": model.state_dict()}).wait()
     assert walks == []
     model.weight.data = torch.randn(2, 3)  # a new tensor under the same key
@@ -511,14 +518,7 @@ def test_changing_plain_values_keep_the_plan_and_save_as_they_are(
     ckpt = make_ckpt()
     s = valued_state(1)
     assert same(s, roundtrip(ckpt, 1, s))
-    walks: list[int] = []
-    real = acp.checkpointer.Checkpointer._flatten
-
-    def counting(self: Any, *args: Any) -> Any:
-        walks.append(1)
-        return real(self, *args)
-
-    monkeypatch.setattr(acp.checkpointer.Checkpointer, "_flatten", counting)
+    walks = count_full_walks(monkeypatch)
     for i in range(2, 6):
         fresh = valued_state(i)
         fresh["w"] = s["w"]  # the same tensor: only values change

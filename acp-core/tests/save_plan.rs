@@ -41,17 +41,22 @@ fn opts(extra: &[(&str, &str)]) -> SaveOptions {
     }
 }
 
-#[test]
-fn a_planned_save_writes_what_a_fresh_one_writes() {
-    let dir = tempfile::tempdir().unwrap();
+/// An engine over a new root (`dir/ckpt`) and ring in `dir`.
+fn open_engine(dir: &tempfile::TempDir) -> Engine {
     let shm = dir.path().join("shm");
     std::fs::create_dir(&shm).unwrap();
-    let root = dir.path().join("ckpt");
-    let cfg = EngineConfig::new(&root)
+    let cfg = EngineConfig::new(dir.path().join("ckpt"))
         .with_shm_dir(&shm)
         .with_job("test")
         .with_ring_bytes(8 << 20);
-    let engine = Engine::open(cfg).unwrap();
+    Engine::open(cfg).unwrap()
+}
+
+#[test]
+fn a_planned_save_writes_what_a_fresh_one_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(&dir);
+    let root = dir.path().join("ckpt");
     let values = r#"{"lr":0.5,"tags":["a",null]}"#;
     let plan = engine.save_plan(&specs(), values).unwrap();
     assert_eq!(plan.entries().len(), 3);
@@ -107,13 +112,7 @@ fn a_planned_save_writes_what_a_fresh_one_writes() {
 #[test]
 fn a_header_that_grows_past_the_alignment_moves_the_tensors() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = dir.path().join("shm");
-    std::fs::create_dir(&shm).unwrap();
-    let cfg = EngineConfig::new(dir.path().join("ckpt"))
-        .with_shm_dir(&shm)
-        .with_job("test")
-        .with_ring_bytes(8 << 20);
-    let engine = Engine::open(cfg).unwrap();
+    let engine = open_engine(&dir);
     let (short, long) = (0u64, 10_000_000_000u64);
     let offset = |step: u64, values: &str| {
         let s = engine
@@ -155,13 +154,7 @@ fn a_header_that_grows_past_the_alignment_moves_the_tensors() {
 #[test]
 fn a_planned_save_with_other_values_writes_them() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = dir.path().join("shm");
-    std::fs::create_dir(&shm).unwrap();
-    let cfg = EngineConfig::new(dir.path().join("ckpt"))
-        .with_shm_dir(&shm)
-        .with_job("test")
-        .with_ring_bytes(8 << 20);
-    let engine = Engine::open(cfg).unwrap();
+    let engine = open_engine(&dir);
     let plan = engine.save_plan(&specs(), r#"{"step":1}"#).unwrap();
     // A step counter, then values long enough to move the data section.
     let long = format!(r#"{{"step":3,"log":"{}"}}"#, "y".repeat(10_000));

@@ -172,12 +172,18 @@ fn a_table_that_is_not_the_index_is_refused() {
 /// hostile writer would (a random change is caught by the digest).
 fn forge(file: &[u8], i: usize, edit: impl Fn(&mut [u8])) -> Vec<u8> {
     let mut f = file.to_vec();
-    let n = usize::try_from(u32::from_le_bytes(f[12..16].try_into().unwrap())).unwrap();
     let (h, e) = (PACKED_HEAD_BYTES as usize, FRAME_ENTRY_BYTES as usize);
     edit(&mut f[h + i * e..h + (i + 1) * e]);
+    reseal(&mut f);
+    f
+}
+
+/// Writes the digest of `f`'s frame table into its head again.
+fn reseal(f: &mut [u8]) {
+    let n = usize::try_from(u32::from_le_bytes(f[12..16].try_into().unwrap())).unwrap();
+    let (h, e) = (PACKED_HEAD_BYTES as usize, FRAME_ENTRY_BYTES as usize);
     let d = digest(&f[h..h + n * e]);
     f[32..64].copy_from_slice(&d);
-    f
 }
 
 #[test]
@@ -253,8 +259,7 @@ fn relabelled(file: &[u8], version: u32, check: impl Fn(&[u8]) -> Digest) -> Vec
         let c = check(&file[off..off + len]);
         f[at + 32..at + 64].copy_from_slice(&c);
     }
-    let d = digest(&f[h..h + n * e]);
-    f[32..64].copy_from_slice(&d);
+    reseal(&mut f);
     f
 }
 
