@@ -37,7 +37,7 @@ Signature = list[Any]
 BatchFn = Callable[[list[object]], Any]
 KeepFn = Callable[[list[object]], list[object]]
 
-_PLAIN = (int, float, str, bytes, bool, type(None))
+_PLAIN = tuple(PLAIN_TYPES)
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
