@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use acp_core::{Dtype, Engine, EngineConfig, ErrorKind, LoadRequest, SaveOptions, TensorSpec};
+use acp_core::{
+    Checkpoint, Dtype, Engine, EngineConfig, ErrorKind, LoadRequest, SaveOptions, Staging,
+    TensorSpec,
+};
 
 fn specs() -> Vec<TensorSpec> {
     vec![
@@ -50,6 +53,20 @@ fn open_engine(dir: &tempfile::TempDir) -> Engine {
         .with_job("test")
         .with_ring_bytes(8 << 20);
     Engine::open(cfg).unwrap()
+}
+
+/// Copies `srcs` into staging `s` of `step`, commits it and loads it back
+/// from storage.
+fn commit_and_load(engine: &Engine, step: u64, mut s: Staging, srcs: &[&[u8]]) -> Checkpoint {
+    s.copy_from(srcs).unwrap();
+    s.finish().wait().unwrap();
+    engine
+        .load(&LoadRequest {
+            step: Some(step),
+            storage_only: true,
+            ..LoadRequest::default()
+        })
+        .unwrap()
 }
 
 #[test]
@@ -132,20 +149,12 @@ fn a_header_that_grows_past_the_alignment_moves_the_tensors() {
         let want = offset(step, &values);
         let srcs = data(9);
         let srcs: Vec<&[u8]> = srcs.iter().map(Vec::as_slice).collect();
-        let mut s = engine
+        let s = engine
             .begin_save_planned(step, &plan, &SaveOptions::default())
             .unwrap()
             .unwrap();
         assert_eq!(s.entries()[0].offset, want);
-        s.copy_from(&srcs).unwrap();
-        s.finish().wait().unwrap();
-        let ck = engine
-            .load(&LoadRequest {
-                step: Some(step),
-                storage_only: true,
-                ..LoadRequest::default()
-            })
-            .unwrap();
+        let ck = commit_and_load(&engine, step, s, &srcs);
         assert_eq!(ck.tensor("w").unwrap().data, vec![10; 24].as_slice());
     }
     engine.close().unwrap();
@@ -161,19 +170,11 @@ fn a_planned_save_with_other_values_writes_them() {
     for (step, values) in [(2u64, r#"{"step":2}"#.to_owned()), (3, long)] {
         let srcs = data(u8::try_from(step).unwrap());
         let srcs: Vec<&[u8]> = srcs.iter().map(Vec::as_slice).collect();
-        let mut s = engine
+        let s = engine
             .begin_save_planned_values(step, &plan, &values, &SaveOptions::default())
             .unwrap()
             .unwrap();
-        s.copy_from(&srcs).unwrap();
-        s.finish().wait().unwrap();
-        let ck = engine
-            .load(&LoadRequest {
-                step: Some(step),
-                storage_only: true,
-                ..LoadRequest::default()
-            })
-            .unwrap();
+        let ck = commit_and_load(&engine, step, s, &srcs);
         let want: serde_json::Value = serde_json::from_str(&values).unwrap();
         assert_eq!(ck.values(), &want, "step {step}");
         for (i, name) in ["b", "w", "empty"].iter().enumerate() {
