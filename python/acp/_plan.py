@@ -22,7 +22,6 @@ load in hand.
 
 from __future__ import annotations
 
-import math
 import re
 import secrets
 import struct
@@ -30,7 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Container
 from typing import Any
 
-from acp._codec import PLAIN_TYPES, Adapters, dumps, parse, plain_node, tensor_refs
+from acp._acp import InvalidInput
+from acp._codec import PLAIN_TYPES, Adapters, dumps, parse, plain_json, tensor_refs
 from acp._overlap import Split
 
 Signature = list[Any]
@@ -282,8 +282,6 @@ _META = object()
 """The step of a :class:`ValuesTemplate` path into an ``OrderedDict``'s
 ``_metadata``."""
 
-_I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
-
 
 class ValuesTemplate:
     """The values JSON of a save with a hole for each plain value: ``parts``
@@ -291,7 +289,7 @@ class ValuesTemplate:
     its value from the state's root (dict keys, list and tuple indices,
     :data:`_META`). A state with the plan's signature (plain values by type)
     has a value of the same type at each path; :meth:`render` encodes them
-    as the codec does (:func:`acp._codec.plain_node`) and fills the holes."""
+    as the codec does (:func:`acp._codec.plain_json`) and fills the holes."""
 
     __slots__ = ("parts", "paths")
 
@@ -345,20 +343,18 @@ class ValuesTemplate:
             v: Any = state
             for step in path:
                 v = v._metadata if step is _META else v[step]
-            t = type(v)
-            if t is int and _I64_MIN <= v <= _U64_MAX:
-                out.append(int.__repr__(v))
-            elif t is float and math.isfinite(v):
-                out.append(float.__repr__(v))
-            elif v is None:
-                out.append("null")
-            elif t is bool:
-                out.append("true" if v else "false")
-            else:
-                key = ".".join("_metadata" if s is _META else str(s) for s in path)
-                out.append(dumps(plain_node(v, key)))
+            try:
+                out.append(plain_json(v, ""))
+            except InvalidInput:
+                plain_json(v, _key_of(path))  # raises again, naming the key
+                raise
             out.append(part)
         return "".join(out)
+
+
+def _key_of(path: tuple[Any, ...]) -> str:
+    """The key path of a :class:`ValuesTemplate` path, for messages."""
+    return ".".join("_metadata" if s is _META else str(s) for s in path)
 
 
 def _holes(
