@@ -114,6 +114,24 @@ def internals(ckpt: Checkpointer) -> Internals:
     return ckpt._in
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector for the stall or a load:
+    walking a state of thousands of tensors, parsing its values and planning
+    its load (or a DCP save or load of it, in ``acp.dcp``) allocate enough
+    to trigger full collections that walk the whole heap, which can cost
+    more than the copy itself. Nothing made there forms cycles: what it
+    leaves behind is freed by reference counts before the collector runs
+    again. Also a decorator."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class Checkpointer:
     """Saves and restores training state under ``root``.
 
@@ -868,6 +886,7 @@ class Checkpointer:
 
     # --- loading ----------------------------------------------------------
 
+    @gc_paused()
     def load(
         self,
         step: int | None = None,
@@ -1011,63 +1030,58 @@ class Checkpointer:
             result = load_state(loaded, self._adapters, map_location, zero_copy)
             copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
         else:
-            # Planning allocates per tensor (entries, signatures): without
-            # the pause, full collections walk the heap many times over.
             from_ram = getattr(loaded, "source", None) == "ram"
-            with gc_paused():
-                try:
-                    copied = load_into(loaded, self._adapters, into, map_location, self._plans)
-                except AcpError as e:
-                    failed_step, why, failed = loaded.step, e, read_failed(loaded)
-                    del loaded
-                    if from_ram and not storage_only and isinstance(e, CheckpointCorrupt):
-                        # The resident copy failed its check (the slot is
-                        # dropped): the same step from the next source,
-                        # storage, planned afresh from its own header.
-                        logger.warning(
-                            "acp: the resident copy of step %d failed verification, "
-                            "reading it from storage: %s",
-                            failed_step,
-                            e,
-                        )
-                        try:
-                            return self._load(
-                                failed_step,
-                                into=into,
-                                map_location=map_location,
-                                fallback=fallback,
-                                storage_only=True,
-                                rank=rank,
-                                defer=defer,
-                            )
-                        except CheckpointNotFound:
-                            # A RAM snapshot only: with no step asked for,
-                            # the next source, whatever ``fallback`` says
-                            # (as the engine does for one it checks).
-                            if step is not None:
-                                raise e from None
-                        except AcpError as again:
-                            # Storage's copy fails too: with ``fallback``
-                            # and no step asked for, the newest intact step.
-                            if not (fallback and step is None):
-                                raise
-                            why = again
-                    elif not (fallback and step is None and failed):
-                        raise
-                    # The failed step's slot is gone, or its read is
-                    # marked failed: the engine loads another step.
+            try:
+                copied = load_into(loaded, self._adapters, into, map_location, self._plans)
+            except AcpError as e:
+                failed_step, why, failed = loaded.step, e, read_failed(loaded)
+                del loaded
+                if from_ram and not storage_only and isinstance(e, CheckpointCorrupt):
+                    # The resident copy failed its check (the slot is
+                    # dropped): the same step from the next source,
+                    # storage, planned afresh from its own header.
                     logger.warning(
-                        "acp: step %d cannot be loaded, falling back: %s", failed_step, why
+                        "acp: the resident copy of step %d failed verification, "
+                        "reading it from storage: %s",
+                        failed_step,
+                        e,
                     )
-                    return self._load(
-                        None,
-                        into=into,
-                        map_location=map_location,
-                        fallback=fallback,
-                        storage_only=storage_only,
-                        rank=rank,
-                        defer=False,
-                    )
+                    try:
+                        return self._load(
+                            failed_step,
+                            into=into,
+                            map_location=map_location,
+                            fallback=fallback,
+                            storage_only=True,
+                            rank=rank,
+                            defer=defer,
+                        )
+                    except CheckpointNotFound:
+                        # A RAM snapshot only: with no step asked for,
+                        # the next source, whatever ``fallback`` says
+                        # (as the engine does for one it checks).
+                        if step is not None:
+                            raise e from None
+                    except AcpError as again:
+                        # Storage's copy fails too: with ``fallback``
+                        # and no step asked for, the newest intact step.
+                        if not (fallback and step is None):
+                            raise
+                        why = again
+                elif not (fallback and step is None and failed):
+                    raise
+                # The failed step's slot is gone, or its read is
+                # marked failed: the engine loads another step.
+                logger.warning("acp: step %d cannot be loaded, falling back: %s", failed_step, why)
+                return self._load(
+                    None,
+                    into=into,
+                    map_location=map_location,
+                    fallback=fallback,
+                    storage_only=storage_only,
+                    rank=rank,
+                    defer=False,
+                )
         t2 = perf_counter()
         report = loaded.report()
         del loaded
@@ -1266,22 +1280,6 @@ class Checkpointer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"Checkpointer({os.fspath(self.root)!r}, rank={self.rank}, {state})"
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pauses Python's cyclic garbage collector for the stall: walking a
-    state of thousands of tensors (or planning a DCP save of them, in
-    ``acp.dcp``) allocates enough to trigger full collections that walk the
-    whole heap, which can cost more than the copy itself. Nothing made
-    during the stall forms cycles."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _torch_replicas(replicas: int | None, timeout: float | None) -> TorchReplicas | None:
