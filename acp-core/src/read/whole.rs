@@ -275,8 +275,8 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
     /// (a compressed file, whose frames decode independently): each read is
     /// filled (its frames read, checked and decoded), hashed and copied
     /// into its targets by one thread, while it is in that thread's cache;
-    /// `threads` threads and the calling one take the reads in file order,
-    /// so a read waiting on storage leaves the cores to the others.
+    /// `threads` threads, the calling one among them, take the reads in
+    /// file order.
     /// Records the chunks that differ in `found`.
     fn decode_on_pool<'d, 'c: 'd>(
         &self,
@@ -336,8 +336,13 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
                 .check(chunk, self, found);
             }
         };
-        // A small file, or one thread asked for: the calling thread alone.
-        let helpers = self.helpers(threads);
+        // The calling thread is one of the `threads`: each of them decodes
+        // and hashes without waiting on anything but the buffered reads the
+        // kernel's readahead serves, so one more than the cores asked for
+        // only contends for them (BENCHMARKS.md, "Compressed storage,
+        // cold"). A small file, or one thread asked for: the calling thread
+        // alone.
+        let helpers = self.helpers(threads).saturating_sub(1);
         std::thread::scope(|s| {
             for _ in 0..helpers {
                 // A thread that cannot start leaves its share to the
