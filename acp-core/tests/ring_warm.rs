@@ -123,3 +123,50 @@ fn a_save_waits_for_the_slot_being_grown_instead_of_finding_the_ring_full() {
         });
     }
 }
+
+#[test]
+fn a_load_in_progress_holds_the_warming_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 3 * MIB as usize;
+    {
+        let (ring, _) = Ring::open(opts(dir.path(), 2)).unwrap();
+        save(&ring, 1, len);
+        for s in ring.complete() {
+            ring.set_state(s.slot, SlotState::Persisted);
+        }
+    }
+    let (ring, report) = Ring::open(opts(dir.path(), 2)).unwrap();
+    assert_eq!(report.recovered.len(), 1);
+    let load = ring.defer_warming();
+    let second = ring.defer_warming();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let warming = {
+        let ring = ring.clone();
+        std::thread::Builder::new()
+            .name("test-warm".into())
+            .spawn(move || {
+                let did = ring.warm_next(None).map_err(|e| e.to_string());
+                tx.send(did).unwrap();
+            })
+            .unwrap()
+    };
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_millis(300))
+            .is_err(),
+        "the recovered slot was warmed while a load was in progress"
+    );
+    drop(load);
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_millis(200))
+            .is_err(),
+        "the warming went on while a second load was in progress"
+    );
+    drop(second);
+    let did = rx
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("the warming goes on once the loads are done");
+    assert_eq!(did, Ok(true));
+    warming.join().unwrap();
+    let pin = ring.pin(ring.complete()[0].slot).unwrap();
+    assert_eq!(pin.image(), &pattern(1, len)[..]);
+}

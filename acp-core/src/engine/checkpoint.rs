@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::{copy, to_usize};
 use crate::error::{Error, Result};
 use crate::format::{Dtype, Entry, ParsedHeader};
-use crate::staging::PinnedSlot;
+use crate::staging::{PinnedSlot, WarmDeferral};
 
 /// Where a loaded checkpoint came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +48,9 @@ pub struct Checkpoint {
     pub(super) backing: Backing,
     pub(super) report: LoadReport,
     pub(super) copy_threads: usize,
+    /// The ring's warming waits while the checkpoint is used (its views
+    /// read, its tensors copied out), a few seconds at most.
+    pub(super) _warm: WarmDeferral,
 }
 
 /// One tensor of a loaded [`Checkpoint`]. Shaped as [`HostTensor`], the

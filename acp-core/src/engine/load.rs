@@ -21,7 +21,7 @@ use crate::format::{
 use crate::read::{
     check_and_copy, sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
 };
-use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState};
+use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState, WarmDeferral};
 use crate::storage::FileHandle;
 
 /// Which step to load, and from where.
@@ -189,6 +189,8 @@ pub struct PendingLoad {
     what: Deferred,
     header: Arc<ParsedHeader>,
     t0: Instant,
+    /// The ring's warming waits while the load is planned and read.
+    _warm: WarmDeferral,
 }
 
 /// Where a pending load's bytes are.
@@ -508,6 +510,7 @@ fn load(engine: &Engine, req: &LoadRequest) -> Result<Checkpoint> {
 fn load_with(engine: &Engine, req: &LoadRequest, defer: bool) -> Result<Opened> {
     let shared = engine.shared();
     let t0 = Instant::now();
+    let _warm = shared.ring.defer_warming();
     // This rank's RAM snapshots that `load` may serve without a step.
     let ram = if req.step.is_none() {
         ram_snapshots(shared, req)
@@ -760,6 +763,7 @@ fn load_step(
                             })),
                             header,
                             t0,
+                            _warm: shared.ring.defer_warming(),
                         }));
                     }
                     // Checked now, which names what is wrong.
@@ -829,6 +833,7 @@ fn load_step(
             what: Deferred::Stored(Box::new(stored)),
             header,
             t0,
+            _warm: shared.ring.defer_warming(),
         }));
     }
     read_stored(shared, &stored, Vec::new(), t0).map(Opened::Ready)
@@ -1307,6 +1312,7 @@ fn checked(
         backing,
         report,
         copy_threads: shared.cfg.copy_threads,
+        _warm: shared.ring.defer_warming(),
     }
 }
 

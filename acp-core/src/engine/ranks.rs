@@ -267,6 +267,7 @@ fn checkpoint<S: ChunkSource>(
             rejected: None,
         },
         copy_threads: shared.cfg.copy_threads,
+        _warm: shared.ring.defer_warming(),
     }
 }
 

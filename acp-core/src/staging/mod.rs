@@ -224,7 +224,7 @@ pub use handles::{PinnedSlot, StagingSlot};
 pub use origin::{read_origin, Origin};
 pub use peek::{peek_file, peek_slot, SlotPeek};
 pub use peer::{PeerImage, PeerSlot};
-pub use ring::Ring;
+pub use ring::{Ring, WarmDeferral};
 pub use rings::{rings, HeldRing, RingFiles, SlotSeen};
 pub use room::{shm_room, ShmRoom};
 

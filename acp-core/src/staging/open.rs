@@ -77,6 +77,8 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
             files,
             table: Mutex::new(table),
             freed: Condvar::new(),
+            loads: std::sync::atomic::AtomicUsize::new(0),
+            newest_load: Mutex::new(std::time::Instant::now()),
         },
         report,
     ))

@@ -4,6 +4,7 @@
 //! [`staging`](super).
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -14,6 +15,19 @@ use super::handles::{PinnedSlot, StagingSlot};
 use super::open;
 use super::table::{Inner, Take};
 use super::{RingOptions, RingReport, SlotInfo, SlotState};
+
+/// A load in progress, holding the ring's warming back while it lives
+/// ([`Ring::defer_warming`]).
+#[derive(Debug)]
+pub struct WarmDeferral {
+    inner: Arc<Inner>,
+}
+
+impl Drop for WarmDeferral {
+    fn drop(&mut self) {
+        self.inner.loads.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// The ring of one job and rank. Cheap to clone; all clones share the slots.
 #[derive(Debug, Clone)]
@@ -114,10 +128,11 @@ impl Ring {
                 .max_by_key(|(i, e)| (e.state.is_complete(), e.step, std::cmp::Reverse(*i)))
                 .and_then(|(i, e)| Some((i, e.mem.as_ref()?.warmer())))
         };
+        let pause = || inner.await_loads();
         if let Some((slot, warmer)) = cold {
-            let faulted = warmer.prefault();
+            let faulted = warmer.prefault(&pause);
             let locked = if inner.opts.mlock && faulted.is_ok() {
-                warmer.lock().err()
+                warmer.lock(&pause).err()
             } else {
                 None
             };
@@ -139,6 +154,7 @@ impl Ring {
         let Some(len) = len.filter(|l| *l <= inner.layout.max_image) else {
             return Ok(false);
         };
+        pause();
         // The slot, dropped unsealed, is `Free` again with its memory kept.
         let grown = self.take(len, None, Take::Grow).map(|slot| slot.is_some());
         let mut t = inner.lock();
@@ -148,6 +164,28 @@ impl Ring {
             inner.freed.notify_all();
         }
         grown
+    }
+
+    /// Holds [`Ring::warm_next`] back while the returned guard lives (up
+    /// to a few seconds after the newest such guard was made): a load
+    /// reading a slot
+    /// takes one, so the warming's page faults, `mlock`s and growing do
+    /// not compete with it for the memory-map lock and the cores. A
+    /// process restarted after a fault opens its ring and loads at once,
+    /// while the warming has every slot still to do: on a 2-core machine
+    /// the first load of 268 MB from RAM took about four times as long
+    /// beside it (BENCHMARKS.md, "The first load after a restart").
+    #[must_use]
+    pub fn defer_warming(&self) -> WarmDeferral {
+        *self
+            .inner
+            .newest_load
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        self.inner.loads.fetch_add(1, Ordering::AcqRel);
+        WarmDeferral {
+            inner: Arc::clone(&self.inner),
+        }
     }
 
     fn take(&self, len: u64, wait: Option<Duration>, take: Take) -> Result<Option<StagingSlot>> {

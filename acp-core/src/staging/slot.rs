@@ -65,16 +65,18 @@ impl Warmer {
     /// # Errors
     /// The `madvise` error: `EINVAL` on kernels before 5.14, `ENOMEM` or
     /// `EFAULT` when the memory cannot be had.
-    pub(super) fn prefault(&self) -> io::Result<()> {
-        self.in_steps(|at, n| self.map.raw.advise_range(Advice::PopulateWrite, at, n))
+    pub(super) fn prefault(&self, pause: &dyn Fn()) -> io::Result<()> {
+        self.in_steps(pause, |at, n| {
+            self.map.raw.advise_range(Advice::PopulateWrite, at, n)
+        })
     }
 
     /// `mlock`s the whole mapping.
     ///
     /// # Errors
     /// The `mlock` error.
-    pub(super) fn lock(&self) -> io::Result<()> {
-        self.in_steps(|at, n| {
+    pub(super) fn lock(&self, pause: &dyn Fn()) -> io::Result<()> {
+        self.in_steps(pause, |at, n| {
             // SAFETY: `[at, at + n)` lies inside the live mapping (kept
             // alive by `self.map`): `in_steps` hands out sub-ranges of
             // `[0, raw.len())` starting at page multiples. `mlock` changes
@@ -92,10 +94,17 @@ impl Warmer {
     /// holds the process's memory-map lock (`mlock` for writing) for one
     /// step only, so the training's own page faults (a load reading a
     /// recovered slot) wait for a step at most, not for a whole slot.
-    fn in_steps(&self, mut f: impl FnMut(usize, usize) -> io::Result<()>) -> io::Result<()> {
+    /// `pause` runs before each step (it waits while a load is in
+    /// progress).
+    fn in_steps(
+        &self,
+        pause: &dyn Fn(),
+        mut f: impl FnMut(usize, usize) -> io::Result<()>,
+    ) -> io::Result<()> {
         let len = self.map.raw.len();
         let mut at = 0;
         while at < len {
+            pause();
             let n = WARM_STEP.min(len - at);
             f(at, n)?;
             at += n;

@@ -3,7 +3,9 @@
 
 use std::fs::File;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
@@ -11,6 +13,11 @@ use super::control::{round_up, Header, Layout, PAGE};
 use super::dir::{slot_file_name, SlotDir};
 use super::slot::{self, SlotMem};
 use super::{RingOptions, SlotInfo, SlotState};
+
+/// The longest the warming waits for loads in progress, from the newest
+/// one's start: a load holding its slot's views for long (a zero-copy
+/// load) does not keep the slots cold.
+const MAX_WARM_DEFER: Duration = Duration::from_secs(5);
 
 /// What all clones of a [`Ring`](super::Ring) share.
 #[derive(Debug)]
@@ -24,6 +31,11 @@ pub(super) struct Inner {
     pub(super) table: Mutex<Table>,
     /// Signalled when a slot may have become available to `acquire`.
     pub(super) freed: Condvar,
+    /// Loads in progress ([`Ring::defer_warming`](super::Ring::defer_warming)):
+    /// while any is, the warming waits between its steps.
+    pub(super) loads: AtomicUsize,
+    /// When the newest of them began.
+    pub(super) newest_load: Mutex<Instant>,
 }
 
 /// The in-process truth about the slots.
@@ -98,6 +110,21 @@ impl Entry {
 }
 
 impl Inner {
+    /// Waits while a load is in progress, until [`MAX_WARM_DEFER`] after
+    /// the newest one began.
+    pub(super) fn await_loads(&self) {
+        while self.loads.load(Ordering::Acquire) > 0
+            && self
+                .newest_load
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .elapsed()
+                < MAX_WARM_DEFER
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// The table. A panic while it was held cannot leave it inconsistent
     /// (every update is a few field stores), so poisoning is ignored.
     pub(super) fn lock(&self) -> MutexGuard<'_, Table> {
