@@ -118,7 +118,8 @@ impl Ring {
     /// slot), and [`Ring::acquire`]'s when growing fails.
     pub fn warm_next(&self, len: Option<u64>) -> Result<bool> {
         let inner = &self.inner;
-        // The newest image first: a load after a restart reads it.
+        // The newest image first: a load after a restart reads it (while
+        // the load runs, the warming waits: `defer_warming`).
         let cold = {
             let t = inner.lock();
             t.slots
@@ -168,9 +169,9 @@ impl Ring {
 
     /// Holds [`Ring::warm_next`] back while the returned guard lives (up
     /// to a few seconds after the newest such guard was made): a load
-    /// reading a slot
-    /// takes one, so the warming's page faults, `mlock`s and growing do
-    /// not compete with it for the memory-map lock and the cores. A
+    /// reading a slot takes one, so the warming's page faults, `mlock`s
+    /// and growing do not compete with it for the memory-map lock and the
+    /// cores. A
     /// process restarted after a fault opens its ring and loads at once,
     /// while the warming has every slot still to do: on a 2-core machine
     /// the first load of 268 MB from RAM took about four times as long
