@@ -22,6 +22,7 @@ load in hand.
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import struct
@@ -30,7 +31,7 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from acp._acp import InvalidInput
-from acp._codec import PLAIN_TYPES, Adapters, dumps, parse, plain_json, tensor_refs
+from acp._codec import PLAIN_TYPES, Adapters, _join, dumps, parse, plain_json, tensor_refs
 from acp._overlap import Split
 
 Signature = list[Any]
@@ -353,8 +354,9 @@ class ValuesTemplate:
 
 
 def _key_of(path: tuple[Any, ...]) -> str:
-    """The key path of a :class:`ValuesTemplate` path, for messages."""
-    return ".".join("_metadata" if s is _META else str(s) for s in path)
+    """The key path of a :class:`ValuesTemplate` path, as the codec writes
+    key paths in its messages."""
+    return functools.reduce(_join, ("_metadata" if s is _META else s for s in path), "")
 
 
 def _holes(
