@@ -77,8 +77,7 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
             files,
             table: Mutex::new(table),
             freed: Condvar::new(),
-            loads: std::sync::atomic::AtomicUsize::new(0),
-            newest_load: Mutex::new(std::time::Instant::now()),
+            loads: Mutex::new((0, std::time::Instant::now())),
         },
         report,
     ))

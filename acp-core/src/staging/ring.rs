@@ -4,7 +4,6 @@
 //! [`staging`](super).
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -25,7 +24,7 @@ pub struct WarmDeferral {
 
 impl Drop for WarmDeferral {
     fn drop(&mut self) {
-        self.inner.loads.fetch_sub(1, Ordering::AcqRel);
+        self.inner.loads().0 -= 1;
     }
 }
 
@@ -178,12 +177,10 @@ impl Ring {
     /// beside it (BENCHMARKS.md, "The first load after a restart").
     #[must_use]
     pub fn defer_warming(&self) -> WarmDeferral {
-        *self
-            .inner
-            .newest_load
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
-        self.inner.loads.fetch_add(1, Ordering::AcqRel);
+        {
+            let mut loads = self.inner.loads();
+            *loads = (loads.0 + 1, Instant::now());
+        }
         WarmDeferral {
             inner: Arc::clone(&self.inner),
         }

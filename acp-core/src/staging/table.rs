@@ -3,7 +3,6 @@
 
 use std::fs::File;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -31,11 +30,10 @@ pub(super) struct Inner {
     pub(super) table: Mutex<Table>,
     /// Signalled when a slot may have become available to `acquire`.
     pub(super) freed: Condvar,
-    /// Loads in progress ([`Ring::defer_warming`](super::Ring::defer_warming)):
-    /// while any is, the warming waits between its steps.
-    pub(super) loads: AtomicUsize,
-    /// When the newest of them began.
-    pub(super) newest_load: Mutex<Instant>,
+    /// Loads in progress ([`Ring::defer_warming`](super::Ring::defer_warming)),
+    /// and when the newest of them began: while any is, the warming waits
+    /// between its steps.
+    pub(super) loads: Mutex<(usize, Instant)>,
 }
 
 /// The in-process truth about the slots.
@@ -113,16 +111,20 @@ impl Inner {
     /// Waits while a load is in progress, until [`MAX_WARM_DEFER`] after
     /// the newest one began.
     pub(super) fn await_loads(&self) {
-        while self.loads.load(Ordering::Acquire) > 0
-            && self
-                .newest_load
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .elapsed()
-                < MAX_WARM_DEFER
-        {
+        while self.loads_held() {
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    fn loads_held(&self) -> bool {
+        let (count, newest) = *self.loads();
+        count > 0 && newest.elapsed() < MAX_WARM_DEFER
+    }
+
+    /// The loads in progress and when the newest began (a few stores each:
+    /// poisoning is ignored, as [`Inner::lock`] does).
+    pub(super) fn loads(&self) -> MutexGuard<'_, (usize, Instant)> {
+        self.loads.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The table. A panic while it was held cannot leave it inconsistent
