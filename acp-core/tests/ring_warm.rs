@@ -170,3 +170,54 @@ fn a_load_in_progress_holds_the_warming_back() {
     let pin = ring.pin(ring.complete()[0].slot).unwrap();
     assert_eq!(pin.image(), &pattern(1, len)[..]);
 }
+
+#[test]
+fn stopping_the_warming_does_not_wait_out_a_load() {
+    // An engine's close stops its warming thread and waits for it: a load
+    // still holding its deferral (a zero-copy load's views kept alive)
+    // must not hold the close for the deferral's seconds.
+    let dir = tempfile::tempdir().unwrap();
+    let len = 3 * MIB as usize;
+    {
+        let (ring, _) = Ring::open(opts(dir.path(), 2)).unwrap();
+        save(&ring, 1, len);
+        for s in ring.complete() {
+            ring.set_state(s.slot, SlotState::Persisted);
+        }
+    }
+    let (ring, report) = Ring::open(opts(dir.path(), 2)).unwrap();
+    assert_eq!(report.recovered.len(), 1);
+    let load = ring.defer_warming();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let warming = {
+        let ring = ring.clone();
+        std::thread::Builder::new()
+            .name("test-warm".into())
+            .spawn(move || {
+                let did = ring.warm_next(None).map_err(|e| e.to_string());
+                tx.send(did).unwrap();
+            })
+            .unwrap()
+    };
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_millis(300))
+            .is_err(),
+        "the recovered slot was warmed while a load was in progress"
+    );
+    ring.stop_warming();
+    // Well under the deferral's cap of 5 s after the load began.
+    let did = rx
+        .recv_timeout(std::time::Duration::from_secs(2))
+        .expect("a stopped warming ends without waiting for the load");
+    assert_eq!(
+        did,
+        Ok(false),
+        "a slot left part-way is not reported warmed"
+    );
+    warming.join().unwrap();
+    drop(load);
+    assert_eq!(ring.warm_next(Some(len as u64)).unwrap(), false);
+    // The image is intact and readable.
+    let pin = ring.pin(ring.complete()[0].slot).unwrap();
+    assert_eq!(pin.image(), &pattern(1, len)[..]);
+}

@@ -14,7 +14,8 @@
 //! thread but a save whose only free slot it is growing.
 //!
 //! The thread runs at the flush thread's lower priority and exits when the
-//! engine closes or drops ([`Warm::stop`]).
+//! engine closes or drops ([`Warm::stop`]), within one step of its work:
+//! a slot left part-way stays cold, and a save into it warms it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -32,6 +33,8 @@ pub(super) struct Warm {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// The largest image length sent, so a save sends only a bigger one.
     hinted: AtomicU64,
+    /// The ring, to stop the warming before the thread is waited for.
+    ring: Ring,
 }
 
 impl Warm {
@@ -40,6 +43,7 @@ impl Warm {
     /// to ready their slots themselves.
     pub(super) fn start(ring: Ring, rank: u32, nice: i32) -> Warm {
         let (tx, rx) = crossbeam_channel::unbounded::<Option<u64>>();
+        let stop = ring.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("acp-warm-r{rank}"))
             .spawn(move || {
@@ -82,6 +86,7 @@ impl Warm {
             tx: Mutex::new(tx),
             thread: Mutex::new(thread),
             hinted: AtomicU64::new(0),
+            ring: stop,
         }
     }
 
@@ -101,8 +106,11 @@ impl Warm {
         }
     }
 
-    /// Stops the thread and waits for it: it finishes the slot it is on.
+    /// Stops the thread and waits for it: it finishes the step (32 MiB) it
+    /// is on, and does not wait out a load's deferral
+    /// ([`Ring::stop_warming`]).
     pub(super) fn stop(&self) {
+        self.ring.stop_warming();
         drop(
             self.tx
                 .lock()

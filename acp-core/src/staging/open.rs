@@ -78,6 +78,7 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
             table: Mutex::new(table),
             freed: Condvar::new(),
             loads: Mutex::new((0, std::time::Instant::now())),
+            warm_stopped: std::sync::atomic::AtomicBool::new(false),
         },
         report,
     ))

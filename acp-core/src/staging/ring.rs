@@ -131,16 +131,22 @@ impl Ring {
         let pause = || inner.await_loads();
         if let Some((slot, warmer)) = cold {
             let faulted = warmer.prefault(&pause);
-            let locked = if inner.opts.mlock && faulted.is_ok() {
-                warmer.lock(&pause).err()
-            } else {
-                None
+            let locked = match faulted {
+                Ok(true) if inner.opts.mlock => warmer.lock(&pause),
+                _ => Ok(true),
             };
             let mut t = inner.lock();
-            if let Some(e) = locked {
+            let locked = locked.unwrap_or_else(|e| {
                 inner.mlock_refused(&mut t, format!("mlock {}: {e}", inner.path(slot).display()));
+                true
+            });
+            let faulted = faulted
+                .map_err(|e| Error::io("madvise(MADV_POPULATE_WRITE)", inner.path(slot), e))?;
+            if !(faulted && locked) {
+                // Stopped part-way: the slot stays cold (a save into it
+                // warms it itself), and nothing more is done.
+                return Ok(false);
             }
-            faulted.map_err(|e| Error::io("madvise(MADV_POPULATE_WRITE)", inner.path(slot), e))?;
             if let Some(m) = t
                 .slots
                 .get_mut(slot)
@@ -154,7 +160,9 @@ impl Ring {
         let Some(len) = len.filter(|l| *l <= inner.layout.max_image) else {
             return Ok(false);
         };
-        pause();
+        if !pause() {
+            return Ok(false);
+        }
         // The slot, dropped unsealed, is `Free` again with its memory kept.
         let grown = self.take(len, None, Take::Grow).map(|slot| slot.is_some());
         let mut t = inner.lock();
@@ -184,6 +192,17 @@ impl Ring {
         WarmDeferral {
             inner: Arc::clone(&self.inner),
         }
+    }
+
+    /// Stops [`Ring::warm_next`] for good: a call in progress ends after
+    /// the step it is on (without waiting out a load's
+    /// [`Ring::defer_warming`]) and returns `Ok(false)`, as every later
+    /// one does at once. An engine's close calls it before it waits for
+    /// its warming thread. Saves still ready their own slots.
+    pub fn stop_warming(&self) {
+        self.inner
+            .warm_stopped
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     fn take(&self, len: u64, wait: Option<Duration>, take: Take) -> Result<Option<StagingSlot>> {

@@ -60,22 +60,25 @@ pub(super) struct Warmer {
 }
 
 impl Warmer {
-    /// Faults every page in for writing (`MADV_POPULATE_WRITE`).
+    /// Faults every page in for writing (`MADV_POPULATE_WRITE`), in steps
+    /// that `pause` may hold back or stop (see [`Warmer::in_steps`]).
+    /// Returns whether every page was faulted in.
     ///
     /// # Errors
     /// The `madvise` error: `EINVAL` on kernels before 5.14, `ENOMEM` or
     /// `EFAULT` when the memory cannot be had.
-    pub(super) fn prefault(&self, pause: &dyn Fn()) -> io::Result<()> {
+    pub(super) fn prefault(&self, pause: &dyn Fn() -> bool) -> io::Result<bool> {
         self.in_steps(pause, |at, n| {
             self.map.raw.advise_range(Advice::PopulateWrite, at, n)
         })
     }
 
-    /// `mlock`s the whole mapping.
+    /// `mlock`s the whole mapping, in steps as [`Warmer::prefault`].
+    /// Returns whether all of it was locked.
     ///
     /// # Errors
     /// The `mlock` error.
-    pub(super) fn lock(&self, pause: &dyn Fn()) -> io::Result<()> {
+    pub(super) fn lock(&self, pause: &dyn Fn() -> bool) -> io::Result<bool> {
         self.in_steps(pause, |at, n| {
             // SAFETY: `[at, at + n)` lies inside the live mapping (kept
             // alive by `self.map`): `in_steps` hands out sub-ranges of
@@ -95,21 +98,24 @@ impl Warmer {
     /// step only, so the training's own page faults (a load reading a
     /// recovered slot) wait for a step at most, not for a whole slot.
     /// `pause` runs before each step (it waits while a load is in
-    /// progress).
+    /// progress) and says whether to go on. Returns whether every step
+    /// ran.
     fn in_steps(
         &self,
-        pause: &dyn Fn(),
+        pause: &dyn Fn() -> bool,
         mut f: impl FnMut(usize, usize) -> io::Result<()>,
-    ) -> io::Result<()> {
+    ) -> io::Result<bool> {
         let len = self.map.raw.len();
         let mut at = 0;
         while at < len {
-            pause();
+            if !pause() {
+                return Ok(false);
+            }
             let n = WARM_STEP.min(len - at);
             f(at, n)?;
             at += n;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Whether `mem` is the mapping this handle warms.

@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -34,6 +35,9 @@ pub(super) struct Inner {
     /// and when the newest of them began: while any is, the warming waits
     /// between its steps.
     pub(super) loads: Mutex<(usize, Instant)>,
+    /// Set once the warming is to stop ([`Ring::stop_warming`](super::Ring::stop_warming)):
+    /// a step in progress ends, and no wait for loads holds it longer.
+    pub(super) warm_stopped: AtomicBool,
 }
 
 /// The in-process truth about the slots.
@@ -109,11 +113,18 @@ impl Entry {
 
 impl Inner {
     /// Waits while a load is in progress, until [`MAX_WARM_DEFER`] after
-    /// the newest one began.
-    pub(super) fn await_loads(&self) {
-        while self.loads_held() {
+    /// the newest one began. Returns whether the warming may go on: `false`
+    /// once it is stopped, at once, whatever loads are in progress (an
+    /// engine's close does not wait out a load's deferral).
+    pub(super) fn await_loads(&self) -> bool {
+        while self.loads_held() && !self.warm_stopped() {
             std::thread::sleep(Duration::from_millis(1));
         }
+        !self.warm_stopped()
+    }
+
+    pub(super) fn warm_stopped(&self) -> bool {
+        self.warm_stopped.load(Ordering::Acquire)
     }
 
     fn loads_held(&self) -> bool {
