@@ -216,7 +216,7 @@ fn stopping_the_warming_does_not_wait_out_a_load() {
     );
     warming.join().unwrap();
     drop(load);
-    assert_eq!(ring.warm_next(Some(len as u64)).unwrap(), false);
+    assert!(!ring.warm_next(Some(len as u64)).unwrap());
     // The image is intact and readable.
     let pin = ring.pin(ring.complete()[0].slot).unwrap();
     assert_eq!(pin.image(), &pattern(1, len)[..]);
