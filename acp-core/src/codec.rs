@@ -453,16 +453,24 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Decodes `frame` into `dst`, whose length is the chunk's (known to the
-/// caller, never taken from the frame). Never writes past `dst` and never
-/// allocates more than `dst.len()` beside it.
-///
-/// # Errors
-/// A description of what is wrong with the frame (the caller names the
-/// file and chunk): a run table that does not tile `dst`, a plane whose
-/// stored or decoded length is not its own, bytes left over, or zstd's
-/// refusal.
-pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+/// Where a frame's planes are, from its tables (see "Frame layout"),
+/// checked against the chunk's length before anything is decoded.
+struct Parsed<'f> {
+    runs: Vec<Run>,
+    /// Each plane slot's raw bytes in the frame, or its place in the
+    /// decoding scratch (a zstd plane).
+    at_frame: [(usize, usize); 15],
+    at_scratch: [Option<(usize, usize)>; 15],
+    /// The zstd planes: `(width, byte, compressed bytes, scratch offset,
+    /// decoded length)`.
+    packed: Vec<(u8, u8, &'f [u8], usize, usize)>,
+    scratch_len: usize,
+}
+
+/// Parses `frame`'s tables for a chunk of `len` bytes: the runs must tile
+/// it, each plane's stored bytes must be in the frame (a raw plane of
+/// exactly its length), and nothing may follow the last plane.
+fn parse(frame: &[u8], len: usize) -> std::result::Result<Parsed<'_>, String> {
     let mut c = Cursor {
         bytes: frame,
         at: 0,
@@ -485,7 +493,7 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
         let len = c.u32()?;
         runs.push(Run { width, len });
     }
-    check_runs(&runs, dst.len())?;
+    check_runs(&runs, len)?;
     let lens = plane_lens(&runs);
     let present = planes_present(&runs);
     let mut modes = Vec::with_capacity(present.len());
@@ -495,28 +503,31 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
         modes.push((mode, stored));
     }
     // Where each plane's bytes are: a raw plane in the frame itself (never
-    // copied), a zstd plane in this thread's scratch, decoded there.
-    let mut at_frame = [(0usize, 0usize); 15];
-    let mut at_scratch = [None::<(usize, usize)>; 15];
-    let mut packed = Vec::with_capacity(present.len());
-    let mut scratch_len = 0usize;
+    // copied), a zstd plane in the decoding thread's scratch.
+    let mut p = Parsed {
+        runs: Vec::new(),
+        at_frame: [(0usize, 0usize); 15],
+        at_scratch: [None::<(usize, usize)>; 15],
+        packed: Vec::with_capacity(present.len()),
+        scratch_len: 0,
+    };
     for (&(w, k), &(mode, stored)) in present.iter().zip(&modes) {
         let slot = plane_slot(w, k);
         let want = lens[slot];
         let start = c.at;
         let bytes = c.take(stored)?;
         match mode {
-            MODE_RAW if stored == want => at_frame[slot] = (start, start + stored),
+            MODE_RAW if stored == want => p.at_frame[slot] = (start, start + stored),
             MODE_RAW => {
                 return Err(format!(
                     "raw plane {k} of width {w} holds {stored} bytes, not {want}"
                 ))
             }
             MODE_ZSTD => {
-                at_scratch[slot] = Some((scratch_len, scratch_len + want));
-                packed.push((w, k, bytes, scratch_len, want));
-                // Planes add up to the chunk (the runs tile `dst`).
-                scratch_len += want;
+                p.at_scratch[slot] = Some((p.scratch_len, p.scratch_len + want));
+                p.packed.push((w, k, bytes, p.scratch_len, want));
+                // Planes add up to the chunk (the runs tile it).
+                p.scratch_len += want;
             }
             m => return Err(format!("plane {k} of width {w} has unknown mode {m}")),
         }
@@ -524,6 +535,39 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
     if c.at != frame.len() {
         return Err(format!("{} bytes after the last plane", frame.len() - c.at));
     }
+    p.runs = runs;
+    Ok(p)
+}
+
+/// Decompresses the zstd planes `packed` (of [`Parsed`]) into `scratch`
+/// with `dctx`; each must fill exactly its decoded length.
+fn unpack(
+    dctx: &mut zstd::zstd_safe::DCtx<'_>,
+    packed: &[(u8, u8, &[u8], usize, usize)],
+    scratch: &mut [u8],
+) -> std::result::Result<(), String> {
+    for &(w, k, bytes, at, want) in packed {
+        let n = dctx
+            .decompress(&mut scratch[at..at + want], bytes)
+            .map_err(|c| {
+                format!(
+                    "plane {k} of width {w}: zstd: {}",
+                    zstd::zstd_safe::get_error_name(c)
+                )
+            })?;
+        if n != want {
+            return Err(format!(
+                "plane {k} of width {w} decodes to {n} bytes, not {want}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// This thread's zstd decoding context (made on first use).
+fn with_decoder<T>(
+    f: impl FnOnce(&mut zstd::zstd_safe::DCtx<'static>, &mut Vec<u8>) -> std::result::Result<T, String>,
+) -> std::result::Result<T, String> {
     DECODE.with(|cell| {
         let mut cached = cell.borrow_mut();
         let (dctx, scratch) = &mut *cached;
@@ -533,33 +577,40 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
         let Some(dctx) = dctx.as_mut() else {
             return Err("zstd cannot allocate a decoding context".to_owned());
         };
-        if scratch.len() < scratch_len {
-            scratch.resize(scratch_len, 0);
+        let out = f(dctx, scratch);
+        // A scratch grown for an unusually large chunk is not kept.
+        if scratch.capacity() > KEEP_SCRATCH_BYTES {
+            *scratch = Vec::new();
         }
-        for &(w, k, bytes, at, want) in &packed {
-            let n = dctx
-                .decompress(&mut scratch[at..at + want], bytes)
-                .map_err(|c| {
-                    format!(
-                        "plane {k} of width {w}: zstd: {}",
-                        zstd::zstd_safe::get_error_name(c)
-                    )
-                })?;
-            if n != want {
-                return Err(format!(
-                    "plane {k} of width {w} decodes to {n} bytes, not {want}"
-                ));
-            }
+        out
+    })
+}
+
+/// Decodes `frame` into `dst`, whose length is the chunk's (known to the
+/// caller, never taken from the frame). Never writes past `dst` and never
+/// allocates more than `dst.len()` beside it.
+///
+/// # Errors
+/// A description of what is wrong with the frame (the caller names the
+/// file and chunk): a run table that does not tile `dst`, a plane whose
+/// stored or decoded length is not its own, bytes left over, or zstd's
+/// refusal.
+pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
+    let p = parse(frame, dst.len())?;
+    with_decoder(|dctx, scratch| {
+        if scratch.len() < p.scratch_len {
+            scratch.resize(p.scratch_len, 0);
         }
+        unpack(dctx, &p.packed, scratch)?;
         let plane = |slot: usize| -> &[u8] {
-            match at_scratch[slot] {
+            match p.at_scratch[slot] {
                 Some((s, e)) => &scratch[s..e],
-                None => &frame[at_frame[slot].0..at_frame[slot].1],
+                None => &frame[p.at_frame[slot].0..p.at_frame[slot].1],
             }
         };
         let mut taken = [0usize; 15];
         let mut at = 0usize;
-        for r in &runs {
+        for r in &p.runs {
             let len = r.len as usize;
             let out = &mut dst[at..at + len];
             let n = len / usize::from(r.width);
@@ -572,12 +623,42 @@ pub fn decode(frame: &[u8], dst: &mut [u8]) -> std::result::Result<(), String> {
             merge(out, &srcs[..usize::from(r.width)]);
             at += len;
         }
-        // A scratch grown for an unusually large chunk is not kept.
-        if scratch.capacity() > KEEP_SCRATCH_BYTES {
-            *scratch = Vec::new();
-        }
         Ok(())
     })
+}
+
+/// The bytes of the first run of the chunk `frame` encodes (a chunk of
+/// `len` bytes), when that run is of width 1, decoding the one plane of
+/// width 1 and none of the others: a data file's first chunk begins with
+/// its header, which a load's planning reads. `None` when the first run
+/// is wider.
+///
+/// # Errors
+/// As [`decode`], for the frame's tables and its plane of width 1.
+pub fn decode_lead(frame: &[u8], len: usize) -> std::result::Result<Option<Vec<u8>>, String> {
+    let p = parse(frame, len)?;
+    let first = match p.runs.first() {
+        Some(r) if r.width == 1 => r.len as usize,
+        _ => return Ok(None),
+    };
+    let slot = plane_slot(1, 0);
+    if p.at_scratch[slot].is_none() {
+        let (s, _) = p.at_frame[slot];
+        return Ok(Some(frame[s..s + first].to_vec()));
+    }
+    let packed: Vec<_> = p
+        .packed
+        .iter()
+        .filter(|z| (z.0, z.1) == (1, 0))
+        .copied()
+        .collect();
+    let [(w, k, bytes, _, want)] = packed[..] else {
+        return Err("no plane of width 1 for a run of width 1".to_owned());
+    };
+    let mut plane = vec![0u8; want];
+    with_decoder(|dctx, _| unpack(dctx, &[(w, k, bytes, 0, want)], &mut plane))?;
+    plane.truncate(first);
+    Ok(Some(plane))
 }
 
 /// The most plane scratch a thread keeps between frames (four default
@@ -821,6 +902,37 @@ mod tests {
         assert!(decode(&frame, &mut vec![0u8; 4094]).is_err());
     }
 
+    #[test]
+    fn a_header_run_is_decoded_alone_and_checked_like_a_whole_frame() {
+        // A first chunk: header bytes (width 1, compressible text), then
+        // fp32 values.
+        let header: Vec<u8> = b"{\"t\":{\"dtype\":\"F32\"}}    ".repeat(40);
+        let values = xorshift_bytes(4096);
+        let chunk = [header.clone(), values].concat();
+        let runs = [
+            Run {
+                width: 1,
+                len: header.len() as u32,
+            },
+            Run {
+                width: 4,
+                len: 4096,
+            },
+        ];
+        let mut frame = Vec::new();
+        encode("t", &chunk, &runs, LITERAL_FIRST, &mut frame).unwrap();
+        assert_eq!(decode_lead(&frame, chunk.len()).unwrap(), Some(header));
+        // The frame's tables must still tile the chunk and hold every
+        // plane: a truncated frame or another length is refused.
+        for cut in 0..frame.len() {
+            assert!(
+                decode_lead(&frame[..cut], chunk.len()).is_err(),
+                "cut at {cut}"
+            );
+        }
+        assert!(decode_lead(&frame, chunk.len() - 4).is_err());
+    }
+
     fn arb_chunk() -> impl Strategy<Value = (Vec<u8>, Vec<Run>)> {
         // Runs of each dtype width in any order, with elements that are
         // random or drawn from a few values (so zstd sees both cases).
@@ -877,6 +989,23 @@ mod tests {
         fn arbitrary_frames_never_panic(frame in prop::collection::vec(any::<u8>(), 0..200), len in 0usize..512) {
             let mut dst = vec![0u8; len];
             let _ = decode(&frame, &mut dst);
+            let _ = decode_lead(&frame, len);
+        }
+
+        #[test]
+        fn the_lead_is_the_first_run_of_width_1_decoded_alone(
+            (chunk, runs) in arb_chunk(),
+            level in prop::sample::select(vec![LITERAL_FIRST, 19]),
+        ) {
+            let mut frame = Vec::new();
+            encode("t", &chunk, &runs, level, &mut frame).unwrap();
+            let lead = decode_lead(&frame, chunk.len()).unwrap();
+            match runs.first() {
+                Some(r) if r.width == 1 => {
+                    prop_assert_eq!(lead.as_deref(), Some(&chunk[..r.len as usize]));
+                }
+                _ => prop_assert!(lead.is_none()),
+            }
         }
     }
 }

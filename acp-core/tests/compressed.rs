@@ -247,6 +247,40 @@ fn a_changed_frame_is_detected_and_named_by_every_reader() {
 }
 
 #[test]
+fn a_changed_header_frame_fails_the_load_with_the_same_error() {
+    // A load plans from the first frame's header bytes alone; a frame that
+    // fails its check there is read again through the verified path, whose
+    // error names it.
+    let s = setup();
+    let e = engine(&s, &s.root, Compress::Zstd);
+    save(&s, &e);
+    let file = s.root.join(FILE);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let (off, _) = frame(&bytes, 0);
+    // Past the frame's run and plane tables, inside its first plane: the
+    // header's bytes.
+    bytes[off + 64] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    for err in [
+        load_storage(&e).unwrap_err(),
+        e.open_load(&LoadRequest {
+            step: Some(7),
+            storage_only: true,
+            ..LoadRequest::default()
+        })
+        .expect_err("a load planned from a changed header frame"),
+    ] {
+        let Error::Corrupt { path, reason, .. } = &err else {
+            panic!("not Corrupt: {err}");
+        };
+        assert_eq!(path, &file, "{err}");
+        assert!(reason.contains("compressed frame 0"), "{err}");
+        assert!(reason.contains("check mismatch"), "{err}");
+    }
+    e.close().unwrap();
+}
+
+#[test]
 fn a_hostile_frame_table_is_a_clear_error() {
     let s = setup();
     let e = engine(&s, &s.root, Compress::Zstd);

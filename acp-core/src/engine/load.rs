@@ -1008,10 +1008,18 @@ impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
 /// follows checks the chunks
 /// under it against their digests, and [`PendingLoad::read_into`] refuses
 /// a header that differs from what that read verified. Of a compressed
-/// file, read from its decoded chunks, each checked against its digest.
+/// file, likewise: the first frame is read and checked, and only its plane
+/// of header bytes decoded ([`StoredSource::lead`]; the whole chunk's
+/// decode and digest cost milliseconds, serial, that the read pays again),
+/// else (a header past the first chunk, a first chunk stored raw or
+/// referenced, or anything that fails there) read from the decoded
+/// chunks, each checked against its digest.
 fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<Arc<ParsedHeader>> {
     let header = if stored.entry.stored_size.is_some() {
-        with_reader(shared, stored, &mut |r| r.header())?
+        match lead_header(stored) {
+            Some(h) => h,
+            None => with_reader(shared, stored, &mut |r| r.header())?,
+        }
     } else {
         use std::os::unix::fs::FileExt;
         let path = &stored.path;
@@ -1029,6 +1037,32 @@ fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<Arc<Pars
     };
     check_header(&stored.path, &header, stored.step, &stored.expected)?;
     Ok(Arc::new(header))
+}
+
+/// The header of the compressed file `stored` from its first frame's
+/// header bytes alone ([`StoredSource::lead`]), unverified; `None` when
+/// they do not hold it or anything fails (the caller then reads it from
+/// verified chunks, which names what is wrong).
+fn lead_header(stored: &StoredFile) -> Option<ParsedHeader> {
+    let file = stored.file.try_clone().ok()?;
+    let src = StoredSource::new(file, stored.path.clone(), &stored.entry).ok()?;
+    let lead = src.lead().ok()??;
+    read_header(
+        &stored.path,
+        stored.entry.size,
+        crate::format::MAX_HEADER_BYTES,
+        |buf, at| {
+            let bytes = usize::try_from(at)
+                .ok()
+                .and_then(|s| lead.get(s..s.checked_add(buf.len())?))
+                .ok_or_else(|| {
+                    Error::invalid(stored.path.display(), "past the first frame's header bytes")
+                })?;
+            buf.copy_from_slice(bytes);
+            Ok(())
+        },
+    )
+    .ok()
 }
 
 /// Reads `stored` whole, each chunk verified as it lands, into a ring slot

@@ -285,7 +285,7 @@ pub use layout::{
 };
 pub use manifest::{manifest_file_name, Manifest};
 pub use packed::{
-    chunk_runs, decode_frame, encode_frame, frame_check, is_packed, pack_image,
+    chunk_runs, decode_frame, decode_frame_lead, encode_frame, frame_check, is_packed, pack_image,
     packed_frames_start, packed_head, packed_head_of, quick_frame_check, read_packed_table, Frame,
     FrameCodec, FrameEntry, PackedTable, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
 };

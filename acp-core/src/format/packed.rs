@@ -440,33 +440,8 @@ pub fn decode_frame(
     dst: &mut [u8],
     tensors: &dyn Fn() -> Vec<String>,
 ) -> Result<()> {
-    let fail = |reason: String| {
-        let tensors = tensors();
-        let mut reason = format!(
-            "compressed frame {i} (bytes {}+{}): {reason}",
-            frame.offset, frame.stored
-        );
-        if tensors.len() > 1 {
-            reason = format!(
-                "{reason}; its chunk holds parts of `{}`",
-                tensors.join("`, `")
-            );
-        }
-        Error::corrupt(path, tensors.first().map(String::as_str), reason)
-    };
-    if frame_bytes.len() as u64 != frame.stored || dst.len() as u64 != frame.raw {
-        return Err(fail("not the length its table records".to_owned()));
-    }
-    let check = if frame.quick {
-        quick_frame_check(frame_bytes)
-    } else {
-        digest(frame_bytes)
-    };
-    if check != frame.check {
-        return Err(fail(
-            "check mismatch (the compressed bytes changed)".to_owned(),
-        ));
-    }
+    let fail = frame_error(path, i, frame, tensors);
+    check_frame(frame, frame_bytes, dst.len(), &fail)?;
     match frame.codec {
         FrameCodec::Stored => {
             dst.copy_from_slice(frame_bytes);
@@ -479,6 +454,79 @@ pub fn decode_frame(
             "a reference frame that the index does not resolve".to_owned(),
         )),
     }
+}
+
+/// The leading bytes of chunk `i` that `frame_bytes` (its frame) holds in
+/// a run of width 1, decoded without the chunk's other planes
+/// ([`codec::decode_lead`]): of a first chunk, the data file's header
+/// (unverified: the chunk's digest is not taken). The frame is checked
+/// first, as [`decode_frame`] checks it. `None` for a chunk whose first
+/// run is wider, or a frame that is not a grouped one.
+///
+/// # Errors
+/// As [`decode_frame`].
+pub fn decode_frame_lead(
+    path: &Path,
+    i: u64,
+    frame: &Frame,
+    frame_bytes: &[u8],
+) -> Result<Option<Vec<u8>>> {
+    let none = &Vec::new;
+    let fail = frame_error(path, i, frame, none);
+    let raw = usize::try_from(frame.raw).map_err(|_| fail("a chunk past memory".to_owned()))?;
+    check_frame(frame, frame_bytes, raw, &fail)?;
+    match frame.codec {
+        FrameCodec::GroupedZstd => codec::decode_lead(frame_bytes, raw).map_err(fail),
+        FrameCodec::Stored | FrameCodec::Reference => Ok(None),
+    }
+}
+
+/// The error of frame `i` of the file at `path` for a reason.
+fn frame_error<'a>(
+    path: &'a Path,
+    i: u64,
+    frame: &'a Frame,
+    tensors: &'a dyn Fn() -> Vec<String>,
+) -> impl Fn(String) -> Error + 'a {
+    move |reason: String| {
+        let tensors = tensors();
+        let mut reason = format!(
+            "compressed frame {i} (bytes {}+{}): {reason}",
+            frame.offset, frame.stored
+        );
+        if tensors.len() > 1 {
+            reason = format!(
+                "{reason}; its chunk holds parts of `{}`",
+                tensors.join("`, `")
+            );
+        }
+        Error::corrupt(path, tensors.first().map(String::as_str), reason)
+    }
+}
+
+/// Checks `frame_bytes` against `frame`: its lengths (the frame's and its
+/// chunk's, `raw`) and its check, so that nothing changed reaches the
+/// decoder.
+fn check_frame(
+    frame: &Frame,
+    frame_bytes: &[u8],
+    raw: usize,
+    fail: &dyn Fn(String) -> Error,
+) -> Result<()> {
+    if frame_bytes.len() as u64 != frame.stored || raw as u64 != frame.raw {
+        return Err(fail("not the length its table records".to_owned()));
+    }
+    let check = if frame.quick {
+        quick_frame_check(frame_bytes)
+    } else {
+        digest(frame_bytes)
+    };
+    if check != frame.check {
+        return Err(fail(
+            "check mismatch (the compressed bytes changed)".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 /// The compressed file of plain `image` (a data file image, its header

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use super::source::{ChunkSource, FileSource};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    chunk_span, decode_frame, read_header, read_packed_table, validate_file_name, ChunkRef, Digest,
-    FileEntry, FrameCodec, PackedTable, INDEX_FILE_NAME,
+    chunk_span, decode_frame, decode_frame_lead, read_header, read_packed_table,
+    validate_file_name, ChunkRef, Digest, FileEntry, FrameCodec, PackedTable, INDEX_FILE_NAME,
 };
 use crate::storage::Storage;
 
@@ -137,6 +137,29 @@ impl<S: ChunkSource> PackedSource<S> {
     /// The head and frame table.
     pub(crate) fn table(&self) -> &PackedTable {
         &self.table
+    }
+
+    /// The leading bytes of the image that its first frame holds in a
+    /// run of width 1 (the header, and any 1-byte tensors after it),
+    /// decoded alone after the frame's check ([`decode_frame_lead`]),
+    /// unverified against the chunk's digest: for planning a load, whose
+    /// read then verifies every chunk. `None` when the first frame is not
+    /// a grouped one (stored raw, or referenced) or starts with a wider
+    /// run.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] for a frame that fails its check or does not
+    /// decode; the source's errors.
+    pub(crate) fn lead(&self) -> Result<Option<Vec<u8>>> {
+        let Some(frame) = self.table.frames.first() else {
+            return Ok(None);
+        };
+        if frame.codec != FrameCodec::GroupedZstd {
+            return Ok(None);
+        }
+        let mut stored = vec![0u8; to_usize(frame.stored)];
+        self.inner.read_at(&mut stored, frame.offset)?;
+        decode_frame_lead(self.inner.name(), 0, frame, &stored)
     }
 
     /// Decodes the image bytes `[offset, offset + buf.len())` into `buf`;
@@ -348,6 +371,18 @@ impl StoredSource {
             p.resolve(entry, &mut |r| held_file(root, &index_path, name, entry, r))?;
         }
         Ok(src)
+    }
+
+    /// [`PackedSource::lead`] of a compressed file; `None` for a plain
+    /// one.
+    ///
+    /// # Errors
+    /// As [`PackedSource::lead`].
+    pub(crate) fn lead(&self) -> Result<Option<Vec<u8>>> {
+        match self {
+            StoredSource::Plain(_) => Ok(None),
+            StoredSource::Packed(p) => p.lead(),
+        }
     }
 
     /// The compressed file's table, when it is one.
