@@ -195,32 +195,12 @@ fn scatter(image: &[u8], dst: &mut [u8], places: &[(usize, usize, usize)], threa
     copy_pairs_parallel(&mut pairs, threads);
 }
 
-/// `len` bytes of fp32 values drawn from normal(0, 0.02) (Box-Muller over
-/// xorshift), a trained model's weights.
-fn weights_like(len: usize) -> AlignedBuf {
-    let mut b = AlignedBuf::new(len);
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
-    let mut uniform = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    for w in b.chunks_exact_mut(4) {
-        let (u, v) = (uniform(), uniform());
-        #[expect(clippy::cast_possible_truncation, reason = "a weight is an fp32 value")]
-        let x = ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * 0.02) as f32;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
-    b
-}
-
 fn restore(c: &mut Criterion) {
     let bytes = bench_bytes();
     let n = threads();
     let set = TensorSet::model_like(bytes);
     let src = if std::env::var("ACP_BENCH_RESTORE_WEIGHTS").is_ok_and(|v| v == "normal") {
-        weights_like(set.total)
+        AlignedBuf::weights(set.total)
     } else {
         AlignedBuf::random(set.total, 1)
     };

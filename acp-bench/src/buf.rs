@@ -40,6 +40,27 @@ impl AlignedBuf {
         b
     }
 
+    /// `len` bytes of fp32 values drawn from normal(0, 0.02) (Box-Muller
+    /// over xorshift), a trained model's weights: what compression meets.
+    #[must_use]
+    pub fn weights(len: usize) -> AlignedBuf {
+        let mut b = AlignedBuf::new(len);
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut uniform = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        for w in b.chunks_exact_mut(4) {
+            let (u, v) = (uniform(), uniform());
+            #[expect(clippy::cast_possible_truncation, reason = "a weight is an fp32 value")]
+            let x = ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos() * 0.02) as f32;
+            w.copy_from_slice(&x.to_le_bytes());
+        }
+        b
+    }
+
     /// The whole mapping, `len` rounded up to 4096 (for `O_DIRECT`).
     #[must_use]
     pub fn padded(&self) -> &[u8] {
