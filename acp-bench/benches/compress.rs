@@ -9,7 +9,7 @@
 //! - `encode_bf16_4m` / `encode_fp32_adam_4m`: one 4 MiB chunk encoded
 //!   (byte grouping + zstd at the level below) on one thread: compression throughput
 //!   per core;
-//! - `decode_bf16_4m`: the same chunk decoded;
+//! - `decode_bf16_4m` / `decode_fp32_adam_4m`: the same chunks decoded;
 //! - `flush_plain` / `flush_zstd`: `save` untimed, then until the step is
 //!   committed (`SaveHandle::wait`), for a mixed state (half bf16 weights,
 //!   half fp32 Adam state) at `ACP_BENCH_BYTES` (at most 256 MiB);
@@ -150,6 +150,11 @@ fn codec(c: &mut Criterion, notes: &mut Notes) {
     );
     let mut out = vec![0u8; CHUNK];
     g.bench_function("decode_bf16_4m", |b| {
+        b.iter(|| acp_core::codec::decode(&frame, &mut out).expect("decodes"));
+    });
+    let (frame, kind) = encode_frame("bench", &adam, &run(4), level()).expect("encodes");
+    assert_eq!(kind, FrameCodec::GroupedZstd, "fp32 Adam state compresses");
+    g.bench_function("decode_fp32_adam_4m", |b| {
         b.iter(|| acp_core::codec::decode(&frame, &mut out).expect("decodes"));
     });
     g.finish();

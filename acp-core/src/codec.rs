@@ -132,7 +132,12 @@ fn merge(out: &mut [u8], srcs: &[&[u8]]) {
     match srcs {
         [a] => out.copy_from_slice(a),
         [a, b] => {
-            for ((e, &x), &y) in out.chunks_exact_mut(2).zip(*a).zip(*b) {
+            let done = simd::merge2(out, a, b);
+            for ((e, &x), &y) in out[2 * done..]
+                .chunks_exact_mut(2)
+                .zip(&a[done..])
+                .zip(&b[done..])
+            {
                 e[0] = x;
                 e[1] = y;
             }
@@ -141,7 +146,13 @@ fn merge(out: &mut [u8], srcs: &[&[u8]]) {
         // stores of four or eight planes do not vectorise, and cost about
         // 2.5 times as much.
         [a, b, c, d] => {
-            for ((((e, &x), &y), &z), &t) in out.chunks_exact_mut(4).zip(*a).zip(*b).zip(*c).zip(*d)
+            let done = simd::merge4(out, [a, b, c, d]);
+            for ((((e, &x), &y), &z), &t) in out[4 * done..]
+                .chunks_exact_mut(4)
+                .zip(&a[done..])
+                .zip(&b[done..])
+                .zip(&c[done..])
+                .zip(&d[done..])
             {
                 e.copy_from_slice(&[x, y, z, t]);
             }
@@ -158,6 +169,93 @@ fn merge(out: &mut [u8], srcs: &[&[u8]]) {
                 }
             }
         }
+    }
+}
+
+/// Interleaving byte planes 16 elements at a time with SSE2's unpack
+/// instructions (part of every x86-64 CPU): a decoded fp32 chunk's four
+/// planes merge about four times as fast as element by element.
+/// Elsewhere nothing is done here and [`merge`]'s loops do it all.
+mod simd {
+    /// Writes the first `16 * k` elements of `out` from the planes `a`
+    /// and `b` (2-byte elements) and returns how many it wrote.
+    #[cfg(target_arch = "x86_64")]
+    #[expect(unsafe_code, reason = "SSE2 intrinsics over checked ranges")]
+    pub(super) fn merge2(out: &mut [u8], a: &[u8], b: &[u8]) -> usize {
+        use std::arch::x86_64::{
+            _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8,
+        };
+        let n = (out.len() / 2).min(a.len()).min(b.len()) / 16 * 16;
+        for i in (0..n).step_by(16) {
+            let (x, y) = (&a[i..i + 16], &b[i..i + 16]);
+            let o = &mut out[2 * i..2 * i + 32];
+            // SAFETY: SSE2 is part of x86-64, so the intrinsics exist on
+            // every CPU this runs on. `x` and `y` are 16 bytes and `o` 32
+            // (sliced above, so bounds-checked); the unaligned loads and
+            // stores read and write exactly those bytes.
+            unsafe {
+                let (x, y) = (
+                    _mm_loadu_si128(x.as_ptr().cast()),
+                    _mm_loadu_si128(y.as_ptr().cast()),
+                );
+                let o = o.as_mut_ptr();
+                _mm_storeu_si128(o.cast(), _mm_unpacklo_epi8(x, y));
+                _mm_storeu_si128(o.add(16).cast(), _mm_unpackhi_epi8(x, y));
+            }
+        }
+        n
+    }
+
+    /// Writes the first `16 * k` elements of `out` from the four planes
+    /// of 4-byte elements and returns how many it wrote.
+    #[cfg(target_arch = "x86_64")]
+    #[expect(unsafe_code, reason = "SSE2 intrinsics over checked ranges")]
+    pub(super) fn merge4(out: &mut [u8], planes: [&[u8]; 4]) -> usize {
+        use std::arch::x86_64::{
+            _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpackhi_epi8,
+            _mm_unpacklo_epi16, _mm_unpacklo_epi8,
+        };
+        let [a, b, c, d] = planes;
+        let n = (out.len() / 4)
+            .min(a.len())
+            .min(b.len())
+            .min(c.len())
+            .min(d.len())
+            / 16
+            * 16;
+        for i in (0..n).step_by(16) {
+            let (pa, pb, pc, pd) = (&a[i..i + 16], &b[i..i + 16], &c[i..i + 16], &d[i..i + 16]);
+            let o = &mut out[4 * i..4 * i + 64];
+            // SAFETY: as in `merge2`: SSE2 is part of x86-64; each plane
+            // slice is 16 bytes and `o` 64, bounds-checked above, and the
+            // unaligned loads and stores touch exactly those bytes.
+            unsafe {
+                let va = _mm_loadu_si128(pa.as_ptr().cast());
+                let vb = _mm_loadu_si128(pb.as_ptr().cast());
+                let vc = _mm_loadu_si128(pc.as_ptr().cast());
+                let vd = _mm_loadu_si128(pd.as_ptr().cast());
+                // a0 b0 a1 b1 ..., c0 d0 c1 d1 ...: then pairs of those
+                // pairs are whole elements a_i b_i c_i d_i.
+                let (ab_lo, ab_hi) = (_mm_unpacklo_epi8(va, vb), _mm_unpackhi_epi8(va, vb));
+                let (cd_lo, cd_hi) = (_mm_unpacklo_epi8(vc, vd), _mm_unpackhi_epi8(vc, vd));
+                let o = o.as_mut_ptr();
+                _mm_storeu_si128(o.cast(), _mm_unpacklo_epi16(ab_lo, cd_lo));
+                _mm_storeu_si128(o.add(16).cast(), _mm_unpackhi_epi16(ab_lo, cd_lo));
+                _mm_storeu_si128(o.add(32).cast(), _mm_unpacklo_epi16(ab_hi, cd_hi));
+                _mm_storeu_si128(o.add(48).cast(), _mm_unpackhi_epi16(ab_hi, cd_hi));
+            }
+        }
+        n
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub(super) fn merge2(_: &mut [u8], _: &[u8], _: &[u8]) -> usize {
+        0
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub(super) fn merge4(_: &mut [u8], _: [&[u8]; 4]) -> usize {
+        0
     }
 }
 
@@ -816,6 +914,27 @@ mod tests {
                 len: plane.len() as u32,
             }],
         );
+    }
+
+    #[test]
+    fn merge_interleaves_planes_at_every_length() {
+        // The vector part (16 elements at a time) and the element tail
+        // agree with a byte-by-byte interleave, for every length around
+        // the vector's.
+        for width in [2usize, 4, 8] {
+            for n in 0..80 {
+                let planes: Vec<Vec<u8>> = (0..width)
+                    .map(|k| (0..n).map(|i| (i * 7 + k * 64 + 1) as u8).collect())
+                    .collect();
+                let srcs: Vec<&[u8]> = planes.iter().map(Vec::as_slice).collect();
+                let mut out = vec![0xEE; n * width];
+                merge(&mut out, &srcs);
+                let want: Vec<u8> = (0..n)
+                    .flat_map(|i| planes.iter().map(move |p| p[i]))
+                    .collect();
+                assert_eq!(out, want, "width {width}, {n} elements");
+            }
+        }
     }
 
     #[test]
