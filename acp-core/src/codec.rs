@@ -95,18 +95,24 @@ fn split(bytes: &[u8], dsts: &mut [&mut [u8]]) {
     match dsts {
         [a] => a.copy_from_slice(bytes),
         [a, b] => {
-            for ((e, x), y) in bytes.chunks_exact(2).zip(a.iter_mut()).zip(b.iter_mut()) {
+            let done = simd::split2(bytes, a, b);
+            for ((e, x), y) in bytes[2 * done..]
+                .chunks_exact(2)
+                .zip(a[done..].iter_mut())
+                .zip(b[done..].iter_mut())
+            {
                 *x = e[0];
                 *y = e[1];
             }
         }
         [a, b, c, d] => {
-            for ((((e, x), y), z), t) in bytes
+            let done = simd::split4(bytes, [a, b, c, d]);
+            for ((((e, x), y), z), t) in bytes[4 * done..]
                 .chunks_exact(4)
-                .zip(a.iter_mut())
-                .zip(b.iter_mut())
-                .zip(c.iter_mut())
-                .zip(d.iter_mut())
+                .zip(a[done..].iter_mut())
+                .zip(b[done..].iter_mut())
+                .zip(c[done..].iter_mut())
+                .zip(d[done..].iter_mut())
             {
                 *x = e[0];
                 *y = e[1];
@@ -173,9 +179,10 @@ fn merge(out: &mut [u8], srcs: &[&[u8]]) {
 }
 
 /// Interleaving byte planes 16 elements at a time with SSE2's unpack
-/// instructions (part of every x86-64 CPU): a decoded fp32 chunk's four
-/// planes merge about four times as fast as element by element.
-/// Elsewhere nothing is done here and [`merge`]'s loops do it all.
+/// instructions (part of every x86-64 CPU), and taking them apart: a
+/// decoded fp32 chunk's four planes merge several times as fast as
+/// element by element. Elsewhere nothing is done here and [`merge`]'s and
+/// [`split`]'s loops do it all.
 mod simd {
     /// Writes the first `16 * k` elements of `out` from the planes `a`
     /// and `b` (2-byte elements) and returns how many it wrote.
@@ -246,6 +253,94 @@ mod simd {
             }
         }
         n
+    }
+
+    /// The inverse of [`merge2`]: byte 0 and byte 1 of the first `16 * k`
+    /// elements of `bytes` into `a` and `b`; returns how many elements.
+    #[cfg(target_arch = "x86_64")]
+    #[expect(unsafe_code, reason = "SSE2 intrinsics over checked ranges")]
+    pub(super) fn split2(bytes: &[u8], a: &mut [u8], b: &mut [u8]) -> usize {
+        use std::arch::x86_64::{
+            _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8,
+        };
+        let n = (bytes.len() / 2).min(a.len()).min(b.len()) / 16 * 16;
+        for i in (0..n).step_by(16) {
+            let src = &bytes[2 * i..2 * i + 32];
+            let (pa, pb) = (&mut a[i..i + 16], &mut b[i..i + 16]);
+            // SAFETY: SSE2 is part of x86-64. `src` is 32 bytes and each
+            // plane slice 16, bounds-checked above; the unaligned loads
+            // and stores touch exactly those bytes.
+            unsafe {
+                let v0 = _mm_loadu_si128(src.as_ptr().cast());
+                let v1 = _mm_loadu_si128(src.as_ptr().add(16).cast());
+                // Four rounds of the perfect shuffle take 16 interleaved
+                // pairs apart.
+                let (t0, t1) = (_mm_unpacklo_epi8(v0, v1), _mm_unpackhi_epi8(v0, v1));
+                let (u0, u1) = (_mm_unpacklo_epi8(t0, t1), _mm_unpackhi_epi8(t0, t1));
+                let (w0, w1) = (_mm_unpacklo_epi8(u0, u1), _mm_unpackhi_epi8(u0, u1));
+                _mm_storeu_si128(pa.as_mut_ptr().cast(), _mm_unpacklo_epi8(w0, w1));
+                _mm_storeu_si128(pb.as_mut_ptr().cast(), _mm_unpackhi_epi8(w0, w1));
+            }
+        }
+        n
+    }
+
+    /// The inverse of [`merge4`]: the first `16 * k` 4-byte elements of
+    /// `bytes` into the four planes; returns how many elements.
+    #[cfg(target_arch = "x86_64")]
+    #[expect(unsafe_code, reason = "SSE2 intrinsics over checked ranges")]
+    pub(super) fn split4(bytes: &[u8], planes: [&mut &mut [u8]; 4]) -> usize {
+        use std::arch::x86_64::{
+            _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi64, _mm_unpackhi_epi8,
+            _mm_unpacklo_epi64, _mm_unpacklo_epi8,
+        };
+        let [a, b, c, d] = planes;
+        let n = (bytes.len() / 4)
+            .min(a.len())
+            .min(b.len())
+            .min(c.len())
+            .min(d.len())
+            / 16
+            * 16;
+        for i in (0..n).step_by(16) {
+            let src = &bytes[4 * i..4 * i + 64];
+            let (pa, pb) = (&mut a[i..i + 16], &mut b[i..i + 16]);
+            let (pc, pd) = (&mut c[i..i + 16], &mut d[i..i + 16]);
+            // SAFETY: as in `split2`: SSE2 is part of x86-64; `src` is 64
+            // bytes and each plane slice 16, bounds-checked above, and the
+            // unaligned loads and stores touch exactly those bytes.
+            unsafe {
+                let p = src.as_ptr();
+                let v0 = _mm_loadu_si128(p.cast());
+                let v1 = _mm_loadu_si128(p.add(16).cast());
+                let v2 = _mm_loadu_si128(p.add(32).cast());
+                let v3 = _mm_loadu_si128(p.add(48).cast());
+                // Three rounds of byte unpacks leave each half of `w*`
+                // eight bytes of one plane: w0 = planes 0|1 of elements
+                // 0-7, w1 = planes 2|3 of 0-7, w2 and w3 the same of 8-15.
+                let (t0, t1) = (_mm_unpacklo_epi8(v0, v1), _mm_unpackhi_epi8(v0, v1));
+                let (t2, t3) = (_mm_unpacklo_epi8(v2, v3), _mm_unpackhi_epi8(v2, v3));
+                let (u0, u1) = (_mm_unpacklo_epi8(t0, t1), _mm_unpackhi_epi8(t0, t1));
+                let (u2, u3) = (_mm_unpacklo_epi8(t2, t3), _mm_unpackhi_epi8(t2, t3));
+                let (w0, w1) = (_mm_unpacklo_epi8(u0, u1), _mm_unpackhi_epi8(u0, u1));
+                let (w2, w3) = (_mm_unpacklo_epi8(u2, u3), _mm_unpackhi_epi8(u2, u3));
+                _mm_storeu_si128(pa.as_mut_ptr().cast(), _mm_unpacklo_epi64(w0, w2));
+                _mm_storeu_si128(pb.as_mut_ptr().cast(), _mm_unpackhi_epi64(w0, w2));
+                _mm_storeu_si128(pc.as_mut_ptr().cast(), _mm_unpacklo_epi64(w1, w3));
+                _mm_storeu_si128(pd.as_mut_ptr().cast(), _mm_unpackhi_epi64(w1, w3));
+            }
+        }
+        n
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub(super) fn split2(_: &[u8], _: &mut [u8], _: &mut [u8]) -> usize {
+        0
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub(super) fn split4(_: &[u8], _: [&mut &mut [u8]; 4]) -> usize {
+        0
     }
 
     #[cfg(not(target_arch = "x86_64"))]
@@ -933,6 +1028,22 @@ mod tests {
                     .flat_map(|i| planes.iter().map(move |p| p[i]))
                     .collect();
                 assert_eq!(out, want, "width {width}, {n} elements");
+            }
+        }
+    }
+
+    #[test]
+    fn split_takes_planes_apart_at_every_length() {
+        for width in [2usize, 4, 8] {
+            for n in 0..80 {
+                let bytes: Vec<u8> = (0..n * width).map(|i| (i * 13 + 5) as u8).collect();
+                let mut planes = vec![vec![0xEEu8; n]; width];
+                let mut dsts: Vec<&mut [u8]> = planes.iter_mut().map(Vec::as_mut_slice).collect();
+                split(&bytes, &mut dsts);
+                for (k, p) in planes.iter().enumerate() {
+                    let want: Vec<u8> = bytes.iter().skip(k).step_by(width).copied().collect();
+                    assert_eq!(p, &want, "width {width}, {n} elements, plane {k}");
+                }
             }
         }
     }
