@@ -446,24 +446,62 @@ pub fn encode(
     }
     check_runs(runs, chunk.len()).map_err(|r| Error::invalid(what, r))?;
     let lens = plane_lens(runs);
-    let mut planes: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
-    let mut filled = [0usize; 15];
-    let mut at = 0usize;
-    for r in runs {
-        let bytes = &chunk[at..at + r.len as usize];
-        let n = r.len as usize / usize::from(r.width);
-        let first = plane_slot(r.width, 0);
-        let mut dsts: Vec<&mut [u8]> = planes[first..first + usize::from(r.width)]
-            .iter_mut()
-            .zip(&filled[first..])
-            .map(|(p, &f)| &mut p[f..f + n])
-            .collect();
-        split(bytes, &mut dsts);
-        for f in &mut filled[first..first + usize::from(r.width)] {
-            *f += n;
+    ENCODE.with(|cell| {
+        let mut cached = cell.borrow_mut();
+        let (memory, scratch) = &mut *cached;
+        // The planes, back to back in this thread's memory (they add up to
+        // the chunk): fresh memory costs a page fault per page per chunk.
+        // Every byte of it is written below (the planes tile the chunk).
+        if memory.len() < chunk.len() {
+            memory.resize(chunk.len(), 0);
         }
-        at += r.len as usize;
-    }
+        let mut planes: Vec<&mut [u8]> = Vec::with_capacity(lens.len());
+        let mut rest = &mut memory[..chunk.len()];
+        for &n in &lens {
+            let (plane, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            planes.push(plane);
+            rest = tail;
+        }
+        let mut filled = [0usize; 15];
+        let mut at = 0usize;
+        for r in runs {
+            let bytes = &chunk[at..at + r.len as usize];
+            let n = r.len as usize / usize::from(r.width);
+            let first = plane_slot(r.width, 0);
+            let mut dsts: Vec<&mut [u8]> = planes[first..first + usize::from(r.width)]
+                .iter_mut()
+                .zip(&filled[first..])
+                .map(|(p, &f)| &mut p[f..f + n])
+                .collect();
+            split(bytes, &mut dsts);
+            for f in &mut filled[first..first + usize::from(r.width)] {
+                *f += n;
+            }
+            at += r.len as usize;
+        }
+        let planes: Vec<&[u8]> = planes.into_iter().map(|p| &*p).collect();
+        let stats = encode_all(what, runs, level, &planes, out, scratch);
+        // Memory grown for an unusually large chunk is not kept.
+        if memory.capacity() > KEEP_SCRATCH_BYTES {
+            *memory = Vec::new();
+        }
+        if scratch.capacity() > KEEP_SCRATCH_BYTES {
+            *scratch = Vec::new();
+        }
+        stats
+    })
+}
+
+/// The frame of a chunk laid out as `runs`, split into `planes` (by plane
+/// slot), appended to `out`; `scratch` takes each plane's compressed bytes.
+fn encode_all(
+    what: &str,
+    runs: &[Run],
+    level: i32,
+    planes: &[&[u8]],
+    out: &mut Vec<u8>,
+    scratch: &mut Vec<u8>,
+) -> Result<EncodeStats> {
     out.extend_from_slice(&(runs.len() as u32).to_le_bytes());
     for r in runs {
         out.push(r.width);
@@ -473,7 +511,6 @@ pub fn encode(
     let table_at = out.len();
     out.resize(table_at + present.len() * 5, 0);
     let mut stats = EncodeStats::default();
-    let mut scratch = Vec::new();
     CCTX.with(|cell| -> Result<()> {
         let mut cached = cell.borrow_mut();
         if cached.as_ref().is_none_or(|(l, _)| *l != level) {
@@ -489,14 +526,21 @@ pub fn encode(
             out,
             table_at,
             &present,
-            &planes,
+            planes,
             cx,
-            &mut scratch,
+            scratch,
             &mut stats,
         );
         Ok(())
     })?;
     Ok(stats)
+}
+
+// This thread's memory for a chunk's planes and for a plane's compressed
+// bytes, kept between chunks (up to `KEEP_SCRATCH_BYTES` each).
+thread_local! {
+    static ENCODE: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 // This thread's zstd context and the level it is set for: a context costs
@@ -512,17 +556,15 @@ fn encode_planes(
     out: &mut Vec<u8>,
     table_at: usize,
     present: &[(u8, u8)],
-    planes: &[Vec<u8>],
+    planes: &[&[u8]],
     cx: &mut zstd::zstd_safe::CCtx<'static>,
     scratch: &mut Vec<u8>,
     stats: &mut EncodeStats,
 ) {
     for (p, &(w, k)) in present.iter().enumerate() {
-        let plane = &planes[plane_slot(w, k)];
+        let plane = planes[plane_slot(w, k)];
         // A buffer one byte short of the plane: zstd fails when its output
         // would not be smaller, and the plane is then stored raw.
-        scratch.clear();
-        scratch.reserve(plane.len().saturating_sub(1));
         let packed = match plane.len() {
             0 => None,
             _ if looks_random(plane) => None,
@@ -606,10 +648,14 @@ fn looks_random(plane: &[u8]) -> bool {
     bits > RANDOM_BITS
 }
 
-/// `v` resized to `n` zeroed bytes, for zstd to write into.
+/// The first `n` bytes of `v` (grown when shorter), for zstd to write into.
 fn scratch_slice(v: &mut Vec<u8>, n: usize) -> &mut [u8] {
-    v.resize(n, 0);
-    &mut v[..]
+    // Grown (zeroed) once; later planes reuse its bytes as they are, which
+    // zstd overwrites.
+    if v.len() < n {
+        v.resize(n, 0);
+    }
+    &mut v[..n]
 }
 
 /// A reader of little-endian fields of an untrusted frame.
