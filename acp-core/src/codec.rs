@@ -522,15 +522,7 @@ fn encode_all(
         let Some((_, cx)) = cached.as_mut() else {
             return Err(Error::invalid(what, "no zstd context (a bug in acp)"));
         };
-        encode_planes(
-            out,
-            table_at,
-            &present,
-            planes,
-            cx,
-            scratch,
-            &mut stats,
-        );
+        encode_planes(out, table_at, &present, planes, cx, scratch, &mut stats);
         Ok(())
     })?;
     Ok(stats)
