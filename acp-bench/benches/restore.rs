@@ -114,13 +114,7 @@ fn load_into_fused(
     set: &TensorSet,
     dst: &mut [u8],
 ) -> Checkpoint {
-    let ranges: Vec<(usize, usize, usize)> = set
-        .tensors
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (i, t.offset, t.len))
-        .collect();
-    let mut into: Vec<(&str, &mut [u8])> = split_dst(dst, &ranges)
+    let mut into: Vec<(&str, &mut [u8])> = split_dst(dst, &set.ranges())
         .into_iter()
         .map(|(i, d)| (set.tensors[i].name.as_str(), d))
         .collect();

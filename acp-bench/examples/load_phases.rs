@@ -50,12 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..LoadRequest::default()
     };
     let mut dst = AlignedBuf::new(set.total);
-    let ranges: Vec<(usize, usize, usize)> = set
-        .tensors
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (i, t.offset, t.len))
-        .collect();
+    let ranges = set.ranges();
     let (mut plans, mut totals) = (Vec::new(), Vec::new());
     let mut cpu = std::time::Duration::ZERO;
     for _ in 0..n {

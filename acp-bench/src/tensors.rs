@@ -124,6 +124,17 @@ impl TensorSet {
         self.tensors.is_empty()
     }
 
+    /// Each tensor's `(index, offset, len)` in a buffer of `total` bytes,
+    /// as [`split_dst`](crate::split_dst) takes them.
+    #[must_use]
+    pub fn ranges(&self) -> Vec<(usize, usize, usize)> {
+        self.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (i, t.offset, t.len))
+            .collect()
+    }
+
     /// The tensors as [`HostTensor`]s over `src` (at least `total` bytes).
     #[must_use]
     pub fn host<'a>(&'a self, src: &'a [u8]) -> Vec<HostTensor<'a>> {

@@ -192,7 +192,7 @@ mod simd {
         use std::arch::x86_64::{
             _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8,
         };
-        let n = (out.len() / 2).min(a.len()).min(b.len()) / 16 * 16;
+        let n = blocks(out.len() / 2, [a.len(), b.len()]);
         for i in (0..n).step_by(16) {
             let (x, y) = (&a[i..i + 16], &b[i..i + 16]);
             let o = &mut out[2 * i..2 * i + 32];
@@ -223,13 +223,7 @@ mod simd {
             _mm_unpacklo_epi16, _mm_unpacklo_epi8,
         };
         let [a, b, c, d] = planes;
-        let n = (out.len() / 4)
-            .min(a.len())
-            .min(b.len())
-            .min(c.len())
-            .min(d.len())
-            / 16
-            * 16;
+        let n = blocks(out.len() / 4, [a.len(), b.len(), c.len(), d.len()]);
         for i in (0..n).step_by(16) {
             let (pa, pb, pc, pd) = (&a[i..i + 16], &b[i..i + 16], &c[i..i + 16], &d[i..i + 16]);
             let o = &mut out[4 * i..4 * i + 64];
@@ -263,7 +257,7 @@ mod simd {
         use std::arch::x86_64::{
             _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi8, _mm_unpacklo_epi8,
         };
-        let n = (bytes.len() / 2).min(a.len()).min(b.len()) / 16 * 16;
+        let n = blocks(bytes.len() / 2, [a.len(), b.len()]);
         for i in (0..n).step_by(16) {
             let src = &bytes[2 * i..2 * i + 32];
             let (pa, pb) = (&mut a[i..i + 16], &mut b[i..i + 16]);
@@ -295,13 +289,7 @@ mod simd {
             _mm_unpacklo_epi64, _mm_unpacklo_epi8,
         };
         let [a, b, c, d] = planes;
-        let n = (bytes.len() / 4)
-            .min(a.len())
-            .min(b.len())
-            .min(c.len())
-            .min(d.len())
-            / 16
-            * 16;
+        let n = blocks(bytes.len() / 4, [a.len(), b.len(), c.len(), d.len()]);
         for i in (0..n).step_by(16) {
             let src = &bytes[4 * i..4 * i + 64];
             let (pa, pb) = (&mut a[i..i + 16], &mut b[i..i + 16]);
@@ -331,6 +319,13 @@ mod simd {
             }
         }
         n
+    }
+
+    /// The elements the vector loops take: the fewest of `elements` and
+    /// the planes' lengths, rounded down to whole blocks of 16.
+    #[cfg(target_arch = "x86_64")]
+    fn blocks<const N: usize>(elements: usize, planes: [usize; N]) -> usize {
+        planes.into_iter().fold(elements, usize::min) / 16 * 16
     }
 
     #[cfg(not(target_arch = "x86_64"))]

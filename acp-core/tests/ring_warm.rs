@@ -4,7 +4,9 @@
 //! save needs them; a save never reports the ring full because of it.
 
 use std::path::Path;
+use std::sync::mpsc::Receiver;
 use std::sync::Barrier;
+use std::thread::JoinHandle;
 
 use acp_core::staging::{Ring, RingOptions, SlotState};
 
@@ -124,32 +126,44 @@ fn a_save_waits_for_the_slot_being_grown_instead_of_finding_the_ring_full() {
     }
 }
 
-#[test]
-fn a_load_in_progress_holds_the_warming_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let len = 3 * MIB as usize;
+/// A ring reopened over `dir` after a process left step 1 (`len` bytes)
+/// in it: its slot is recovered, mapped and not yet warmed.
+fn reopened_with_one_image(dir: &Path, len: usize) -> Ring {
     {
-        let (ring, _) = Ring::open(opts(dir.path(), 2)).unwrap();
+        let (ring, _) = Ring::open(opts(dir, 2)).expect("opening the ring");
         save(&ring, 1, len);
         for s in ring.complete() {
             ring.set_state(s.slot, SlotState::Persisted);
         }
     }
-    let (ring, report) = Ring::open(opts(dir.path(), 2)).unwrap();
+    let (ring, report) = Ring::open(opts(dir, 2)).expect("reopening the ring");
     assert_eq!(report.recovered.len(), 1);
+    ring
+}
+
+/// One `warm_next` on another thread; its result comes on the receiver.
+fn warm_once(ring: &Ring) -> (Receiver<Result<bool, String>>, JoinHandle<()>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ring = ring.clone();
+    let thread = std::thread::Builder::new()
+        .name("test-warm".into())
+        .spawn(move || {
+            let did = ring.warm_next(None).map_err(|e| e.to_string());
+            // The test may have ended waiting: nobody to tell.
+            let _ = tx.send(did);
+        })
+        .expect("starting the warming thread");
+    (rx, thread)
+}
+
+#[test]
+fn a_load_in_progress_holds_the_warming_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 3 * MIB as usize;
+    let ring = reopened_with_one_image(dir.path(), len);
     let load = ring.defer_warming();
     let second = ring.defer_warming();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let warming = {
-        let ring = ring.clone();
-        std::thread::Builder::new()
-            .name("test-warm".into())
-            .spawn(move || {
-                let did = ring.warm_next(None).map_err(|e| e.to_string());
-                tx.send(did).unwrap();
-            })
-            .unwrap()
-    };
+    let (rx, warming) = warm_once(&ring);
     assert!(
         rx.recv_timeout(std::time::Duration::from_millis(300))
             .is_err(),
@@ -178,27 +192,9 @@ fn stopping_the_warming_does_not_wait_out_a_load() {
     // must not hold the close for the deferral's seconds.
     let dir = tempfile::tempdir().unwrap();
     let len = 3 * MIB as usize;
-    {
-        let (ring, _) = Ring::open(opts(dir.path(), 2)).unwrap();
-        save(&ring, 1, len);
-        for s in ring.complete() {
-            ring.set_state(s.slot, SlotState::Persisted);
-        }
-    }
-    let (ring, report) = Ring::open(opts(dir.path(), 2)).unwrap();
-    assert_eq!(report.recovered.len(), 1);
+    let ring = reopened_with_one_image(dir.path(), len);
     let load = ring.defer_warming();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let warming = {
-        let ring = ring.clone();
-        std::thread::Builder::new()
-            .name("test-warm".into())
-            .spawn(move || {
-                let did = ring.warm_next(None).map_err(|e| e.to_string());
-                tx.send(did).unwrap();
-            })
-            .unwrap()
-    };
+    let (rx, warming) = warm_once(&ring);
     assert!(
         rx.recv_timeout(std::time::Duration::from_millis(300))
             .is_err(),
