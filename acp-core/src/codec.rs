@@ -476,13 +476,8 @@ pub fn encode(
         }
         let planes: Vec<&[u8]> = planes.into_iter().map(|p| &*p).collect();
         let stats = encode_all(what, runs, level, &planes, out, scratch);
-        // Memory grown for an unusually large chunk is not kept.
-        if memory.capacity() > KEEP_SCRATCH_BYTES {
-            *memory = Vec::new();
-        }
-        if scratch.capacity() > KEEP_SCRATCH_BYTES {
-            *scratch = Vec::new();
-        }
+        let_go_if_large(memory);
+        let_go_if_large(scratch);
         stats
     })
 }
@@ -804,10 +799,7 @@ fn with_decoder<T>(
             return Err("zstd cannot allocate a decoding context".to_owned());
         };
         let out = f(dctx, scratch);
-        // A scratch grown for an unusually large chunk is not kept.
-        if scratch.capacity() > KEEP_SCRATCH_BYTES {
-            *scratch = Vec::new();
-        }
+        let_go_if_large(scratch);
         out
     })
 }
@@ -872,13 +864,7 @@ pub fn decode_lead(frame: &[u8], len: usize) -> std::result::Result<Option<Vec<u
         let (s, _) = p.at_frame[slot];
         return Ok(Some(frame[s..s + first].to_vec()));
     }
-    let packed: Vec<_> = p
-        .packed
-        .iter()
-        .filter(|z| (z.0, z.1) == (1, 0))
-        .copied()
-        .collect();
-    let [(w, k, bytes, _, want)] = packed[..] else {
+    let Some(&(w, k, bytes, _, want)) = p.packed.iter().find(|z| (z.0, z.1) == (1, 0)) else {
         return Err("no plane of width 1 for a run of width 1".to_owned());
     };
     let mut plane = vec![0u8; want];
@@ -890,6 +876,14 @@ pub fn decode_lead(frame: &[u8], len: usize) -> std::result::Result<Option<Vec<u
 /// The most plane scratch a thread keeps between frames (four default
 /// chunks): larger chunks allocate their scratch per frame.
 const KEEP_SCRATCH_BYTES: usize = 16 << 20;
+
+/// Frees a thread's kept buffer `v` when it grew past
+/// [`KEEP_SCRATCH_BYTES`] for an unusually large chunk.
+fn let_go_if_large(v: &mut Vec<u8>) {
+    if v.capacity() > KEEP_SCRATCH_BYTES {
+        *v = Vec::new();
+    }
+}
 
 // This thread's zstd decoding context and the scratch its zstd planes are
 // decoded into before their bytes are merged: a context costs an

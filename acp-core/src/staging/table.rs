@@ -123,7 +123,7 @@ impl Inner {
         !self.warm_stopped()
     }
 
-    pub(super) fn warm_stopped(&self) -> bool {
+    fn warm_stopped(&self) -> bool {
         self.warm_stopped.load(Ordering::Acquire)
     }
 
