@@ -338,6 +338,28 @@ def test_unsupported_torch_values_are_refused(
     assert ckpt.steps() == [1]
 
 
+@pytest.mark.parametrize(
+    ("target", "pattern"),
+    [
+        (torch.ones(2).as_subclass(MyTensor), r"`x`: tensor subclass `.*MyTensor`"),
+        (torch.ones(2, dtype=torch.complex64), r"`x`: dtype torch.complex64"),
+        (torch.ones(2).to_sparse(), r"`x`: torch.sparse_coo"),
+        (torch.empty(2, device="meta"), r"`x`: tensors on meta"),
+    ],
+)
+def test_unsupported_tensors_in_into_are_refused_before_any_copy(
+    ckpt: acp.Checkpointer, target: torch.Tensor, pattern: str
+) -> None:
+    """``load(into=)`` reads only a tensor's dtype and shape while it plans
+    (a first restore of many tensors); what else ``describe`` refuses is
+    refused before anything is copied, naming the key."""
+    ckpt.save(1, {"x": torch.ones(2), "y": torch.ones(3)}).wait()
+    y = torch.zeros(3)
+    with pytest.raises(acp.InvalidInput, match=pattern):
+        ckpt.load(1, into={"x": target, "y": y})
+    assert torch.equal(y, torch.zeros(3))  # nothing was loaded
+
+
 def test_restore_after_reopen_comes_from_ram_then_storage(make_ckpt: Any) -> None:
     first = make_ckpt()
     first.save(1, {"w": torch.arange(10.0)}).wait()

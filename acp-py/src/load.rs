@@ -54,11 +54,11 @@ pub(crate) struct Info {
 }
 
 impl Info {
-    fn new(step: u64, header: &Arc<ParsedHeader>) -> Result<Info, Error> {
+    fn new(header: &Arc<ParsedHeader>) -> Result<Info, Error> {
         Ok(Info {
             header: Arc::clone(header),
             entries: entry_infos(&header.entries)?,
-            values_json: values_json(step, &header.values)?,
+            values_json: values_json(header),
             py_entries: OnceLock::new(),
             py_values: OnceLock::new(),
         })
@@ -73,9 +73,9 @@ impl Info {
 pub(crate) struct Kept(Mutex<Option<Arc<Info>>>);
 
 impl Kept {
-    /// The `Info` of `header` (of `step`): the kept one when it is of this
+    /// The `Info` of `header`: the kept one when it is of this
     /// very header, else a new one, kept from now on.
-    fn info(&self, step: u64, header: &Arc<ParsedHeader>) -> Result<Arc<Info>, Error> {
+    fn info(&self, header: &Arc<ParsedHeader>) -> Result<Arc<Info>, Error> {
         let mut kept = self
             .0
             .lock()
@@ -83,7 +83,7 @@ impl Kept {
         if let Some(info) = kept.as_ref().filter(|i| Arc::ptr_eq(&i.header, header)) {
             return Ok(Arc::clone(info));
         }
-        let info = Arc::new(Info::new(step, header)?);
+        let info = Arc::new(Info::new(header)?);
         *kept = Some(Arc::clone(&info));
         Ok(info)
     }
@@ -108,8 +108,10 @@ fn source_name(s: Source) -> &'static str {
     }
 }
 
-fn values_json(step: u64, values: &serde_json::Value) -> Result<String, Error> {
-    serde_json::to_string(values).map_err(|e| Error::invalid(format!("step {step}: values"), e))
+/// The values of `header` as JSON text: as stored (`parse_header` checked
+/// it), not parsed and written again; `null` when it has none.
+fn values_json(header: &ParsedHeader) -> String {
+    header.values_text().unwrap_or("null").to_owned()
 }
 
 fn entry_infos(entries: &[acp_core::Entry]) -> Result<Vec<EntryInfo>, Error> {
@@ -120,7 +122,7 @@ impl Loaded {
     /// Wraps a loaded checkpoint; serialises its values for Python (or
     /// takes them from `kept`, of the same header).
     pub(crate) fn new(inner: Checkpoint, kept: &Kept) -> Result<Loaded, Error> {
-        let info = kept.info(inner.step(), inner.header())?;
+        let info = kept.info(inner.header())?;
         Ok(Loaded {
             step: inner.step(),
             read_only: OnceLock::new(),
@@ -136,7 +138,7 @@ impl Loaded {
             Opened::Ready(c) => Loaded::new(c, kept),
             Opened::Pending(p) => Ok(Loaded {
                 step: p.step(),
-                info: kept.info(p.step(), p.header())?,
+                info: kept.info(p.header())?,
                 read_only: OnceLock::new(),
                 ready: OnceLock::new(),
                 pending: Mutex::new(Pending::Read(Box::new(p))),

@@ -582,6 +582,8 @@ def check_tree(node: Any, step: int | None) -> None:
     Raises:
         CheckpointCorrupt: naming the key path of the first malformed node.
     """
+    if _plain_tree(node):
+        return
     # (node, key path, JSON nesting depth of the node; the document is 1)
     stack: list[tuple[Any, str, int]] = [(node, "", 2)]
     while stack:
@@ -615,6 +617,62 @@ def check_tree(node: Any, step: int | None) -> None:
             stack.extend((v, _join(key, i), depth + 2) for i, v in enumerate(values))
         else:
             _check_leaf(n, tag, key, step)
+
+
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+"""The types of JSON's scalars, as ``json.loads`` makes them."""
+
+
+def _plain_tree(node: Any) -> bool:
+    """Whether :func:`check_tree` passes ``node``, judged without the key
+    paths it builds for its errors (a restore of 100,000 tensors built as
+    many strings): True only for a tree every rule of it passes, False for
+    anything else, which ``check_tree`` then judges and names. Scalars are
+    taken by exact type (``json.loads`` makes no subclasses)."""
+    plain = _PLAIN
+    stack: list[tuple[Any, int]] = [(node, 2)]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    while stack:
+        n, depth = pop()
+        kind = type(n)
+        if kind in plain:
+            continue
+        if depth > MAX_DEPTH:
+            return False
+        if kind is list:
+            extend([(v, depth + 1) for v in n])
+            continue
+        if kind is not dict:
+            return False
+        tag = n.get("t")
+        if tag == "tensor":
+            fw = n.get("fw")
+            if type(fw) is not str or fw not in ADAPTER_MODULES or type(n.get("name")) is not str:
+                return False
+            if not plain.issuperset(map(type, n.values())):
+                return False
+        elif tag in ("dict", "odict"):  # a tuple: `tag` may be unhashable
+            keys, values = n.get("k"), n.get("v")
+            if type(keys) is not list or type(values) is not list or len(keys) != len(values):
+                return False
+            if not plain.issuperset(map(type, keys)):
+                return False  # a tagged number, or worse
+            if "meta" in n:
+                if tag != "odict":
+                    return False
+                push((n["meta"], depth + 1))
+            extend([(v, depth + 2) for v in values])
+        elif tag == "tuple":
+            values = n.get("v")
+            if type(values) is not list:
+                return False
+            extend([(v, depth + 2) for v in values])
+        else:
+            try:
+                _check_leaf(n, tag, "", None)
+            except CheckpointCorrupt:
+                return False
+    return True
 
 
 def _check_leaf(n: dict[str, Any], tag: object, key: str, step: int | None) -> None:

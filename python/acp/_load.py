@@ -12,7 +12,6 @@ from acp._codec import (
     Adapters,
     Decoder,
     Entry,
-    TensorInfo,
     Transfer,
     _join,
     _where,
@@ -152,12 +151,20 @@ class _IntoPlanner:
     def error(self, key: str, reason: str) -> InvalidInput:
         return InvalidInput(f"into=: {_where(key)}: {reason}; nothing was loaded")
 
-    def tensor_info(self, obj: object, key: str) -> tuple[str, TensorInfo] | None:
+    def tensor_info(self, obj: object, key: str) -> tuple[str, str, tuple[int, ...]] | None:
+        """``(framework, dtype, shape)`` of a tensor ``obj``, else None:
+        the adapter's ``target`` where it has one (what a load needs, read
+        once per tensor in a first restore), else its ``describe``."""
         framework = self.adapters.framework_of(obj)
         if framework is None:
             return None
-        info = self.adapters.get(framework, key).describe(obj, key)
-        return None if info is None else (framework, info)
+        adapter = self.adapters.get(framework, key)
+        target = getattr(adapter, "target", None)
+        if target is not None:
+            got = target(obj, key)
+            return None if got is None else (framework, *got)
+        info = adapter.describe(obj, key)
+        return None if info is None else (framework, info.dtype, info.shape)
 
     def holds_tensor(self, obj: object, key: str) -> bool:
         if isinstance(obj, dict):
@@ -184,18 +191,18 @@ class _IntoPlanner:
         if is_tensor_node(node):
             if tensor is None:
                 return self.replace(target, node, key)
-            framework, info = tensor
+            framework, dtype, shape = tensor
             entry = self.entries.get(node.get("name"))
             if entry is None:
                 raise CheckpointCorrupt(
                     f"step {self.loaded.step}: the values refer to tensor `{node.get('name')}`, "
                     "which the checkpoint does not hold"
                 )
-            if info.dtype != entry.dtype or tuple(info.shape) != entry.shape:
+            if dtype != entry.dtype or tuple(shape) != entry.shape:
                 raise self.error(
                     key,
                     f"the checkpoint has {entry.dtype} {list(entry.shape)}, "
-                    f"into= has {info.dtype} {list(info.shape)}",
+                    f"into= has {dtype} {list(shape)}",
                 )
             self.fills.setdefault(framework, []).append((entry, target, key))
             return _KEEP

@@ -91,6 +91,9 @@ _storage = torch.Tensor.untyped_storage
 # `is_cpu`, not `device`: a device is a new object per read, and plans are
 # kept only for host tensors (any other device is refused or replanned).
 _fields = operator.attrgetter("shape", "dtype", "is_cpu", "layout", "requires_grad")
+_is_cpu = operator.attrgetter("is_cpu")
+_layout = operator.attrgetter("layout")
+_is_contiguous = torch.Tensor.is_contiguous
 
 
 def dtype_to_safetensors(dtype: torch.dtype) -> str:
@@ -366,6 +369,23 @@ class Adapter:
         host = (address, t.untyped_storage()) if t.is_contiguous() else None
         return TensorInfo(dtype, shape, nbytes, alias, meta, host=host)
 
+    def target(self, obj: object, key: str) -> tuple[str, tuple[int, ...]] | None:
+        """``describe``'s dtype and shape of ``obj``, for a load into it
+        (``load(into=)``), reading only those: None for a non-tensor value;
+        raises for a tensor subclass, a dtype with no safetensors name or a
+        tensor with no shape (nested). What else ``describe`` refuses (a
+        layout, a device) ``fill_tensors`` refuses, before any copy."""
+        kind = type(obj)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            info = self.describe(obj, key)  # None, or raises for a subclass
+            return None if info is None else (info.dtype, info.shape)
+        t: torch.Tensor = obj  # type: ignore[assignment]
+        dtype = DTYPES.get(t.dtype)
+        if dtype is None or t.is_nested:
+            info = self.describe(obj, key)  # raises, naming why
+            return None if info is None else (info.dtype, info.shape)
+        return dtype, t.shape
+
     def signature(self, obj: object) -> Any:
         """What ``describe`` and the copy plans read of ``obj``, for
         ``acp._plan``: equal for two objects that plan alike. Raises for a
@@ -525,16 +545,26 @@ class Adapter:
         device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: dict[tuple[int, int], str] = {}
-        for (entry, obj), key in zip(items, keys):
-            t: torch.Tensor = obj  # type: ignore[assignment]
-            if entry.nbytes == 0 or (entry.index, t.data_ptr()) in seen:
+        # Each field read for all tensors by one C-level map (as
+        # `signatures` does): a first restore of many small tensors.
+        tensors = cast("list[torch.Tensor]", [obj for _, obj in items])
+        on_cpu = list(map(_is_cpu, tensors))
+        if set(map(_layout, tensors)) - {torch.strided} or not all(on_cpu):
+            for t, key, cpu in zip(tensors, keys, on_cpu):
+                if not cpu or t.layout is not torch.strided:
+                    self.describe(t, key)  # refuses a layout or device it cannot fill
+        host = transfer.host
+        for (entry, _), t, key, cpu, address, contiguous in zip(
+            items, tensors, keys, on_cpu, map(_data_ptr, tensors), map(_is_contiguous, tensors)
+        ):
+            if entry.nbytes == 0 or (entry.index, address) in seen:
                 continue  # nothing to copy, or a tied tensor already planned
-            seen[entry.index, t.data_ptr()] = key
-            if t.device.type == "cpu" and t.is_contiguous():
-                transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))
+            seen[entry.index, address] = key
+            if cpu and contiguous:
+                host.append((entry.index, address, entry.nbytes))
                 continue
             src = slot_tensor(loaded.buffer(entry.index), t.dtype, entry.shape)
-            (host_pairs if t.device.type == "cpu" else device_pairs).append((t, src))
+            (host_pairs if cpu else device_pairs).append((t, src))
         _check_no_overlap(transfer.host, seen)
         if host_pairs:
             transfer.jobs.append(_HostCopies(host_pairs))

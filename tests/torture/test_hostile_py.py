@@ -255,3 +255,44 @@ def test_values_nested_past_any_reader_are_corrupt_not_a_recursion_error(levels:
         _codec.parse(text, step=3)
     with pytest.raises(acp.CheckpointCorrupt, match=r"step 3: key `0\.0\.0.*nested deeper"):
         _codec.check_tree(deep(levels if levels < 1000 else 900), step=3)
+
+
+@pytest.mark.parametrize(("node", "key"), [pytest.param(n, k, id=i) for i, n, k in HOSTILE_VALUES])
+def test_the_quick_tree_check_never_passes_what_the_full_one_refuses(node: Any, key: str) -> None:
+    """``check_tree`` first tries a quick check without key paths: it may
+    only pass a tree the full check passes (else a hostile tree would
+    reach the decoder unchecked)."""
+    from acp import _codec
+
+    for tree in (node, {"t": "dict", "k": ["x"], "v": [node]}, [1, {"t": "tuple", "v": [node]}]):
+        try:
+            _codec.check_tree(tree, step=1)
+        except acp.CheckpointCorrupt:
+            assert not _codec._plain_tree(tree)
+
+
+def test_the_quick_tree_check_passes_what_states_hold() -> None:
+    """Encoded states take the quick check (the restore of a state of many
+    tensors builds no key paths), and deep ones stop at the same limit."""
+    import json
+
+    from acp import _codec
+
+    sd = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)).state_dict()
+    opt = torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
+    state = {
+        "model": sd,
+        "optim": opt.state_dict(),
+        "step": 7,
+        "big": 2**70,
+        "nan": float("nan"),
+        "blob": b"\x00\x01",
+        "pair": (1, "a"),
+        3: None,
+        "dtype": torch.float16,
+    }
+    tree = json.loads(_codec.flatten(state, _codec.Adapters()).json())[_codec.STATE_KEY]
+    _codec.check_tree(tree, step=1)
+    assert _codec._plain_tree(tree)
+    assert _codec._plain_tree(deep(_codec.MAX_DEPTH - 1))
+    assert not _codec._plain_tree(deep(_codec.MAX_DEPTH))

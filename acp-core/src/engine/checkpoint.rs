@@ -109,7 +109,7 @@ impl Checkpoint {
     /// The plain values saved with it.
     #[must_use]
     pub fn values(&self) -> &serde_json::Value {
-        &self.header.values
+        self.header.values()
     }
 
     /// The tensors, in file order.

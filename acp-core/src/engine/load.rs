@@ -254,7 +254,7 @@ impl PendingLoad {
     /// [`PendingLoad::entries`]).
     #[must_use]
     pub fn values(&self) -> &serde_json::Value {
-        &self.header.values
+        self.header.values()
     }
 
     /// The header [`PendingLoad::entries`] and [`PendingLoad::values`]
@@ -340,7 +340,9 @@ fn read_stored_into(
 /// The placement and the values a caller planned with (`planned`) must be
 /// the ones the load verified.
 fn check_planned(ck: &Checkpoint, planned: &ParsedHeader, path: &Path) -> Result<()> {
-    if ck.entries() != planned.entries.as_slice() || ck.values() != &planned.values {
+    if ck.entries() != planned.entries.as_slice()
+        || ck.header().values_text() != planned.values_text()
+    {
         return Err(Error::corrupt(
             path,
             None,
@@ -443,7 +445,9 @@ fn storage_instead(
                 Deferred::Stored(f) => f.path.clone(),
                 Deferred::Resident(r) => r.path.clone(),
             };
-            if p.header.entries != planned.entries || p.header.values != planned.values {
+            if p.header.entries != planned.entries
+                || p.header.values_text() != planned.values_text()
+            {
                 return Err(Error::corrupt(
                     &path,
                     None,

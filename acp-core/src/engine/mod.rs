@@ -283,7 +283,9 @@ impl Engine {
     /// [`Error::NotFound`] for a step that is not committed or a rank with
     /// no file in it; [`Error::Corrupt`]; [`Error::Io`].
     pub fn read_values(&self, step: u64, rank: u32) -> Result<serde_json::Value> {
-        Ok(ranks::read_header(self.shared(), step, rank)?.values)
+        Ok(ranks::read_header(self.shared(), step, rank)?
+            .values()
+            .clone())
     }
 
     /// Persists the newest resident step when it is not committed (a RAM

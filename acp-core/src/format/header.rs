@@ -2,11 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use super::json::{escaped, shown, too_deep, unique_map};
+use super::json::{escaped, shown, too_deep, unique_map, Checked};
 use super::layout::{
     byte_len, name_problem, KEY_RANK, KEY_STEP, KEY_VALUES, KEY_VERSION, KEY_WORLD_SIZE,
     METADATA_KEY,
@@ -29,8 +30,32 @@ pub struct ParsedHeader {
     pub metadata: BTreeMap<String, String>,
     /// `acp.step`, when present.
     pub step: Option<u64>,
+    /// `acp.values` parsed, made on first use by [`ParsedHeader::values`]:
+    /// a load that hands the values on as text (the Python binding, a
+    /// restore of 100,000 tensors) never builds their tree.
+    values: OnceLock<Value>,
+}
+
+impl ParsedHeader {
     /// `acp.values` parsed, `Null` when absent.
-    pub values: serde_json::Value,
+    #[must_use]
+    pub fn values(&self) -> &Value {
+        self.values.get_or_init(|| {
+            // `parse_header` parsed the same text with the same parser
+            // (and the same recursion limit), so this does not fail; were
+            // it to, no values is what a reader that cannot read them sees.
+            self.values_text()
+                .and_then(|text| serde_json::from_str(text).ok())
+                .unwrap_or(Value::Null)
+        })
+    }
+
+    /// `acp.values` as stored (JSON text, checked by [`parse_header`]),
+    /// when present.
+    #[must_use]
+    pub fn values_text(&self) -> Option<&str> {
+        self.metadata.get(KEY_VALUES).map(String::as_str)
+    }
 }
 
 /// The bytes of the length prefix that starts every safetensors file.
@@ -135,8 +160,11 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
 
     let mut stated = Vec::with_capacity(fields.len());
     for (name, raw) in fields {
-        let v = value(path, Some(&name), raw)?;
-        stated.push(tensor(path, name, v)?);
+        stated.push(match well_formed(&name, raw) {
+            Some(t) => t,
+            // What is wrong, found by the checks one field at a time.
+            None => tensor(path, name, raw)?,
+        });
     }
     let entries = place(path, stated, data_start, file_len, acp.version.is_some())?;
     if acp.version.is_some() && data_start % DATA_ALIGN != 0 {
@@ -152,7 +180,7 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
         entries,
         metadata,
         step: acp.step,
-        values: acp.values,
+        values: OnceLock::new(),
     })
 }
 
@@ -292,11 +320,11 @@ fn place(
     Ok(entries)
 }
 
-/// The acp fields of `__metadata__`, each checked when present.
+/// The acp fields of `__metadata__`, each checked when present (the
+/// values too, kept as text: [`ParsedHeader::values`]).
 struct AcpFields {
     version: Option<u32>,
     step: Option<u64>,
-    values: Value,
 }
 
 impl AcpFields {
@@ -335,21 +363,17 @@ impl AcpFields {
                 ),
             ));
         }
-        let values = match text {
-            None => Value::Null,
-            Some(text) => serde_json::from_str(text).map_err(|e| {
+        if let Some(text) = text {
+            // Checked as `values()` will parse it, building nothing.
+            serde_json::from_str::<Checked>(text).map_err(|e| {
                 Error::corrupt(
                     path,
                     None,
                     format!("`__metadata__.{KEY_VALUES}` is not valid JSON: {e}"),
                 )
-            })?,
-        };
-        Ok(AcpFields {
-            version,
-            step,
-            values,
-        })
+            })?;
+        }
+        Ok(AcpFields { version, step })
     }
 }
 
@@ -405,6 +429,41 @@ fn string_map(path: &Path, value: Value) -> Result<BTreeMap<String, String>> {
     Ok(map)
 }
 
+/// A header entry's fields as a well-formed one has them, read straight
+/// from its text (no tree of JSON values per entry: a header may list
+/// 100,000 tensors).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Fields<'a> {
+    dtype: &'a str,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// The tensor `name` of the entry `raw` when every check of [`tensor`]
+/// passes it; None when one fails (or its text takes a path this one does
+/// not: an escaped dtype), for [`tensor`] to say which.
+fn well_formed(name: &str, raw: &RawValue) -> Option<Stated> {
+    let f: Fields<'_> = serde_json::from_str(raw.get()).ok()?;
+    let dtype = Dtype::from_name(f.dtype)?;
+    let len = byte_len(dtype, &f.shape)?;
+    let (begin, end) = f.data_offsets;
+    if name_problem(name).is_some() || begin > end || end - begin != len {
+        return None;
+    }
+    Some(Stated {
+        entry: Entry {
+            name: name.to_owned(),
+            dtype,
+            shape: f.shape,
+            offset: 0,
+            len,
+        },
+        begin,
+        end,
+    })
+}
+
 /// One tensor as the header states it, offsets relative to the data start.
 struct Stated {
     entry: Entry,
@@ -412,15 +471,19 @@ struct Stated {
     end: u64,
 }
 
-/// Checks one tensor's header entry on its own.
-fn tensor(path: &Path, name: String, value: Value) -> Result<Stated> {
+/// Checks one tensor's header entry on its own, naming what is wrong.
+fn tensor(path: &Path, name: String, raw: &RawValue) -> Result<Stated> {
     if let Some(reason) = name_problem(&name) {
         return Err(Error::corrupt(path, Some(&escaped(&name)), reason));
     }
+    let value = value(path, Some(&name), raw)?;
     let bad = |reason: String| Error::corrupt(path, Some(&name), reason);
     let Value::Object(mut fields) = value else {
         return Err(bad("header entry is not a JSON object".to_owned()));
     };
+    // A field given twice: a `Value` keeps the last, safetensors refuses.
+    unique_map::<_, &RawValue>(&mut serde_json::Deserializer::from_str(raw.get()))
+        .map_err(|e| bad(format!("header entry is not valid JSON: {e}")))?;
 
     let dtype = match fields.remove("dtype") {
         Some(Value::String(s)) => {

@@ -82,7 +82,10 @@ fn parses_a_planned_image() {
     let h = parse(&bytes).unwrap();
     assert_eq!(h.data_start, l.data_start);
     assert_eq!(h.step, Some(1200));
-    assert_eq!(h.values, serde_json::json!({"epoch": 3, "rng": [1, 2, 3]}));
+    assert_eq!(
+        *h.values(),
+        serde_json::json!({"epoch": 3, "rng": [1, 2, 3]})
+    );
     assert_eq!(h.metadata["acp.rank"], "3");
     let names: Vec<_> = h.entries.iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names, ["s", "w", "b", "z"]);
@@ -100,7 +103,7 @@ fn plain_safetensors_without_acp_metadata() {
     let json = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[],"data_offsets":[4,5]}}"#;
     let h = parse(&raw(json, 5)).unwrap();
     assert_eq!(h.step, None);
-    assert_eq!(h.values, Value::Null);
+    assert_eq!(*h.values(), Value::Null);
     assert!(h.metadata.is_empty());
     assert_eq!(h.entries.len(), 2);
     assert_eq!(h.entries[1].offset, 8 + json.len() as u64 + 4);
@@ -209,9 +212,27 @@ fn acp_fields_are_checked() {
     refused(&with("acp.values", "{"), None, "not valid JSON");
     assert_eq!(parse(&with("acp.step", "7")).unwrap().step, Some(7));
     assert_eq!(
-        parse(&with("acp.values", "[1]")).unwrap().values,
+        *parse(&with("acp.values", "[1]")).unwrap().values(),
         serde_json::json!([1])
     );
+    // Kept as text, but checked as a parse of it reads it: escapes
+    // decoded, a lone surrogate refused, numbers in range.
+    let values = |text: &str| {
+        let header = serde_json::json!({"__metadata__": {"acp.values": text}});
+        raw(&header.to_string(), 0)
+    };
+    let h = parse(&values(r#"{"k":"a\u00e9"}"#)).unwrap();
+    assert_eq!(h.values_text(), Some(r#"{"k":"a\u00e9"}"#));
+    assert_eq!(*h.values(), serde_json::json!({"k": "a\u{e9}"}));
+    for bad in [
+        r#"["\ud800"]"#,
+        r#"{"\ud800":1}"#,
+        "[1e999]",
+        r#"["\x"]"#,
+        "[1,]",
+    ] {
+        refused(&values(bad), None, "not valid JSON");
+    }
 }
 
 #[test]
@@ -320,6 +341,22 @@ fn tensor_entries_are_checked() {
         t,
         "unknown field `x`",
     );
+    // A field given twice is refused (a reader keeping the first one
+    // would see another tensor), as safetensors refuses it.
+    for twice in [
+        r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4],"dtype":"F32"}"#,
+        r#"{"dtype":"F32","shape":[2],"shape":[1],"data_offsets":[0,4]}"#,
+    ] {
+        refused(&one(twice, 4), t, "appears twice");
+    }
+    // A dtype written with escapes is still the dtype (the checks one field
+    // at a time read it).
+    let h = parse(&one(
+        r#"{"dtype":"F\u0033\u0032","shape":[1],"data_offsets":[0,4]}"#,
+        4,
+    ))
+    .unwrap();
+    assert_eq!(h.entries[0].dtype, Dtype::F32);
 }
 
 #[test]
@@ -562,14 +599,14 @@ fn values_at_the_depth_limit_round_trip_and_deeper_ones_are_refused_by_the_write
     check_values_json(&at).unwrap();
     let l = Layout::plan_json(&[], &values_meta(), &at).unwrap();
     let h = parse(l.header_bytes()).unwrap();
-    assert_eq!(h.values, serde_json::from_str::<Value>(&at).unwrap());
+    assert_eq!(*h.values(), serde_json::from_str::<Value>(&at).unwrap());
     // The same through a built value.
     let meta = ImageMeta {
-        values: h.values.clone(),
+        values: h.values().clone(),
         ..values_meta()
     };
     let h2 = parse(Layout::plan(&[], &meta).unwrap().header_bytes()).unwrap();
-    assert_eq!(h2.values, h.values);
+    assert_eq!(h2.values(), h.values());
 
     let deeper = nested_values(MAX_VALUES_DEPTH + 1);
     // 127 levels: 64 objects, 63 arrays; the 128th is an array.
@@ -581,7 +618,7 @@ fn values_at_the_depth_limit_round_trip_and_deeper_ones_are_refused_by_the_write
             &[],
             &ImageMeta {
                 // One level more than the parser takes, built by hand.
-                values: serde_json::json!({ "k": [h.values.clone()] }),
+                values: serde_json::json!({ "k": [h.values().clone()] }),
                 ..values_meta()
             },
         )

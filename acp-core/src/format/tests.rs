@@ -196,7 +196,7 @@ proptest! {
         prop_assert_eq!(by_offset(&parsed.entries), sorted);
         prop_assert!(parsed.entries.windows(2).all(|w| w[0].offset <= w[1].offset));
         prop_assert_eq!(parsed.step, Some(meta.step));
-        prop_assert_eq!(&parsed.values, &meta.values);
+        prop_assert_eq!(parsed.values(), &meta.values);
         for (k, v) in &meta.extra {
             prop_assert_eq!(parsed.metadata.get(k), Some(v));
         }
@@ -221,7 +221,7 @@ proptest! {
         let meta = ImageMeta { values: Value::from(x), ..ImageMeta::default() };
         let layout = Layout::plan(&[], &meta).unwrap();
         let parsed = parse_header(Path::new("f"), layout.header_bytes(), layout.total_len).unwrap();
-        prop_assert_eq!(parsed.values.as_f64().map(f64::to_bits), Some(x.to_bits()));
+        prop_assert_eq!(parsed.values().as_f64().map(f64::to_bits), Some(x.to_bits()));
     }
 }
 

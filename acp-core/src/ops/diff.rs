@@ -191,7 +191,7 @@ fn side_file<'s>(side: &'s mut Side, name: &str) -> Result<&'s mut DataFile> {
 
 fn side_values(side: &mut Side, name: &str) -> Result<Value> {
     match side.files.get_mut(name) {
-        Some(f) => Ok(plain_values(&f.header()?.values)),
+        Some(f) => Ok(plain_values(f.header()?.values())),
         None => Ok(Value::Null),
     }
 }

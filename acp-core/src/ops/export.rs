@@ -148,8 +148,8 @@ fn merge(
     for (i, f) in files.iter_mut().enumerate() {
         let rank = f.entry().rank;
         let h = f.header()?;
-        if !h.values.is_null() {
-            extra.insert(format!("values.rank{rank}"), h.values.to_string());
+        if !h.values().is_null() {
+            extra.insert(format!("values.rank{rank}"), h.values().to_string());
         }
         if i == 0 {
             for (k, v) in &h.metadata {
@@ -271,12 +271,13 @@ fn open_source(path: &Path) -> Result<Source> {
         file.read_exact_at(buf, at)
             .map_err(|e| Error::io("read", path, e))
     })?;
+    let values = h.values().clone();
     Ok(Source {
         path: path.to_path_buf(),
         file,
         entries: h.entries,
         metadata: h.metadata,
-        values: h.values,
+        values,
     })
 }
 

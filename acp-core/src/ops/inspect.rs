@@ -157,7 +157,7 @@ pub fn inspect(root: &Path, step: Option<u64>) -> Result<InspectReport> {
                 .into_iter()
                 .collect(),
             metadata,
-            values: h.values.clone(),
+            values: h.values().clone(),
         });
     }
     Ok(InspectReport {
