@@ -147,6 +147,11 @@ class _IntoPlanner:
         self.fresh = _Fresh(loaded, adapters, self.entries)
         self.fills: dict[str, list[tuple[Entry, object, str]]] = {}
         self.assigns: list[tuple[Any, Any, Builder]] = []
+        # Tensors of the types an adapter reads in bulk (``target_types``,
+        # ``targets``), per framework: (tensor, its node, key), checked
+        # against their entries by `check_pending` once the walk is done.
+        self.pending: dict[str, list[tuple[object, dict[str, Any], str]]] = {}
+        self.bulk: dict[type, str | None] = {}
 
     def error(self, key: str, reason: str) -> InvalidInput:
         return InvalidInput(f"into=: {_where(key)}: {reason}; nothing was loaded")
@@ -165,6 +170,69 @@ class _IntoPlanner:
             return None if got is None else (framework, *got)
         info = adapter.describe(obj, key)
         return None if info is None else (framework, info.dtype, info.shape)
+
+    def bulk_framework(self, obj: object, key: str) -> str | None:
+        """The framework of ``obj`` when its adapter reads targets of its
+        type in bulk, else None."""
+        kind = type(obj)
+        try:
+            return self.bulk[kind]
+        except KeyError:
+            pass
+        framework = self.adapters.framework_of(obj)
+        if framework is not None:
+            adapter = self.adapters.get(framework, key)
+            if kind not in getattr(adapter, "target_types", ()):
+                framework = None
+        self.bulk[kind] = framework
+        return framework
+
+    def fill(self, target: object, node: dict[str, Any], key: str) -> bool:
+        """Plans filling the tensor ``target`` from the tensor node
+        ``node``; False when ``target`` is not a tensor."""
+        framework = self.bulk_framework(target, key)
+        if framework is not None:
+            self.pending.setdefault(framework, []).append((target, node, key))
+            return True
+        tensor = self.tensor_info(target, key)
+        if tensor is None:
+            return False
+        framework, dtype, shape = tensor
+        entry = self.entry(node, dtype, shape, key)
+        self.fills.setdefault(framework, []).append((entry, target, key))
+        return True
+
+    def entry(self, node: dict[str, Any], dtype: str, shape: Sequence[int], key: str) -> Entry:
+        """The entry of the tensor node ``node``, checked against a target
+        of ``dtype`` and ``shape``."""
+        entry = self.entries.get(node.get("name"))  # type: ignore[arg-type]
+        if entry is None:
+            raise CheckpointCorrupt(
+                f"step {self.loaded.step}: the values refer to tensor `{node.get('name')}`, "
+                "which the checkpoint does not hold"
+            )
+        if dtype != entry.dtype or tuple(shape) != entry.shape:
+            raise self.error(
+                key,
+                f"the checkpoint has {entry.dtype} {list(entry.shape)}, "
+                f"into= has {dtype} {list(shape)}",
+            )
+        return entry
+
+    def check_pending(self) -> None:
+        """Reads the pending tensors' dtypes and shapes in bulk and checks
+        them against their entries, as `fill` does one at a time."""
+        entries = self.entries
+        for framework, items in self.pending.items():
+            adapter = self.adapters.get(framework, items[0][2])
+            fills = self.fills.setdefault(framework, [])
+            targets = adapter.targets([t for t, _, _ in items], [k for _, _, k in items])  # type: ignore[attr-defined]
+            for (t, node, key), (dtype, shape) in zip(items, targets):
+                entry = entries.get(node["name"])
+                if entry is None or dtype != entry.dtype or shape != entry.shape:
+                    entry = self.entry(node, dtype, shape, key)  # raises, naming it
+                fills.append((entry, t, key))
+        self.pending.clear()
 
     def holds_tensor(self, obj: object, key: str) -> bool:
         if isinstance(obj, dict):
@@ -187,26 +255,9 @@ class _IntoPlanner:
         return self.new_value(node, key)
 
     def plan(self, target: object, node: Any, key: str, top: bool = False) -> Any:
-        tensor = self.tensor_info(target, key)
         if is_tensor_node(node):
-            if tensor is None:
-                return self.replace(target, node, key)
-            framework, dtype, shape = tensor
-            entry = self.entries.get(node.get("name"))
-            if entry is None:
-                raise CheckpointCorrupt(
-                    f"step {self.loaded.step}: the values refer to tensor `{node.get('name')}`, "
-                    "which the checkpoint does not hold"
-                )
-            if dtype != entry.dtype or tuple(shape) != entry.shape:
-                raise self.error(
-                    key,
-                    f"the checkpoint has {entry.dtype} {list(entry.shape)}, "
-                    f"into= has {dtype} {list(shape)}",
-                )
-            self.fills.setdefault(framework, []).append((entry, target, key))
-            return _KEEP
-        if tensor is not None:
+            return _KEEP if self.fill(target, node, key) else self.replace(target, node, key)
+        if self.tensor_info(target, key) is not None:
             raise self.error(key, f"into= has a tensor, the checkpoint a {node_kind(node)}")
         tag = node.get("t") if isinstance(node, dict) else None
         if isinstance(target, dict) and tag in ("dict", "odict"):
@@ -217,9 +268,14 @@ class _IntoPlanner:
                     raise self.error(
                         _join(key, k), f"not in the checkpoint (step {self.loaded.step})"
                     )
+            plan, fill = self.plan, self.fill
             for k, child in items:
                 if k in target:
-                    result = self.plan(target[k], child, _join(key, k))
+                    sub, t = _join(key, k), target[k]
+                    # A tensor into a tensor, the common case, planned here.
+                    if type(child) is dict and child.get("t") == "tensor" and fill(t, child, sub):
+                        continue
+                    result = plan(t, child, sub)
                     if result is not _KEEP:
                         self.assigns.append((target, k, result))
                 elif not top:
@@ -334,6 +390,7 @@ def _load_into(
             "into=: must be a dict, list or tensor matching the checkpoint's state "
             f"(the checkpoint holds a {node_kind(node)}); nothing was loaded"
         )
+    planner.check_pending()
     transfers = []
     copied = 0
     for framework, items in planner.fills.items():

@@ -92,6 +92,9 @@ _storage = torch.Tensor.untyped_storage
 # kept only for host tensors (any other device is refused or replanned).
 _fields = operator.attrgetter("shape", "dtype", "is_cpu", "layout", "requires_grad")
 _is_cpu = operator.attrgetter("is_cpu")
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
+_is_nested = operator.attrgetter("is_nested")
 _layout = operator.attrgetter("layout")
 _is_contiguous = torch.Tensor.is_contiguous
 
@@ -385,6 +388,26 @@ class Adapter:
             info = self.describe(obj, key)  # raises, naming why
             return None if info is None else (info.dtype, info.shape)
         return dtype, t.shape
+
+    target_types = _PLAIN_TENSORS
+    """The types whose targets :meth:`targets` reads in bulk."""
+
+    def targets(
+        self, objs: Sequence[object], keys: Sequence[str]
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """:meth:`target` of each of ``objs`` (of :attr:`target_types`),
+        each field read for all of them by one C-level map; raises as
+        ``target`` does, naming the first refused one's key."""
+        tensors = cast("Sequence[torch.Tensor]", objs)
+        names = list(map(DTYPES.get, map(_dtype, tensors)))
+        if None in names or any(map(_is_nested, tensors)):
+            out = []
+            for t, key in zip(tensors, keys):
+                got = self.target(t, key)  # raises for the refused one
+                assert got is not None  # a plain tensor, or it raised
+                out.append(got)
+            return out
+        return list(zip(names, map(_shape, tensors)))  # type: ignore[arg-type]
 
     def signature(self, obj: object) -> Any:
         """What ``describe`` and the copy plans read of ``obj``, for
