@@ -45,11 +45,13 @@ import binascii
 import importlib
 import json
 import math
+import operator
 import re
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
 from typing import Any, Protocol
 
 from acp._acp import MAX_VALUES_DEPTH, CheckpointCorrupt, InvalidInput, Unsupported
@@ -628,8 +630,11 @@ def _plain_tree(node: Any) -> bool:
     paths it builds for its errors (a restore of 100,000 tensors built as
     many strings): True only for a tree every rule of it passes, False for
     anything else, which ``check_tree`` then judges and names. Scalars are
-    taken by exact type (``json.loads`` makes no subclasses)."""
+    taken by exact type (``json.loads`` makes no subclasses). Tensor
+    references, most of a state's nodes, are set aside and checked together
+    by C-level maps."""
     plain = _PLAIN
+    tensors: list[dict[str, Any]] = []
     stack: list[tuple[Any, int]] = [(node, 2)]
     pop, push, extend = stack.pop, stack.append, stack.extend
     while stack:
@@ -646,11 +651,7 @@ def _plain_tree(node: Any) -> bool:
             return False
         tag = n.get("t")
         if tag == "tensor":
-            fw = n.get("fw")
-            if type(fw) is not str or fw not in ADAPTER_MODULES or type(n.get("name")) is not str:
-                return False
-            if not plain.issuperset(map(type, n.values())):
-                return False
+            tensors.append(n)
         elif tag in ("dict", "odict"):  # a tuple: `tag` may be unhashable
             keys, values = n.get("k"), n.get("v")
             if type(keys) is not list or type(values) is not list or len(keys) != len(values):
@@ -661,7 +662,14 @@ def _plain_tree(node: Any) -> bool:
                 if tag != "odict":
                     return False
                 push((n["meta"], depth + 1))
-            extend([(v, depth + 2) for v in values])
+            if depth + 2 <= MAX_DEPTH and set(map(type, values)) == _DICT:
+                # All tagged nodes: the tensor references aside at once.
+                tags = map(dict.get, values, repeat("t"))
+                refs = list(map(operator.eq, tags, repeat("tensor")))
+                tensors.extend(compress(values, refs))
+                extend([(v, depth + 2) for v in compress(values, map(operator.not_, refs))])
+            else:
+                extend([(v, depth + 2) for v in values])
         elif tag == "tuple":
             values = n.get("v")
             if type(values) is not list:
@@ -672,7 +680,26 @@ def _plain_tree(node: Any) -> bool:
                 _check_leaf(n, tag, "", None)
             except CheckpointCorrupt:
                 return False
-    return True
+    return _plain_refs(tensors)
+
+
+_DICT = {dict}
+
+
+def _plain_refs(refs: list[dict[str, Any]]) -> bool:
+    """Whether every tensor reference of ``refs`` passes ``_check_leaf``:
+    a known framework, a string name, plain values only."""
+    if not refs:
+        return True
+    try:
+        frameworks = set(map(dict.get, refs, repeat("fw")))
+    except TypeError:
+        return False  # an unhashable one
+    if not frameworks.issubset(ADAPTER_MODULES):  # its keys are strings
+        return False
+    if set(map(type, map(dict.get, refs, repeat("name")))) != {str}:
+        return False
+    return _PLAIN.issuperset(map(type, chain.from_iterable(map(dict.values, refs))))
 
 
 def _check_leaf(n: dict[str, Any], tag: object, key: str, step: int | None) -> None:

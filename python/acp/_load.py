@@ -3,8 +3,9 @@ tensors and containers (``load(into=...)``)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from acp._acp import CheckpointCorrupt, InvalidInput, Loaded
 from acp._codec import (
@@ -133,6 +134,9 @@ def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bo
         fresh.loaded = None
 
 
+_NAME = operator.itemgetter("name")
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+
 _KEEP = object()
 """A plan result: the target object stays, updated in place."""
 
@@ -222,16 +226,16 @@ class _IntoPlanner:
     def check_pending(self) -> None:
         """Reads the pending tensors' dtypes and shapes in bulk and checks
         them against their entries, as `fill` does one at a time."""
-        entries = self.entries
         for framework, items in self.pending.items():
             adapter = self.adapters.get(framework, items[0][2])
-            fills = self.fills.setdefault(framework, [])
-            targets = adapter.targets([t for t, _, _ in items], [k for _, _, k in items])  # type: ignore[attr-defined]
-            for (t, node, key), (dtype, shape) in zip(items, targets):
-                entry = entries.get(node["name"])
-                if entry is None or dtype != entry.dtype or shape != entry.shape:
-                    entry = self.entry(node, dtype, shape, key)  # raises, naming it
-                fills.append((entry, t, key))
+            tensors, nodes, keys = map(list, zip(*items))
+            targets = adapter.targets(tensors, keys)  # type: ignore[attr-defined]
+            found = list(map(self.entries.get, map(_NAME, nodes)))
+            if None in found or list(map(_DTYPE_SHAPE, found)) != targets:
+                for node, (dtype, shape), key in zip(nodes, targets, keys):
+                    self.entry(node, dtype, shape, key)  # raises for the first that differs
+            checked = cast("list[Entry]", found)  # none missing: the loop raised
+            self.fills.setdefault(framework, []).extend(zip(checked, tensors, keys))
         self.pending.clear()
 
     def holds_tensor(self, obj: object, key: str) -> bool:

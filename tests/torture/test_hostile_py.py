@@ -155,6 +155,9 @@ HOSTILE_VALUES: list[tuple[str, Any, str]] = [
     ("dict-key-dict", {"t": "dict", "k": [{"t": "dict", "k": [], "v": []}], "v": [1]}, "x"),
     ("dict-key-bad-int", {"t": "dict", "k": [{"t": "int", "v": "1e5"}], "v": [1]}, "x"),
     ("dict-meta", {"t": "dict", "k": [], "v": [], "meta": {}}, "x"),
+    ("tensor-fw-list", {"t": "tensor", "fw": ["torch"], "name": "w"}, "x"),
+    ("tensor-fw-number", {"t": "tensor", "fw": 1, "name": "w"}, "x"),
+    ("tensor-field-dict", {**T, "x": {"t": "tensor"}}, "x"),
     (
         "odict-bad-meta",
         {"t": "odict", "k": [], "v": [], "meta": {"t": "bytes", "v": 3}},
@@ -264,7 +267,12 @@ def test_the_quick_tree_check_never_passes_what_the_full_one_refuses(node: Any, 
     reach the decoder unchecked)."""
     from acp import _codec
 
-    for tree in (node, {"t": "dict", "k": ["x"], "v": [node]}, [1, {"t": "tuple", "v": [node]}]):
+    for tree in (
+        node,
+        {"t": "dict", "k": ["x"], "v": [node]},
+        {"t": "dict", "k": ["w", "x", "y"], "v": [T, node, T]},  # beside references
+        [1, {"t": "tuple", "v": [node]}],
+    ):
         try:
             _codec.check_tree(tree, step=1)
         except acp.CheckpointCorrupt:
