@@ -69,7 +69,9 @@ def life(a: argparse.Namespace) -> None:
         job="restart-bench",
         shm_dir=a.shm,
         ring_slots=a.slots,
-        ring_bytes=a.slots * (nbytes + (8 << 20)),
+        # Each slot holds the data, the header and the values (about 150
+        # bytes per tensor), and alignment: 8 MiB and 256 bytes per tensor.
+        ring_bytes=a.slots * (nbytes + (8 << 20) + 256 * a.tensors),
         keep_last=2,
     )
     out["open"] = time.perf_counter() - t0
