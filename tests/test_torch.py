@@ -317,13 +317,19 @@ class MyTensor(torch.Tensor):
     pass
 
 
+UNSUPPORTED_TENSORS = [
+    (torch.ones(2).as_subclass(MyTensor), r"`x`: tensor subclass `.*MyTensor`"),
+    (torch.ones(2, dtype=torch.complex64), r"`x`: dtype torch.complex64"),
+    (torch.ones(2).to_sparse(), r"`x`: torch.sparse_coo"),
+    (torch.empty(2, device="meta"), r"`x`: tensors on meta"),
+]
+"""Tensors acp refuses, and the error naming each (key `x`)."""
+
+
 @pytest.mark.parametrize(
     ("value", "pattern"),
     [
-        (torch.ones(2).as_subclass(MyTensor), r"`x`: tensor subclass `.*MyTensor`"),
-        (torch.ones(2, dtype=torch.complex64), r"`x`: dtype torch.complex64"),
-        (torch.ones(2).to_sparse(), r"`x`: torch.sparse_coo"),
-        (torch.empty(2, device="meta"), r"`x`: tensors on meta"),
+        *UNSUPPORTED_TENSORS,
         (nn.Linear(2, 2), r"`x`: .*Linear.*state_dict"),
         (torch.Generator(), r"`x`: .*Generator"),
     ],
@@ -338,15 +344,7 @@ def test_unsupported_torch_values_are_refused(
     assert ckpt.steps() == [1]
 
 
-@pytest.mark.parametrize(
-    ("target", "pattern"),
-    [
-        (torch.ones(2).as_subclass(MyTensor), r"`x`: tensor subclass `.*MyTensor`"),
-        (torch.ones(2, dtype=torch.complex64), r"`x`: dtype torch.complex64"),
-        (torch.ones(2).to_sparse(), r"`x`: torch.sparse_coo"),
-        (torch.empty(2, device="meta"), r"`x`: tensors on meta"),
-    ],
-)
+@pytest.mark.parametrize(("target", "pattern"), UNSUPPORTED_TENSORS)
 def test_unsupported_tensors_in_into_are_refused_before_any_copy(
     ckpt: acp.Checkpointer, target: torch.Tensor, pattern: str
 ) -> None:
