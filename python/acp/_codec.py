@@ -545,6 +545,17 @@ def parse(values_json: str, step: int) -> Any:
     :func:`check_tree`: the decoder never meets a malformed node.
 
     Raises:
+        as :func:`parse_refs`.
+    """
+    return parse_refs(values_json, step)[0]
+
+
+def parse_refs(values_json: str, step: int) -> tuple[Any, list[dict[str, Any]] | None]:
+    """:func:`parse`, with the tree's tensor references (their ``name``
+    fields checked to be strings) when the quick check found them all,
+    else None.
+
+    Raises:
         Unsupported: written by a newer codec.
         InvalidInput: not written by this codec.
         CheckpointCorrupt: not JSON, or a malformed node (naming its key).
@@ -561,8 +572,11 @@ def parse(values_json: str, step: int) -> Any:
             f"step {step}: unsupported: state codec version {version!r} is newer than "
             f"this acp's {CODEC_VERSION}; upgrade acp"
         )
-    check_tree(tree[STATE_KEY], step)
-    return tree[STATE_KEY]
+    node = tree[STATE_KEY]
+    refs = _quick_refs(node)
+    if refs is None:
+        _full_check(node, step)
+    return node, refs
 
 
 def _corrupt(step: int | None, key: str, what: str) -> CheckpointCorrupt:
@@ -584,8 +598,13 @@ def check_tree(node: Any, step: int | None) -> None:
     Raises:
         CheckpointCorrupt: naming the key path of the first malformed node.
     """
-    if _plain_tree(node):
-        return
+    if _quick_refs(node) is None:
+        _full_check(node, step)
+
+
+def _full_check(node: Any, step: int | None) -> None:
+    """:func:`check_tree`'s rules, building the key path of every node to
+    name the first that breaks one."""
     # (node, key path, JSON nesting depth of the node; the document is 1)
     stack: list[tuple[Any, str, int]] = [(node, "", 2)]
     while stack:
@@ -625,11 +644,12 @@ _PLAIN = frozenset((str, int, float, bool, type(None)))
 """The types of JSON's scalars, as ``json.loads`` makes them."""
 
 
-def _plain_tree(node: Any) -> bool:
-    """Whether :func:`check_tree` passes ``node``, judged without the key
-    paths it builds for its errors (a restore of 100,000 tensors built as
-    many strings): True only for a tree every rule of it passes, False for
-    anything else, which ``check_tree`` then judges and names. Scalars are
+def _quick_refs(node: Any) -> list[dict[str, Any]] | None:
+    """The tensor references of ``node`` when :func:`check_tree` passes it,
+    judged without the key paths it builds for its errors (a restore of
+    100,000 tensors built as many strings): a list only for a tree every
+    rule of it passes, None for anything else, which ``check_tree`` then
+    judges and names. Scalars are
     taken by exact type (``json.loads`` makes no subclasses). Tensor
     references, most of a state's nodes, are set aside and checked together
     by C-level maps."""
@@ -643,24 +663,24 @@ def _plain_tree(node: Any) -> bool:
         if kind in plain:
             continue
         if depth > MAX_DEPTH:
-            return False
+            return None
         if kind is list:
             extend([(v, depth + 1) for v in n])
             continue
         if kind is not dict:
-            return False
+            return None
         tag = n.get("t")
         if tag == "tensor":
             tensors.append(n)
         elif tag in ("dict", "odict"):  # a tuple: `tag` may be unhashable
             keys, values = n.get("k"), n.get("v")
             if type(keys) is not list or type(values) is not list or len(keys) != len(values):
-                return False
+                return None
             if not plain.issuperset(map(type, keys)):
-                return False  # a tagged number, or worse
+                return None  # a tagged number, or worse
             if "meta" in n:
                 if tag != "odict":
-                    return False
+                    return None
                 push((n["meta"], depth + 1))
             if depth + 2 <= MAX_DEPTH and set(map(type, values)) == _DICT:
                 # All tagged nodes: the tensor references aside at once.
@@ -673,14 +693,14 @@ def _plain_tree(node: Any) -> bool:
         elif tag == "tuple":
             values = n.get("v")
             if type(values) is not list:
-                return False
+                return None
             extend([(v, depth + 2) for v in values])
         else:
             try:
                 _check_leaf(n, tag, "", None)
             except CheckpointCorrupt:
-                return False
-    return _plain_refs(tensors)
+                return None
+    return tensors if _plain_refs(tensors) else None
 
 
 _DICT = {dict}

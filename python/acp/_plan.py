@@ -23,6 +23,7 @@ load in hand.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import secrets
 import struct
@@ -31,7 +32,7 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from acp._acp import InvalidInput
-from acp._codec import PLAIN_TYPES, Adapters, _join, dumps, parse, plain_json, tensor_refs
+from acp._codec import PLAIN_TYPES, Adapters, _join, dumps, parse_refs, plain_json, tensor_refs
 from acp._overlap import Split
 
 Signature = list[Any]
@@ -202,21 +203,28 @@ class Walker:
         return [fn(objs) for fn, objs in groups.items()]
 
 
-_parsed: list[tuple[str, Any]] = []
-"""The last ``(values JSON, tree)`` :func:`parse_cached` parsed."""
+_parsed: list[tuple[str, Any, list[dict[str, Any]] | None]] = []
+"""The last ``(values JSON, tree, its tensor references or None)``
+:func:`parse_cached` parsed (``acp._codec.parse_refs``)."""
+
+
+def _parse_held(values_json: str, step: int) -> tuple[str, Any, list[dict[str, Any]] | None]:
+    held = _parsed[0] if _parsed else None
+    if held is not None and held[0] == values_json:
+        return held
+    node, refs = parse_refs(values_json, step)
+    _parsed[:] = [(values_json, node, refs)]
+    return _parsed[0]
 
 
 def parse_cached(values_json: str, step: int) -> Any:
     """:func:`acp._codec.parse` of ``values_json``, the last tree kept:
     restoring the same checkpoint structure again parses and checks it
     once. Callers must not modify the tree."""
-    held = _parsed[0] if _parsed else None
-    if held is not None and held[0] == values_json:
-        return held[1]
-    node = parse(values_json, step)
-    _parsed[:] = [(values_json, node)]
-    return node
+    return _parse_held(values_json, step)[1]
 
+
+_NAME = operator.itemgetter("name")
 
 _names: list[tuple[str, frozenset[str]]] = []
 """The last ``(values JSON, tensor names)`` :func:`ref_names_cached` gave."""
@@ -229,11 +237,13 @@ def ref_names_cached(values_json: str, step: int) -> frozenset[str]:
     held = _names[0] if _names else None
     if held is not None and held[0] == values_json:
         return held[1]
-    names = frozenset(
-        name
-        for ref in tensor_refs(parse_cached(values_json, step))
-        if isinstance(name := ref.get("name"), str)
-    )
+    _, node, refs = _parse_held(values_json, step)
+    if refs is not None:  # the quick check's, names checked to be strings
+        names = frozenset(map(_NAME, refs))
+    else:
+        names = frozenset(
+            name for ref in tensor_refs(node) if isinstance(name := ref.get("name"), str)
+        )
     _names[:] = [(values_json, names)]
     return names
 

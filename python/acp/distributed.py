@@ -63,6 +63,8 @@ from acp._acp import AcpError, AcpTimeout, CheckpointNotFound, ConfigError, Inva
 from acp._codec import STATE_KEY, Adapters, Flat, FlatTensor, flatten
 from acp._plan import ref_names_cached
 
+_FIRST = operator.itemgetter(0)
+
 __all__ = ["Coordinator", "Store", "assign", "default_store"]
 
 logger = logging.getLogger("acp")
@@ -249,7 +251,7 @@ def with_other_ranks(engine: Any, loaded: Any, rank: int, storage_only: bool) ->
     # The tree's names are kept from the last load of the same values: a
     # restore of the same structure again walks it once.
     missing = ref_names_cached(loaded.values_json, loaded.step).difference(
-        e[0] for e in loaded.entries()
+        map(_FIRST, loaded.entries())
     )
     if not missing:
         return loaded
