@@ -18,6 +18,9 @@ use acp_bench::{
     small_tensor_count, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes,
     Paired, Scratch, TensorSet, SAMPLES,
 };
+use std::path::Path;
+
+use acp_core::format::{parse_header, ImageMeta, Layout, TensorSpec};
 use acp_core::{Engine, HostTensor};
 use criterion::{
     criterion_group, criterion_main, measurement::WallTime, BenchmarkGroup, Criterion,
@@ -150,5 +153,71 @@ fn tensors(c: &mut Criterion) {
     notes.save();
 }
 
-criterion_group!(benches, tensors);
+/// The header of an image of `set`, with a values tree that refers to each
+/// tensor as the Python binding's does (`{"t":"tensor","fw":"torch",
+/// "name":...}` under one dict node).
+fn header_of(set: &TensorSet, src: &[u8]) -> (Vec<u8>, u64) {
+    let host = set.host(src);
+    let specs: Vec<TensorSpec> = host
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name.to_owned(),
+            dtype: t.dtype,
+            shape: t.shape.to_vec(),
+        })
+        .collect();
+    let names: Vec<&str> = host.iter().map(|t| t.name).collect();
+    let refs: Vec<serde_json::Value> = names
+        .iter()
+        .map(|n| serde_json::json!({"t": "tensor", "fw": "torch", "name": n}))
+        .collect();
+    let values = serde_json::json!({"acp.codec": 1, "state": {"t": "dict", "k": names, "v": refs}});
+    let meta = ImageMeta {
+        step: 1,
+        rank: 0,
+        world_size: 1,
+        values: serde_json::Value::Null,
+        extra: std::collections::BTreeMap::new(),
+    };
+    let layout = Layout::plan_json(&specs, &meta, &values.to_string())
+        .unwrap_or_else(|e| panic!("laying out the header: {e}"));
+    (layout.header_bytes().to_vec(), layout.total_len)
+}
+
+/// The parse of a header of many tensors (the load's plan from a header,
+/// a restart's first load), against reading the same JSON and building
+/// nothing (`serde::de::IgnoredAny`): the floor of any parse.
+fn header(c: &mut Criterion) {
+    let count = small_tensor_count();
+    let many = TensorSet::small(count, 4 << 10, 64 << 10, 42);
+    let src = AlignedBuf::random(many.total, 4);
+    let (bytes, file_len) = header_of(&many, &src);
+    let text = &bytes[8..];
+    let mut g = c.benchmark_group("header");
+    g.sample_size(SAMPLES)
+        .warm_up_time(warm_up_time())
+        .measurement_time(measurement_time())
+        .throughput(Throughput::Bytes(bytes.len() as u64));
+    g.bench_function("json_scan_many", |b| {
+        b.iter(|| {
+            let scan: serde::de::IgnoredAny = serde_json::from_slice(black_box(text))
+                .unwrap_or_else(|e| panic!("scanning the header: {e}"));
+            black_box(scan);
+        });
+    });
+    g.bench_function("parse_header_many", |b| {
+        b.iter(|| {
+            let h = parse_header(Path::new("bench"), black_box(&bytes), file_len)
+                .unwrap_or_else(|e| panic!("parsing the header: {e}"));
+            black_box(h);
+        });
+    });
+    g.finish();
+    let mut notes = Notes::new("header");
+    notes.set("tensors", count);
+    notes.set("header bytes", human_bytes(bytes.len() as u64));
+    notes.save();
+}
+
+criterion_group!(benches, tensors, header);
 criterion_main!(benches);

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use super::json::{escaped, shown, too_deep, unique_map, Checked};
+use super::json::{escaped, shown, too_deep, unique_entries, unique_map, Checked};
 use super::layout::{
     byte_len, name_problem, KEY_RANK, KEY_STEP, KEY_VALUES, KEY_VERSION, KEY_WORLD_SIZE,
     METADATA_KEY,
@@ -136,7 +136,7 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
     let mut de = serde_json::Deserializer::from_str(text);
     // Each entry stays text until it is checked, one at a time: a header
     // of 100,000 tensors never exists as a tree of JSON values.
-    let mut fields: BTreeMap<String, &RawValue> = unique_map(&mut de)
+    let mut fields: Vec<(String, &RawValue)> = unique_entries(&mut de)
         .and_then(|m| de.end().map(|()| m))
         .map_err(|e| {
             Error::corrupt(
@@ -146,10 +146,11 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
             )
         })?;
 
-    let metadata = match fields
-        .remove(METADATA_KEY)
-        .map(|raw| value(path, None, raw))
-    {
+    let metadata_raw = fields
+        .iter()
+        .position(|(k, _)| k == METADATA_KEY)
+        .map(|at| fields.swap_remove(at).1);
+    let metadata = match metadata_raw.map(|raw| value(path, None, raw)) {
         None => BTreeMap::new(),
         Some(v) => match v? {
             Value::Null => BTreeMap::new(),
@@ -161,7 +162,17 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
     let mut stated = Vec::with_capacity(fields.len());
     for (name, raw) in fields {
         stated.push(match well_formed(&name, raw) {
-            Some(t) => t,
+            Some((dtype, shape, len, begin, end)) => Stated {
+                entry: Entry {
+                    name,
+                    dtype,
+                    shape,
+                    offset: 0,
+                    len,
+                },
+                begin,
+                end,
+            },
             // What is wrong, found by the checks one field at a time.
             None => tensor(path, name, raw)?,
         });
@@ -440,10 +451,11 @@ struct Fields<'a> {
     data_offsets: (u64, u64),
 }
 
-/// The tensor `name` of the entry `raw` when every check of [`tensor`]
-/// passes it; None when one fails (or its text takes a path this one does
-/// not: an escaped dtype), for [`tensor`] to say which.
-fn well_formed(name: &str, raw: &RawValue) -> Option<Stated> {
+/// The dtype, shape, byte length and data offsets of tensor `name`'s entry
+/// `raw` when every check of [`tensor`] passes it; None when one fails (or
+/// its text takes a path this one does not: an escaped dtype), for
+/// [`tensor`] to say which.
+fn well_formed(name: &str, raw: &RawValue) -> Option<(Dtype, Vec<u64>, u64, u64, u64)> {
     let f: Fields<'_> = serde_json::from_str(raw.get()).ok()?;
     let dtype = Dtype::from_name(f.dtype)?;
     let len = byte_len(dtype, &f.shape)?;
@@ -451,17 +463,7 @@ fn well_formed(name: &str, raw: &RawValue) -> Option<Stated> {
     if name_problem(name).is_some() || begin > end || end - begin != len {
         return None;
     }
-    Some(Stated {
-        entry: Entry {
-            name: name.to_owned(),
-            dtype,
-            shape: f.shape,
-            offset: 0,
-            len,
-        },
-        begin,
-        end,
-    })
+    Some((dtype, f.shape, len, begin, end))
 }
 
 /// One tensor as the header states it, offsets relative to the data start.
