@@ -83,8 +83,9 @@
 //!
 //! [`Layout::plan`] writes this header; [`parse_header`] reads one from
 //! untrusted bytes and checks all of the above. It also refuses a key given
-//! twice, and, in a file that carries `acp.version`, a data start or tensor
-//! offset that breaks the alignment rule. A file whose `acp.version` is newer
+//! twice (at the top level or within a tensor's entry), and, in a file that
+//! carries `acp.version`, a data start or tensor offset that breaks the
+//! alignment rule. A file whose `acp.version` is newer
 //! than this build's is [`Unsupported`](crate::Error::Unsupported), not
 //! corrupt.
 //!
