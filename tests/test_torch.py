@@ -197,6 +197,28 @@ def test_a_transpose_over_the_same_bytes_is_not_a_tied_weight(ckpt: acp.Checkpoi
     assert torch.equal(out["wt"], w.t())
 
 
+def test_load_into_tensors_sharing_memory(ckpt: acp.Checkpointer) -> None:
+    """``load(into=)``: a tied weight (one tensor in the checkpoint) may be
+    loaded into one tensor twice; two checkpoint tensors into overlapping
+    contiguous host memory are refused, naming both keys, before anything
+    is copied."""
+    w = torch.arange(8.0)
+    ckpt.save(1, {"a": w, "b": w, "c": torch.ones(4), "d": torch.zeros(4)}).wait()
+    shared = torch.zeros(8)
+    ckpt.load(1, into={"a": shared, "b": shared})
+    assert torch.equal(shared, w)
+
+    base = torch.full((6,), -1.0)
+    for c, d in [(base[:4], base[2:]), (base[2:], base[:4])]:
+        with pytest.raises(acp.InvalidInput, match=r"`[cd]` and key `[cd]` share memory"):
+            ckpt.load(1, into={"c": c, "d": d})
+        assert torch.equal(base, torch.full((6,), -1.0))  # nothing was copied
+    # Separate memory loads, tightly packed.
+    packed = torch.full((8,), -1.0)
+    ckpt.load(1, into={"c": packed[:4], "d": packed[4:]})
+    assert torch.equal(packed, torch.tensor([1.0] * 4 + [0.0] * 4))
+
+
 def test_parameters_and_requires_grad_survive(ckpt: acp.Checkpointer) -> None:
     p = nn.Parameter(torch.randn(3))
     frozen = nn.Parameter(torch.randn(2), requires_grad=False)
