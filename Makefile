@@ -55,7 +55,8 @@ fmt: ## Format Rust and Python code.
 lint: venv ## fmt check, clippy -D warnings, rustdoc -D warnings, cargo deny (where installed), ruff, mypy --strict.
 	cargo fmt --all -- --check
 	rustfmt --check --edition 2021 $(EXAMPLES_RS)
-	cargo clippy --workspace --all-targets -- -D warnings
+	# One clippy run, with the `acp` binary's feature: nothing is compiled
+	# only without it (the wheel's build and rustdoc compile without it).
 	cargo clippy --workspace --all-targets --features acp-core/cli -- -D warnings
 	RUSTDOCFLAGS='-D warnings' cargo doc -p acp-core --no-deps -q
 	@if cargo deny --version >/dev/null 2>&1; then $(DENY_OFFLINE); \
@@ -88,8 +89,7 @@ deny-advisories: cargo-deny ## cargo deny: RustSec advisories (fetches their dat
 	cargo deny check --hide-inclusion-graph advisories
 
 test-rust: ## Rust unit, integration and doc tests (and the acp binary's).
-	cargo test --workspace
-	cargo test -p acp-core --features cli --test cli
+	cargo test --workspace --features acp-core/cli
 
 test-py: build-dev ## The pytest suite against the built wheel.
 	$(PY) -m pytest
