@@ -11,6 +11,7 @@
 //! notes give the median of those back-to-back differences per tensor.
 
 use std::hint::black_box;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use acp_bench::{
@@ -18,8 +19,6 @@ use acp_bench::{
     small_tensor_count, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes,
     Paired, Scratch, TensorSet, SAMPLES,
 };
-use std::path::Path;
-
 use acp_core::format::{parse_header, ImageMeta, Layout, TensorSpec};
 use acp_core::{Engine, HostTensor};
 use criterion::{
@@ -158,14 +157,7 @@ fn tensors(c: &mut Criterion) {
 /// "name":...}` under one dict node).
 fn header_of(set: &TensorSet, src: &[u8]) -> (Vec<u8>, u64) {
     let host = set.host(src);
-    let specs: Vec<TensorSpec> = host
-        .iter()
-        .map(|t| TensorSpec {
-            name: t.name.to_owned(),
-            dtype: t.dtype,
-            shape: t.shape.to_vec(),
-        })
-        .collect();
+    let specs: Vec<TensorSpec> = host.iter().map(HostTensor::spec).collect();
     let names: Vec<&str> = host.iter().map(|t| t.name).collect();
     let refs: Vec<serde_json::Value> = names
         .iter()

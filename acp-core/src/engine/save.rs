@@ -55,6 +55,18 @@ pub struct HostTensor<'a> {
     pub data: &'a [u8],
 }
 
+impl HostTensor<'_> {
+    /// Its name, dtype and shape, as a layout takes them.
+    #[must_use]
+    pub fn spec(&self) -> TensorSpec {
+        TensorSpec {
+            name: self.name.to_owned(),
+            dtype: self.dtype,
+            shape: self.shape.to_vec(),
+        }
+    }
+}
+
 /// The layout of a save kept for the next saves of the same tensors and
 /// values ([`Engine::save_plan`]): a save from it
 /// ([`Engine::begin_save_planned`]) writes only its own header, without
@@ -506,14 +518,7 @@ impl Engine {
         values: &serde_json::Value,
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
-        let specs: Vec<TensorSpec> = tensors
-            .iter()
-            .map(|t| TensorSpec {
-                name: t.name.to_owned(),
-                dtype: t.dtype,
-                shape: t.shape.to_vec(),
-            })
-            .collect();
+        let specs: Vec<TensorSpec> = tensors.iter().map(HostTensor::spec).collect();
         for (t, spec) in tensors.iter().zip(&specs) {
             let want = spec.byte_len()?;
             if t.data.len() as u64 != want {

@@ -162,17 +162,9 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
     let mut stated = Vec::with_capacity(fields.len());
     for (name, raw) in fields {
         stated.push(match well_formed(&name, raw) {
-            Some((dtype, shape, len, begin, end)) => Stated {
-                entry: Entry {
-                    name,
-                    dtype,
-                    shape,
-                    offset: 0,
-                    len,
-                },
-                begin,
-                end,
-            },
+            Some((dtype, shape, len, begin, end)) => {
+                Stated::new(name, dtype, shape, len, begin, end)
+            }
             // What is wrong, found by the checks one field at a time.
             None => tensor(path, name, raw)?,
         });
@@ -473,6 +465,22 @@ struct Stated {
     end: u64,
 }
 
+impl Stated {
+    fn new(name: String, dtype: Dtype, shape: Vec<u64>, len: u64, begin: u64, end: u64) -> Self {
+        Stated {
+            entry: Entry {
+                name,
+                dtype,
+                shape,
+                offset: 0,
+                len,
+            },
+            begin,
+            end,
+        }
+    }
+}
+
 /// Checks one tensor's header entry on its own, naming what is wrong.
 fn tensor(path: &Path, name: String, raw: &RawValue) -> Result<Stated> {
     if let Some(reason) = name_problem(&name) {
@@ -546,17 +554,7 @@ fn tensor(path: &Path, name: String, raw: &RawValue) -> Result<Stated> {
         return Err(bad(format!("unknown field {}", shown(key))));
     }
 
-    Ok(Stated {
-        entry: Entry {
-            name,
-            dtype,
-            shape,
-            offset: 0,
-            len,
-        },
-        begin,
-        end,
-    })
+    Ok(Stated::new(name, dtype, shape, len, begin, end))
 }
 
 #[cfg(test)]
