@@ -383,15 +383,13 @@ class Adapter:
         tensor with no shape (nested). What else ``describe`` refuses (a
         layout, a device) ``fill_tensors`` refuses, before any copy."""
         kind = type(obj)
-        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            info = self.describe(obj, key)  # None, or raises for a subclass
-            return None if info is None else (info.dtype, info.shape)
-        t: torch.Tensor = obj  # type: ignore[assignment]
-        dtype = DTYPES.get(t.dtype)
-        if dtype is None or t.is_nested:
-            info = self.describe(obj, key)  # raises, naming why
-            return None if info is None else (info.dtype, info.shape)
-        return dtype, t.shape
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            t: torch.Tensor = obj  # type: ignore[assignment]
+            dtype = DTYPES.get(t.dtype)
+            if dtype is not None and not t.is_nested:
+                return dtype, t.shape
+        info = self.describe(obj, key)  # None for a non-tensor; raises, naming why
+        return None if info is None else (info.dtype, info.shape)
 
     target_types = _PLAIN_TENSORS
     """The types whose targets :meth:`targets` reads in bulk."""
