@@ -149,6 +149,19 @@ def test_parameters_tied_views_and_dtype_values(ckpt: acp.Checkpointer) -> None:
     assert out["n"] == 3
 
 
+def test_load_into_views_sharing_memory_is_refused(ckpt: acp.Checkpointer) -> None:
+    """Two checkpoint tensors into views of one tensor that overlap are
+    refused by key before anything is copied; views that do not overlap
+    load."""
+    ckpt.save(1, {"a": Tensor(np.zeros(4, np.float32)), "b": Tensor(np.ones(4, np.float32))}).wait()
+    base = Tensor(np.full(8, -1.0, np.float32))
+    with pytest.raises(acp.InvalidInput, match=r"key `a` and key `b` share memory"):
+        ckpt.load(1, into={"a": base[0:4], "b": base[2:6]})
+    np.testing.assert_array_equal(base.asnumpy(), np.full(8, -1.0, np.float32))
+    ckpt.load(1, into={"a": base[0:4], "b": base[4:8]})
+    np.testing.assert_array_equal(base.asnumpy(), [0.0] * 4 + [1.0] * 4)
+
+
 def test_save_reads_cpu_memory_in_place() -> None:
     """On the CPU, the adapter hands the tensor's own memory to the engine:
     no asnumpy(), no copy."""

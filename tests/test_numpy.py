@@ -90,3 +90,18 @@ def test_into_numpy_arrays(ckpt: acp.Checkpointer) -> None:
     np.testing.assert_array_equal(keep, np.arange(6.0))
     assert target["n"] == 3
     assert stats.step == 1
+
+
+def test_into_numpy_arrays_sharing_memory(ckpt: acp.Checkpointer) -> None:
+    """Two checkpoint arrays into overlapping memory are refused by key
+    before anything is copied; a tied array (one tensor saved twice) may
+    be loaded into one array twice."""
+    w = np.arange(4.0)
+    ckpt.save(1, {"a": np.zeros(4), "b": np.ones(4), "t1": w, "t2": w}).wait()
+    base = np.full(6, -1.0)
+    with pytest.raises(acp.InvalidInput, match=r"key `a` and key `b` share memory"):
+        ckpt.load(1, into={"a": base[:4], "b": base[2:], "t1": np.zeros(4), "t2": np.zeros(4)})
+    np.testing.assert_array_equal(base, np.full(6, -1.0))
+    tied = np.zeros(4)
+    ckpt.load(1, into={"a": base[:4], "b": np.zeros(4), "t1": tied, "t2": tied})
+    np.testing.assert_array_equal(tied, w)

@@ -219,6 +219,48 @@ def test_load_into_tensors_sharing_memory(ckpt: acp.Checkpointer) -> None:
     assert torch.equal(packed, torch.tensor([1.0] * 4 + [0.0] * 4))
 
 
+def test_load_into_strided_views_sharing_memory(ckpt: acp.Checkpointer) -> None:
+    """``load(into=)`` into strided views (which torch fills, not the
+    engine): views whose elements interleave but never meet load; views
+    sharing an element with another target, contiguous or not, or with
+    each other (an expanded view), are refused by key before anything is
+    copied."""
+    a, b = torch.arange(8.0).reshape(2, 4), torch.arange(8.0, 16.0).reshape(2, 4)
+    ckpt.save(1, {"a": a, "b": b, "c": torch.ones(4), "one": torch.tensor([7.0])}).wait()
+    fresh = lambda: torch.full((2, 8), -1.0)  # noqa: E731
+    base = fresh()
+    ckpt.load(1, into={"a": base[:, :4], "b": base[:, 4:]})  # column blocks
+    assert torch.equal(base, torch.cat([a, b], dim=1))
+    base = fresh()
+    ckpt.load(1, into={"a": base[:, ::2], "b": base[:, 1::2]})  # interleaved columns
+    assert torch.equal(base[:, ::2], a)
+    assert torch.equal(base[:, 1::2], b)
+    base = fresh()
+    # A contiguous target inside a strided one's span, between its elements.
+    ckpt.load(1, into={"a": base[:, ::2], "one": base[0, 1:2]})
+    assert torch.equal(base[:, ::2], a)
+    assert base[0, 1].item() == 7.0
+
+    base = fresh()
+    refused = [
+        ({"a": base[:, :4], "b": base[:, 2:6]}, "a", "b"),  # strided and strided
+        ({"a": base[:, ::2], "c": base[0, 1:5]}, "a", "c"),  # strided and contiguous
+        ({"c": base[1, :4], "a": base.t()[::2].t()}, "a", "c"),  # the other order
+        ({"a": base[:, 1::2], "one": base[1, 3:4]}, "a", "one"),  # one element met
+    ]
+    for into, first, second in refused:
+        with pytest.raises(acp.InvalidInput, match=rf"`{first}` and key `{second}` share memory"):
+            ckpt.load(1, into=into)
+        assert torch.equal(base, fresh())  # nothing was copied
+    with pytest.raises(acp.InvalidInput, match="`c` is an expanded view"):
+        ckpt.load(1, into={"c": torch.zeros(1).expand(4)})
+    # Elements that share memory where no stride is 0 (a hand-made view).
+    overlapping = torch.zeros(8).as_strided((2, 4), (1, 1))
+    with pytest.raises(acp.InvalidInput, match="`a`'s elements share memory with each other"):
+        ckpt.load(1, into={"a": overlapping})
+    assert not overlapping.any()
+
+
 def test_parameters_and_requires_grad_survive(ckpt: acp.Checkpointer) -> None:
     p = nn.Parameter(torch.randn(3))
     frozen = nn.Parameter(torch.randn(2), requires_grad=False)

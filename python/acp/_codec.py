@@ -51,10 +51,14 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, repeat
-from typing import Any, Protocol
+from itertools import accumulate, chain, compress, repeat
+from typing import Any, Protocol, TypeVar
 
 from acp._acp import MAX_VALUES_DEPTH, CheckpointCorrupt, InvalidInput, Unsupported
+
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_S = TypeVar("_S", bound=tuple[Any, ...])
 
 CODEC_VERSION = 1
 """The version of the JSON tree this build writes and the newest it reads."""
@@ -173,6 +177,50 @@ class Transfer:
     keep: list[object] = field(default_factory=list)
     """Objects that must stay alive until the host copy is done."""
     jobs: list[Job] = field(default_factory=list)
+
+
+def spans_meet(spans: Sequence[tuple[Any, ...]]) -> bool:
+    """Whether any two of ``spans`` (``(start, end, ...)`` tuples sorted by
+    start, none empty) overlap: a start before the furthest end before it,
+    checked by C-level maps."""
+    reach = accumulate(map(_SECOND, spans), max)
+    return any(map(operator.lt, map(_FIRST, spans[1:]), reach))
+
+
+def span_groups(spans: Sequence[_S]) -> list[list[_S]]:
+    """``spans`` (sorted as for ``spans_meet``) cut into runs that reach
+    into each other, in order; a span that meets no other is a run alone."""
+    groups: list[list[_S]] = []
+    reach = 0
+    for span in spans:
+        if not groups or span[0] >= reach:
+            groups.append([])
+        groups[-1].append(span)
+        reach = max(reach, span[1])
+    return groups
+
+
+def shared_memory(first: str, second: str) -> InvalidInput:
+    """The error for ``into=`` targets of two different checkpoint tensors,
+    at keys ``first`` and ``second``, that share memory."""
+    return InvalidInput(
+        f"into=: {_where(first)} and {_where(second)} share memory but are different "
+        "tensors in the checkpoint"
+    )
+
+
+def check_host_disjoint(host: list[tuple[int, int, int]], keys: dict[tuple[int, int], str]) -> None:
+    """Refuses the contiguous ``into=`` targets ``host`` (``(index,
+    address, nbytes)``, as ``Transfer.host``) when two of them overlap,
+    naming both by ``keys[index, address]``, before anything is copied
+    (the engine refuses them too, but can name only indices)."""
+    spans = sorted((addr, addr + n, index) for index, addr, n in host if n)
+    if not spans_meet(spans):
+        return
+    for group in span_groups(spans):
+        if len(group) > 1:  # the second starts inside the first
+            (a, _, i), (b, _, j) = group[0], group[1]
+            raise shared_memory(keys[i, a], keys[j, b])
 
 
 class Adapter(Protocol):

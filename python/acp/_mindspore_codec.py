@@ -14,7 +14,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, mint
 
 from acp._acp import InvalidInput
-from acp._codec import Entry, TensorInfo, Transfer
+from acp._codec import Entry, TensorInfo, Transfer, check_host_disjoint
 
 log = logging.getLogger("acp.mindspore")
 
@@ -345,9 +345,9 @@ class Adapter:
         self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
     ) -> Transfer:
         transfer = Transfer()
-        seen: set[tuple[int, int]] = set()
+        seen: dict[tuple[int, int], str] = {}
         pairs: list[tuple[Any, Any]] = []
-        for entry, obj in items:
+        for (entry, obj), key in zip(items, keys):
             t: Any = obj
             if entry.nbytes == 0:
                 continue
@@ -355,13 +355,15 @@ class Adapter:
                 addr = int(t.data_ptr())
                 if (entry.index, addr) in seen:
                     continue  # a tied parameter already planned
-                seen.add((entry.index, addr))
+                seen[entry.index, addr] = key
                 transfer.host.append((entry.index, addr, entry.nbytes))
             else:
                 src, addr = host_tensor(entry.dtype, entry.shape)
+                seen[entry.index, addr] = key
                 transfer.keep.append(src)
                 transfer.host.append((entry.index, addr, entry.nbytes))
                 pairs.append((t, src))
+        check_host_disjoint(transfer.host, seen)
         if pairs:
             transfer.jobs.append(Assign(pairs))
         return transfer

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from acp._acp import InvalidInput
-from acp._codec import Entry, TensorInfo, Transfer
+from acp._codec import Entry, TensorInfo, Transfer, check_host_disjoint
 
 DTYPES: dict[str, str] = {
     "float64": "F64",
@@ -115,7 +115,7 @@ class Adapter:
         self, loaded: Any, items: Sequence[tuple[Entry, object]], keys: Sequence[str]
     ) -> Transfer:
         transfer = Transfer()
-        seen: set[tuple[int, int]] = set()
+        seen: dict[tuple[int, int], str] = {}
         for (entry, obj), key in zip(items, keys):
             a = obj
             if not isinstance(a, np.ndarray):
@@ -131,8 +131,9 @@ class Adapter:
                 )
             if entry.nbytes == 0 or (entry.index, _address(a)) in seen:
                 continue
-            seen.add((entry.index, _address(a)))
+            seen[entry.index, _address(a)] = key
             transfer.host.append((entry.index, _address(a), entry.nbytes))
+        check_host_disjoint(transfer.host, seen)
         return transfer
 
     def forget_memory(self) -> None:

@@ -26,16 +26,24 @@ overlapping views are not kept. ``nn.Parameter`` and ``requires_grad`` are.
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from itertools import accumulate
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
 from acp._acp import CheckpointCorrupt, InvalidInput
-from acp._codec import Entry, TensorInfo, Transfer
+from acp._codec import (
+    Entry,
+    TensorInfo,
+    Transfer,
+    check_host_disjoint,
+    shared_memory,
+    span_groups,
+    spans_meet,
+)
 
 __all__ = [
     "DTYPES",
@@ -97,8 +105,6 @@ _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
 _index = operator.attrgetter("index")
 _nbytes = operator.attrgetter("nbytes")
-_first = operator.itemgetter(0)
-_second = operator.itemgetter(1)
 _layout = operator.attrgetter("layout")
 _is_contiguous = torch.Tensor.is_contiguous
 
@@ -574,6 +580,7 @@ class Adapter:
         device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: dict[tuple[int, int], str] = {}
+        strided: list[tuple[int, torch.Tensor, int]] = []  # host targets torch fills
         # Each field read for all tensors by one C-level map (as
         # `signatures` does): a first restore of many small tensors.
         tensors = cast("list[torch.Tensor]", [obj for _, obj in items])
@@ -608,7 +615,9 @@ class Adapter:
                 continue
             src = slot_tensor(loaded.buffer(entry.index), t.dtype, entry.shape)
             (host_pairs if cpu else device_pairs).append((t, src))
-        _check_no_overlap(transfer.host, seen)
+            if cpu:
+                strided.append((entry.index, t, address))
+        _check_no_overlap(transfer.host, seen, strided)
         if host_pairs:
             transfer.jobs.append(_HostCopies(host_pairs))
         if device_pairs:
@@ -622,20 +631,136 @@ class Adapter:
         self.pins.close()
 
 
-def _check_no_overlap(host: list[tuple[int, int, int]], keys: dict[tuple[int, int], str]) -> None:
-    spans = sorted((addr, addr + n, index) for index, addr, n in host if n)
-    # Overlap-free when each start is at or past the furthest end before
-    # it: checked by C-level maps, and the loop below names the pair.
-    reach_ends = list(accumulate(map(_second, spans), max))
-    if not any(map(operator.lt, map(_first, spans[1:]), reach_ends)):
-        return
-    reach: tuple[int, int, int] | None = None  # (end, index, start) reaching furthest
-    for start, end, index in spans:
-        if reach is not None and start < reach[0]:
-            first = keys[reach[1], reach[2]]
+def _check_no_overlap(
+    host: list[tuple[int, int, int]],
+    keys: dict[tuple[int, int], str],
+    strided: Sequence[tuple[int, torch.Tensor, int]] = (),
+) -> None:
+    """Refuses ``load(into=)`` targets that would take two checkpoint
+    tensors into the same memory (one's bytes would silently overwrite the
+    other's), before anything is copied. ``host`` holds the contiguous
+    host targets the engine fills, ``(index, address, nbytes)``;
+    ``strided`` the other host targets, ``(index, tensor, address)``,
+    which torch fills; ``keys`` names each ``(index, address)``.
+
+    Spans are compared first: a contiguous target's bytes, and the memory
+    from a strided target's first element to the end of its last. Where a
+    strided target's span meets another's, the two may still be disjoint
+    (two column blocks of one matrix): ``_check_shared`` marks their
+    elements in a map of that memory to tell."""
+    for index, t, address in strided:
+        if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
             raise InvalidInput(
-                f"into=: {_where(first)} and {_where(keys[index, start])} share memory "
-                "but are different tensors in the checkpoint"
+                f"into=: {_where(keys[index, address])} is an expanded view: "
+                "its elements share memory, so it cannot hold a loaded tensor"
             )
-        if reach is None or end > reach[0]:
-            reach = (end, index, start)
+    if not strided:
+        check_host_disjoint(host, keys)
+        return
+    spans = sorted(
+        [(addr, addr + n, index, -1) for index, addr, n in host if n]
+        + [(addr, _extent(t, addr), index, k) for k, (index, t, addr) in enumerate(strided)]
+    )
+    tangled = {k for k, (_, t, _) in enumerate(strided) if not _apart(t)}
+    if tangled or spans_meet(spans):
+        for group in span_groups(spans):
+            _check_shared(group, keys, strided, tangled)
+
+
+# A target's memory in ``_check_no_overlap``: ``(start, end, index, k)``,
+# ``k`` its place in ``strided``, -1 for contiguous bytes.
+_Span = tuple[int, int, int, int]
+
+# The largest map ``_check_shared`` makes (a byte per unit of the targets'
+# common alignment): 1 GiB.
+_SHARED_MAP_MAX = 1 << 30
+
+
+def _extent(t: torch.Tensor, address: int) -> int:
+    """The end of the memory from ``t``'s first element to its last."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return address + (last + 1) * t.element_size()
+
+
+def _apart(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements plainly lie apart: taken by stride, each
+    dimension steps past all the memory the smaller ones span (true of
+    every slice, transpose or step of a dense tensor). False says only
+    that it takes a map to tell."""
+    reach = 0
+    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if s <= reach:
+            return False
+        reach += s * (n - 1)
+    return True
+
+
+def _check_shared(
+    group: list[_Span],
+    keys: dict[tuple[int, int], str],
+    strided: Sequence[tuple[int, torch.Tensor, int]],
+    tangled: set[int],
+) -> None:
+    """Refuses the first two targets of ``group`` (sorted spans that reach
+    into each other) that share a byte, and a strided target whose own
+    elements share one (looked for in those of ``tangled``, and wherever
+    the group has more than one target)."""
+    if len(group) < 2 and group[0][3] not in tangled:
+        return
+
+    def name(span: _Span) -> str:
+        return _where(keys[span[2], span[0]])
+
+    def refuse(a: _Span, b: _Span) -> NoReturn:
+        raise shared_memory(keys[a[2], a[0]], keys[b[2], b[0]])
+
+    if all(span[3] < 0 for span in group):
+        refuse(group[0], group[1])  # contiguous: the second starts inside the first
+    lo, hi = group[0][0], max(span[1] for span in group)
+    unit = 0
+    for start, end, _, k in group:
+        unit = math.gcd(unit, start - lo, end - start)
+        if k >= 0:
+            unit = math.gcd(unit, strided[k][1].element_size())
+    if (hi - lo) // unit > _SHARED_MAP_MAX:
+        what = (
+            f"{name(group[0])} and {name(group[1])} share"
+            if len(group) > 1
+            else f"{name(group[0])}'s elements share"
+        )
+        raise InvalidInput(
+            f"into=: cannot tell whether {what} memory (strided views over {hi - lo} "
+            "bytes); load into contiguous tensors"
+        )
+    marks = torch.zeros((hi - lo) // unit, dtype=torch.uint8)
+
+    def held(span: _Span) -> torch.Tensor:
+        """The marks of the memory ``span``'s target holds."""
+        start, end, _, k = span
+        at = (start - lo) // unit
+        if k < 0:
+            return marks[at : (end - lo) // unit]
+        t = strided[k][1]
+        per = t.element_size() // unit
+        return marks.as_strided((*t.shape, per), (*(s * per for s in t.stride()), 1), at)
+
+    done: list[_Span] = []
+    for span in group:
+        mine = held(span)
+        if bool(mine.any()):
+            # Which earlier target it meets, to name both.
+            for other in done:
+                marks.zero_()
+                held(other).fill_(1)
+                if bool(mine.any()):
+                    refuse(other, span)
+            refuse(group[0], span)  # unreachable: every mark is an earlier target's
+        region = marks[(span[0] - lo) // unit : (span[1] - lo) // unit]
+        before = int(region.sum())
+        mine.fill_(1)
+        if int(region.sum()) - before != mine.numel():
+            raise InvalidInput(
+                f"into=: {name(span)}'s elements share memory with each other, "
+                "so it cannot hold a loaded tensor"
+            )
+        done.append(span)
