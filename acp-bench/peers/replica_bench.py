@@ -1,6 +1,7 @@
 """Peer replicas, figures: 2 nodes x 2 ranks on this machine (4 processes,
 gloo on 127.0.0.1, each node its own ``ACP_NODE_ID`` and shared-memory
-directory), ``--mib`` MiB of fp32 tensors per rank (default 256).
+directory; ``--per-node`` sets the ranks per node), ``--mib`` MiB of fp32
+tensors per rank (default 256).
 
 One run measures, side by side:
 
@@ -63,8 +64,8 @@ import torch.multiprocessing as mp
 import acp
 from acp.replica import placement
 
-RANKS = 4
 PER_NODE = 2
+"""Ranks per node by default (``--per-node``); two nodes."""
 CHUNK = 4 << 20
 """The engine's chunk: the unit of its storage I/O, and of the throttle."""
 
@@ -86,7 +87,9 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def raw_gloo(group: Any, rank: int, nbytes: int, repeats: int, beside: Any = None) -> list[float]:
+def raw_gloo(
+    group: Any, rank: int, nbytes: int, a: argparse.Namespace, beside: Any = None
+) -> list[float]:
     """Seconds of each raw exchange: isend ``nbytes`` to the holder, recv
     the source's, as the replica exchange does. ``beside``: called right
     before each exchange is timed, it starts background work and returns
@@ -94,13 +97,13 @@ def raw_gloo(group: Any, rank: int, nbytes: int, repeats: int, beside: Any = Non
     the checkpointer without replicas: the exchange then runs beside that
     save's flush, or its RAM snapshot's hash, as a replica exchange does;
     that figure explains the replication one, it is not its baseline)."""
-    holders = placement(["a"] * PER_NODE + ["b"] * PER_NODE, 1)
+    holders = placement(["a"] * a.per_node + ["b"] * a.per_node, 1)
     to = holders[rank][0]
     src = next(r for r, hs in holders.items() if rank in hs)
     out = torch.empty(nbytes, dtype=torch.uint8)
     data = torch.ones(nbytes, dtype=torch.uint8)
     secs = []
-    for _ in range(repeats):
+    for _ in range(a.saves):
         dist.barrier(group=group)
         done = beside() if beside is not None else None
         t = time.perf_counter()
@@ -131,21 +134,21 @@ def baselines(
         return start
 
     return {
-        "raw_gloo_secs": raw_gloo(group, rank, nbytes, a.saves),
-        "raw_gloo_beside_flush_secs": raw_gloo(group, rank, nbytes, a.saves, save_beside(True)),
-        "raw_gloo_beside_snapshot_secs": raw_gloo(group, rank, nbytes, a.saves, save_beside(False)),
+        "raw_gloo_secs": raw_gloo(group, rank, nbytes, a),
+        "raw_gloo_beside_flush_secs": raw_gloo(group, rank, nbytes, a, save_beside(True)),
+        "raw_gloo_beside_snapshot_secs": raw_gloo(group, rank, nbytes, a, save_beside(False)),
     }
 
 
 def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
-    node = rank // PER_NODE
+    node = rank // a.per_node
     os.environ["ACP_NODE_ID"] = "ab"[node]
     shm = Path(a.work, f"shm-{'ab'[node]}")
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=RANKS,
+        world_size=2 * a.per_node,
         timeout=timedelta(seconds=600),
     )
     common: dict[str, Any] = {
@@ -213,13 +216,13 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
 
 
 def restore(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
-    node = rank // PER_NODE
+    node = rank // a.per_node
     os.environ["ACP_NODE_ID"] = "ab"[node]
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=RANKS,
+        world_size=2 * a.per_node,
         timeout=timedelta(seconds=600),
     )
     faults = acp._acp.FaultInjector()
@@ -246,7 +249,7 @@ def restore(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
     result: dict[str, Any] = {"step": step, "source": stats.source, "peer_secs": peer}
     chunk = CHUNK
     for name, cap in (("storage_secs", 0), ("storage_throttled_secs", a.throttle_mbps)):
-        faults.throttle(int(cap * 1e6) // PER_NODE, chunk)
+        faults.throttle(int(cap * 1e6) // a.per_node, chunk)
         secs = []
         for _ in range(a.restores):
             dist.barrier()
@@ -272,6 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--saves", type=int, default=3, help="measured saves (default 3)")
     p.add_argument("--restores", type=int, default=2, help="storage reads (default 2)")
     p.add_argument("--throttle-mbps", type=float, default=500.0, help="storage cap per node, MB/s")
+    p.add_argument(
+        "--per-node", type=int, default=PER_NODE, help=f"ranks per node (default {PER_NODE})"
+    )
     p.add_argument("--dir", default=None, help="where the roots go (a disk, not tmpfs)")
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args(argv)
@@ -282,10 +288,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out.mkdir()
         for n in "ab":
             Path(a.work, f"shm-{n}").mkdir()
-        mp.spawn(worker, args=("train", a, free_port(), out), nprocs=RANKS)
+        mp.spawn(worker, args=("train", a, free_port(), out), nprocs=2 * a.per_node)
         shutil.rmtree(Path(a.work, "shm-b"))  # node B is lost with its RAM
         Path(a.work, "shm-b").mkdir()
-        mp.spawn(worker, args=("restore", a, free_port(), out), nprocs=RANKS)
+        mp.spawn(worker, args=("restore", a, free_port(), out), nprocs=2 * a.per_node)
         report = summarise(a, out)
         report["loadavg"] = [load_before, os.getloadavg()[0]]
     finally:
@@ -297,10 +303,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
-    train = [json.loads(Path(out, f"train-{r}.json").read_text()) for r in range(RANKS)]
-    rest = [json.loads(Path(out, f"restore-{r}.json").read_text()) for r in range(RANKS)]
+    ranks = range(2 * a.per_node)
+    train = [json.loads(Path(out, f"train-{r}.json").read_text()) for r in ranks]
+    rest = [json.loads(Path(out, f"restore-{r}.json").read_text()) for r in ranks]
     nbytes = train[0]["bytes"]
-    b = range(PER_NODE, RANKS)  # node B's ranks
+    b = range(a.per_node, 2 * a.per_node)  # node B's ranks
     repl = median([s for t in train for s in t["replicate_secs"]])
     # Saves from the third on: both replica slots were written once.
     warm = median([s for t in train for s in t["replicate_secs"][1:]])
@@ -345,7 +352,11 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
 def print_table(r: dict[str, Any]) -> None:
     mib = r["bytes_per_rank"] / (1 << 20)
     cap = r["args"]["throttle_mbps"]
-    print(f"2 nodes x 2 ranks, {mib:.0f} MiB per rank; B's ranks restored from {r['sources'][2:]}")
+    per = r["args"]["per_node"]
+    print(
+        f"2 nodes x {per} ranks, {mib:.0f} MiB per rank; "
+        f"B's ranks restored from {r['sources'][per:]}"
+    )
     load = r.get("loadavg")
     if load:
         print(f"load average before / after: {load[0]:.2f} / {load[1]:.2f}")
