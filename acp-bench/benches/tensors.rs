@@ -19,7 +19,10 @@ use acp_bench::{
     small_tensor_count, threads, wait_and_trim, warm_engine, warm_up_time, AlignedBuf, Notes,
     Paired, Scratch, TensorSet, SAMPLES,
 };
-use acp_core::format::{parse_header, ImageMeta, Layout, TensorSpec};
+use acp_core::format::{
+    chunk_digests, data_file_name, hex, parse_header, root_digest, FileEntry, ImageMeta, Index,
+    Layout, TensorSpec, FORMAT_VERSION,
+};
 use acp_core::{Engine, HostTensor};
 use criterion::{
     criterion_group, criterion_main, measurement::WallTime, BenchmarkGroup, Criterion,
@@ -177,8 +180,9 @@ fn header_of(set: &TensorSet, src: &[u8]) -> (Vec<u8>, u64) {
 }
 
 /// The parse of a header of many tensors (the load's plan from a header,
-/// a restart's first load), against reading the same JSON and building
-/// nothing (`serde::de::IgnoredAny`): the floor of any parse.
+/// a restart's first load), and of the index of a step of them (read by
+/// every load of a committed step), each against reading the same JSON
+/// and building nothing (`serde::de::IgnoredAny`): the floor of any parse.
 fn header(c: &mut Criterion) {
     let count = small_tensor_count();
     let many = TensorSet::small(count, 4 << 10, 64 << 10, 42);
@@ -204,11 +208,56 @@ fn header(c: &mut Criterion) {
             black_box(h);
         });
     });
+    let index = index_of(&many, &src).to_json();
+    g.throughput(Throughput::Bytes(index.len() as u64));
+    g.bench_function("json_scan_index_many", |b| {
+        b.iter(|| {
+            let scan: serde::de::IgnoredAny = serde_json::from_slice(black_box(&index))
+                .unwrap_or_else(|e| panic!("scanning the index: {e}"));
+            black_box(scan);
+        });
+    });
+    g.bench_function("parse_index_many", |b| {
+        b.iter(|| {
+            let i = Index::parse(Path::new("bench"), black_box(&index))
+                .unwrap_or_else(|e| panic!("parsing the index: {e}"));
+            black_box(i);
+        });
+    });
     g.finish();
     let mut notes = Notes::new("header");
     notes.set("tensors", count);
     notes.set("header bytes", human_bytes(bytes.len() as u64));
+    notes.set("index bytes", human_bytes(index.len() as u64));
     notes.save();
+}
+
+/// The index of a step of one rank's image of `set` (every load of a
+/// committed step reads it: its `weight_map` names each tensor).
+fn index_of(set: &TensorSet, src: &[u8]) -> Index {
+    let chunk = 4usize << 20;
+    let chunks = chunk_digests(&src[..set.total], chunk);
+    let file = data_file_name(0);
+    let entry = FileEntry {
+        rank: 0,
+        size: set.total as u64,
+        chunk_bytes: chunk as u64,
+        chunks: chunks.iter().map(hex).collect(),
+        root: hex(&root_digest(&chunks)),
+        stored_size: None,
+        refs: Vec::new(),
+    };
+    Index {
+        step: 1,
+        world_size: 1,
+        format_version: FORMAT_VERSION,
+        files: std::collections::BTreeMap::from([(file.clone(), entry)]),
+        weight_map: set
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), file.clone()))
+            .collect(),
+    }
 }
 
 criterion_group!(benches, tensors, header);

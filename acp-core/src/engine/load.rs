@@ -1371,8 +1371,13 @@ fn check_header(path: &Path, header: &ParsedHeader, step: u64, expected: &Expect
 /// tensors, rank and world size. (The digests vouch for the file; this
 /// catches an index changed where its digests do not reach.)
 fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected) -> Result<()> {
-    let mut names: Vec<&str> = header.entries.iter().map(|e| e.name.as_str()).collect();
-    names.sort_unstable();
+    // In name order, sorted once per header (a kept slot header is
+    // checked at every load).
+    let names: Vec<&str> = header
+        .by_name()
+        .iter()
+        .map(|&i| header.entries[i as usize].name.as_str())
+        .collect();
     if names != expected.tensors {
         let odd = names
             .iter()

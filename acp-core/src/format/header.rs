@@ -1,5 +1,6 @@
 //! Parsing a safetensors header from untrusted bytes.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -34,9 +35,36 @@ pub struct ParsedHeader {
     /// a load that hands the values on as text (the Python binding, a
     /// restore of 100,000 tensors) never builds their tree.
     values: OnceLock<Value>,
+    /// The positions of `entries` in name order, made on first use by
+    /// [`ParsedHeader::by_name`]: a header kept for a resident slot is
+    /// checked against the index at every load, sorted once.
+    by_name: OnceLock<Vec<u32>>,
 }
 
 impl ParsedHeader {
+    /// The positions in `entries` of each tensor, in name order; sorted on
+    /// first use and kept (sorted again, not kept, should `entries` have
+    /// changed length since: the engine never changes a header it checks).
+    pub(crate) fn by_name(&self) -> Cow<'_, [u32]> {
+        let sort = || {
+            // Fewer than 2^32 entries: each takes more than a byte of a
+            // header of at most `MAX_HEADER_BYTES`.
+            let mut order: Vec<u32> = (0..self.entries.len() as u32).collect();
+            order.sort_unstable_by(|&a, &b| {
+                self.entries[a as usize]
+                    .name
+                    .cmp(&self.entries[b as usize].name)
+            });
+            order
+        };
+        let kept = self.by_name.get_or_init(sort);
+        if kept.len() == self.entries.len() {
+            Cow::Borrowed(kept)
+        } else {
+            Cow::Owned(sort())
+        }
+    }
+
     /// `acp.values` parsed, `Null` when absent.
     #[must_use]
     pub fn values(&self) -> &Value {
@@ -184,6 +212,7 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
         metadata,
         step: acp.step,
         values: OnceLock::new(),
+        by_name: OnceLock::new(),
     })
 }
 

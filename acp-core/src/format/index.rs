@@ -230,20 +230,26 @@ impl Index {
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Index> {
         let corrupt = |reason: String| Error::corrupt(path, None, reason);
 
-        // The version first: a newer index may not fit this build's schema.
-        if let Ok(v) = serde_json::from_slice::<VersionOnly>(bytes) {
-            let version = v.metadata.acp.format_version;
-            if version > u64::from(FORMAT_VERSION) {
-                return Err(Error::Unsupported {
-                    what: path.display().to_string(),
-                    reason: format!(
-                        "index format version {version} is newer than {FORMAT_VERSION}, the newest this build reads"
-                    ),
-                });
-            }
+        // A newer version is refused whether or not it fits this build's
+        // schema; the version alone is read (a second pass) only when the
+        // whole does not parse.
+        let newer = |version: u64| {
+            (version > u64::from(FORMAT_VERSION)).then(|| Error::Unsupported {
+                what: path.display().to_string(),
+                reason: format!(
+                    "index format version {version} is newer than {FORMAT_VERSION}, the newest this build reads"
+                ),
+            })
+        };
+        let stored: IndexIn = serde_json::from_slice(bytes).map_err(|e| {
+            serde_json::from_slice::<VersionOnly>(bytes)
+                .ok()
+                .and_then(|v| newer(v.metadata.acp.format_version))
+                .unwrap_or_else(|| corrupt(format!("not a valid acp index: {e}")))
+        })?;
+        if let Some(e) = newer(u64::from(stored.metadata.acp.format_version)) {
+            return Err(e);
         }
-        let stored: IndexIn = serde_json::from_slice(bytes)
-            .map_err(|e| corrupt(format!("not a valid acp index: {e}")))?;
         let IndexIn {
             metadata:
                 MetaIn {
