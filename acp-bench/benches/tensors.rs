@@ -20,8 +20,8 @@ use acp_bench::{
     Paired, Scratch, TensorSet, SAMPLES,
 };
 use acp_core::format::{
-    chunk_digests, data_file_name, hex, parse_header, root_digest, FileEntry, ImageMeta, Index,
-    Layout, TensorSpec, FORMAT_VERSION,
+    chunk_digests, data_file_name, parse_header, FileEntry, ImageMeta, Index, Layout, TensorSpec,
+    FORMAT_VERSION,
 };
 use acp_core::{Engine, HostTensor};
 use criterion::{
@@ -238,15 +238,7 @@ fn index_of(set: &TensorSet, src: &[u8]) -> Index {
     let chunk = 4usize << 20;
     let chunks = chunk_digests(&src[..set.total], chunk);
     let file = data_file_name(0);
-    let entry = FileEntry {
-        rank: 0,
-        size: set.total as u64,
-        chunk_bytes: chunk as u64,
-        chunks: chunks.iter().map(hex).collect(),
-        root: hex(&root_digest(&chunks)),
-        stored_size: None,
-        refs: Vec::new(),
-    };
+    let entry = FileEntry::plain(0, set.total as u64, chunk as u64, &chunks);
     Index {
         step: 1,
         world_size: 1,

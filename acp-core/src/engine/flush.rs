@@ -33,8 +33,8 @@ use super::state::{FailedSlot, Shared};
 use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
-    data_file_name, digest, hex, parse_header, root_digest, Digest, FileEntry, Index, Manifest,
-    INDEX_FILE_NAME, PLAIN_VERSION, QUICK_FRAME_VERSION,
+    data_file_name, digest, parse_header, Digest, FileEntry, Index, Manifest, INDEX_FILE_NAME,
+    PLAIN_VERSION, QUICK_FRAME_VERSION,
 };
 use crate::staging::{PinnedSlot, SlotState};
 use crate::storage::Pending;
@@ -378,13 +378,9 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             ));
         }
         let entry = FileEntry {
-            rank,
-            size: len,
-            chunk_bytes: chunk as u64,
-            chunks: digests.iter().map(hex).collect(),
-            root: hex(&root_digest(&digests)),
             stored_size,
             refs,
+            ..FileEntry::plain(rank, len, chunk as u64, &digests)
         };
         let (reused_chunks, reused_bytes) = (entry.referenced_chunks(), entry.referenced_bytes());
         // The steps referenced must still be there when this one commits

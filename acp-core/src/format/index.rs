@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::digest::{root_digest, unhex, Digest};
+use super::digest::{hex, root_digest, unhex, Digest};
 use super::json::{escaped, shown, unique_map};
 use super::layout::name_problem;
 use super::{COMPRESSED_VERSION, FORMAT_VERSION, INCREMENTAL_VERSION};
@@ -71,6 +71,22 @@ impl ChunkRef {
 }
 
 impl FileEntry {
+    /// The entry of a plain data file of `size` bytes whose `chunk_bytes`
+    /// chunks have `digests`: their hex and root digest, no compression,
+    /// no references.
+    #[must_use]
+    pub fn plain(rank: u32, size: u64, chunk_bytes: u64, digests: &[Digest]) -> FileEntry {
+        FileEntry {
+            rank,
+            size,
+            chunk_bytes,
+            chunks: digests.iter().map(hex).collect(),
+            root: hex(&root_digest(digests)),
+            stored_size: None,
+            refs: Vec::new(),
+        }
+    }
+
     /// The file's length on storage: [`FileEntry::stored_size`] for a
     /// compressed file, else `size`.
     #[must_use]
@@ -471,15 +487,7 @@ mod tests {
 
     fn entry(rank: u32, data: &[u8], chunk: usize) -> FileEntry {
         let digests = chunk_digests(data, chunk);
-        FileEntry {
-            rank,
-            size: data.len() as u64,
-            chunk_bytes: chunk as u64,
-            chunks: digests.iter().map(hex).collect(),
-            root: hex(&root_digest(&digests)),
-            stored_size: None,
-            refs: Vec::new(),
-        }
+        FileEntry::plain(rank, data.len() as u64, chunk as u64, &digests)
     }
 
     fn sample() -> Index {

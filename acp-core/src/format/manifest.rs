@@ -94,7 +94,7 @@ impl Manifest {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{chunk_digests, hex, root_digest};
+    use crate::format::chunk_digests;
 
     fn sample() -> Manifest {
         let data = vec![7u8; 10_000];
@@ -105,15 +105,7 @@ mod tests {
             rank: 1,
             world_size: 2,
             file: data_file_name(1),
-            entry: FileEntry {
-                rank: 1,
-                size: 10_000,
-                chunk_bytes: 4096,
-                chunks: d.iter().map(hex).collect(),
-                root: hex(&root_digest(&d)),
-                stored_size: None,
-                refs: Vec::new(),
-            },
+            entry: FileEntry::plain(1, 10_000, 4096, &d),
             tensors: vec!["a".into(), "b.c".into()],
         }
     }

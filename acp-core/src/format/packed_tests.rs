@@ -349,13 +349,8 @@ fn an_index_of_version_1_with_a_compressed_file_is_corrupt_and_version_2_is_read
     files.insert(
         data_file_name(0),
         FileEntry {
-            rank: 0,
-            size: img.len() as u64,
-            chunk_bytes: CHUNK as u64,
-            chunks: d.iter().map(hex).collect(),
-            root: hex(&root_digest(&d)),
             stored_size: Some(100),
-            refs: Vec::new(),
+            ..FileEntry::plain(0, img.len() as u64, CHUNK as u64, &d)
         },
     );
     let mut idx = Index {

@@ -91,7 +91,7 @@ pub use store::ReplicaWriter;
 pub(crate) use store::{sums_of, Store, StoreOptions, SLOTS_PER_SOURCE};
 
 use crate::error::{Error, Result};
-use crate::format::{chunk_digests, hex, root_digest, Digest, FileEntry};
+use crate::format::{chunk_digests, Digest, FileEntry};
 
 /// What travels with a replica's image: whose it is and its chunk digests.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,16 +138,8 @@ impl ReplicaMeta {
     /// a replica's bytes against when its step is not committed.
     #[must_use]
     pub fn entry(&self) -> FileEntry {
-        FileEntry {
-            rank: self.rank,
-            size: self.len,
-            chunk_bytes: self.chunk_bytes,
-            chunks: self.digests.iter().map(hex).collect(),
-            root: hex(&root_digest(&self.digests)),
-            // A replica is the RAM image, which is always plain.
-            stored_size: None,
-            refs: Vec::new(),
-        }
+        // A replica is the RAM image, which is always plain.
+        FileEntry::plain(self.rank, self.len, self.chunk_bytes, &self.digests)
     }
 
     /// Checks that the fields describe an image a replica slot may take:
