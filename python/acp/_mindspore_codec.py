@@ -37,6 +37,7 @@ _TABLE: list[tuple[str, str, type[np.generic]]] = [
     ("U16", "uint16", np.uint16),
     ("U8", "uint8", np.uint8),
     ("BOOL", "bool_", np.bool_),
+    ("C64", "complex64", np.complex64),
 ]
 
 DTYPES: dict[Any, str] = {
@@ -53,7 +54,7 @@ INTS = {"I64", "I32", "I16", "I8"}
 
 def dtype_to_safetensors(dtype: Any) -> str:
     """The safetensors name of a MindSpore dtype; ``acp.InvalidInput`` for
-    one acp cannot store (complex, ``hifloat8``, ``int4``...)."""
+    one acp cannot store (complex128, ``hifloat8``, ``int4``...)."""
     try:
         return DTYPES[dtype]
     except (KeyError, TypeError):

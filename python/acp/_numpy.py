@@ -30,6 +30,7 @@ DTYPES: dict[str, str] = {
     "uint16": "U16",
     "uint8": "U8",
     "bool": "BOOL",
+    "complex64": "C64",
 }
 """NumPy dtype name -> safetensors dtype name."""
 
@@ -60,7 +61,7 @@ class Adapter:
                 )
             return None
         a = np.asarray(obj)
-        name = DTYPES.get(a.dtype.name) if a.dtype.kind in "biuf" else None
+        name = DTYPES.get(a.dtype.name) if a.dtype.kind in "biufc" else None
         if name is None:
             raise InvalidInput(f"{_where(key)}: NumPy dtype {a.dtype} has no safetensors name")
         meta: dict[str, Any] = {"scalar": True} if scalar else {}

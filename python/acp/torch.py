@@ -3,9 +3,9 @@
 Imported by acp when a state holds a torch tensor; importing it imports
 torch. What it does:
 
-- maps every dtype safetensors names to torch's (bf16 and fp8 included) and
-  refuses the others (complex, quantized, sparse, tensor subclasses) with
-  ``acp.InvalidInput`` naming the key;
+- maps every dtype safetensors names to torch's (bf16, fp8 and complex64
+  included) and refuses the others (complex128, float4, quantized, sparse,
+  tensor subclasses) with ``acp.InvalidInput`` naming the key;
 - saves CPU tensors by handing their addresses to the engine, which copies
   them into the ring slot over its copy threads with the GIL released; a
   non-contiguous tensor (a transposed view, a slice) is first made
@@ -87,8 +87,24 @@ DTYPES: dict[torch.dtype, str] = {
     torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.complex64: "C64",
 }
 """torch dtype -> safetensors dtype name, for every dtype acp stores."""
+
+# Format version 5's fp8 variants, where this torch has them (2.2 and 2.7).
+for _attr, _name in (
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+):
+    if isinstance(getattr(torch, _attr, None), torch.dtype):
+        DTYPES[getattr(torch, _attr)] = _name
+
+# What to do instead, for the dtypes safetensors has no name for.
+_INSTEAD = {
+    torch.complex128: "torch.view_as_real() stores it as float64 pairs",
+    torch.complex32: "torch.view_as_real() stores it as float16 pairs",
+}
 
 _FROM_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
@@ -115,7 +131,7 @@ def dtype_to_safetensors(dtype: torch.dtype) -> str:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise InvalidInput(f"dtype {dtype} has no safetensors name") from None
+        raise InvalidInput(f"dtype {dtype} has no safetensors name{_instead(dtype)}") from None
 
 
 def dtype_from_safetensors(name: str) -> torch.dtype:
@@ -128,6 +144,11 @@ def dtype_from_safetensors(name: str) -> torch.dtype:
 
 def _where(key: str) -> str:
     return f"key `{key}`" if key else "the state"
+
+
+def _instead(dtype: torch.dtype) -> str:
+    hint = _INSTEAD.get(dtype)
+    return f" ({hint})" if hint else ""
 
 
 def slot_tensor(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -356,7 +377,9 @@ class Adapter:
         torch_dtype = t.dtype
         dtype = DTYPES.get(torch_dtype)
         if dtype is None:
-            raise InvalidInput(f"{_where(key)}: dtype {torch_dtype} has no safetensors name")
+            raise InvalidInput(
+                f"{_where(key)}: dtype {torch_dtype} has no safetensors name{_instead(torch_dtype)}"
+            )
         shape = tuple(t.shape)
         nbytes = t.nbytes
         requires_grad = t.requires_grad

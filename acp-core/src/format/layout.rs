@@ -120,6 +120,9 @@ pub struct Layout {
     /// `__metadata__` value) and where the JSON ends, as offsets into
     /// `header`: [`Layout::restamp`] keeps those bytes.
     tensors_json: (usize, usize),
+    /// The header's `acp.version`: the newest [`Dtype::since`] of its
+    /// tensors, [`PLAIN_VERSION`] for none.
+    version: u32,
 }
 
 impl Layout {
@@ -162,7 +165,9 @@ impl Layout {
     ) -> Result<Layout> {
         let mut seen = HashSet::with_capacity(specs.len());
         let mut placed = Vec::with_capacity(specs.len());
+        let mut version = PLAIN_VERSION;
         for (index, spec) in specs.iter().enumerate() {
+            version = version.max(spec.dtype.since());
             check_name("tensor", &spec.name)?;
             if !seen.insert(spec.name.as_str()) {
                 return Err(Error::invalid(
@@ -194,7 +199,7 @@ impl Layout {
             })?;
         }
 
-        let metadata = metadata(meta, values)?;
+        let metadata = metadata(meta, values, version)?;
         let mut json = metadata_json(&metadata)?;
         let tensors_at = json.len();
         // The rest of the header's one JSON object: `,"name":{..}` per
@@ -244,6 +249,7 @@ impl Layout {
             total_len,
             header,
             tensors_json: (8 + tensors_at, 8 + json_len),
+            version,
         })
     }
 
@@ -278,6 +284,7 @@ impl Layout {
             total_len: self.total_len - self.data_start + data_start,
             header,
             tensors_json,
+            version: self.version,
         })
     }
 
@@ -296,7 +303,7 @@ impl Layout {
         meta: &ImageMeta,
         values: &str,
     ) -> Result<(Vec<u8>, u64, (usize, usize))> {
-        let mut json = metadata_json(&metadata(meta, values)?)?;
+        let mut json = metadata_json(&metadata(meta, values, self.version)?)?;
         let (from, to) = self.tensors_json;
         let tensors_at = json.len();
         json.extend_from_slice(&self.header[from..to]);
@@ -397,9 +404,9 @@ fn check_values_depth(values_json: &str) -> Result<()> {
 }
 
 /// The `__metadata__` map of an image.
-fn metadata(meta: &ImageMeta, values: &str) -> Result<BTreeMap<String, String>> {
+fn metadata(meta: &ImageMeta, values: &str, version: u32) -> Result<BTreeMap<String, String>> {
     let mut map = BTreeMap::from([
-        (KEY_VERSION.to_owned(), PLAIN_VERSION.to_string()),
+        (KEY_VERSION.to_owned(), version.to_string()),
         (KEY_STEP.to_owned(), meta.step.to_string()),
         (KEY_RANK.to_owned(), meta.rank.to_string()),
         (KEY_WORLD_SIZE.to_owned(), meta.world_size.to_string()),
@@ -604,6 +611,38 @@ mod tests {
         assert_eq!(at("h"), (36, 10));
         assert_eq!(at("b"), (46, 3));
         assert_eq!(l.total_len, 4096 + 49);
+    }
+
+    #[test]
+    fn a_tensor_of_a_newer_dtype_raises_the_files_version() {
+        let version = |l: &Layout| {
+            let json = header_json(l);
+            json["__metadata__"]["acp.version"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        };
+        let plain = Layout::plan(&[spec("x", Dtype::F16, &[2])], &meta()).unwrap();
+        assert_eq!(version(&plain), super::super::PLAIN_VERSION.to_string());
+        for d in [
+            Dtype::C64,
+            Dtype::F8E4M3Fnuz,
+            Dtype::F8E5M2Fnuz,
+            Dtype::F8E8M0,
+        ] {
+            let specs = [spec("x", Dtype::F16, &[2]), spec("n", d, &[3])];
+            let l = Layout::plan(&specs, &meta()).unwrap();
+            let want = super::super::DTYPES_VERSION.to_string();
+            assert_eq!(version(&l), want, "{}", d.name());
+            // A restamp (a kept plan's next save) keeps it.
+            let again = l.restamp(&meta(), "null").unwrap();
+            assert_eq!(version(&again), want, "{}", d.name());
+            let json = header_json(&l);
+            assert_eq!(json["n"]["dtype"], d.name());
+        }
+        // A plain layout's restamp stays plain.
+        let again = plain.restamp(&meta(), "null").unwrap();
+        assert_eq!(version(&again), super::super::PLAIN_VERSION.to_string());
     }
 
     #[test]

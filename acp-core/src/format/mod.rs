@@ -1,17 +1,20 @@
 //! The on-disk and in-RAM format of an acp checkpoint.
 //!
-//! This module's docs are the format's specification. Version 4
+//! This module's docs are the format's specification. Version 5
 //! ([`FORMAT_VERSION`]) is described here: version 1 ([`PLAIN_VERSION`])
 //! with compressed data files added in version 2 ([`COMPRESSED_VERSION`]),
 //! incremental steps, whose files reference chunks of earlier steps, in
-//! version 3 ([`INCREMENTAL_VERSION`]), and in version 4
+//! version 3 ([`INCREMENTAL_VERSION`]), in version 4
 //! ([`QUICK_FRAME_VERSION`]) compressed frames checked with xxh3-128
-//! instead of blake3 before they are decoded. A step of plain files is
+//! instead of blake3 before they are decoded, and in version 5
+//! ([`DTYPES_VERSION`]) four more safetensors dtypes (`C64`,
+//! `F8_E4M3FNUZ`, `F8_E5M2FNUZ`, `F8_E8M0`). A step of plain files is
 //! written in version 1, which a build that predates compression still
 //! reads; a step with a compressed or incremental file (a container) in
-//! version 4. A build reads every version up to its own and refuses a
-//! newer one as [`Unsupported`](crate::Error::Unsupported). All integers
-//! on disk are little-endian; all text is UTF-8.
+//! version 4; a data file that holds one of the newer dtypes says version
+//! 5 in its own `acp.version`. A build reads every version up to its own
+//! and refuses a newer one as [`Unsupported`](crate::Error::Unsupported).
+//! All integers on disk are little-endian; all text is UTF-8.
 //!
 //! # Directory layout
 //!
@@ -69,7 +72,7 @@
 //!
 //!   | key              | value                                          |
 //!   |------------------|------------------------------------------------|
-//!   | `acp.version`    | the format version, decimal                    |
+//!   | `acp.version`    | the format version, decimal: 1, or 5 ([`DTYPES_VERSION`]) when a tensor's dtype is one version 5 added |
 //!   | `acp.step`       | the step, decimal                              |
 //!   | `acp.rank`       | the rank that wrote the file, decimal          |
 //!   | `acp.world_size` | the number of ranks, decimal                   |
@@ -291,13 +294,18 @@ pub use packed::{
     FrameCodec, FrameEntry, PackedTable, FRAME_ENTRY_BYTES, PACKED_HEAD_BYTES, PACKED_MAGIC,
 };
 
-/// The newest format version this build reads, and the one it writes for a
-/// step with a compressed or incremental file (in its index and in the
-/// head of each container).
-pub const FORMAT_VERSION: u32 = 4;
+/// The newest format version this build reads.
+pub const FORMAT_VERSION: u32 = 5;
+
+/// The first version with the dtypes `C64`, `F8_E4M3FNUZ`, `F8_E5M2FNUZ`
+/// and `F8_E8M0`: the `acp.version` of a data file that holds one of them
+/// ([`Dtype::since`]). Nothing else changed: indexes and containers keep
+/// the versions their own features give.
+pub const DTYPES_VERSION: u32 = 5;
 
 /// The first version whose compressed (codec 1) frames are checked with
-/// xxh3-128 rather than blake3: every container is written in it.
+/// xxh3-128 rather than blake3: every container is written in it, and so
+/// is the index of a step with a compressed or incremental file.
 pub const QUICK_FRAME_VERSION: u32 = 4;
 
 /// The first version with incremental steps: index entries with `refs`,
@@ -309,7 +317,7 @@ pub const INCREMENTAL_VERSION: u32 = 3;
 /// reference frames.
 pub const COMPRESSED_VERSION: u32 = 2;
 
-/// The version of plain data files (their `acp.version`) and of the index
-/// of a step whose files are all plain: readers that predate compression
-/// read them.
+/// The version of plain data files (their `acp.version`, unless a tensor's
+/// dtype is newer: [`DTYPES_VERSION`]) and of the index of a step whose
+/// files are all plain: readers that predate compression read them.
 pub const PLAIN_VERSION: u32 = 1;

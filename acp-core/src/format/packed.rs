@@ -108,8 +108,9 @@ pub fn is_packed(prefix: &[u8]) -> bool {
 }
 
 /// The element runs of chunk `[start, end)` of an image with header `h`:
-/// width 1 for header bytes and 1-byte dtypes, the element size for each
-/// tensor's part. The layout aligns every tensor to its element size, so
+/// width 1 for header bytes and 1-byte dtypes, the scalar size
+/// ([`Dtype::scalar_size`](super::Dtype::scalar_size)) for each tensor's
+/// part. The layout aligns every tensor to its element size, so
 /// the parts are whole elements; a part that is not (a hand-made image)
 /// is given width 1, which any bytes fit.
 #[must_use]
@@ -133,7 +134,8 @@ pub fn chunk_runs(h: &ParsedHeader, start: u64, end: u64) -> Vec<Run> {
             continue;
         }
         push(1, s - at);
-        let w = e.dtype.size_u64();
+        // Bytes grouped by scalar: a `C64` element as two `F32`.
+        let w = e.dtype.scalar_size() as u64;
         let width = if (s - e.offset) % w == 0 && (t - s) % w == 0 {
             u8::try_from(w).unwrap_or(1)
         } else {

@@ -117,6 +117,36 @@ fn runs_follow_the_tensors_dtypes() {
 }
 
 #[test]
+fn complex_tensors_group_their_bytes_as_f32_and_round_trip() {
+    let specs = [
+        spec("freqs_cis", Dtype::C64, 2000),
+        spec("w", Dtype::F32, 500),
+    ];
+    // Real and imaginary parts alike: the high byte of each f32 takes few
+    // values.
+    let img = image(&specs, |_, i| {
+        if i % 4 == 3 {
+            0x3F
+        } else {
+            (i.wrapping_mul(2_654_435_761) >> 9) as u8
+        }
+    });
+    let h = parse_header(Path::new(PATH), &img, img.len() as u64).unwrap();
+    let runs = chunk_runs(&h, h.data_start, h.data_start + 4096);
+    assert_eq!(
+        runs,
+        vec![codec::Run {
+            width: 4,
+            len: 4096
+        }]
+    );
+    let file = pack_image(Path::new(PATH), &img, CHUNK, 1).unwrap();
+    assert!(file.len() < img.len(), "{} of {}", file.len(), img.len());
+    let t = table(&file, &img).unwrap();
+    assert_eq!(unpack(&file, img.len(), &t).unwrap(), img);
+}
+
+#[test]
 fn an_empty_image_packs_to_a_head() {
     let file = packed_head(0, CHUNK as u64, &[]);
     let t = table(&file, &[]).unwrap();

@@ -202,15 +202,23 @@ pub fn inspect(r: &InspectReport) -> String {
             .max()
             .unwrap_or(4)
             .clamp(4, 60);
+        // As wide as the widest dtype name shown (`F8_E4M3FNUZ`).
+        let d = r
+            .tensors
+            .iter()
+            .map(|t| t.dtype.len())
+            .max()
+            .unwrap_or(0)
+            .max(7);
         let _ = writeln!(
             s,
-            "\n  {:<w$}  {:<7}  {:<20}  {:>10}  FILE",
+            "\n  {:<w$}  {:<d$}  {:<20}  {:>10}  FILE",
             "NAME", "DTYPE", "SHAPE", "BYTES"
         );
         for t in &r.tensors {
             let _ = writeln!(
                 s,
-                "  {:<w$}  {:<7}  {:<20}  {:>10}  {}",
+                "  {:<w$}  {:<d$}  {:<20}  {:>10}  {}",
                 t.name,
                 t.dtype,
                 format!("{:?}", t.shape),

@@ -5,10 +5,11 @@ Importing this module imports MindSpore; ``import acp`` never does. The
 codec imports it by itself when a state holds a MindSpore tensor, so
 ``ckpt.save(step, {"w": parameter})`` works without importing it first.
 
-Tensors. Every dtype acp stores has a MindSpore type (``float64`` to
-``bool_``, ``bfloat16``, ``float16``, ``float8_e4m3fn``, ``float8_e5m2``);
-MindSpore-only types (complex, ``hifloat8``, ``int4``) are refused naming
-the key. On the CPU a tensor's memory is its host memory: ``data_ptr()``
+Tensors. MindSpore's ``float64`` to ``bool_``, ``bfloat16``, ``float16``,
+``float8_e4m3fn``, ``float8_e5m2`` and ``complex64`` are stored;
+MindSpore-only types (``complex128``, ``hifloat8``, ``int4``) are refused
+naming the key, and so is a load of a tensor whose dtype MindSpore lacks
+(torch's ``float8_e8m0fnu``, say). On the CPU a tensor's memory is its host memory: ``data_ptr()``
 is handed to the engine, which copies it into the ring slot with the GIL
 released (no ``asnumpy()``, no extra copy); a non-contiguous view is first
 made contiguous. A tensor on a device (Ascend, GPU) is brought to the host

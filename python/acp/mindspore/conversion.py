@@ -146,6 +146,14 @@ def write_ckpt(
 
 def _save_ms(save_obj: list[dict[str, Any]], path: Path, fmt: str, append: dict[str, Any]) -> Path:
     """``mindspore.save_checkpoint``, replacing a read-only file it left."""
+    c64 = [o["name"] for o in save_obj if DTYPES.get(o["data"].dtype) == "C64"]
+    if c64:
+        # It writes them, to .ckpt and .safetensors, and then fails to load
+        # the whole file: refused rather than a file that cannot be read.
+        raise InvalidInput(
+            f"tensor `{c64[0]}`: MindSpore {mindspore.__version__} cannot read complex64 "
+            "tensors back from its checkpoint files; keep them in acp's own checkpoints"
+        )
     fp8 = [o["name"] for o in save_obj if DTYPES.get(o["data"].dtype) in ("F8_E4M3", "F8_E5M2")]
     if fp8 and fmt == "safetensors":
         raise InvalidInput(
