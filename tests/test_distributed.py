@@ -128,6 +128,10 @@ def test_fsdp_saved_by_four_ranks_loads_into_two(tmp_path: Path, shm_dir: Path) 
     assert committed(root) == [5, 6]
     index = json.loads((root / "step-000000000005/model.safetensors.index.json").read_text())
     assert index["metadata"]["acp"]["world_size"] == 4
+    # A Checkpointer.save of the same DTensors is refused, naming DCP.
+    direct = result(out, "save-rank0")["direct"]
+    assert "tensor subclass `torch.distributed.tensor.DTensor`" in direct, direct
+    assert "acp.dcp.StorageWriter" in direct, direct
 
     run = torchrun(2, "reshard.py", root, out, "load", shm=shm_dir)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -451,6 +451,10 @@ UNSUPPORTED_TENSORS = [
         torch.ones(2, dtype=torch.complex128),
         r"`x`: dtype torch.complex128 has no safetensors name \(torch.view_as_real\(\)",
     ),
+    (
+        torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        r"`x`: dtype torch.float4_e2m1fn_x2 .*\(t.view\(torch.uint8\)",
+    ),
     (torch.ones(2).to_sparse(), r"`x`: torch.sparse_coo"),
     (torch.empty(2, device="meta"), r"`x`: tensors on meta"),
 ]

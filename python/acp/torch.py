@@ -100,11 +100,14 @@ for _attr, _name in (
     if isinstance(getattr(torch, _attr, None), torch.dtype):
         DTYPES[getattr(torch, _attr)] = _name
 
-# What to do instead, for the dtypes safetensors has no name for.
+# What to do instead, for the dtypes acp has no name for.
 _INSTEAD = {
     torch.complex128: "torch.view_as_real() stores it as float64 pairs",
     torch.complex32: "torch.view_as_real() stores it as float16 pairs",
 }
+if isinstance(getattr(torch, "float4_e2m1fn_x2", None), torch.dtype):
+    # safetensors' F4 counts 4-bit elements, torch's x2 type byte pairs.
+    _INSTEAD[torch.float4_e2m1fn_x2] = "t.view(torch.uint8) stores its bytes"
 
 _FROM_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
@@ -144,6 +147,17 @@ def dtype_from_safetensors(name: str) -> torch.dtype:
 
 def _where(key: str) -> str:
     return f"key `{key}`" if key else "the state"
+
+
+def _subclass_hint(kind: type) -> str:
+    """What to save instead of a tensor of the subclass ``kind``."""
+    if kind.__name__ in ("DTensor", "ShardedTensor"):
+        # FSDP's and tensor parallelism's shards: DCP saves and reshards them.
+        return (
+            "sharded state goes through torch.distributed.checkpoint with "
+            "acp.dcp.StorageWriter and StorageReader"
+        )
+    return "save a plain tensor, e.g. its .data"
 
 
 def _instead(dtype: torch.dtype) -> str:
@@ -362,7 +376,7 @@ class Adapter:
                 return None
             raise InvalidInput(
                 f"{_where(key)}: tensor subclass `{kind.__module__}.{kind.__qualname__}` "
-                "is not supported (save a plain tensor, e.g. its .data)"
+                f"is not supported ({_subclass_hint(kind)})"
             )
         t: torch.Tensor = obj  # type: ignore[assignment]
         if t.layout is not torch.strided or t.is_nested:

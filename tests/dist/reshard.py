@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+import acp
 import acp.dcp
 
 
@@ -72,6 +73,12 @@ def main() -> None:
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd, "extra": {"epoch": step}}
             if step == 5:
+                # Checkpointer.save of DTensors: refused, pointing at DCP.
+                try:
+                    ckpt.save(step, state)
+                    result["direct"] = "saved"
+                except acp.InvalidInput as e:
+                    result["direct"] = str(e)
                 dcp.save(state, checkpoint_id=step, storage_writer=writer)
             else:
                 writer.reset(step)
