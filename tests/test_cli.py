@@ -292,15 +292,20 @@ def test_import_never_unpickles_code(tmp_path: Path, shm_dir: Path) -> None:
 def test_import_safetensors(tmp_path: Path, shm_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    tensors = {"a": torch.arange(6, dtype=torch.float16).reshape(2, 3), "b": torch.ones(3)}
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float16).reshape(2, 3),
+        "b": torch.ones(3),
+        # A rotary `freqs_cis` buffer: complex64 (C64), format version 5.
+        "c": torch.polar(torch.ones(4, 2), torch.randn(4, 2)),
+    }
     src = tmp_path / "x.safetensors"
     save_file(tensors, src, metadata={"format": "pt"})
     dest = tmp_path / "dest"
     r = run_json("import", src, "--to", dest, "--step", 9, "--shm-dir", shm_dir)
-    assert r["tensors"] == 2
+    assert r["tensors"] == 3
     with acp.Checkpointer(dest, job="check2", shm_dir=shm_dir, ring_bytes=SMALL_RING) as ckpt:
         loaded = ckpt.load()
-    assert set(loaded) == {"a", "b"}
+    assert set(loaded) == {"a", "b", "c"}
     for k, v in tensors.items():
         assert torch.equal(loaded[k], v)
     info = run_json("inspect", dest)
