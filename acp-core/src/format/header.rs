@@ -382,28 +382,29 @@ impl AcpFields {
         let step = number::<u64>(path, metadata, KEY_STEP)?;
         number::<u32>(path, metadata, KEY_RANK)?;
         number::<u32>(path, metadata, KEY_WORLD_SIZE)?;
-        let text = metadata.get(KEY_VALUES);
-        // Checked before parsing, so that the parser never meets its own
-        // recursion limit and the error names where the values go too deep.
-        if let Some(at) = text.and_then(|t| too_deep(t, MAX_VALUES_DEPTH)) {
-            return Err(Error::corrupt(
-                path,
-                None,
-                format!(
-                    "`__metadata__.{KEY_VALUES}` nests deeper than {MAX_VALUES_DEPTH} \
-                     levels of arrays and objects (at `{at}`)"
-                ),
-            ));
-        }
-        if let Some(text) = text {
-            // Checked as `values()` will parse it, building nothing.
-            serde_json::from_str::<Checked>(text).map_err(|e| {
-                Error::corrupt(
+        if let Some(text) = metadata.get(KEY_VALUES) {
+            // Checked as `values()` will parse it, building nothing. The
+            // parser's recursion limit is [`MAX_VALUES_DEPTH`] levels, so
+            // what it takes is no deeper; only text it refuses is walked
+            // again, for the path where the values go too deep (the error
+            // then names it rather than the parser's limit).
+            if let Err(e) = serde_json::from_str::<Checked>(text) {
+                if let Some(at) = too_deep(text, MAX_VALUES_DEPTH) {
+                    return Err(Error::corrupt(
+                        path,
+                        None,
+                        format!(
+                            "`__metadata__.{KEY_VALUES}` nests deeper than {MAX_VALUES_DEPTH} \
+                             levels of arrays and objects (at `{at}`)"
+                        ),
+                    ));
+                }
+                return Err(Error::corrupt(
                     path,
                     None,
                     format!("`__metadata__.{KEY_VALUES}` is not valid JSON: {e}"),
-                )
-            })?;
+                ));
+            }
         }
         Ok(AcpFields { version, step })
     }

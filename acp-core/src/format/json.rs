@@ -336,6 +336,39 @@ mod tests {
     }
 
     #[test]
+    fn the_parsers_recursion_limit_is_the_values_depth_limit() {
+        // `parse_header` relies on it: values `Checked` passes are no
+        // deeper than `MAX_VALUES_DEPTH`, so only refused text is walked
+        // again by `too_deep`. Arrays, objects and a mix, at the limit and
+        // one past it.
+        let limit = crate::format::MAX_VALUES_DEPTH;
+        let arrays = |d: usize| format!("{}1{}", "[".repeat(d), "]".repeat(d));
+        let objects = |d: usize| format!("{}1{}", r#"{"k":"#.repeat(d), "}".repeat(d));
+        let mixed = |d: usize| {
+            let open: String = (0..d)
+                .map(|i| if i % 2 == 0 { "[" } else { r#"{"k":"# })
+                .collect();
+            let close: String = (0..d)
+                .rev()
+                .map(|i| if i % 2 == 0 { "]" } else { "}" })
+                .collect();
+            format!("{open}null{close}")
+        };
+        for make in [&arrays as &dyn Fn(usize) -> String, &objects, &mixed] {
+            for depth in [1, limit - 1, limit, limit + 1, limit + 2] {
+                let text = make(depth);
+                let parsed = serde_json::from_str::<Checked>(&text).is_ok();
+                assert_eq!(parsed, depth <= limit, "depth {depth}: {text:.40}");
+                assert_eq!(
+                    too_deep(&text, limit).is_none(),
+                    depth <= limit,
+                    "depth {depth}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn too_deep_names_the_path() {
         assert_eq!(too_deep("[[1]]", 2), None);
         assert_eq!(too_deep("[[[1]]]", 2).as_deref(), Some("[0][0]"));
