@@ -161,42 +161,34 @@ pub fn read_header(
 /// [`Error::Unsupported`](crate::Error::Unsupported) for a newer format version.
 pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHeader> {
     let (data_start, text) = header_text(path, bytes, file_len)?;
-    let mut de = serde_json::Deserializer::from_str(text);
-    // Each entry stays text until it is checked, one at a time: a header
-    // of 100,000 tensors never exists as a tree of JSON values.
-    let mut fields: Vec<(String, &RawValue)> = unique_entries(&mut de)
-        .and_then(|m| de.end().map(|()| m))
-        .map_err(|e| {
-            Error::corrupt(
-                path,
-                None,
-                format!("header is not a valid JSON object: {e}"),
-            )
-        })?;
-
-    let metadata_raw = fields
-        .iter()
-        .position(|(k, _)| k == METADATA_KEY)
-        .map(|at| fields.swap_remove(at).1);
-    let metadata = match metadata_raw.map(|raw| value(path, None, raw)) {
-        None => BTreeMap::new(),
-        Some(v) => match v? {
-            Value::Null => BTreeMap::new(),
-            v => string_map(path, v)?,
-        },
-    };
-    let acp = AcpFields::read(path, &metadata)?;
-
-    let mut stated = Vec::with_capacity(fields.len());
-    for (name, raw) in fields {
-        stated.push(match well_formed(&name, raw) {
-            Some((dtype, shape, len, begin, end)) => {
-                Stated::new(name, dtype, shape, len, begin, end)
+    let Read {
+        metadata,
+        acp,
+        stated,
+    } = match quick_entries(text) {
+        Some(quick) => {
+            let metadata = metadata_map(path, quick.metadata)?;
+            let acp = AcpFields::read(path, &metadata)?;
+            let stated: Option<Vec<Stated>> = quick
+                .tensors
+                .into_iter()
+                .map(|(name, f)| {
+                    let (dtype, shape, len, begin, end) = well_formed_fields(&name, f)?;
+                    Some(Stated::new(name, dtype, shape, len, begin, end))
+                })
+                .collect();
+            match stated {
+                Some(stated) => Read {
+                    metadata,
+                    acp,
+                    stated,
+                },
+                // An entry a check refuses: the checked path names it.
+                None => checked_entries(path, text)?,
             }
-            // What is wrong, found by the checks one field at a time.
-            None => tensor(path, name, raw)?,
-        });
-    }
+        }
+        None => checked_entries(path, text)?,
+    };
     let entries = place(path, stated, data_start, file_len, acp.version.is_some())?;
     if acp.version.is_some() && data_start % DATA_ALIGN != 0 {
         return Err(Error::corrupt(
@@ -214,6 +206,117 @@ pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHe
         values: OnceLock::new(),
         by_name: OnceLock::new(),
     })
+}
+
+/// The metadata map, the acp fields and the tensors of a header's JSON
+/// `text`, each entry checked on its own and every problem named (the
+/// metadata first: a newer version is unsupported whatever its tensors).
+/// Each entry stays text until it is checked, one at a time: a header of
+/// 100,000 tensors never exists as a tree of JSON values.
+fn checked_entries(path: &Path, text: &str) -> Result<Read> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let mut fields: Vec<(String, &RawValue)> = unique_entries(&mut de)
+        .and_then(|m| de.end().map(|()| m))
+        .map_err(|e| {
+            Error::corrupt(
+                path,
+                None,
+                format!("header is not a valid JSON object: {e}"),
+            )
+        })?;
+    let metadata_raw = fields
+        .iter()
+        .position(|(k, _)| k == METADATA_KEY)
+        .map(|at| fields.remove(at).1);
+    let metadata = metadata_map(path, metadata_raw)?;
+    let acp = AcpFields::read(path, &metadata)?;
+    let mut stated = Vec::with_capacity(fields.len());
+    for (name, raw) in fields {
+        stated.push(match well_formed(&name, raw) {
+            Some((dtype, shape, len, begin, end)) => {
+                Stated::new(name, dtype, shape, len, begin, end)
+            }
+            // What is wrong, found by the checks one field at a time.
+            None => tensor(path, name, raw)?,
+        });
+    }
+    Ok(Read {
+        metadata,
+        acp,
+        stated,
+    })
+}
+
+/// What [`parse_header`] reads of a header before placing its tensors.
+struct Read {
+    metadata: BTreeMap<String, String>,
+    acp: AcpFields,
+    stated: Vec<Stated>,
+}
+
+/// A header's `__metadata__` text and its tensors' fields, as
+/// [`quick_entries`] reads them.
+struct Quick<'a> {
+    metadata: Option<&'a RawValue>,
+    tensors: Vec<(String, Fields<'a>)>,
+}
+
+/// `__metadata__` (its JSON text, when present) as a string map.
+fn metadata_map(path: &Path, raw: Option<&RawValue>) -> Result<BTreeMap<String, String>> {
+    Ok(match raw.map(|raw| value(path, None, raw)) {
+        None => BTreeMap::new(),
+        Some(v) => match v? {
+            Value::Null => BTreeMap::new(),
+            v => string_map(path, v)?,
+        },
+    })
+}
+
+/// A header's `__metadata__` text and its tensors' fields, read in one
+/// pass, when the header is a JSON object of well-formed entries (each
+/// name once, each entry exactly `dtype`, `shape` and `data_offsets`, a
+/// dtype without escapes); None for anything else, which
+/// [`checked_entries`] then reads and names. The fields are not checked
+/// here ([`well_formed_fields`] does that).
+fn quick_entries(text: &str) -> Option<Quick<'_>> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let quick = serde::Deserializer::deserialize_map(&mut de, QuickEntries).ok()?;
+    de.end().ok()?;
+    let mut seen = std::collections::HashSet::with_capacity(quick.tensors.len());
+    quick
+        .tensors
+        .iter()
+        .all(|(name, _)| seen.insert(name.as_str()))
+        .then_some(quick)
+}
+
+struct QuickEntries;
+
+impl<'de> serde::de::Visitor<'de> for QuickEntries {
+    type Value = Quick<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a header of well-formed entries")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        let mut metadata = None;
+        let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some(key) = map.next_key::<String>()? {
+            if key == METADATA_KEY {
+                if metadata.is_some() {
+                    return Err(serde::de::Error::custom("`__metadata__` twice"));
+                }
+                metadata = Some(map.next_value::<&RawValue>()?);
+            } else {
+                tensors.push((key, map.next_value::<Fields<'de>>()?));
+            }
+        }
+        Ok(Quick { metadata, tensors })
+    }
 }
 
 /// One header entry's JSON text (already checked to be valid JSON) as a value.
@@ -478,7 +581,11 @@ struct Fields<'a> {
 /// its text takes a path this one does not: an escaped dtype), for
 /// [`tensor`] to say which.
 fn well_formed(name: &str, raw: &RawValue) -> Option<(Dtype, Vec<u64>, u64, u64, u64)> {
-    let f: Fields<'_> = serde_json::from_str(raw.get()).ok()?;
+    well_formed_fields(name, serde_json::from_str(raw.get()).ok()?)
+}
+
+/// [`well_formed`] of an entry's fields, already read.
+fn well_formed_fields(name: &str, f: Fields<'_>) -> Option<(Dtype, Vec<u64>, u64, u64, u64)> {
     let dtype = Dtype::from_name(f.dtype)?;
     let len = byte_len(dtype, &f.shape)?;
     let (begin, end) = f.data_offsets;
