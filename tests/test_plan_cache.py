@@ -4,6 +4,7 @@ it changed in any way the plan depends on."""
 
 from __future__ import annotations
 
+import gc
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import torch
 
 import acp
 from acp import _load
+from acp._codec import Entry
 
 from .conftest import MakeCkpt
 
@@ -556,3 +558,25 @@ def test_values_that_outgrow_the_header_move_the_data(make_ckpt: MakeCkpt) -> No
         s["log"] = "y" * n
         s["w"].mul_(2)
         assert same(s, roundtrip(ckpt, 1 + n, s)), n
+
+
+def test_a_load_leaves_no_planning_behind(make_ckpt: MakeCkpt) -> None:
+    """What only the planning of a ``load(into=)`` needs (an entry and a
+    fill per tensor) is freed when the load returns, not left in a
+    reference cycle for the garbage collector to walk."""
+    ckpt = make_ckpt()
+    state = {"model": {f"t{i}": torch.full((4,), float(i)) for i in range(50)}, "step": 3}
+    ckpt.save(1, state).wait()
+    into = {"model": {k: torch.zeros(4) for k in state["model"]}, "step": 0}
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        ckpt.load(into=into)
+        left = [o for o in gc.get_objects() if type(o) is Entry]
+    finally:
+        if was:
+            gc.enable()
+    assert left == []
+    assert into["step"] == 3
+    assert all(torch.equal(into["model"][k], v) for k, v in state["model"].items())
