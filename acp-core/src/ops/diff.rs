@@ -196,6 +196,9 @@ fn side_values(side: &mut Side, name: &str) -> Result<Value> {
     }
 }
 
+/// Reads one element as a complex number `(re, im)`.
+type Decode = fn(&[u8]) -> (f64, f64);
+
 /// Fills the figures of a tensor whose bytes differ.
 fn compare(d: &mut TensorDiff, dtype: Dtype, a: &[u8], b: &[u8]) {
     let size = dtype.size();
@@ -203,13 +206,22 @@ fn compare(d: &mut TensorDiff, dtype: Dtype, a: &[u8], b: &[u8]) {
     d.elements = Some(elements);
     d.differing_bytes = Some(a.iter().zip(b).filter(|(x, y)| x != y).count() as u64);
     let pairs = a.chunks_exact(size).zip(b.chunks_exact(size));
-    let decode: Option<fn(&[u8]) -> f64> = match dtype {
-        Dtype::F64 => Some(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))),
-        Dtype::F32 => Some(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap_or([0; 4])))),
-        Dtype::F16 => Some(|c| f16_to_f64(u16::from_le_bytes(c.try_into().unwrap_or([0; 2])))),
+    // Each element as a complex number (a real one with no imaginary
+    // part): a complex tensor's figures are of the distance between
+    // elements, `|b - a|`.
+    let decode: Option<Decode> = match dtype {
+        Dtype::F64 => Some(|c| (f64::from_le_bytes(c.try_into().unwrap_or([0; 8])), 0.0)),
+        Dtype::F32 => Some(|c| (f32_at(c, 0), 0.0)),
+        Dtype::C64 => Some(|c| (f32_at(c, 0), f32_at(c, 4))),
+        Dtype::F16 => Some(|c| {
+            (
+                f16_to_f64(u16::from_le_bytes(c.try_into().unwrap_or([0; 2]))),
+                0.0,
+            )
+        }),
         Dtype::BF16 => Some(|c| {
             let bits = u32::from(u16::from_le_bytes(c.try_into().unwrap_or([0; 2]))) << 16;
-            f64::from(f32::from_bits(bits))
+            (f64::from(f32::from_bits(bits)), 0.0)
         }),
         _ => None,
     };
@@ -219,20 +231,21 @@ fn compare(d: &mut TensorDiff, dtype: Dtype, a: &[u8], b: &[u8]) {
     };
     let (mut changed, mut nonfinite, mut max_abs) = (0u64, 0u64, 0f64);
     let (mut diff_sq, mut norm_sq) = (0f64, 0f64);
+    let finite = |(re, im): (f64, f64)| re.is_finite() && im.is_finite();
     for (x, y) in pairs {
         let (fx, fy) = (decode(x), decode(y));
-        if fx.is_finite() {
-            norm_sq += fx * fx;
+        if finite(fx) {
+            norm_sq += fx.0 * fx.0 + fx.1 * fx.1;
         }
         if x == y {
             continue;
         }
         changed += 1;
-        if !(fx.is_finite() && fy.is_finite()) {
+        if !(finite(fx) && finite(fy)) {
             nonfinite += 1;
             continue;
         }
-        let delta = (fy - fx).abs();
+        let delta = (fy.0 - fx.0).hypot(fy.1 - fx.1);
         max_abs = max_abs.max(delta);
         diff_sq += delta * delta;
     }
@@ -240,6 +253,12 @@ fn compare(d: &mut TensorDiff, dtype: Dtype, a: &[u8], b: &[u8]) {
     d.nonfinite_changed = Some(nonfinite);
     d.max_abs_diff = Some(max_abs);
     d.rel_l2 = (norm_sq > 0.0).then(|| (diff_sq / norm_sq).sqrt());
+}
+
+/// The little-endian f32 at byte `at` of `c`, as f64 (0 when `c` is short).
+fn f32_at(c: &[u8], at: usize) -> f64 {
+    let bytes = c.get(at..at + 4).and_then(|b| b.try_into().ok());
+    f64::from(f32::from_le_bytes(bytes.unwrap_or([0; 4])))
 }
 
 /// IEEE half precision to f64.
@@ -342,6 +361,20 @@ mod tests {
             Some(1.0),
             "left from before: ints set no float figure"
         );
+        // The same bytes as two complex64 elements, (1+2i, 3+4i) and
+        // (1+2.5i, 3+3i): both changed, by 0.5 and 1.
+        let mut d3 = d.clone();
+        d3.max_abs_diff = None;
+        compare(&mut d3, Dtype::C64, &a, &b);
+        assert_eq!(d3.elements, Some(2));
+        assert_eq!(d3.changed_elements, Some(2));
+        assert_eq!(d3.max_abs_diff, Some(1.0));
+        assert!((d3.rel_l2.unwrap() - want).abs() < 1e-12);
+        // A distance, not a difference of parts: 3+4i against 0.
+        let zero = [0u8; 8];
+        let c: Vec<u8> = [3.0f32, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        compare(&mut d3, Dtype::C64, &zero, &c);
+        assert_eq!(d3.max_abs_diff, Some(5.0));
     }
 
     #[test]
