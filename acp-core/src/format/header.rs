@@ -290,6 +290,8 @@ fn quick_entries(text: &str) -> Option<Quick<'_>> {
         .then_some(quick)
 }
 
+/// The visitor of [`quick_entries`]: the metadata kept as text, each
+/// other entry parsed into its fields; any surprise is an error.
 struct QuickEntries;
 
 impl<'de> serde::de::Visitor<'de> for QuickEntries {
