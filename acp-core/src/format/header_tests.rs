@@ -522,7 +522,68 @@ fn every_truncation_is_refused() {
     assert!(parse(&longer).is_err());
 }
 
+/// `parse_header` and the checked path alone give the same header, or
+/// the same error.
+fn same_as_checked(bytes: &[u8], file_len: u64) {
+    let quick = parse_header(Path::new(PATH), bytes, file_len);
+    let checked = super::parse_header_with(Path::new(PATH), bytes, file_len, false);
+    match (&quick, &checked) {
+        (Ok(a), Ok(b)) => {
+            assert_eq!(a.entries, b.entries);
+            assert_eq!(a.metadata, b.metadata);
+            assert_eq!((a.data_start, a.step), (b.data_start, b.step));
+        }
+        (Err(a), Err(b)) => {
+            assert_eq!(a.kind(), b.kind());
+            assert_eq!(a.to_string(), b.to_string());
+        }
+        _ => panic!("quick {quick:?}, checked {checked:?}"),
+    }
+}
+
+#[test]
+fn the_one_pass_read_agrees_with_the_checked_path() {
+    let (_, bytes) = image();
+    same_as_checked(&bytes, bytes.len() as u64);
+    let one = |t: &str, data: usize| raw(&format!(r#"{{"t":{t}}}"#), data);
+    for entry in [
+        r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#,
+        r#"{"dtype":"F\u0033\u0032","shape":[1],"data_offsets":[0,4]}"#,
+        r#"{"dtype":"F128","shape":[1],"data_offsets":[0,4]}"#,
+        r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}"#,
+        r#"{"dtype":"F32","shape":[1],"shape":[1],"data_offsets":[0,4]}"#,
+        r#"{"dtype":"F32","shape":[2],"data_offsets":[0,4]}"#,
+        r#"{"data_offsets":[0,4],"shape":[1],"dtype":"C64"}"#,
+    ] {
+        same_as_checked(&one(entry, 4), 12);
+        same_as_checked(&one(entry, 8), 12);
+    }
+    let twice = r#"{"__metadata__":{},"__metadata__":{},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+    same_as_checked(&raw(twice, 1), 8 + twice.len() as u64 + 1);
+}
+
 proptest! {
+    #[test]
+    fn the_one_pass_read_agrees_under_byte_flips(
+        flips in prop::collection::vec((8usize..4200, 1u8..=255), 1..4)
+    ) {
+        let (_, mut bytes) = image();
+        for (at, x) in flips {
+            let at = at % bytes.len();
+            bytes[at] ^= x;
+        }
+        same_as_checked(&bytes, bytes.len() as u64);
+    }
+
+    #[test]
+    fn the_one_pass_read_agrees_on_random_headers(
+        text in r#"\{("[a-z_]{0,3}":(\{("[a-z_]{0,12}":(\[[0-9,-]{0,8}\]|"[A-Z0-9_]{0,7}"|[0-9]{1,3}),?){0,4}\}|"[a-z0-9.]{0,4}"),?){0,4}\}"#,
+        data in 0usize..64,
+    ) {
+        let bytes = raw(&text, data);
+        same_as_checked(&bytes, bytes.len() as u64);
+    }
+
     #[test]
     fn header_byte_flips_never_panic(
         flips in prop::collection::vec((0usize..4200, 1u8..=255), 1..8)
