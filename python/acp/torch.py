@@ -134,7 +134,7 @@ def dtype_to_safetensors(dtype: torch.dtype) -> str:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise InvalidInput(f"dtype {dtype} has no safetensors name{_instead(dtype)}") from None
+        raise InvalidInput(_no_name(dtype)) from None
 
 
 def dtype_from_safetensors(name: str) -> torch.dtype:
@@ -160,9 +160,10 @@ def _subclass_hint(kind: type) -> str:
     return "save a plain tensor, e.g. its .data"
 
 
-def _instead(dtype: torch.dtype) -> str:
+def _no_name(dtype: torch.dtype) -> str:
+    """Why ``dtype`` is refused, and what to store instead where known."""
     hint = _INSTEAD.get(dtype)
-    return f" ({hint})" if hint else ""
+    return f"dtype {dtype} has no safetensors name" + (f" ({hint})" if hint else "")
 
 
 def slot_tensor(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -391,9 +392,7 @@ class Adapter:
         torch_dtype = t.dtype
         dtype = DTYPES.get(torch_dtype)
         if dtype is None:
-            raise InvalidInput(
-                f"{_where(key)}: dtype {torch_dtype} has no safetensors name{_instead(torch_dtype)}"
-            )
+            raise InvalidInput(f"{_where(key)}: {_no_name(torch_dtype)}")
         shape = tuple(t.shape)
         nbytes = t.nbytes
         requires_grad = t.requires_grad

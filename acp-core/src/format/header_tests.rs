@@ -564,18 +564,6 @@ fn the_one_pass_read_agrees_with_the_checked_path() {
 
 proptest! {
     #[test]
-    fn the_one_pass_read_agrees_under_byte_flips(
-        flips in prop::collection::vec((8usize..4200, 1u8..=255), 1..4)
-    ) {
-        let (_, mut bytes) = image();
-        for (at, x) in flips {
-            let at = at % bytes.len();
-            bytes[at] ^= x;
-        }
-        same_as_checked(&bytes, bytes.len() as u64);
-    }
-
-    #[test]
     fn the_one_pass_read_agrees_on_random_headers(
         text in r#"\{("[a-z_]{0,3}":(\{("[a-z_]{0,12}":(\[[0-9,-]{0,8}\]|"[A-Z0-9_]{0,7}"|[0-9]{1,3}),?){0,4}\}|"[a-z0-9.]{0,4}"),?){0,4}\}"#,
         data in 0usize..64,
@@ -593,7 +581,9 @@ proptest! {
             let at = at % bytes.len();
             bytes[at] ^= x;
         }
-        // Either outcome is fine; only a panic fails.
+        // Either outcome is fine; only a panic fails. The one-pass read
+        // and the checked path alone agree on it.
+        same_as_checked(&bytes, bytes.len() as u64);
         let _ = parse(&bytes);
         let _ = parse_header(Path::new(PATH), &bytes, u64::MAX);
         let _ = parse_header(Path::new(PATH), &bytes, 0);

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use super::{
     BenchReport, DiffReport, ExportReport, GcReport, ImportReport, InspectReport, ListReport,
-    PersistReport, VerifyReport,
+    PersistReport, TensorInfo, VerifyReport,
 };
 
 /// `1536` → `"1.5 KiB"`.
@@ -195,21 +195,18 @@ pub fn inspect(r: &InspectReport) -> String {
         }
     }
     if !r.tensors.is_empty() {
-        let w = r
-            .tensors
-            .iter()
-            .map(|t| t.name.len())
-            .max()
-            .unwrap_or(4)
-            .clamp(4, 60);
-        // As wide as the widest dtype name shown (`F8_E4M3FNUZ`).
-        let d = r
-            .tensors
-            .iter()
-            .map(|t| t.dtype.len())
-            .max()
-            .unwrap_or(0)
-            .max(7);
+        // Each column as wide as its widest cell, within bounds (a dtype
+        // name is at most `F8_E4M3FNUZ`).
+        let width = |cell: fn(&TensorInfo) -> usize, min: usize, max: usize| {
+            r.tensors
+                .iter()
+                .map(cell)
+                .max()
+                .unwrap_or(min)
+                .clamp(min, max)
+        };
+        let w = width(|t| t.name.len(), 4, 60);
+        let d = width(|t| t.dtype.len(), 7, 16);
         let _ = writeln!(
             s,
             "\n  {:<w$}  {:<d$}  {:<20}  {:>10}  FILE",
