@@ -1174,3 +1174,75 @@ fn engine_refuses_a_root_others_can_write_and_tools_still_read_it() {
         refused(Path::new("/"), shm.path(), "owned by uid 0");
     }
 }
+
+/// A compressed data file whose frame table claims a gigabyte chunk held
+/// by a frame of a few bytes (no zstd stream expands past 32,768 times
+/// its length): every reader refuses it naming the file, and none sizes
+/// memory by the claim (no heap allocation past [`ALLOC_LIMIT`], no
+/// mapping of the claimed image).
+#[test]
+fn a_compressed_frame_claiming_gigabytes_is_refused_before_memory_is_sized() {
+    use acp_core::format::{digest, packed_head, FrameCodec};
+    use acp_core::ops;
+    const CLAIM: u64 = 1 << 30;
+    let frame = [0x5Au8; 64];
+    let packed = packed_head(CLAIM, CLAIM, &[(&frame[..], FrameCodec::GroupedZstd)]);
+    let packed = [packed, frame.to_vec()].concat();
+    let c = case();
+    std::fs::write(c.step_dir.join(DATA_NAME), &packed).unwrap();
+    let digests = [digest(b"any chunk")];
+    let mut index = index_for(&packed, DATA_NAME, &["a", "b"]);
+    index["metadata"]["total_size"] = json!(CLAIM);
+    index["metadata"]["acp"]["format_version"] = json!(4);
+    let entry = &mut index["metadata"]["acp"]["files"][DATA_NAME];
+    entry["size"] = json!(CLAIM);
+    entry["stored_size"] = json!(packed.len());
+    entry["chunk_bytes"] = json!(CLAIM);
+    entry["chunks"] = json!(digests.iter().map(hex).collect::<Vec<_>>());
+    entry["root"] = json!(hex(&root_digest(&digests)));
+    write_json(&c.step_dir.join(INDEX_NAME), &index);
+    let mut suite = Suite {
+        trials: 0,
+        failures: Vec::new(),
+    };
+    let named = |r: Outcome| -> Outcome {
+        let err = r?;
+        if err.contains(DATA_NAME) {
+            Ok(err)
+        } else {
+            Err(format!("the error does not name the file: {err}"))
+        }
+    };
+    suite.refuse("load", || named(failed(load(&c))));
+    suite.refuse("load another rank's tensors", || {
+        let cfg = config(&c.root, &c.shm).with_rank(1).with_world_size(2);
+        let engine = Engine::open(cfg).unwrap();
+        let r = engine.load(&LoadRequest {
+            step: Some(STEP),
+            rank: Some(0),
+            tensors: Some(vec!["a".to_owned()]),
+            storage_only: true,
+            ..LoadRequest::default()
+        });
+        engine.close().unwrap();
+        named(failed(r))
+    });
+    suite.refuse("verify", || {
+        match ops::verify(&c.root, Some(STEP), false, &ops::Quiet) {
+            Ok(r) if !r.ok => named(Ok(format!("{:?}", r.steps))),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    suite.refuse("export", || {
+        let out = c.outside.join("out.safetensors");
+        let r = ops::export_safetensors(&c.root, Some(STEP), None, &out, false, &ops::Quiet);
+        named(failed(r))
+    });
+    suite.refuse("diff", || {
+        named(failed(ops::diff(&c.root, STEP, STEP, &ops::Quiet)))
+    });
+    suite.refuse("inspect", || {
+        named(failed(ops::inspect(&c.root, Some(STEP))))
+    });
+    report("claimed frame", suite.trials, &suite.failures);
+}

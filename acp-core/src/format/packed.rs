@@ -23,6 +23,14 @@ pub const FRAME_ENTRY_BYTES: u64 = 64;
 /// digest chunk): a frame is decoded into memory of its chunk's size.
 const MAX_CHUNK_BYTES: u64 = 1 << 30;
 
+/// The most bytes one stored byte of a compressed frame can decode to. A
+/// zstd block yields at most 128 KiB and takes at least 4 bytes (a 3-byte
+/// header and an RLE byte), so no zstd stream expands more than 32,768
+/// times; a raw plane does not expand, and the frame's tables only add
+/// bytes. A table entry claiming more is refused before any memory is
+/// sized by it (a reader holds a whole chunk).
+pub(super) const MAX_FRAME_EXPANSION: u64 = 32_768;
+
 /// How a frame holds its chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FrameCodec {
@@ -281,7 +289,8 @@ fn le_u32(b: &[u8], at: usize) -> u32 {
 /// [`Error::Corrupt`] naming `path` for a bad magic, a head that is not the
 /// index's, a table whose digest differs, or frames that do not tile the
 /// file in order (past its end, overlapping, gaps) or whose decoded length
-/// is not their chunk's; `read_at`'s errors.
+/// is not their chunk's, or compressed frames too short to decode to it
+/// ([`MAX_FRAME_EXPANSION`]); `read_at`'s errors.
 pub fn read_packed_table(
     path: &Path,
     file_len: u64,
@@ -386,6 +395,11 @@ pub fn read_packed_table(
             }
             FrameCodec::GroupedZstd if stored >= raw => {
                 return Err(bad(format!("compressed frame {i} of {stored} bytes is not smaller than its {raw}-byte chunk")));
+            }
+            FrameCodec::GroupedZstd if raw > stored.saturating_mul(MAX_FRAME_EXPANSION) => {
+                return Err(bad(format!(
+                    "compressed frame {i} of {stored} bytes claims a {raw}-byte chunk, more than {MAX_FRAME_EXPANSION} times its length"
+                )));
             }
             FrameCodec::Reference if stored != 0 => {
                 return Err(bad(format!(

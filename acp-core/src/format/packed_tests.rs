@@ -274,6 +274,58 @@ fn hostile_frame_tables_are_clear_errors() {
         .contains("frames end at"));
 }
 
+/// Reads the table of `file` as an index of an image of `len` bytes in
+/// one chunk would describe it.
+fn one_chunk_table(file: &[u8], len: u64) -> Result<PackedTable> {
+    read_packed_table(
+        Path::new(PATH),
+        file.len() as u64,
+        len,
+        len,
+        &mut |buf, off| {
+            let s = usize::try_from(off).unwrap();
+            buf.copy_from_slice(&file[s..s + buf.len()]);
+            Ok(())
+        },
+    )
+}
+
+#[test]
+fn a_frame_claiming_more_than_zstd_can_expand_to_is_refused() {
+    use super::packed::MAX_FRAME_EXPANSION;
+    // A 16-byte compressed frame can claim at most 16 * 32,768 bytes.
+    let frame = [7u8; 16];
+    let with = |len: u64| {
+        let head = packed_head(len, len, &[(&frame[..], FrameCodec::GroupedZstd)]);
+        [head, frame.to_vec()].concat()
+    };
+    let most = 16 * MAX_FRAME_EXPANSION;
+    assert!(one_chunk_table(&with(most), most).is_ok());
+    let err = one_chunk_table(&with(most + 1), most + 1).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("times its length"), "{err}");
+    // The most compressible chunk (zeros, one plane, the fastest and the
+    // strongest level) stays within the limit: no frame this build writes
+    // is refused by it.
+    let zeros = image(&[spec("z", Dtype::U8, 8 << 20)], |_, _| 0);
+    for level in [codec::LITERAL_FIRST, 19] {
+        let file = pack_image(Path::new(PATH), &zeros, zeros.len(), level).unwrap();
+        let t = one_chunk_table(&file, zeros.len() as u64).unwrap();
+        let f = t.frames[0];
+        assert_eq!(f.codec, FrameCodec::GroupedZstd);
+        assert!(f.raw > f.stored * (MAX_FRAME_EXPANSION / 2), "{f:?}");
+        assert_eq!(unpack_one(&file, &f, zeros.len()), zeros);
+    }
+}
+
+/// Decodes the one frame `f` of `file` into an image of `len` bytes.
+fn unpack_one(file: &[u8], f: &Frame, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let bytes = &file[usize::try_from(f.offset).unwrap()..][..usize::try_from(f.stored).unwrap()];
+    decode_frame(Path::new(PATH), 0, f, bytes, &mut out, &Vec::new).unwrap();
+    out
+}
+
 /// `file` (written by this build) relabelled as container `version`,
 /// each frame's check rewritten by `check` and the table resealed.
 fn relabelled(file: &[u8], version: u32, check: impl Fn(&[u8]) -> Digest) -> Vec<u8> {
