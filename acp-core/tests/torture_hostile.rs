@@ -1246,3 +1246,115 @@ fn a_compressed_frame_claiming_gigabytes_is_refused_before_memory_is_sized() {
     });
     report("claimed frame", suite.trials, &suite.failures);
 }
+
+/// An incremental compressed file whose reference frames (which hold no
+/// bytes) claim a terabyte of chunks held by a step that is not there:
+/// every reader refuses it naming the reference, and none sizes memory by
+/// the claim before the references are resolved against the referenced
+/// step's index.
+#[test]
+fn unresolved_references_claiming_a_terabyte_size_no_memory() {
+    use acp_core::codec::Run;
+    use acp_core::format::{chunk_digests, digest, encode_frame, packed_head, FrameCodec};
+    use acp_core::ops;
+    const CHUNK_BYTES: u64 = 16 << 20;
+    const REFS: u64 = 1 << 16;
+    const CLAIM: u64 = (REFS + 1) * CHUNK_BYTES;
+    // The first chunk holds the header (padded to 504 bytes) and the
+    // start of `c`, which covers the rest of the claimed image.
+    let mut header = json!({
+        "__metadata__": {"acp.step": STEP.to_string(), "acp.rank": "0", "acp.world_size": "1"},
+        "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "b": {"dtype": "U8", "shape": [2, 2], "data_offsets": [8, 12]},
+        "c": {"dtype": "U8", "shape": [CLAIM - 512 - 12], "data_offsets": [12, CLAIM - 512]},
+    })
+    .to_string();
+    header.push_str(&" ".repeat(504 - header.len()));
+    let mut chunk0 = st(&header, &DATA);
+    chunk0.resize(CHUNK_BYTES as usize, 0);
+    let runs = [Run {
+        width: 1,
+        len: CHUNK_BYTES as u32,
+    }];
+    let (frame0, codec) = encode_frame(DATA_NAME, &chunk0, &runs, 1).unwrap();
+    assert_eq!(codec, FrameCodec::GroupedZstd);
+    let mut frames = vec![(&frame0[..], codec)];
+    frames.extend((0..REFS).map(|_| (&[][..], FrameCodec::Reference)));
+    let packed = [packed_head(CLAIM, CHUNK_BYTES, &frames), frame0.clone()].concat();
+    let c = case();
+    std::fs::write(c.step_dir.join(DATA_NAME), &packed).unwrap();
+    let mut digests = chunk_digests(&chunk0, CHUNK_BYTES as usize);
+    digests.extend((0..REFS).map(|_| digest(b"a chunk of step 3")));
+    let mut index = index_for(&packed, DATA_NAME, &["a", "b", "c"]);
+    index["metadata"]["total_size"] = json!(CLAIM);
+    index["metadata"]["acp"]["format_version"] = json!(4);
+    let entry = &mut index["metadata"]["acp"]["files"][DATA_NAME];
+    entry["size"] = json!(CLAIM);
+    entry["stored_size"] = json!(packed.len());
+    entry["chunk_bytes"] = json!(CHUNK_BYTES);
+    entry["chunks"] = json!(digests.iter().map(hex).collect::<Vec<_>>());
+    entry["root"] = json!(hex(&root_digest(&digests)));
+    entry["refs"] = json!([{"first": 1, "count": REFS, "step": 3, "file": DATA_NAME}]);
+    write_json(&c.step_dir.join(INDEX_NAME), &index);
+    let mut suite = Suite {
+        trials: 0,
+        failures: Vec::new(),
+    };
+    let named = |r: Outcome| -> Outcome {
+        let err = r?;
+        if err.contains("reference step 3") {
+            Ok(err)
+        } else {
+            Err(format!("the error does not name the reference: {err}"))
+        }
+    };
+    suite.refuse("load", || named(failed(load(&c))));
+    // A planned load (`load(into=)`): its header sizes the caller's
+    // tensors, so it is handed out only once the references resolve.
+    suite.refuse("plan a load", || {
+        let engine = Engine::open(config(&c.root, &c.shm)).unwrap();
+        let r = engine.open_load(&LoadRequest {
+            step: Some(STEP),
+            storage_only: true,
+            ..LoadRequest::default()
+        });
+        engine.close().unwrap();
+        match r {
+            Ok(_) => Err("planned a load of the claimed tensors".to_owned()),
+            Err(e) => named(Ok(e.to_string())),
+        }
+    });
+    for tensors in [None, Some(vec!["a".to_owned()])] {
+        suite.refuse("load another rank's file", || {
+            let cfg = config(&c.root, &c.shm).with_rank(1).with_world_size(2);
+            let engine = Engine::open(cfg).unwrap();
+            let r = engine.load(&LoadRequest {
+                step: Some(STEP),
+                rank: Some(0),
+                tensors,
+                storage_only: true,
+                ..LoadRequest::default()
+            });
+            engine.close().unwrap();
+            named(failed(r))
+        });
+    }
+    suite.refuse("verify", || {
+        match ops::verify(&c.root, Some(STEP), false, &ops::Quiet) {
+            Ok(r) if !r.ok => named(Ok(format!("{:?}", r.steps))),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    suite.refuse("export", || {
+        let out = c.outside.join("out.safetensors");
+        let r = ops::export_safetensors(&c.root, Some(STEP), None, &out, false, &ops::Quiet);
+        named(failed(r))
+    });
+    suite.refuse("diff", || {
+        named(failed(ops::diff(&c.root, STEP, STEP, &ops::Quiet)))
+    });
+    suite.refuse("inspect", || {
+        named(failed(ops::inspect(&c.root, Some(STEP))))
+    });
+    report("unresolved references", suite.trials, &suite.failures);
+}

@@ -1020,7 +1020,7 @@ impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
 /// chunks, each checked against its digest.
 fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<Arc<ParsedHeader>> {
     let header = if stored.entry.stored_size.is_some() {
-        match lead_header(stored) {
+        match lead_header(shared, stored) {
             Some(h) => h,
             None => with_reader(shared, stored, &mut |r| r.header())?,
         }
@@ -1046,10 +1046,20 @@ fn read_header_for_plan(shared: &Shared, stored: &StoredFile) -> Result<Arc<Pars
 /// The header of the compressed file `stored` from its first frame's
 /// header bytes alone ([`StoredSource::lead`]), unverified; `None` when
 /// they do not hold it or anything fails (the caller then reads it from
-/// verified chunks, which names what is wrong).
-fn lead_header(stored: &StoredFile) -> Option<ParsedHeader> {
+/// verified chunks, which names what is wrong). The file's references are
+/// resolved first, so that a planned header never lists tensors in chunks
+/// that no earlier step holds.
+fn lead_header(shared: &Shared, stored: &StoredFile) -> Option<ParsedHeader> {
     let file = stored.file.try_clone().ok()?;
-    let src = StoredSource::new(file, stored.path.clone(), &stored.entry).ok()?;
+    let src = StoredSource::open(
+        &*shared.root,
+        stored.step,
+        &stored.name,
+        file,
+        stored.path.clone(),
+        &stored.entry,
+    )
+    .ok()?;
     let lead = src.lead().ok()??;
     read_header(
         &stored.path,
@@ -1083,31 +1093,31 @@ fn read_stored(
 ) -> Result<Checkpoint> {
     let (entry, path, step) = (&stored.entry, &stored.path, stored.step);
     let fits = stored.own && entry.size <= shared.ring.max_image_bytes();
-    let slot = if fits {
-        shared.ring.acquire(entry.size, None)?
-    } else {
-        None
-    };
     let threads = shared.cfg.copy_threads;
     let io_chunk = shared.io_opts.chunk_bytes;
     let mut targets = Some(targets);
-    let mut read = |dst: &mut [u8]| {
-        with_reader(shared, stored, &mut |r| {
-            let targets = targets.take().unwrap_or_default();
-            r.read_verified_into(dst, threads, io_chunk, targets)
-        })
-    };
-    let backing = if let Some(mut slot) = slot {
-        let digests = read(slot.image_mut())?;
-        let pin = slot.seal(step, entry.size);
-        shared.ring.set_digests(pin.slot(), &digests);
-        shared.ring.set_state(pin.slot(), SlotState::Persisted);
-        Backing::Slot(pin)
-    } else {
-        let mut buf = heap(entry.size, path)?;
-        read(&mut buf)?;
-        Backing::Heap(buf, to_usize(entry.size))
-    };
+    // The reader is opened first: a compressed file's references are
+    // resolved against the steps that hold their chunks (which bounds the
+    // index's length) before memory is sized by that length.
+    let backing = with_reader(shared, stored, &mut |r| {
+        let targets = targets.take().unwrap_or_default();
+        let slot = if fits {
+            shared.ring.acquire(entry.size, None)?
+        } else {
+            None
+        };
+        if let Some(mut slot) = slot {
+            let digests = r.read_verified_into(slot.image_mut(), threads, io_chunk, targets)?;
+            let pin = slot.seal(step, entry.size);
+            shared.ring.set_digests(pin.slot(), &digests);
+            shared.ring.set_state(pin.slot(), SlotState::Persisted);
+            Ok(Backing::Slot(pin))
+        } else {
+            let mut buf = heap(entry.size, path)?;
+            r.read_verified_into(&mut buf, threads, io_chunk, targets)?;
+            Ok(Backing::Heap(buf, to_usize(entry.size)))
+        }
+    })?;
     finish(
         shared,
         step,
