@@ -12,7 +12,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use acp_core::format::{FORMAT_VERSION, PACKED_MAGIC, QUICK_FRAME_VERSION};
+use acp_core::format::{
+    hex, root_digest, unhex, FORMAT_VERSION, PACKED_MAGIC, QUICK_FRAME_VERSION,
+};
 use acp_core::ops::{export_safetensors, gc, inspect, verify, GcOptions, Quiet};
 use acp_core::storage::faults::FaultInjector;
 use acp_core::{
@@ -581,6 +583,29 @@ fn hostile_references_are_refused() {
     // A step that is not there.
     set(&s.root, 3, &|ent| ent["refs"][0]["step"] = json!(0));
     refused("reference step 0");
+    // The referenced step records another digest for a referenced chunk
+    // (its index resealed, so that step alone is consistent).
+    let held = std::fs::read(index_path(&s.root, 1)).unwrap();
+    let r = entry(&s.root, 3)["refs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["step"] == json!(1))
+        .cloned()
+        .unwrap();
+    set(&s.root, 1, &|ent| {
+        let i = usize::try_from(r["first"].as_u64().unwrap()).unwrap();
+        ent["chunks"][i] = json!(hex(&[7u8; 32]));
+        let digests: Vec<_> = ent["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| unhex(c.as_str().unwrap()).unwrap())
+            .collect();
+        ent["root"] = json!(hex(&root_digest(&digests)));
+    });
+    refused("another span or digest");
+    std::fs::write(index_path(&s.root, 1), &held).unwrap();
     // Runs past the file's chunks, overlapping.
     set(&s.root, 3, &|ent| {
         ent["refs"][0]["count"] = json!(1_000_000)
