@@ -40,8 +40,14 @@ sysdeps:
 	    apt-get install -y -q fio >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fio >/dev/null 2>&1; } || echo "note: could not install fio; raw disk baselines use a Python O_DIRECT loop"; \
 	  else echo "note: fio is not installed (apt-get install fio); raw disk baselines use a Python O_DIRECT loop"; fi; }
 
+# After the build, the package's bytecode, as pip writes it when it installs
+# a wheel: a development install is imported from python/, and where bytecode
+# is not written at import (PYTHONDONTWRITEBYTECODE, as in CI) every process
+# would compile acp's sources again, 20 ms and more inside a restarted
+# process's first load, which the benchmarks and the demo time.
 build-dev: venv ## Build the wheel (release, with fault injection for the tests) and install it into .venv.
 	cd $(CURDIR) && $(VENV)/bin/maturin develop --release -q --features test-util
+	$(PY) -m compileall -q python/acp
 
 # examples/*.rs are include!d by acp-core's example and tests, which
 # `cargo fmt` does not follow: they are formatted by name.

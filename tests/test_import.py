@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,24 @@ def test_import_acp_imports_no_framework() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout
     assert out.strip() == ""
+
+
+def test_an_open_checkpointer_has_the_imported_frameworks_adapters(tmp_path: Path) -> None:
+    # A restarted process's first load must not import (or, without cached
+    # bytecode, compile) the adapter of a framework the job already uses;
+    # and a framework the job never imported stays unimported.
+    code = (
+        "import sys, numpy, acp; "
+        f"ck = acp.Checkpointer({str(tmp_path / 'root')!r}, ring_bytes=1 << 20, "
+        f"shm_dir={str(tmp_path)!r}, release_on_close=True); "
+        "loaded = [m for m in ('acp._numpy', 'acp.torch', 'torch', 'mindspore') "
+        "if m in sys.modules]; "
+        "ck.close(); print(','.join(loaded))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert out.strip() == "acp._numpy"
 
 
 def test_version_matches_extension() -> None:
