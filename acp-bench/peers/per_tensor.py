@@ -12,7 +12,11 @@ rounds (each ring slot's first use, the first plan) are dropped. Prints the medi
 save stall and its parts (walking and planning the state, the copy) and of ``load(into=)``
 (find + verify in the engine, then the Python side and the copy), and the stall's cost per
 tensor beyond the copy and beyond a memcpy of the same bytes (one contiguous ``copy_`` into
-a preallocated buffer, timed in the same run: torch's copy uses its intra-op threads).
+a preallocated buffer, timed in the same run: torch's copy uses its intra-op threads), next
+to the floor torch sets for any check of the state from Python: reading, for every tensor,
+the fields a kept plan must compare and hold (address, strides, shape, dtype, device,
+layout, ``requires_grad``, storage), each field for all tensors in one C-level ``map``, with
+the garbage collector paused as the save pauses it, timed in the same run.
 Checks the restored bytes. ``--counter`` saves ``{"model": tensors, "step": step,
 "sched": {...}}`` instead, with plain values that change at every save, as a training
 loop's state has. Its root and shared-memory directory are removed at the end.
@@ -21,6 +25,8 @@ loop's state has. Its root and shared-memory directory are removed at the end.
 from __future__ import annotations
 
 import argparse
+import gc
+import operator
 import shutil
 import statistics
 import tempfile
@@ -36,6 +42,27 @@ def memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
     t0 = time.perf_counter()
     dst.copy_(src)
     return time.perf_counter() - t0
+
+
+_FIELDS = operator.attrgetter("shape", "dtype", "is_cpu", "layout", "requires_grad")
+
+
+def torch_reads(tensors: list[torch.Tensor]) -> float:
+    """Seconds to read what a kept save plan compares and holds of each tensor."""
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        got = (
+            list(map(torch.Tensor.data_ptr, tensors)),
+            list(map(torch.Tensor.stride, tensors)),
+            list(map(_FIELDS, tensors)),
+            list(map(torch.Tensor.untyped_storage, tensors)),
+        )
+        took = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    del got
+    return took
 
 
 def main() -> None:
@@ -74,7 +101,8 @@ def main() -> None:
                 handle = ckpt.save(step, saved)
                 stall = time.perf_counter() - t0
                 stats = handle.wait()
-                saves.append((stall, stats.flatten_secs, stats.copy_secs, memcpy(src, dst)))
+                reads = torch_reads(list(model.values()))
+                saves.append((stall, stats.flatten_secs, stats.copy_secs, memcpy(src, dst), reads))
                 if a.no_load:
                     continue
                 t0 = time.perf_counter()
@@ -92,7 +120,7 @@ def main() -> None:
 
 def report(a: argparse.Namespace, nbytes: int, saves: list[Any], loads: list[Any]) -> None:
     """Prints the medians of the rounds after the first two."""
-    s = [statistics.median(x[i] for x in saves[2:]) for i in range(4)]
+    s = [statistics.median(x[i] for x in saves[2:]) for i in range(5)]
     ld = [statistics.median(x[i] for x in loads[2:]) for i in range(3)] if loads else []
     print(f"{a.count} tensors, {nbytes / 1e6:.1f} MB, medians of {a.rounds - 2}")
     per_save = (s[0] - s[2]) / a.count * 1e6
@@ -101,6 +129,8 @@ def report(a: argparse.Namespace, nbytes: int, saves: list[Any], loads: list[Any
           f"(stall - copy) per tensor {per_save:.2f} us")  # fmt: skip
     print(f"memcpy of the same bytes {s[3]:.4f} s; stall / memcpy {s[0] / s[3]:.2f}; "
           f"(stall - memcpy) per tensor {per_memcpy:.2f} us")  # fmt: skip
+    print(f"torch's field reads alone {s[4]:.4f} s: {s[4] / a.count * 1e6:.2f} us per tensor, "
+          f"the floor of any check of the state from Python")  # fmt: skip
     if ld:
         per_load = ld[2] / a.count * 1e6
         print(f"load(into=) from RAM {ld[0]:.4f} s (find + verify {ld[1]:.4f}, "
