@@ -893,3 +893,148 @@ fn a_snapshot_whose_exchange_is_in_flight_stays_and_is_protected() {
         }
     });
 }
+
+/// The chunk size of the cluster's engines.
+fn chunk_bytes(c: &Cluster) -> u64 {
+    let (meta, _) = {
+        let resident = SaveOptions {
+            persist: acp_core::Persist::Never,
+            ..SaveOptions::default()
+        };
+        save_with(c.engine(1), 1, 1, &resident).wait().unwrap();
+        c.engine(1).resident_replica(1).unwrap()
+    };
+    meta.chunk_bytes
+}
+
+/// Receives `image` as `rank`'s image of `step` into a replica slot of
+/// `holder`, sealed with its own digests and quick sums.
+fn receive(holder: &Engine, rank: u32, step: u64, image: &[u8], chunk: u64) {
+    try_receive(holder, rank, step, image, chunk).unwrap();
+}
+
+fn try_receive(
+    holder: &Engine,
+    rank: u32,
+    step: u64,
+    image: &[u8],
+    chunk: u64,
+) -> acp_core::Result<()> {
+    let meta = acp_core::ReplicaMeta::of_image(rank, step, image, chunk);
+    holder.receive_replica(&meta, |dst| {
+        dst.copy_from_slice(image);
+        Ok(())
+    })
+}
+
+/// A message claiming a rank outside the job (a stale or buggy peer) is
+/// refused before a replica ring is opened for it: it neither takes one
+/// of the holder's `replicas_held` sources from the rank it serves nor
+/// leaves a ring in shared memory.
+#[test]
+fn a_replica_of_a_rank_outside_the_world_takes_no_source() {
+    let c = Cluster::new();
+    let chunk = chunk_bytes(&c);
+    let holder = c.engine(0);
+    let err = holder
+        .begin_replica(WORLD + 5, 10, 4096, chunk)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+    assert!(
+        err.to_string().contains("rank 9") && err.to_string().contains("world"),
+        "{err}"
+    );
+    let stray = std::fs::read_dir(user_dir(&c.shm[0]))
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().into_string().ok())
+        .find(|n| n.contains("-replica-r00009-"));
+    assert_eq!(stray, None, "a ring was opened for rank 9");
+    // The rank it holds replicas of still gets its slot.
+    save_and_receive_into_slots(&c, 10, |_, _| {});
+    let held: Vec<_> = holder.replicas().iter().map(|m| (m.rank, m.step)).collect();
+    assert_eq!(held, vec![(2, 10)]);
+}
+
+/// A step received again (its rank re-ran it after a restart from an
+/// earlier step, so its bytes differ) replaces the copy received before,
+/// whichever slot each is in: the older copy is never the one a restore
+/// is served.
+#[test]
+fn a_step_received_again_replaces_the_older_copy() {
+    let c = Cluster::new();
+    let chunk = chunk_bytes(&c);
+    let holder = c.engine(0);
+    let first = vec![1u8; 10_000];
+    let again = vec![2u8; 10_000];
+    receive(holder, 2, 10, &first, chunk);
+    receive(holder, 2, 10, &again, chunk);
+    let held: Vec<_> = holder.replicas().iter().map(|m| (m.rank, m.step)).collect();
+    assert_eq!(held, vec![(2, 10)], "one copy of step 10 is kept");
+    let (meta, pin, _) = holder.pin_replica(2, 10).unwrap();
+    assert!(pin.image() == again.as_slice(), "the older copy was kept");
+    assert_eq!(
+        meta.digests,
+        acp_core::ReplicaMeta::of_image(2, 10, &again, chunk).digests
+    );
+}
+
+/// A replica served while its holder receives newer ones (a restore's
+/// fetch beside a replica exchange) is the step asked for, described by
+/// its own length and digests, or nothing: never a newer image of the
+/// reused slot under the old step's name (a loopback fetch of one then
+/// panicked on the length).
+#[test]
+fn a_replica_pinned_while_its_slot_is_reused_is_the_step_asked_for() {
+    let c = Cluster::new();
+    let chunk = chunk_bytes(&c);
+    let holder = c.engine(0).clone();
+    let image = |step: u64| vec![step as u8; 4096 * (1 + (step % 3) as usize) + step as usize];
+    receive(&holder, 2, 1, &image(1), chunk);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let newest = Arc::new(std::sync::atomic::AtomicU64::new(1));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (holder, stop, newest) = (holder.clone(), Arc::clone(&stop), Arc::clone(&newest));
+            std::thread::Builder::new()
+                .name("replica-reader".to_owned())
+                .spawn(move || {
+                    let mut served = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let n = newest.load(std::sync::atomic::Ordering::Relaxed);
+                        // The previous step: the slot the next receive reuses.
+                        let step = n.saturating_sub(1).max(1);
+                        if let Some((meta, pin, _)) = holder.pin_replica(2, step) {
+                            assert_eq!(
+                                (meta.step, pin.step(), meta.len, pin.image().len() as u64),
+                                (
+                                    step,
+                                    step,
+                                    image(step).len() as u64,
+                                    image(step).len() as u64
+                                ),
+                                "replica pinned for step {step}"
+                            );
+                            served += 1;
+                        }
+                    }
+                    served
+                })
+                .unwrap()
+        })
+        .collect();
+    let t0 = std::time::Instant::now();
+    let mut step = 1;
+    while t0.elapsed() < Duration::from_secs(3) {
+        // Both slots may be pinned by the readers for a moment.
+        match try_receive(&holder, 2, step + 1, &image(step + 1), chunk) {
+            Ok(()) => {
+                step += 1;
+                newest.store(step, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => assert_eq!(e.kind(), ErrorKind::Busy, "{e}"),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let served: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+    assert!(served > 0, "no replica was served");
+}

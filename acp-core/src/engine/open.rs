@@ -189,6 +189,7 @@ impl Engine {
                 job: job_id(&config, &*root),
                 job_tag,
                 holder: config.rank,
+                world_size: config.world_size,
                 max_sources: config.replicas_held,
                 ring_budget: config.slot_share() * crate::replica::SLOTS_PER_SOURCE as u64,
                 chunk_bytes: config.chunk_bytes as u64,

@@ -282,7 +282,8 @@ impl Engine {
     /// # Errors
     /// [`Error::Invalid`] for metadata that does not fit (another chunk
     /// size, a digest count that is not the length's, an image past the
-    /// slot size, more source ranks than `replicas_held`); [`Error::Busy`]
+    /// slot size, a rank outside the job's world, more source ranks than
+    /// `replicas_held`); [`Error::Busy`]
     /// when every slot is pinned; `fill`'s error; [`Error::Io`].
     pub fn receive_replica(
         &self,
@@ -548,7 +549,8 @@ pub(super) fn own_uncommitted(
 ) -> Option<Found> {
     let ring = &shared.ring;
     let info = ring.complete().into_iter().find(|i| i.step == step)?;
-    let pin = ring.pin(info.slot).ok()?;
+    // The slot may have been freed and filled again between the two calls.
+    let pin = ring.pin(info.slot).ok().filter(|p| p.step() == step)?;
     let origin = ring.slot_path(info.slot);
     let threads = shared.cfg.copy_threads;
     let found = |pin| Found {

@@ -47,6 +47,8 @@ pub(crate) struct StoreOptions {
     pub(crate) job_tag: Digest,
     /// This rank: the holder of every ring of the store.
     pub(crate) holder: u32,
+    /// The job's ranks: only `0..world_size` have images to hold.
+    pub(crate) world_size: u32,
     /// How many source ranks it may hold images of.
     pub(crate) max_sources: u32,
     /// Budget of one replica ring (its share of the ring budget).
@@ -189,6 +191,14 @@ impl Store {
                 "a rank does not hold replicas of its own images",
             ));
         }
+        // Checked before a ring is opened: a ring, once open, keeps one of
+        // the `replicas_held` sources for good.
+        if rank >= o.world_size {
+            return Err(Error::invalid(
+                format!("replica of rank {rank}"),
+                format!("the job's world has {} rank(s)", o.world_size),
+            ));
+        }
         if rings.len() as u64 >= u64::from(o.max_sources) {
             return Err(Error::invalid(
                 format!("replica of rank {rank}"),
@@ -316,6 +326,11 @@ impl Store {
         let ring = self.rings().get(&rank)?.clone();
         let info = ring.complete().into_iter().find(|i| i.step == step)?;
         let pin = ring.pin(info.slot).ok()?;
+        // The slot may have been freed and filled with a newer replica
+        // between the two calls: the pin holds whatever it holds now.
+        if pin.step() != step {
+            return None;
+        }
         // Read after the pin: the digests and sums then belong to the
         // pinned image (a sums record is believed only while bound to the
         // digests recorded now).
@@ -323,7 +338,7 @@ impl Store {
         let meta = ReplicaMeta {
             rank,
             step,
-            len: info.len,
+            len: pin.image().len() as u64,
             chunk_bytes: self.opts.chunk_bytes,
             sums: sums_of(&ring, info.slot, digests.len()),
             digests,
@@ -410,6 +425,14 @@ impl ReplicaWriter {
         if !meta.sums.is_empty() {
             self.ring
                 .record_quick_sums(pin.slot(), &meta.digests, &meta.sums);
+        }
+        // A copy of the same step received before is another image of it
+        // (its rank re-ran the step): this one replaces it, whichever slot
+        // each is in.
+        for old in self.ring.complete() {
+            if old.step == meta.step && old.slot != pin.slot() {
+                self.ring.release(old.slot);
+            }
         }
         drop(pin);
         // The previous replica stays beside the new one: the new step may
