@@ -289,6 +289,54 @@ def test_import_never_unpickles_code(tmp_path: Path, shm_dir: Path) -> None:
     assert not marker.exists()
 
 
+def test_import_refuses_a_tensor_claiming_more_bytes_than_its_file_holds(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A 1.5 KB torch file whose tensor repeats one float over 2^40
+    elements (stride 0) made the import size a 4 TiB ring."""
+    src = tmp_path / "expanded.pt"
+    torch.save({"ok": torch.ones(2), "w": torch.zeros(1).expand(2**20, 2**20)}, src)
+    proc = run(
+        "import", src, "--to", tmp_path / "dest", "--step", 1, "--shm-dir", shm_dir, check_rc=1
+    )
+    assert "expanded.pt: tensor `w`" in proc.stderr, proc.stderr
+    assert "4398046511104 bytes" in proc.stderr, proc.stderr
+    assert not [p for p in shm_dir.iterdir() if p.name.startswith("acp-import")]
+
+
+@pytest.mark.parametrize("shape", ["cycle", "shared"])
+def test_import_refuses_containers_met_twice(tmp_path: Path, shm_dir: Path, shape: str) -> None:
+    """The unpickler's memo makes a list that holds itself (the import's
+    walk never ended) or 60 levels of a list held twice (2^60 paths)."""
+    src = tmp_path / f"{shape}.pt"
+    node: list[Any] = [torch.ones(2)]
+    if shape == "cycle":
+        node.append(node)
+    else:
+        for _ in range(60):
+            node = [node, node]
+    torch.save({"x": node}, src)
+    proc = run(
+        "import", src, "--to", tmp_path / "dest", "--step", 1, "--shm-dir", shm_dir, check_rc=1
+    )
+    assert f"{shape}.pt: `x" in proc.stderr, proc.stderr
+    assert "met before" in proc.stderr, proc.stderr
+
+
+def test_export_to_a_symlinked_directory_replaces_the_link(root: Root, tmp_path: Path) -> None:
+    """``--force`` onto a symlink to a directory replaces the link, as the
+    safetensors export does; it never writes into the linked directory."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for to in ("torch", "safetensors"):
+        out = tmp_path / f"m-{to}"
+        out.symlink_to(elsewhere)
+        run("export", root.path, out, "--to", to, "--force")
+        assert not out.is_symlink()
+        assert out.is_file()
+        assert list(elsewhere.iterdir()) == []
+
+
 def test_import_safetensors(tmp_path: Path, shm_dir: Path) -> None:
     from safetensors.torch import save_file
 

@@ -14,7 +14,6 @@ import ctypes
 import importlib.util
 import json
 import os
-import shutil
 import struct
 import tempfile
 import time
@@ -232,7 +231,7 @@ def write_torch(states: dict[int, SafetensorsFile], out: str | os.PathLike[str],
     )
     scratch = tmp / "out.pt"
     torch.save(obj, scratch)
-    shutil.move(scratch, out)
+    _publish(scratch, out)
 
 
 def write_mindspore(
@@ -252,7 +251,14 @@ def write_mindspore(
             appended.setdefault(key, v)
     scratch = tmp / "out.ckpt"
     write_ckpt(tensors, scratch, format="ckpt", append=appended or None)
-    shutil.move(scratch, out)
+    _publish(scratch, out)
+
+
+def _publish(scratch: Path, out: str | os.PathLike[str]) -> None:
+    """Renames ``scratch`` (beside ``out``) to ``out``: a symlink or file at
+    ``out`` is replaced, never followed (a link to a directory would have
+    put the file inside it), as the safetensors export does."""
+    os.replace(scratch, out)
 
 
 def plain_scalars(values_json: str) -> list[tuple[str, Any]]:
@@ -282,14 +288,50 @@ def read_torch(files: Sequence[str]) -> Any:
     states = []
     for f in files:
         try:
-            states.append(torch.load(f, map_location="cpu", weights_only=True))
+            state = torch.load(f, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CheckpointNotFound(f"{f}: not found") from None
         except Exception as e:  # torch raises UnpicklingError, RuntimeError, ...
             raise CheckpointCorrupt(
                 f"{f}: not a torch state dict that loads with weights_only=True: {e}"
             ) from e
+        _check_claims(state, f)
+        states.append(state)
     return _merge(states, files)
+
+
+def _check_claims(state: Any, f: str) -> None:
+    """Refuses what ``state`` (read from ``f``) would make the import
+    spend out of proportion to the file: a tensor that claims more bytes
+    than its storage holds (a view repeating its elements, stride 0, lets
+    a few bytes claim terabytes, which the ring would be sized by and the
+    copy write out), and a dict, list or tuple reached twice (the
+    unpickler's memo builds cycles, which never end a walk, and shared
+    containers, which double the state at every level)."""
+    import torch
+
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", state)]
+    while stack:
+        key, obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            held = obj.untyped_storage().nbytes() - obj.storage_offset() * obj.element_size()
+            if obj.nbytes > held:
+                raise CheckpointCorrupt(
+                    f"{f}: tensor `{key}` claims {obj.nbytes} bytes but its storage in the file "
+                    f"holds {max(held, 0)}: a view that repeats elements cannot be imported"
+                )
+            continue
+        if not isinstance(obj, (dict, list, tuple)):
+            continue
+        if id(obj) in seen:
+            raise CheckpointCorrupt(
+                f"{f}: `{key or 'the state'}` is a {type(obj).__name__} met before in the "
+                "state (a cycle or a shared container), which acp cannot import"
+            )
+        seen.add(id(obj))
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in items)
 
 
 def read_mindspore(files: Sequence[str]) -> Any:
