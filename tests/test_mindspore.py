@@ -653,6 +653,76 @@ def test_conversion_bad_input(ckpt: acp.Checkpointer, tmp_path: Path) -> None:
         am.export_ckpt(ckpt, tmp_path / "x.ckpt")
 
 
+def hostile_ckpt(path: Path, tensor_type: str, dims: list[int], content: bytes) -> Path:
+    """A MindSpore ``.ckpt`` of one parameter ``w``, written field by field."""
+    from mindspore.train.checkpoint_pb2 import Checkpoint
+
+    c = Checkpoint()
+    v = c.value.add()
+    v.tag = "w"
+    v.tensor.tensor_type = tensor_type
+    v.tensor.dims.extend(dims)
+    v.tensor.tensor_content = content
+    path.write_bytes(c.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        # MindSpore's loader pads a short tensor with zeros: bytes never in the file.
+        (("Float32", [4], b"\0\0\xc0\x3f"), "4 bytes for Float32 [4] (16 expected)"),
+        (("Float32", [1], b"\1\2\3"), "3 bytes for Float32 [1] (4 expected)"),
+        (("Float32", [1], b"\0" * 8), "8 bytes for Float32 [1] (4 expected)"),
+        # Sized by its dims (4 TiB), not by the 4 bytes the file holds.
+        (("Float32", [2**20, 2**20], b"\0" * 4), "4398046511104 expected"),
+        (("Bogus", [1], b"\0"), "unknown tensor type 'Bogus'"),
+    ],
+    ids=["short", "odd", "long", "terabyte", "bad-type"],
+)
+def test_import_refuses_a_ckpt_whose_bytes_differ_from_its_dims(
+    ckpt: acp.Checkpointer,
+    tmp_path: Path,
+    bad: tuple[str, list[int], bytes],
+    why: str,
+) -> None:
+    src = hostile_ckpt(tmp_path / "evil.ckpt", *bad)
+    with pytest.raises(acp.CheckpointCorrupt, match=r"evil\.ckpt: parameter `w`") as e:
+        am.import_ckpt(src, ckpt, 1)
+    assert why in str(e.value)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "acp.cli",
+            "import",
+            str(src),
+            "--to",
+            str(tmp_path / "d"),
+            "--step",
+            "1",
+            "--shm-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr  # corrupt, not an internal error
+    assert why in proc.stderr
+    assert ckpt.steps() == []
+
+
+def test_import_of_a_ckpt_that_is_not_protobuf_is_corrupt(
+    ckpt: acp.Checkpointer, tmp_path: Path
+) -> None:
+    src = tmp_path / "garbage.ckpt"
+    src.write_bytes(b"\xff" * 100)
+    with pytest.raises(acp.CheckpointCorrupt, match=r"garbage\.ckpt: not a MindSpore checkpoint"):
+        am.import_ckpt(src, ckpt, 1)
+
+
 # --------------------------------------------------------------------------
 # rank
 

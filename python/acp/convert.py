@@ -339,12 +339,14 @@ def read_mindspore(files: Sequence[str]) -> Any:
     acp's MindSpore adapter is installed)."""
     import mindspore as ms
 
+    from acp.mindspore.conversion import read_ckpt
+
     native = importlib.util.find_spec("acp.mindspore") is not None
     states = []
     for f in files:
         if not os.path.exists(f):
             raise CheckpointNotFound(f"{f}: not found")
-        params = ms.load_checkpoint(f)
+        params = read_ckpt(f)
         state: dict[str, Any] = {}
         for name, p in params.items():
             if native or isinstance(p, (bool, int, float, str)):

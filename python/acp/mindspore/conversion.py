@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import mindspore
 import numpy as np
 
-from acp._acp import CheckpointNotFound, InvalidInput
+from acp._acp import CheckpointCorrupt, CheckpointNotFound, InvalidInput
 from acp._codec import Entry, parse
 from acp._load import _Fresh, entries_of, run_transfers
 from acp._mindspore_codec import DTYPES, INTS, dtype_from_safetensors, host_tensor, type_name
@@ -20,7 +21,7 @@ from acp.checkpointer import Checkpointer, _step, internals
 from acp.mindspore.network import engine_load, entry_of, saved_params
 from acp.mindspore.params import PARAMS, check_name, check_param_dict
 
-__all__ = ["export_ckpt", "import_ckpt", "write_ckpt"]
+__all__ = ["export_ckpt", "import_ckpt", "read_ckpt", "write_ckpt"]
 
 log = logging.getLogger("acp.mindspore")
 
@@ -179,6 +180,70 @@ def _save_ms(save_obj: list[dict[str, Any]], path: Path, fmt: str, append: dict[
     return out
 
 
+def read_ckpt(path: str | os.PathLike[str], fmt: str = "ckpt") -> dict[str, Any]:
+    """``mindspore.load_checkpoint`` of a file from outside, checked first
+    (a ``.ckpt``): MindSpore's loader pads a tensor whose bytes are fewer
+    than its dims say with zeros, and sizes it by its dims, so a few bytes
+    can claim terabytes. Each parameter's bytes must match its dims and
+    type exactly.
+
+    Raises:
+        CheckpointCorrupt: naming the file (and the parameter) for a file
+            that is not a MindSpore checkpoint or that MindSpore refuses.
+    """
+    name = os.fspath(path)
+    if fmt == "ckpt":
+        _check_ckpt_sizes(name)
+    try:
+        loaded: dict[str, Any] = mindspore.load_checkpoint(name, format=fmt)
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise CheckpointCorrupt(f"{name}: MindSpore cannot read it: {e}") from e
+    return loaded
+
+
+def _check_ckpt_sizes(name: str) -> None:
+    """Refuses a ``.ckpt`` whose parameter bytes (the tensors of one tag,
+    which MindSpore joins, with the dims of the last) differ from what
+    their dims and type take. Strings and ``Int4`` (packed) are left to
+    MindSpore, as are map parameters."""
+    from google.protobuf.message import DecodeError
+    from mindspore.common import dtype as mstype
+    from mindspore.train.checkpoint_pb2 import Checkpoint
+    from mindspore.train.serialization import tensor_to_ms_type
+
+    data = Path(name).read_bytes()
+    if data[-17:-10] == b"crc_num":  # MindSpore's CRC trailer
+        data = data[:-17]
+    proto = Checkpoint()
+    try:
+        proto.ParseFromString(data)
+    except DecodeError as e:
+        raise CheckpointCorrupt(f"{name}: not a MindSpore checkpoint: {e}") from e
+    values = list(proto.value)
+    for i, element in enumerate(values):
+        if not element.HasField("tensor"):
+            continue
+        if i + 1 < len(values) and values[i + 1].tag == element.tag:
+            continue  # MindSpore joins the run; the last element has its dims
+        where = f"{name}: parameter `{element.tag}`"
+        kind = element.tensor.tensor_type
+        ms_type = tensor_to_ms_type.get(kind)
+        if ms_type is None:
+            raise CheckpointCorrupt(f"{where}: unknown tensor type {kind!r}")
+        if kind in ("str", "Int4"):
+            continue
+        have = 0
+        for j in range(i, -1, -1):
+            if values[j].tag != element.tag:
+                break
+            have += len(values[j].tensor.tensor_content)
+        dims = list(element.tensor.dims)
+        numel = math.prod([] if dims == [0] else dims)
+        want = numel * mstype.type_size_in_bytes(ms_type)
+        if have != want:
+            raise CheckpointCorrupt(f"{where}: {have} bytes for {kind} {dims} ({want} expected)")
+
+
 def import_ckpt(
     src: str | os.PathLike[str],
     ckpt: Checkpointer | str | os.PathLike[str],
@@ -201,7 +266,7 @@ def import_ckpt(
     fmt = _format_of(path, format, "import_ckpt")
     if not path.is_file():
         raise CheckpointNotFound(f"import_ckpt: {path}: no such file")
-    loaded = mindspore.load_checkpoint(os.fspath(path), format=fmt)
+    loaded = read_ckpt(path, fmt)
     params: dict[str, Any] = {}
     values: dict[str, Any] = {}
     for k, v in loaded.items():
