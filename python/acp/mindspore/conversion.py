@@ -206,7 +206,7 @@ def _check_ckpt_sizes(name: str) -> None:
     which MindSpore joins, with the dims of the last) differ from what
     their dims and type take. Strings and ``Int4`` (packed) are left to
     MindSpore, as are map parameters."""
-    from google.protobuf.message import DecodeError
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
     from mindspore.common import dtype as mstype
     from mindspore.train.checkpoint_pb2 import Checkpoint
     from mindspore.train.serialization import tensor_to_ms_type
