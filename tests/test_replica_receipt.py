@@ -120,3 +120,24 @@ def test_a_peer_image_received_for_a_replaced_node_is_verified_before_use(
             assert stats.rejected is None
     finally:
         again.close()
+
+
+def test_a_peer_image_claim_is_checked_before_memory_is_sized(tmp_path: Path) -> None:
+    """The header a peer sends (rank, length, chunk size) is a claim: memory
+    for a restore is sized by it only once it describes an image of this
+    rank that a slot of its ring could have held (a stale or buggy peer's
+    64 MiB claim for a 16 MiB ring, another rank's image, another chunk
+    size are refused, naming the replica)."""
+    ckpt, image, _ = saved(tmp_path)
+    r, s, n, chunk, _ = image.meta()
+    e = ckpt._engine
+    try:
+        with pytest.raises(acp.InvalidInput, match=r"replica of rank 0's step 1.*ring"):
+            e.begin_peer_image(1, r, s, 64 << 20, chunk)
+        with pytest.raises(acp.InvalidInput, match="rank 1's step 1"):
+            e.begin_peer_image(1, r + 1, s, n, chunk)
+        with pytest.raises(acp.InvalidInput, match="chunks"):
+            e.begin_peer_image(1, r, s, n, chunk * 2)
+    finally:
+        del image
+        ckpt.close()

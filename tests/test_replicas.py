@@ -143,3 +143,37 @@ def test_a_silent_peer_fails_replication_after_the_timeout(tmp_path: Path) -> No
         # ... and replication is off after it, naming that failure.
         assert isinstance(got["4"], str), got
         assert "off after step 3's exchange failed" in got["4"], got
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        [3, 10, 4096, 4096, 1],  # another rank's image
+        [2, 9, 4096, 4096, 1],  # another step's (a stream out of step)
+        [2, 10, 4096, 4096, 1 << 40],  # a digest count that sizes a terabyte
+        [2, 10, -5, 0, 0],  # neither an image nor "nothing"
+        [3, 10, -1, 0, 0],  # another rank's "nothing"
+    ],
+)
+def test_a_replica_header_that_is_not_the_expected_image_is_refused(
+    monkeypatch: pytest.MonkeyPatch, header: list[int]
+) -> None:
+    """The header a peer sends is checked against the image expected from
+    it (its source rank and the step of the exchange) before a replica
+    slot or any memory is sized by it."""
+    from acp import replica
+
+    def recv(t: torch.Tensor, src: int, group: object) -> None:
+        t.copy_(torch.tensor(header, dtype=torch.int64))
+
+    def begin(*args: object) -> None:
+        raise AssertionError(f"a receipt was begun for {args}")
+
+    monkeypatch.setattr(replica.dist, "recv", recv)
+    tr = object.__new__(replica.TorchReplicas)
+    tr.rank, tr.group = 0, None  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="from rank 2 says"):
+        tr._irecv(2, begin, 2, 10)
+    # The expected header still passes.
+    header[:] = [2, 10, -1, 0, 0]
+    assert tr._irecv(2, begin, 2, 10) is None

@@ -372,7 +372,8 @@ impl Engine {
     /// Memory for rank `rank`'s image of `step` (`nbytes`) fetched from
     /// rank `peer`: receive into its `buffer()`, then `finish(digests)`
     /// keeps it for the next load, which verifies it and reports it as
-    /// from a peer.
+    /// from a peer. The claim is checked first (this rank's image, the
+    /// engine's chunk size, no longer than a slot of its ring).
     fn begin_peer_image(
         &self,
         py: Python<'_>,
@@ -390,9 +391,13 @@ impl Engine {
             digests: Vec::new(),
             sums: Vec::new(),
         };
+        let engine = self.get()?;
         let mailbox = Arc::clone(&self.mailbox);
-        py.detach(|| Receipt::peer(peer, meta, mailbox))
-            .map_err(err)
+        py.detach(|| {
+            let image = engine.peer_image_buf(&meta)?;
+            Ok::<_, Error>(Receipt::peer(peer, meta, image, mailbox))
+        })
+        .map_err(err)
     }
 
     /// This rank's replica of `rank`'s `step`, pinned, if it holds one.

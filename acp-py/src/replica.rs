@@ -291,9 +291,15 @@ impl Receipt {
         }
     }
 
-    pub(crate) fn peer(peer: u32, meta: ReplicaMeta, mailbox: Arc<Mailbox>) -> Result<Receipt> {
-        let image = ImageBuf::new(meta.len)?;
-        Ok(Receipt {
+    /// `image` (from `Engine::peer_image_buf`, which checked `meta`)
+    /// to receive `meta`'s image from rank `peer` into.
+    pub(crate) fn peer(
+        peer: u32,
+        meta: ReplicaMeta,
+        image: ImageBuf,
+        mailbox: Arc<Mailbox>,
+    ) -> Receipt {
+        Receipt {
             what: format!("{} from rank {peer}", meta.what()),
             target: Mutex::new(Target::Peer {
                 peer,
@@ -302,7 +308,7 @@ impl Receipt {
                 mailbox,
             }),
             views: Mutex::new(Vec::new()),
-        })
+        }
     }
 
     /// Where the bytes go, while not finished.

@@ -221,14 +221,27 @@ class TorchReplicas:
         d = torch.frombuffer(raw, dtype=torch.uint8)
         return [dist.isend(d, dst=to, group=self.group), d]
 
-    def _irecv(self, src: int, begin: Any) -> _Incoming | None:
-        """Receives the header from ``src`` and posts the receive of its
+    def _irecv(self, src: int, begin: Any, rank: int, step: int) -> _Incoming | None:
+        """Receives the header from ``src``, which must describe ``rank``'s
+        image of ``step`` (or its absence), and posts the receive of the
         image into ``begin(rank, step, len, chunk_bytes)``'s buffer (a
-        ``_acp.Receipt``); ``None`` when ``src`` has nothing."""
+        ``_acp.Receipt``); ``None`` when ``src`` has nothing. A header of
+        another rank or step (a stale or buggy peer, a stream out of step)
+        or whose digest count is not its length's is refused before
+        anything is sized by it."""
         header = torch.empty(5, dtype=torch.int64)
         dist.recv(header, src=src, group=self.group)
         r, s, n, chunk, nd = (int(v) for v in header.tolist())
-        if n < 0:
+        nothing = n == -1 and chunk == 0 and nd == 0
+        if (r, s) != (rank, step) or not (
+            nothing or (n >= 0 and chunk > 0 and nd == -(-n // chunk))
+        ):
+            raise RuntimeError(
+                f"rank {self.rank}: the replica header from rank {src} says rank {r}'s step "
+                f"{s} ({n} bytes, chunks of {chunk}, {nd} digests); expected rank {rank}'s "
+                f"image of step {step}, or none"
+            )
+        if nothing:
             return None
         receipt = begin(r, s, n, chunk)
         data = torch.frombuffer(receipt.buffer(), dtype=torch.uint8)
@@ -278,7 +291,7 @@ class TorchReplicas:
         for h in holders:
             works += self._isend(h, image, self.rank, step)
         # Every source posted its header before anything that can wait.
-        incoming = [self._irecv(src, e.begin_replica) for src in self.sources]
+        incoming = [self._irecv(src, e.begin_replica, src, step) for src in self.sources]
         if image is not None:
             # Hashed (unless the flush already did) while the bytes travel.
             hashes = e.resident_hashes(image)
@@ -347,7 +360,7 @@ class TorchReplicas:
         for h, r in transfers:
             if self.rank == r:
                 # Received into the buffer the load verifies and reads.
-                incoming.append(self._irecv(h, functools.partial(e.begin_peer_image, h)))
+                incoming.append(self._irecv(h, functools.partial(e.begin_peer_image, h), r, step))
         for inc in incoming:
             if inc is not None:
                 self._finish(inc)

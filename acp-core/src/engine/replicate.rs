@@ -14,7 +14,7 @@ use super::{Engine, Inner, Source};
 use crate::error::{Error, Result};
 use crate::format::{unhex, Digest, FileEntry};
 use crate::read::{sums_match, ChunkReader, MemSource};
-use crate::replica::{ReplicaHandle, ReplicaMeta, ReplicaWriter};
+use crate::replica::{ImageBuf, ReplicaHandle, ReplicaMeta, ReplicaWriter};
 use crate::staging::{peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, SlotFile};
 
 /// An engine reachable without keeping it open ([`crate::replica::Loopback`]).
@@ -369,6 +369,48 @@ impl Engine {
             found.origin.display()
         );
         self.persist_resident(step)
+    }
+
+    /// Private memory for this rank's image described by `meta` (the
+    /// rank, step, length and chunk size a peer's message claims; digests
+    /// come after the bytes), which a transport fetches from a peer for a
+    /// restore and hands to the next load: sized only once the claim
+    /// describes an image a slot of this rank's ring could have held (this
+    /// rank's, in this engine's digest chunks, no longer than
+    /// [`Ring::max_image_bytes`](crate::staging::Ring::max_image_bytes)).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the replica; [`Error::Io`] when the memory
+    /// cannot be mapped.
+    pub fn peer_image_buf(&self, meta: &ReplicaMeta) -> Result<ImageBuf> {
+        let shared = self.shared();
+        let chunk = shared.cfg.chunk_bytes as u64;
+        let max = shared.ring.max_image_bytes();
+        if meta.rank != shared.cfg.rank {
+            return Err(Error::invalid(
+                meta.what(),
+                format!("offered to rank {} for its restore", shared.cfg.rank),
+            ));
+        }
+        if meta.chunk_bytes != chunk {
+            return Err(Error::invalid(
+                meta.what(),
+                format!(
+                    "digest chunks of {} bytes, this engine's are {chunk}",
+                    meta.chunk_bytes
+                ),
+            ));
+        }
+        if meta.len > max {
+            return Err(Error::invalid(
+                meta.what(),
+                format!(
+                    "{} bytes claimed, more than a slot of rank {}'s ring holds ({max} bytes)",
+                    meta.len, shared.cfg.rank
+                ),
+            ));
+        }
+        ImageBuf::new(meta.len)
     }
 
     /// Pins this rank's replica of `rank`'s `step`, if it holds one: what
