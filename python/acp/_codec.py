@@ -889,6 +889,8 @@ class Decoder:
             out: dict[Any, Any] = OrderedDict() if tag == "odict" else {}
             for k, v in zip(keys, node["v"]):
                 out[k] = self.value(v, _join(key, k))
+            if len(out) != len(keys):
+                raise _corrupt(self.step, key, "two keys are equal once decoded (1, 1.0, True)")
             if "meta" in node:
                 out._metadata = self.value(node["meta"], _join(key, "_metadata"))  # type: ignore[attr-defined]
             return out

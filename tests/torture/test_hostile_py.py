@@ -247,6 +247,19 @@ def test_hostile_values_raise_checkpoint_corrupt(make_ckpt: MakeCkpt, node: Any,
         assert "step 1" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "keys", [["a", "a"], [1, True], [1, 1.0], [1, {"t": "int", "v": "1"}]], ids=repr
+)
+def test_dict_keys_equal_once_decoded_are_corrupt(make_ckpt: MakeCkpt, keys: list[Any]) -> None:
+    """A saved dict never has two equal keys: a tree with them was merged
+    silently (the last value won, a tensor reference dropped)."""
+    ckpt = make_ckpt()
+    node = {"t": "dict", "k": keys, "v": [{"t": "tensor", "fw": "torch", "name": "w"}, 2]}
+    save_raw_values(ckpt, 1, {"t": "dict", "k": ["x"], "v": [node]})
+    with pytest.raises(acp.CheckpointCorrupt, match=r"step 1: key `x`: .*keys are equal"):
+        ckpt.load(1)
+
+
 @pytest.mark.parametrize("levels", [200, 100_000])
 def test_values_nested_past_any_reader_are_corrupt_not_a_recursion_error(levels: int) -> None:
     """The engine refuses such values itself today (serde_json's limit);
