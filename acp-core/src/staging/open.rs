@@ -86,28 +86,45 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
 
 /// Opens (creating) slot file `name` of `dir` with mode 0600 (a regular
 /// file of this user, else refused) and takes its `flock`.
+///
+/// A ring is removed (`acp gc --shm`, [`Ring::unlink_all`](super::Ring::unlink_all))
+/// by unlinking its files while holding their locks: a file opened just
+/// before that and locked just after is no longer at its name, and a ring
+/// on it would keep its images where no later process finds them. Such a
+/// file is let go and the name opened again.
 fn open_locked(dir: &SlotDir, name: &str) -> Result<File> {
     let path = &dir.path().join(name);
-    let file = dir.open_rw(name)?;
-    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
-    if meta.mode() & 0o7777 != 0o600 {
-        file.set_permissions(Permissions::from_mode(0o600))
-            .map_err(|e| Error::io("chmod", path, e))?;
-    }
-    if let Err(e) = slot::try_flock(&file) {
-        if e.kind() == ErrorKind::WouldBlock {
-            let holder = owner_pid(&file).map_or_else(
-                || "locked by another live process".to_owned(),
-                |pid| format!("locked by live process {pid}"),
-            );
-            return Err(Error::Busy {
-                what: path.display().to_string(),
-                reason: holder,
-            });
+    for _ in 0..8 {
+        let file = dir.open_rw(name)?;
+        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+        if meta.mode() & 0o7777 != 0o600 {
+            file.set_permissions(Permissions::from_mode(0o600))
+                .map_err(|e| Error::io("chmod", path, e))?;
         }
-        return Err(Error::io("flock", path, e));
+        #[cfg(test)]
+        tests::between_open_and_lock(dir, name);
+        if let Err(e) = slot::try_flock(&file) {
+            if e.kind() == ErrorKind::WouldBlock {
+                let holder = owner_pid(&file).map_or_else(
+                    || "locked by another live process".to_owned(),
+                    |pid| format!("locked by live process {pid}"),
+                );
+                return Err(Error::Busy {
+                    what: path.display().to_string(),
+                    reason: holder,
+                });
+            }
+            return Err(Error::io("flock", path, e));
+        }
+        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+        if meta.nlink() > 0 {
+            return Ok(file);
+        }
     }
-    Ok(file)
+    Err(Error::Busy {
+        what: path.display().to_string(),
+        reason: "removed again at every try while opening it".to_owned(),
+    })
 }
 
 /// The owner pid in a slot file's control block, if it has one.
@@ -261,5 +278,64 @@ impl Recovery<'_> {
             has_digests: false,
             generation,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+
+    type Hook = Box<dyn FnMut(&SlotDir, &str)>;
+
+    thread_local! {
+        /// Run by [`open_locked`] between a slot file's open and its lock.
+        static BETWEEN: RefCell<Option<Hook>> = RefCell::new(None);
+    }
+
+    pub(super) fn between_open_and_lock(dir: &SlotDir, name: &str) {
+        BETWEEN.with(|h| {
+            if let Some(f) = h.borrow_mut().as_mut() {
+                f(dir, name);
+            }
+        });
+    }
+
+    #[test]
+    fn a_slot_file_removed_between_its_open_and_its_lock_is_opened_again() {
+        let tmp = tempfile::tempdir().unwrap();
+        let opts = RingOptions {
+            dir: tmp.path().to_path_buf(),
+            prefix: "acp-0000000000000000-r00000".to_owned(),
+            job_tag: [7; 32],
+            rank: 0,
+            slots: 1,
+            budget: 1 << 20,
+            chunk_bytes: 1 << 16,
+            mlock: false,
+        };
+        // As `acp gc --shm` removes a ring that was not live when it
+        // looked: the file unlinked under its lock, the lock let go.
+        let mut once = true;
+        BETWEEN.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move |dir: &SlotDir, name: &str| {
+                if std::mem::take(&mut once) {
+                    dir.unlink(name).unwrap();
+                }
+            }));
+        });
+        let opened = open(opts.clone());
+        BETWEEN.with(|h| h.borrow_mut().take());
+        let (ring, _) = opened.unwrap();
+        let path = super::super::user_dir(tmp.path()).join(slot_file_name(&opts.prefix, 0));
+        let at_name = File::open(&path).expect("the ring's slot file is at its name");
+        let probe = slot::try_flock(&at_name).unwrap_err();
+        assert_eq!(
+            probe.kind(),
+            ErrorKind::WouldBlock,
+            "the ring holds the file at its name"
+        );
+        drop(ring);
     }
 }
