@@ -342,3 +342,32 @@ fn open_drops_expired_committed_rings_of_other_jobs() {
     assert!(jobs.contains(&Some("fresh".to_owned())));
     e.close().unwrap();
 }
+
+/// `acp gc --shm` removes a ring by the names of the files it holds
+/// locked. A name that no longer refers to the file it locked (the ring's
+/// process released it meanwhile, and a new process of the job opened the
+/// ring again at the same names) is left alone: unlinking it would leave
+/// the new process's images in files no later process finds.
+#[test]
+fn gc_shm_never_unlinks_a_slot_file_it_does_not_hold() {
+    let (_t, root, shm) = dirs();
+    dead_ring(&root, &shm, "again", &[1]);
+    let ring = acp_core::staging::rings(&shm).unwrap().remove(0);
+    let held = ring.hold().unwrap().unwrap();
+    // The names change under the held files (here without the locks that
+    // a release takes, which the race slips between).
+    let names = slot_files(&shm);
+    let dir = acp_core::staging::user_dir(&shm);
+    for n in &names {
+        std::fs::remove_file(dir.join(n)).unwrap();
+    }
+    let engine = Engine::open(config(&root, &shm, "again")).unwrap();
+    let live = slot_files(&shm);
+    assert!(!live.is_empty());
+    assert_eq!(held.remove().unwrap(), 0, "nothing it held was at its name");
+    assert_eq!(slot_files(&shm), live, "the live ring's files are kept");
+    let listed = shm_list(&shm).unwrap();
+    assert!(listed.rings.iter().all(|r| r.live), "{listed:?}");
+    save(&engine, 2).wait().unwrap();
+    engine.close().unwrap();
+}

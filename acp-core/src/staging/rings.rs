@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -173,7 +174,9 @@ impl RingFiles {
     /// # Errors
     /// As [`RingFiles::read`]; [`Error::Io`] from `flock`.
     pub fn hold(&self) -> Result<std::result::Result<HeldRing, u32>> {
-        let slots = self.read()?;
+        let mut slots = self.read()?;
+        #[cfg(test)]
+        tests::between_read_and_lock(self);
         for seen in &slots {
             match try_lock(&seen.file) {
                 Ok(true) => {}
@@ -182,6 +185,12 @@ impl RingFiles {
                 Ok(false) => return Ok(Err(seen.peek.as_ref().map_or(0, |p| p.owner_pid))),
                 Err(e) => return Err(Error::io("flock", &seen.path, e)),
             }
+        }
+        // Read again under the locks: a process that held the ring until
+        // after the first read may have left other images in it (a step
+        // sealed just before it died), and the ring is judged by these.
+        for seen in &mut slots {
+            seen.reread()?;
         }
         Ok(Ok(HeldRing {
             dir: Arc::clone(&self.dir),
@@ -196,6 +205,11 @@ impl HeldRing {
     /// left), then the per-user directory when it is empty and no ring
     /// holds it. Returns the bytes freed.
     ///
+    /// A name that no longer refers to the file held (unlinked and made
+    /// again between the look and the lock: the ring released by its
+    /// process, then opened by a new one) is left alone: it is another
+    /// ring's file now, possibly live.
+    ///
     /// # Errors
     /// [`Error::Io`] naming the file that could not be unlinked (the
     /// others are still removed).
@@ -206,6 +220,20 @@ impl HeldRing {
             let Some(name) = seen.path.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
+            match self.holds_name(seen, name) {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::info!(
+                        "acp: {} is another file than the one held; left alone",
+                        seen.path.display()
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+            }
             match self.dir.unlink(name) {
                 Ok(()) => freed += seen.file_bytes,
                 Err(e) => {
@@ -221,7 +249,43 @@ impl HeldRing {
     }
 }
 
+impl HeldRing {
+    /// Whether `name` in the directory is the file `seen` holds (same
+    /// device and inode). Nothing but a holder of a file's lock unlinks
+    /// it, so while held it stays at its name once it is found there.
+    fn holds_name(&self, seen: &SlotSeen, name: &str) -> Result<bool> {
+        let held = seen
+            .file
+            .metadata()
+            .map_err(|e| Error::io("stat", &seen.path, e))?;
+        let Some(at_name) = self.dir.open_read(name)? else {
+            return Ok(false);
+        };
+        let now = at_name
+            .metadata()
+            .map_err(|e| Error::io("stat", &seen.path, e))?;
+        Ok(held.nlink() > 0 && (held.dev(), held.ino()) == (now.dev(), now.ino()))
+    }
+}
+
 impl SlotSeen {
+    /// Reads its file's control block, origin, size and time again.
+    fn reread(&mut self) -> Result<()> {
+        let meta = self
+            .file
+            .metadata()
+            .map_err(|e| Error::io("stat", &self.path, e))?;
+        self.peek = peek_file(&self.file, &self.path)?;
+        self.origin = self
+            .peek
+            .as_ref()
+            .map(|p| read_origin(&self.file, &p.job_tag))
+            .unwrap_or_default();
+        self.file_bytes = meta.len();
+        self.modified = meta.modified().ok();
+        Ok(())
+    }
+
     /// How long ago its file last changed, zero when unknown or in the future.
     #[must_use]
     pub fn age(&self) -> Duration {
@@ -252,4 +316,75 @@ fn try_lock(file: &File) -> io::Result<bool> {
 fn unlock(file: &File) {
     // SAFETY: as in `try_lock`.
     let _ = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+    use crate::staging::{Ring, RingOptions, SlotState};
+
+    type Hook = Box<dyn FnMut(&RingFiles)>;
+
+    thread_local! {
+        /// Run by [`RingFiles::hold`] between its read and its locks.
+        static BETWEEN: RefCell<Option<Hook>> = RefCell::new(None);
+    }
+
+    pub(super) fn between_read_and_lock(ring: &RingFiles) {
+        BETWEEN.with(|h| {
+            if let Some(f) = h.borrow_mut().as_mut() {
+                f(ring);
+            }
+        });
+    }
+
+    fn options(dir: &Path) -> RingOptions {
+        RingOptions {
+            dir: dir.to_path_buf(),
+            prefix: "acp-0000000000000000-r00000".to_owned(),
+            job_tag: [7; 32],
+            rank: 0,
+            slots: 1,
+            budget: 1 << 20,
+            chunk_bytes: 1 << 16,
+            mlock: false,
+        }
+    }
+
+    /// A ring whose one slot holds `step`, in `state`, closed.
+    fn left(dir: &Path, step: u64, state: SlotState) {
+        let (ring, _) = Ring::open(options(dir)).unwrap();
+        let mut slot = ring.acquire(4096, None).unwrap().unwrap();
+        slot.image_mut()[..4096].fill(u8::try_from(step).unwrap());
+        let pin = slot.seal(step, 4096);
+        let at = pin.slot();
+        drop(pin);
+        ring.set_state(at, state);
+    }
+
+    #[test]
+    fn a_held_ring_is_judged_by_what_its_files_hold_under_the_locks() {
+        let tmp = tempfile::tempdir().unwrap();
+        left(tmp.path(), 1, SlotState::Persisted);
+        let found = rings(tmp.path()).unwrap().remove(0);
+        // Its process was live at the look, sealed step 2 (persisted
+        // nowhere) and died before the locks were taken.
+        let dir = tmp.path().to_path_buf();
+        BETWEEN.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move |_: &RingFiles| {
+                left(&dir, 2, SlotState::Resident);
+            }));
+        });
+        let held = found.hold();
+        BETWEEN.with(|h| h.borrow_mut().take());
+        let held = held.unwrap().unwrap();
+        let peek = held.slots[0].peek.clone().unwrap();
+        assert_eq!(
+            (peek.step, peek.state),
+            (2, Some(SlotState::Resident)),
+            "judged by the image the files hold once held"
+        );
+    }
 }
