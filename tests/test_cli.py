@@ -305,9 +305,11 @@ def test_import_refuses_a_tensor_claiming_more_bytes_than_its_file_holds(
 
 
 @pytest.mark.parametrize("shape", ["cycle", "shared"])
-def test_import_refuses_containers_met_twice(tmp_path: Path, shm_dir: Path, shape: str) -> None:
+def test_import_refuses_containers_that_never_end(
+    tmp_path: Path, shm_dir: Path, shape: str
+) -> None:
     """The unpickler's memo makes a list that holds itself (the import's
-    walk never ended) or 60 levels of a list held twice (2^60 paths)."""
+    walk never ended) or 60 levels of a list held twice (2^60 values)."""
     src = tmp_path / f"{shape}.pt"
     node: list[Any] = [torch.ones(2)]
     if shape == "cycle":
@@ -320,7 +322,30 @@ def test_import_refuses_containers_met_twice(tmp_path: Path, shm_dir: Path, shap
         "import", src, "--to", tmp_path / "dest", "--step", 1, "--shm-dir", shm_dir, check_rc=1
     )
     assert f"{shape}.pt: `x" in proc.stderr, proc.stderr
-    assert "met before" in proc.stderr, proc.stderr
+    why = "holds itself" if shape == "cycle" else "more than 50000000 values"
+    assert why in proc.stderr, proc.stderr
+
+
+def test_import_takes_containers_the_state_shares(tmp_path: Path, shm_dir: Path) -> None:
+    """An optimizer's param groups share their default ``betas`` tuple, and
+    the unpickler keeps it shared: the import is not refused for it."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 1e-4}])
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    groups = state["optim"]["param_groups"]
+    assert groups[0]["betas"] is groups[1]["betas"]
+    src = tmp_path / "shared.pt"
+    torch.save(state, src)
+    dest = tmp_path / "dest"
+    run("import", src, "--to", dest, "--step", 1, "--shm-dir", shm_dir)
+    with acp.Checkpointer(
+        dest, shm_dir=shm_dir, ring_bytes=SMALL_RING, release_on_close=True
+    ) as ckpt:
+        got = ckpt.load(1)
+    assert got["optim"]["param_groups"][1]["betas"] == groups[1]["betas"]
+    assert torch.equal(got["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
 
 
 def test_export_to_a_symlinked_directory_replaces_the_link(root: Root, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import os
 import struct
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -300,20 +300,44 @@ def read_torch(files: Sequence[str]) -> Any:
     return _merge(states, files)
 
 
+# A state whose containers, expanded where the unpickler's memo shares
+# them, hold more values than this cannot be saved: every value takes at
+# least two bytes of the header's JSON, which is at most 100 MB.
+_MAX_EXPANDED_VALUES = 50_000_000
+
+
 def _check_claims(state: Any, f: str) -> None:
     """Refuses what ``state`` (read from ``f``) would make the import
     spend out of proportion to the file: a tensor that claims more bytes
     than its storage holds (a view repeating its elements, stride 0, lets
     a few bytes claim terabytes, which the ring would be sized by and the
-    copy write out), and a dict, list or tuple reached twice (the
-    unpickler's memo builds cycles, which never end a walk, and shared
-    containers, which double the state at every level)."""
+    copy write out), a dict, list or tuple that holds itself (the
+    unpickler's memo builds cycles, which never end a walk), and shared
+    containers that expand to more values than a checkpoint can hold (a
+    list held twice at each of 60 levels is 2^60 values). A container
+    shared without a cycle is fine (an optimizer's param groups share
+    their default ``betas`` tuple): the walk counts each one once."""
     import torch
 
-    seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [("", state)]
+    def items(obj: Any) -> Iterable[tuple[Any, Any]]:
+        return obj.items() if isinstance(obj, dict) else enumerate(obj)
+
+    expanded: dict[int, int] = {}  # id -> values it holds, once walked
+    on_path: set[int] = set()
+    stack: list[tuple[str, Any, bool]] = [("", state, False)]
     while stack:
-        key, obj = stack.pop()
+        key, obj, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(obj))
+            n = 1 + sum(expanded.get(id(v), 1) for _, v in items(obj))
+            if n > _MAX_EXPANDED_VALUES:
+                raise CheckpointCorrupt(
+                    f"{f}: `{key or 'the state'}` holds more than {_MAX_EXPANDED_VALUES} "
+                    "values once its shared containers are expanded, more than a "
+                    "checkpoint can hold"
+                )
+            expanded[id(obj)] = n
+            continue
         if isinstance(obj, torch.Tensor):
             held = obj.untyped_storage().nbytes() - obj.storage_offset() * obj.element_size()
             if obj.nbytes > held:
@@ -322,16 +346,16 @@ def _check_claims(state: Any, f: str) -> None:
                     f"holds {max(held, 0)}: a view that repeats elements cannot be imported"
                 )
             continue
-        if not isinstance(obj, (dict, list, tuple)):
+        if not isinstance(obj, (dict, list, tuple)) or id(obj) in expanded:
             continue
-        if id(obj) in seen:
+        if id(obj) in on_path:
             raise CheckpointCorrupt(
-                f"{f}: `{key or 'the state'}` is a {type(obj).__name__} met before in the "
-                "state (a cycle or a shared container), which acp cannot import"
+                f"{f}: `{key or 'the state'}` is a {type(obj).__name__} that holds itself "
+                "(a cycle), which acp cannot import"
             )
-        seen.add(id(obj))
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in items)
+        on_path.add(id(obj))
+        stack.append((key, obj, True))
+        stack.extend((f"{key}.{k}" if key else str(k), v, False) for k, v in items(obj))
 
 
 def read_mindspore(files: Sequence[str]) -> Any:
