@@ -1038,3 +1038,47 @@ fn a_replica_pinned_while_its_slot_is_reused_is_the_step_asked_for() {
     let served: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
     assert!(served > 0, "no replica was served");
 }
+
+/// A survivor committing a lost rank's step from a replica kept on its
+/// node checks that the image is that rank's: a replica slot of rank 3
+/// holding rank 2's image (a misdirected send) is refused, naming the
+/// slot, rather than committed as rank 3's file, which every load of the
+/// step would then refuse.
+#[test]
+fn a_replica_holding_another_ranks_image_is_not_persisted_as_its_rank() {
+    let c = Cluster::new();
+    let resident = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    save_with(c.engine(2), 2, 10, &resident).wait().unwrap();
+    let (meta, pin) = c.engine(2).resident_replica(10).unwrap();
+    // Rank 1 (node A) keeps rank 3's replicas; rank 2's image arrives
+    // under rank 3's name, with its own digests.
+    let mut w = c
+        .engine(1)
+        .begin_replica(3, 10, meta.len, meta.chunk_bytes)
+        .unwrap();
+    w.image_mut().copy_from_slice(pin.image());
+    w.finish_with_sums(meta.digests.clone(), meta.sums.clone())
+        .unwrap();
+    // Node B is lost: rank 3 is persisted on node A from that replica.
+    let survivor = Engine::open(
+        EngineConfig::new(&c.root)
+            .with_shm_dir(&c.shm[0])
+            .with_job("replicas")
+            .with_rank(3)
+            .with_world_size(WORLD)
+            .with_ring_bytes(16 << 20)
+            .with_commit_timeout(Duration::from_secs(2))
+            .with_release_on_close(true),
+    )
+    .unwrap();
+    let err = survivor
+        .persist_replica(10)
+        .and_then(|h| h.wait())
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("acp.rank 2"), "{err}");
+    survivor.close().unwrap();
+}

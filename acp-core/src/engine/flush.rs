@@ -377,6 +377,25 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 ),
             ));
         }
+        // So must its rank and world size, or the file committed is one
+        // that every load refuses (a replica slot holding another rank's
+        // image, persisted by a survivor).
+        for (key, want) in [
+            ("acp.rank", rank),
+            ("acp.world_size", shared.cfg.world_size),
+        ] {
+            if let Some(got) = header
+                .metadata
+                .get(key)
+                .filter(|g| g.parse::<u32>().ok() != Some(want))
+            {
+                return Err(Error::corrupt(
+                    shared.ring.slot_path(slot),
+                    None,
+                    format!("the slot holds rank {rank}'s image of step {step}, its header says {key} {got} ({want} expected)"),
+                ));
+            }
+        }
         let entry = FileEntry {
             stored_size,
             refs,
