@@ -1082,3 +1082,39 @@ fn a_replica_holding_another_ranks_image_is_not_persisted_as_its_rank() {
     assert!(err.to_string().contains("acp.rank 2"), "{err}");
     survivor.close().unwrap();
 }
+
+/// Another rank's restore reads a replica slot on this node without a
+/// lock; a control block rewritten under it (here an image offset of 0,
+/// inside the header page) makes the slot hold no digests for it, never a
+/// panic on the offset (across FFI, a Python exception).
+#[test]
+fn a_control_block_changed_under_a_peer_reader_is_no_panic() {
+    use acp_core::staging::{job_tag, replica_files, PeerImage, PeerSlot};
+    let c = Cluster::new();
+    save_and_receive_into_slots(&c, 10, |_, _| {});
+    let file = replica_files(&c.shm[0], "replicas", Some(2))
+        .unwrap()
+        .into_iter()
+        .find(|f| {
+            peek_slot(&f.path())
+                .unwrap()
+                .is_some_and(|p| p.is_complete())
+        })
+        .unwrap();
+    let peek = peek_slot(&file.path()).unwrap().unwrap();
+    let want = PeerImage {
+        job_tag: job_tag("replicas"),
+        rank: 2,
+        step: 10,
+        len: peek.image_len,
+    };
+    let slot = PeerSlot::open(&file, want).unwrap().unwrap();
+    assert!(slot.digests().unwrap().is_some());
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(file.path())
+        .unwrap();
+    f.write_all_at(&0u64.to_le_bytes(), 104).unwrap();
+    assert!(slot.digests().unwrap().is_none());
+    assert!(!slot.unchanged().unwrap());
+}

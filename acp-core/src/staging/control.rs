@@ -225,7 +225,10 @@ impl Header {
     pub(super) fn digests_usable(&self, chunk_bytes: u64) -> bool {
         self.digests_valid == 1
             && self.chunk_bytes == chunk_bytes
-            && u64::from(self.digest_count) * DIGEST_LEN <= self.image_offset - HEADER_PAGE
+            && self
+                .image_offset
+                .checked_sub(HEADER_PAGE)
+                .is_some_and(|room| u64::from(self.digest_count) * DIGEST_LEN <= room)
     }
 }
 

@@ -109,7 +109,12 @@ impl PeerSlot {
         let Some(now) = control_block(&self.file, &self.path)? else {
             return Ok(None);
         };
-        if now.digests_valid != 1 || now.chunk_bytes == 0 || !now.digests_usable(now.chunk_bytes) {
+        // Read again, unlocked: checked again as `open` checked it, so a
+        // block rewritten meanwhile sizes nothing.
+        if !holds(&now, &self.want, self.file_len)
+            || now.digests_valid != 1
+            || !now.digests_usable(now.chunk_bytes)
+        {
             return Ok(None);
         }
         let count = usize::try_from(now.digest_count).unwrap_or(usize::MAX);
