@@ -227,6 +227,11 @@ pub(crate) fn reclaim(
         // The age first, from an unlocked look: a young ring's locks are
         // never taken.
         let seen = ring.read()?;
+        if seen.is_empty() {
+            // Only files this user cannot open, or none left: not a ring
+            // of this user's to judge or remove.
+            continue;
+        }
         let age = seen.iter().map(SlotSeen::age).min().unwrap_or_default();
         let row = |j: &Judged, removed: bool, reason: String| ShmGcRow {
             ring: j.row.ring.clone(),

@@ -52,6 +52,11 @@ pub fn shm_list(shm_dir: &Path) -> Result<ShmListReport> {
     for ring in rings(shm_dir)? {
         let holder = ring.holder()?;
         let slots = ring.read()?;
+        if slots.is_empty() {
+            // Only files this user cannot open, or none left: not a ring
+            // of this user's.
+            continue;
+        }
         let mut j = judge(&ring, &slots, holder.is_some());
         if let Some(pid) = holder.filter(|p| *p != 0) {
             j.row.owner_pid = Some(pid);

@@ -292,8 +292,8 @@ impl SlotDir {
 
     /// Opens the slot file `name` read-only, relative to this directory,
     /// without following a symlink and without blocking on a FIFO.
-    /// `Ok(None)` when it is absent, not a regular file or not owned by the
-    /// effective uid: such a file is ignored.
+    /// `Ok(None)` when it is absent, not a regular file, not owned by the
+    /// effective uid or not readable by it: such a file is ignored.
     ///
     /// # Errors
     /// [`Error::Io`].
@@ -310,6 +310,13 @@ impl SlotDir {
                     Some(libc::ENOENT | libc::ELOOP | libc::ENXIO)
                 ) =>
             {
+                return Ok(None);
+            }
+            // Not this user's to open (another user's file, which only root
+            // can put here, or one made unreadable): ignored like a file of
+            // another user, not an error that stops every ring's listing.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => {
+                tracing::debug!("acp: {} ignored: {e}", path.display());
                 return Ok(None);
             }
             Err(e) => return Err(Error::io("open", &path, e)),
