@@ -1016,6 +1016,17 @@ fn a_replica_pinned_while_its_slot_is_reused_is_the_step_asked_for() {
                             );
                             served += 1;
                         }
+                        // The listing describes each image by its own
+                        // length and digests.
+                        for m in holder.replicas() {
+                            let want =
+                                acp_core::ReplicaMeta::of_image(2, m.step, &image(m.step), chunk);
+                            assert!(
+                                m.len == want.len && m.digests == want.digests,
+                                "replica of step {} listed with another image's digests",
+                                m.step
+                            );
+                        }
                     }
                     served
                 })

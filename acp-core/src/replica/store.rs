@@ -296,13 +296,19 @@ impl Store {
         let mut out = Vec::new();
         for (rank, ring) in rings {
             for info in ring.complete() {
+                // Pinned while its digests are read, so that they and the
+                // step and length are those of one image (the slot may be
+                // filled again between the listing and the read).
+                let Some(pin) = ring.pin(info.slot).ok().filter(|p| p.step() == info.step) else {
+                    continue;
+                };
                 let Some(digests) = ring.digests(info.slot) else {
                     continue;
                 };
                 out.push(ReplicaMeta {
                     rank,
                     step: info.step,
-                    len: info.len,
+                    len: pin.image().len() as u64,
                     chunk_bytes: self.opts.chunk_bytes,
                     sums: sums_of(&ring, info.slot, digests.len()),
                     digests,
