@@ -371,3 +371,80 @@ fn gc_shm_never_unlinks_a_slot_file_it_does_not_hold() {
     save(&engine, 2).wait().unwrap();
     engine.close().unwrap();
 }
+
+/// Entries of the user's own directory under slot names that are not slot
+/// files, or are slot files a crashed process could not have left whole (a
+/// FIFO, a directory, a symlink, a 100-byte file, a control block whose
+/// capacity the file does not have), make no tool hang, panic or fail:
+/// `acp ls --shm`, `acp gc --shm`, `acp ls` and `acp persist` report the
+/// real ring and its step, and gc removes only what holds no image.
+#[test]
+fn odd_entries_under_slot_names_are_passed_over_by_every_ring_tool() {
+    let (_t, root, shm) = dirs();
+    dead_ring(&root, &shm, "odd", &[1]);
+    let dir = acp_core::staging::user_dir(&shm);
+    let real = slot_files(&shm);
+    let stem = &real[0][..21]; // "acp-{16 hex}-"
+    let name = |rank: u32| dir.join(format!("{stem}r{rank:05}-s0"));
+    let c = std::ffi::CString::new(name(1).into_os_string().into_encoded_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    std::fs::create_dir(name(2)).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", name(3)).unwrap();
+    std::fs::write(name(4), [0u8; 100]).unwrap();
+    // A copy of a real slot claiming a capacity past its file's end.
+    let copied = name(5);
+    std::fs::copy(dir.join(&real[0]), &copied).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&copied)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &(1u64 << 40).to_le_bytes(), 32).unwrap();
+    drop(f);
+
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (root2, shm2) = (root.clone(), shm.clone());
+    std::thread::Builder::new()
+        .name("ring-tools".to_owned())
+        .spawn(move || {
+            let listed = shm_list(&shm2).unwrap();
+            let steps: Vec<_> = listed
+                .rings
+                .iter()
+                .filter(|r| !r.resident_steps.is_empty())
+                .map(|r| (r.rank, r.resident_steps.clone()))
+                .collect();
+            assert_eq!(steps, [(0, vec![1])], "{listed:#?}");
+            let ls = acp_core::ops::list(&root2, Some("odd"), &shm2).unwrap();
+            assert_eq!(ls.steps[0].resident_ranks, [0]);
+            let persisted = acp_core::ops::persist(&acp_core::ops::PersistOptions {
+                root: root2.clone(),
+                job: Some("odd".to_owned()),
+                ranks: None,
+                shm_dir: shm2.clone(),
+                world_size: None,
+                commit_timeout: Duration::from_secs(5),
+            })
+            .unwrap();
+            assert_eq!(persisted.latest, Some(1));
+            let gc = shm_gc(&shm2, &ShmGcOptions::default()).unwrap();
+            tx.send(gc).unwrap();
+        })
+        .unwrap();
+    let gc = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a ring tool hung on an odd entry");
+    let removed: Vec<_> = gc
+        .rings
+        .iter()
+        .filter(|r| r.removed)
+        .map(|r| r.rank)
+        .collect();
+    assert_eq!(removed, [0, 4, 5], "{gc:#?}");
+    for rank in [1, 2, 3] {
+        assert!(
+            std::fs::symlink_metadata(name(rank)).is_ok(),
+            "entry of rank {rank} left alone"
+        );
+    }
+}
