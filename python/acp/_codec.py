@@ -621,7 +621,8 @@ def parse_refs(values_json: str, step: int) -> tuple[Any, list[dict[str, Any]] |
     Raises:
         Unsupported: written by a newer codec.
         InvalidInput: not written by this codec.
-        CheckpointCorrupt: not JSON, or a malformed node (naming its key).
+        CheckpointCorrupt: not JSON, a codec version that is no non-negative
+            integer, or a malformed node (naming its key).
     """
     try:
         tree = json.loads(values_json)
@@ -630,7 +631,12 @@ def parse_refs(values_json: str, step: int) -> tuple[Any, list[dict[str, Any]] |
     if not isinstance(tree, dict) or CODEC_KEY not in tree or STATE_KEY not in tree:
         raise InvalidInput(f"step {step}: values were not written by acp's state codec")
     version = tree[CODEC_KEY]
-    if not isinstance(version, int) or version > CODEC_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise CheckpointCorrupt(
+            f"step {step}: field `{CODEC_KEY}` of the checkpoint values: "
+            f"{repr(version)[:64]} is not a state codec version (a non-negative integer)"
+        )
+    if version > CODEC_VERSION:
         raise Unsupported(
             f"step {step}: unsupported: state codec version {version!r} is newer than "
             f"this acp's {CODEC_VERSION}; upgrade acp"

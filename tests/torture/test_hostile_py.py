@@ -213,10 +213,21 @@ HOSTILE_VALUES: list[tuple[str, Any, str]] = [
 def save_raw_values(ckpt: acp.Checkpointer, step: int, state_node: Any) -> None:
     """Commits ``step`` with one tensor ``w`` (4 float32) and the raw values
     JSON ``{"acp.codec": 1, "state": state_node}``, bypassing the encoder."""
+    save_raw_json(ckpt, step, {"acp.codec": 1, "state": state_node})
+
+
+def save_raw_json(
+    ckpt: acp.Checkpointer,
+    step: int,
+    values: Any,
+    spec: tuple[str, tuple[int, ...]] = ("F32", (4,)),
+) -> None:
+    """Commits ``step`` with one tensor ``w`` (the 16 bytes of 4 float32,
+    stored under the dtype and shape ``spec``) and the raw values JSON
+    ``values``, bypassing every encoder."""
     import json
 
-    values = json.dumps({"acp.codec": 1, "state": state_node})
-    staging = ckpt._engine.begin_save(step, [("w", "F32", (4,))], values)
+    staging = ckpt._engine.begin_save(step, [("w", *spec)], json.dumps(values))
     assert staging is not None
     src = torch.arange(4, dtype=torch.float32)
     staging.copy_from([(0, src.data_ptr(), 16)])
@@ -319,3 +330,25 @@ def test_the_quick_tree_check_passes_what_states_hold() -> None:
     assert sorted(r["name"] for r in refs) == sorted(r["name"] for r in _codec.tensor_refs(tree))
     assert _codec._quick_refs(deep(_codec.MAX_DEPTH - 1)) == []
     assert _codec._quick_refs(deep(_codec.MAX_DEPTH)) is None
+
+
+# --------------------------------------------------------------------------
+# the codec version field
+
+
+@pytest.mark.parametrize("version", [True, False, -1, 1.0, "1", None, [1]], ids=repr)
+def test_a_codec_version_that_is_no_count_is_corrupt(make_ckpt: MakeCkpt, version: Any) -> None:
+    """``true`` and ``-1`` were taken for version 1, ``1.0`` reported as newer."""
+    ckpt = make_ckpt(release_on_close=True)
+    save_raw_json(ckpt, 1, {"acp.codec": version, "state": None})
+    with pytest.raises(acp.CheckpointCorrupt, match=r"step 1: field `acp\.codec`.* is not a"):
+        ckpt.load(1)
+
+
+def test_a_newer_codec_version_is_unsupported(make_ckpt: MakeCkpt) -> None:
+    ckpt = make_ckpt(release_on_close=True)
+    save_raw_json(ckpt, 1, {"acp.codec": 2, "state": None})
+    with pytest.raises(
+        acp.Unsupported, match="step 1: unsupported: state codec version 2 is newer"
+    ):
+        ckpt.load(1)
