@@ -330,7 +330,9 @@ def test_metadata_refuses_what_json_cannot_hold() -> None:
     bad["state_dict_metadata"] = {
         "x": {"type": "tensor", "properties": {"dtype": "os.system"}, "size": [], "chunks": []}
     }
-    with pytest.raises(ValueError, match="not a torch dtype"):
+    with pytest.raises(
+        acp.CheckpointCorrupt, match=r"key `x`: field `properties\.dtype`: .*not a torch dtype"
+    ):
         acp.dcp.metadata_from_json(bad)
 
 

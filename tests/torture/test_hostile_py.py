@@ -4,6 +4,7 @@ never a raw Python error."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +353,206 @@ def test_a_newer_codec_version_is_unsupported(make_ckpt: MakeCkpt) -> None:
         acp.Unsupported, match="step 1: unsupported: state codec version 2 is newer"
     ):
         ckpt.load(1)
+
+
+# --------------------------------------------------------------------------
+# crafted DCP metadata: CheckpointCorrupt naming the step, the key, the field
+
+
+def dcp_values(ckpt: acp.Checkpointer) -> dict[str, Any]:
+    """The values of a step 1 that ``dcp.save`` writes of ``{"w": 4 float32}``:
+    what :func:`save_raw_json` stores again, altered."""
+    import json
+
+    dcp.save(
+        {"w": torch.arange(4, dtype=torch.float32)},
+        checkpoint_id=1,
+        storage_writer=acp.dcp.StorageWriter(ckpt),
+        no_dist=True,
+    )
+    loaded = ckpt._engine.load(step=1)
+    try:
+        values: dict[str, Any] = json.loads(loaded.values_json)
+    finally:
+        del loaded
+    return values
+
+
+def _w(md: dict[str, Any]) -> dict[str, Any]:
+    sdm: dict[str, Any] = md["state_dict_metadata"]["w"]
+    return sdm
+
+
+def _set(path: str, value: Any) -> Any:
+    """A change to the DCP metadata: ``path`` (dot-separated, list indices
+    as digits) set to ``value``, or deleted when ``value`` is ``_DEL``."""
+
+    def change(md: dict[str, Any]) -> None:
+        *head, last = path.split(".")
+        node: Any = md
+        for part in head:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key: Any = int(last) if isinstance(node, list) else last
+        if value is _DEL:
+            del node[key]
+        else:
+            node[key] = value
+
+    return change
+
+
+_DEL = object()
+W = "state_dict_metadata.w"
+S = "storage_data.0"
+
+# (id, the change, the key the error names (None: none), the field it names)
+HOSTILE_DCP: list[tuple[str, Any, str | None, str]] = [
+    ("no-sdm", _set("state_dict_metadata", _DEL), None, "state_dict_metadata"),
+    ("sdm-list", _set("state_dict_metadata", []), None, "state_dict_metadata"),
+    ("entry-number", _set(W, 5), "w", "state_dict_metadata"),
+    ("no-type", _set(f"{W}.type", _DEL), "w", "type"),
+    ("unknown-type", _set(f"{W}.type", "pickle"), "w", "type"),
+    ("no-size", _set(f"{W}.size", _DEL), "w", "size"),
+    ("size-string", _set(f"{W}.size", "4"), "w", "size"),
+    ("size-negative", _set(f"{W}.size", [-4]), "w", "size[0]"),
+    ("size-float", _set(f"{W}.size", [4.0]), "w", "size[0]"),
+    ("size-bool", _set(f"{W}.size", [True]), "w", "size[0]"),
+    ("size-huge", _set(f"{W}.size", [2**64]), "w", "size[0]"),
+    ("no-chunks", _set(f"{W}.chunks", _DEL), "w", "chunks"),
+    ("chunks-object", _set(f"{W}.chunks", {}), "w", "chunks"),
+    ("chunk-string", _set(f"{W}.chunks.0", "x"), "w", "chunks[0]"),
+    ("chunk-no-offsets", _set(f"{W}.chunks.0.offsets", _DEL), "w", "chunks[0].offsets"),
+    ("chunk-offsets-string", _set(f"{W}.chunks.0.offsets", "0"), "w", "chunks[0].offsets"),
+    ("chunk-offset-negative", _set(f"{W}.chunks.0.offsets", [-1]), "w", "chunks[0].offsets[0]"),
+    ("chunk-size-negative", _set(f"{W}.chunks.0.sizes", [-4]), "w", "chunks[0].sizes[0]"),
+    ("chunk-dims", _set(f"{W}.chunks.0.sizes", [4, 1]), "w", "chunks[0].sizes"),
+    ("chunk-past-size", _set(f"{W}.chunks.0.sizes", [8]), "w", "chunks[0]"),
+    ("chunk-offset-past-size", _set(f"{W}.chunks.0.offsets", [2]), "w", "chunks[0]"),
+    ("no-properties", _set(f"{W}.properties", _DEL), "w", "properties"),
+    ("properties-list", _set(f"{W}.properties", []), "w", "properties"),
+    ("no-dtype", _set(f"{W}.properties.dtype", _DEL), "w", "properties.dtype"),
+    ("dtype-not-torch", _set(f"{W}.properties.dtype", "os.system"), "w", "properties.dtype"),
+    ("dtype-not-dtype", _set(f"{W}.properties.dtype", "torch.nn"), "w", "properties.dtype"),
+    ("dtype-number", _set(f"{W}.properties.dtype", 7), "w", "properties.dtype"),
+    ("layout-bad", _set(f"{W}.properties.layout", "torch.float32"), "w", "properties.layout"),
+    ("grad-string", _set(f"{W}.properties.requires_grad", "yes"), "w", "properties.requires_grad"),
+    ("strides-string", _set(f"{W}.properties.strides", "1"), "w", "properties.strides"),
+    ("no-storage", _set("storage_data", _DEL), None, "storage_data"),
+    ("storage-object", _set("storage_data", {}), None, "storage_data"),
+    ("storage-no-index", _set(f"{S}.index", _DEL), None, "storage_data[0].index"),
+    ("storage-fqn-number", _set(f"{S}.index.fqn", 3), None, "storage_data[0].index.fqn"),
+    ("storage-unknown-key", _set(f"{S}.index.fqn", "nope"), "nope", "storage_data[0].index.fqn"),
+    ("storage-offset-string", _set(f"{S}.index.offset", "0"), "w", "storage_data[0].index.offset"),
+    ("storage-offset-no-chunk", _set(f"{S}.index.offset", [1]), "w", "storage_data[0].index"),
+    ("storage-hint-negative", _set(f"{S}.index.index", -1), "w", "storage_data[0].index.index"),
+    ("storage-no-name", _set(f"{S}.name", _DEL), "w", "storage_data[0].name"),
+    ("storage-name-number", _set(f"{S}.name", 1), "w", "storage_data[0].name"),
+    ("storage-name-unknown", _set(f"{S}.name", "ghost"), "w", "storage_data"),
+    ("format-missing", _set("format", _DEL), None, "format"),
+    ("format-version-string", _set("format_version", "1"), None, "format_version"),
+    ("format-version-bool", _set("format_version", True), None, "format_version"),
+    ("format-version-negative", _set("format_version", -1), None, "format_version"),
+    ("version-number", _set("version", 3), None, "version"),
+    ("planner-float", _set("planner_data.w", {"__float__": "x"}), None, "planner_data.w"),
+    ("planner-tuple", _set("planner_data.w", {"__tuple__": 5}), None, "planner_data.w"),
+    ("storage-meta-list", _set("storage_meta", [1]), None, "storage_meta"),
+    ("modules-string", _set("storage_meta.modules", "m"), None, "storage_meta.modules"),
+]
+
+
+@dcp_warning
+@pytest.mark.parametrize(
+    ("change", "key", "field"), [pytest.param(c, k, f, id=i) for i, c, k, f in HOSTILE_DCP]
+)
+def test_hostile_dcp_metadata_is_corrupt_naming_key_and_field(
+    make_ckpt: MakeCkpt, change: Any, key: str | None, field: str
+) -> None:
+    ckpt = make_ckpt(release_on_close=True)
+    values = dcp_values(ckpt)
+    change(values[acp.dcp.METADATA_KEY])
+    save_raw_json(ckpt, 2, values)
+    with pytest.raises(acp.CheckpointCorrupt) as e:
+        acp.dcp.StorageReader(ckpt, step=2).read_metadata()
+    message = str(e.value)
+    assert message.startswith("step 2: DCP metadata: "), message
+    assert f"field `{field}" in message, message
+    if key is not None:
+        assert f"key `{key}`" in message, message
+    with pytest.raises(CheckpointException) as wrapped:
+        dcp.load(
+            {"w": torch.zeros(4)}, storage_reader=acp.dcp.StorageReader(ckpt, step=2), no_dist=True
+        )
+    # torch 2.11+ re-raises a failed read_metadata as an AssertionError
+    # quoting its message; older versions keep the exception.
+    assert message in str(wrapped.value)
+
+
+@dcp_warning
+def test_dcp_metadata_not_an_object_is_corrupt(make_ckpt: MakeCkpt) -> None:
+    ckpt = make_ckpt(release_on_close=True)
+    save_raw_json(ckpt, 2, {acp.dcp.METADATA_KEY: [1]})
+    with pytest.raises(acp.CheckpointCorrupt, match=r"step 2: DCP metadata: .* is a list"):
+        acp.dcp.StorageReader(ckpt, step=2).read_metadata()
+
+
+@dcp_warning
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (("I32", (4,)), r"metadata says dtype torch\.float32 \(F32\), .* `w` has dtype I32"),
+        (("U8", (16,)), r"metadata says dtype torch\.float32 \(F32\), .* `w` has dtype U8"),
+        (("F16", (8,)), r"metadata says dtype torch\.float32 \(F32\), .* `w` has dtype F16"),
+    ],
+    ids=["I32", "U8", "F16"],
+)
+def test_a_dcp_entry_of_another_dtype_is_refused_not_reinterpreted(
+    make_ckpt: MakeCkpt, spec: tuple[str, tuple[int, ...]], match: str
+) -> None:
+    """The stored bytes have the size the metadata says: they were
+    reinterpreted as float32 silently."""
+    ckpt = make_ckpt(release_on_close=True)
+    save_raw_json(ckpt, 2, dcp_values(ckpt), spec)
+    for storage_only in (False, True):
+        target = {"w": torch.zeros(4)}
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(
+                target,
+                storage_reader=acp.dcp.StorageReader(ckpt, step=2, storage_only=storage_only),
+                no_dist=True,
+            )
+        (exc, _), *_ = e.value.failures.values()
+        assert isinstance(exc, acp.CheckpointCorrupt)
+        assert exc.args[0].startswith("step 2: DCP key `w`: ")
+        assert re.search(match, str(exc)), str(exc)
+        assert torch.equal(target["w"], torch.zeros(4))
+
+
+@dcp_warning
+def test_a_dcp_entry_of_another_size_is_corrupt(make_ckpt: MakeCkpt) -> None:
+    ckpt = make_ckpt(release_on_close=True)
+    values = dcp_values(ckpt)
+    md = values[acp.dcp.METADATA_KEY]
+    _w(md)["size"] = [8]
+    _w(md)["chunks"][0]["sizes"] = [8]
+    save_raw_json(ckpt, 2, values)
+    with pytest.raises(CheckpointException, match=r"\(8,\) torch\.float32 \(32 bytes\), but .* 16"):
+        dcp.load(
+            {"w": torch.zeros(8)}, storage_reader=acp.dcp.StorageReader(ckpt, step=2), no_dist=True
+        )
+
+
+@dcp_warning
+def test_a_complex_dcp_entry_stored_as_raw_bytes_still_loads(make_ckpt: MakeCkpt) -> None:
+    """Before acp had a dtype code for complex64, acp.dcp stored such
+    tensors as ``U8`` bytes: those files stay readable."""
+    ckpt = make_ckpt(release_on_close=True)
+    values = dcp_values(ckpt)
+    md = values[acp.dcp.METADATA_KEY]
+    _w(md)["properties"]["dtype"] = "torch.complex64"
+    _w(md)["properties"]["strides"] = [1]
+    _w(md)["size"] = [2]
+    _w(md)["chunks"][0]["sizes"] = [2]
+    save_raw_json(ckpt, 2, values, ("U8", (16,)))
+    target = {"w": torch.zeros(2, dtype=torch.complex64)}
+    dcp.load(target, storage_reader=acp.dcp.StorageReader(ckpt, step=2), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(4, dtype=torch.float32).view(torch.complex64))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import time
 import uuid
@@ -29,7 +30,7 @@ from acp.checkpointer import gc_paused
 from acp.dcp.engine import EngineRef, done_future, parse_step, valid_checkpoint_id
 from acp.dcp.metadata import METADATA_KEY, metadata_from_json
 from acp.dcp.planner import narrow, resolve_tensor
-from acp.torch import slot_tensor
+from acp.torch import DTYPES, slot_tensor
 
 __all__ = ["StorageReader"]
 
@@ -115,12 +116,19 @@ class StorageReader(_storage.StorageReader):
                 f"acp.dcp: step {loaded.step} in {self._ref.root} was not saved through "
                 "torch.distributed.checkpoint (no DCP metadata); load it with acp.Checkpointer"
             )
-        metadata = metadata_from_json(values[METADATA_KEY])
+        metadata = metadata_from_json(values[METADATA_KEY], step=loaded.step)
+        names = {e[0]: i for i, e in enumerate(loaded.entries())}
+        for idx, name in (metadata.storage_data or {}).items():
+            if name not in names:
+                raise _acp.CheckpointCorrupt(
+                    f"step {loaded.step}: DCP metadata: key `{idx.fqn}`: field "
+                    f"`storage_data`: names tensor `{name}`, which the file does not hold"
+                )
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self._load_id
         self._loaded = loaded
-        self._names = {e[0]: i for i, e in enumerate(loaded.entries())}
+        self._names = names
         self.last_load = {**loaded.report(), "metadata_secs": time.perf_counter() - started}
         return metadata
 
@@ -140,7 +148,7 @@ class StorageReader(_storage.StorageReader):
                     "through torch.distributed.checkpoint (no DCP metadata); load it with "
                     "acp.Checkpointer"
                 )
-            md = metadata_from_json(values[METADATA_KEY])
+            md = metadata_from_json(values[METADATA_KEY], step=step, rank=r)
             first = first or md
             for idx, name in (md.storage_data or {}).items():
                 if idx not in self._holder or r == self._ref.rank:
@@ -255,6 +263,7 @@ class StorageReader(_storage.StorageReader):
             md = self._sdm[req.storage_index.fqn]
             assert isinstance(md, TensorStorageMetadata)
             chunk_sizes = self._chunk_sizes(req, md)
+            _check_entry(loaded.step, req, md.properties.dtype, chunk_sizes, entries[i])
             target = resolve_tensor(planner, req).detach()
             whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(
                 chunk_sizes
@@ -354,6 +363,63 @@ class StorageReader(_storage.StorageReader):
             if idx.offset is None or tuple(chunk.offsets) == tuple(idx.offset):
                 return chunk.sizes
         raise ValueError(f"acp.dcp: no chunk of `{idx.fqn}` at offset {idx.offset}")
+
+
+_TYPED_SINCE_V1 = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint64,
+        torch.uint32,
+        torch.uint16,
+        torch.uint8,
+        torch.bool,
+    }
+)
+"""The dtypes acp.dcp has always stored under their own safetensors dtype;
+the others (complex64, the fnuz/e8m0 fp8s) were stored as raw ``U8`` bytes
+before they had one, and such entries stay readable."""
+
+
+def _check_entry(
+    step: int,
+    req: ReadItem,
+    dtype: torch.dtype,
+    chunk_sizes: Sequence[int],
+    entry: tuple[str, str, Sequence[int], int],
+) -> None:
+    """Refuses a stored entry that does not hold the chunk the DCP metadata
+    describes: another dtype (its bytes would be reinterpreted) or another
+    byte size.
+
+    Raises:
+        acp.CheckpointCorrupt: naming the step, the key, the entry and both
+            dtypes or sizes.
+    """
+    name, stored, shape, nbytes = entry
+    code = DTYPES.get(dtype)
+    raw = stored == "U8" and len(shape) == 1 and dtype not in _TYPED_SINCE_V1
+    if stored != code and not raw:
+        raise _acp.CheckpointCorrupt(
+            f"step {step}: DCP key `{req.storage_index.fqn}`: its metadata says dtype "
+            f"{dtype} ({code or 'raw bytes'}), but its stored tensor `{name}` has dtype "
+            f"{stored}"
+        )
+    want = math.prod(chunk_sizes) * dtype.itemsize
+    if nbytes != want:
+        raise _acp.CheckpointCorrupt(
+            f"step {step}: DCP key `{req.storage_index.fqn}`: its metadata says a chunk of "
+            f"{tuple(chunk_sizes)} {dtype} ({want} bytes), but its stored tensor `{name}` "
+            f"holds {nbytes} bytes"
+        )
 
 
 def _reencoded(raw: bytes, fqn: str) -> io.BytesIO:
