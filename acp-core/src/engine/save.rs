@@ -74,15 +74,15 @@ impl HostTensor<'_> {
 /// shapes and the values are fixed when the plan is made.
 #[derive(Debug)]
 pub struct SavePlan {
-    /// The image under the header of step 0 with no extra metadata; each
-    /// save restamps its header ([`Layout::restamp_header`]).
+    /// The image under the header of step 0 with no extra metadata, the
+    /// plan's values in it; each save restamps its header
+    /// ([`Layout::restamp_header_same_values`], or
+    /// [`Layout::restamp_header`] with other values).
     layout: Layout,
     /// `layout`'s entries, shared with the stagings of saves whose data
     /// starts where the plan's does (most: only a header that crosses a
     /// multiple of [`DATA_ALIGN`](crate::format::DATA_ALIGN) moves it).
     entries: Arc<[Entry]>,
-    /// The checked values JSON text.
-    values_json: String,
 }
 
 impl SavePlan {
@@ -97,8 +97,10 @@ impl SavePlan {
     /// The image of a save of this plan with the header fields `meta` and
     /// the values `values` (checked JSON text; the plan's own when None).
     fn image(&self, meta: &ImageMeta, values: Option<&str>) -> Result<Image> {
-        let values = values.unwrap_or(&self.values_json);
-        let (header, data_start) = self.layout.restamp_header(meta, values)?;
+        let (header, data_start) = match values {
+            Some(v) => self.layout.restamp_header(meta, v)?,
+            None => self.layout.restamp_header_same_values(meta)?,
+        };
         let base = self.layout.data_start;
         let entries = if data_start == base {
             Arc::clone(&self.entries)
@@ -244,7 +246,6 @@ impl Engine {
         Ok(SavePlan {
             entries: layout.entries.clone().into(),
             layout,
-            values_json: values_json.to_owned(),
         })
     }
 

@@ -120,6 +120,10 @@ pub struct Layout {
     /// `__metadata__` value) and where the JSON ends, as offsets into
     /// `header`: [`Layout::restamp`] keeps those bytes.
     tensors_json: (usize, usize),
+    /// Where the `acp.values` string literal (its quotes included) lies in
+    /// `header`: a restamp with the same values copies it instead of
+    /// escaping the text again (megabytes at 100,000 tensors).
+    values_literal: (usize, usize),
     /// The header's `acp.version`: the newest [`Dtype::since`] of its
     /// tensors, [`PLAIN_VERSION`] for none.
     version: u32,
@@ -199,8 +203,7 @@ impl Layout {
             })?;
         }
 
-        let metadata = metadata(meta, values, version)?;
-        let mut json = metadata_json(&metadata)?;
+        let (mut json, values_literal) = metadata_start(meta, version, Values::Text(values), 0)?;
         let tensors_at = json.len();
         // The rest of the header's one JSON object: `,"name":{..}` per
         // tensor in offset order, then the closing brace.
@@ -248,7 +251,8 @@ impl Layout {
             data_start,
             total_len,
             header,
-            tensors_json: (8 + tensors_at, 8 + json_len),
+            tensors_json: (tensors_at, json_len),
+            values_literal,
             version,
         })
     }
@@ -263,7 +267,12 @@ impl Layout {
     /// # Errors
     /// As [`Layout::plan`] for the metadata and the header's size.
     pub fn restamp(&self, meta: &ImageMeta, values: &str) -> Result<Layout> {
-        let (header, data_start, tensors_json) = self.restamped_header(meta, values)?;
+        let Restamped {
+            header,
+            data_start,
+            tensors_json,
+            values_literal,
+        } = self.restamped_header(meta, Values::Text(values))?;
         let entries = self
             .entries
             .iter()
@@ -284,6 +293,7 @@ impl Layout {
             total_len: self.total_len - self.data_start + data_start,
             header,
             tensors_json,
+            values_literal,
             version: self.version,
         })
     }
@@ -294,17 +304,27 @@ impl Layout {
     /// # Errors
     /// As [`Layout::restamp`].
     pub fn restamp_header(&self, meta: &ImageMeta, values: &str) -> Result<(Vec<u8>, u64)> {
-        let (header, data_start, _) = self.restamped_header(meta, values)?;
-        Ok((header, data_start))
+        let r = self.restamped_header(meta, Values::Text(values))?;
+        Ok((r.header, r.data_start))
     }
 
-    fn restamped_header(
-        &self,
-        meta: &ImageMeta,
-        values: &str,
-    ) -> Result<(Vec<u8>, u64, (usize, usize))> {
-        let mut json = metadata_json(&metadata(meta, values, self.version)?)?;
+    /// [`Layout::restamp_header`] with this layout's own values: the
+    /// same bytes, with the values' escaped text copied from this header
+    /// rather than written again.
+    ///
+    /// # Errors
+    /// As [`Layout::restamp`].
+    pub fn restamp_header_same_values(&self, meta: &ImageMeta) -> Result<(Vec<u8>, u64)> {
+        let (from, to) = self.values_literal;
+        let literal = Values::Literal(&self.header[from..to]);
+        let r = self.restamped_header(meta, literal)?;
+        Ok((r.header, r.data_start))
+    }
+
+    /// The header of `meta` and `values` over this layout's tensors.
+    fn restamped_header(&self, meta: &ImageMeta, values: Values<'_>) -> Result<Restamped> {
         let (from, to) = self.tensors_json;
+        let (mut json, values_literal) = metadata_start(meta, self.version, values, to - from)?;
         let tensors_at = json.len();
         json.extend_from_slice(&self.header[from..to]);
         let json_len = json.len();
@@ -318,7 +338,12 @@ impl Layout {
                 "the file length overflows a u64 byte size",
             ));
         }
-        Ok((header, data_start, (8 + tensors_at, 8 + json_len)))
+        Ok(Restamped {
+            header,
+            data_start,
+            tensors_json: (tensors_at, json_len),
+            values_literal,
+        })
     }
 
     /// The entries and the header bytes, taken apart.
@@ -434,48 +459,92 @@ struct Placed<'a> {
     begin: u64,
 }
 
-/// `{"__metadata__":{..}`: the header JSON's start, up to the first
-/// tensor (the tensors follow in offset order, then the closing brace).
-fn metadata_json(metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
-    let mut json = Vec::with_capacity(64);
-    json.push(b'{');
-    serde_json::to_writer(&mut json, METADATA_KEY)
-        .and_then(|()| {
-            json.push(b':');
-            serde_json::to_writer(&mut json, metadata)
-        })
-        .map_err(|e| Error::invalid("header", format!("cannot write the JSON: {e}")))?;
-    Ok(json)
+/// A header written anew over a layout's tensors: its bytes, its data
+/// start, and where its tensors' JSON and its values literal lie in it.
+struct Restamped {
+    header: Vec<u8>,
+    data_start: u64,
+    tensors_json: (usize, usize),
+    values_literal: (usize, usize),
 }
 
-/// The header bytes for `json`: its length (8 bytes, little-endian), the
-/// JSON and spaces up to the data start, a multiple of [`DATA_ALIGN`];
-/// with the data start.
-fn padded_header(json: Vec<u8>) -> Result<(Vec<u8>, u64)> {
+/// The values of a header: JSON text to write as a string, or a string
+/// literal already written (an earlier header's, quotes included).
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    Text(&'a str),
+    Literal(&'a [u8]),
+}
+
+/// The header's start: room for its 8-byte length, then
+/// `{"__metadata__":{..}` up to the first tensor (the tensors follow in
+/// offset order, then the closing brace), with room for `more` bytes after
+/// it; and where the `acp.values` string literal lies in it.
+///
+/// The metadata is written with empty values and the literal put in their
+/// place: `"acp.values":""` occurs once in that text, since every key and
+/// value is an escaped string (a `"` in one is written `\"`) and the key
+/// is reserved to acp.
+fn metadata_start(
+    meta: &ImageMeta,
+    version: u32,
+    values: Values<'_>,
+    more: usize,
+) -> Result<(Vec<u8>, (usize, usize))> {
+    const EMPTY_VALUES: &[u8] = b"\"acp.values\":\"\"";
+    let cannot =
+        |e: serde_json::Error| Error::invalid("header", format!("cannot write the JSON: {e}"));
+    let mut short = Vec::with_capacity(256);
+    short.push(b'{');
+    serde_json::to_writer(&mut short, METADATA_KEY).map_err(cannot)?;
+    short.push(b':');
+    serde_json::to_writer(&mut short, &metadata(meta, "", version)?).map_err(cannot)?;
+    let at = short
+        .windows(EMPTY_VALUES.len())
+        .position(|w| w == EMPTY_VALUES)
+        .map(|p| p + EMPTY_VALUES.len() - 2)
+        .ok_or_else(|| Error::invalid("header", "the metadata lost its values key"))?;
+    let literal_len = match values {
+        // Escapes lengthen it: the capacity is a guess, not a bound.
+        Values::Text(t) => t.len() + t.len() / 8 + 2,
+        Values::Literal(l) => l.len(),
+    };
+    let mut json = Vec::with_capacity(8 + short.len() + literal_len + more + DATA_ALIGN_USIZE);
+    json.extend_from_slice(&[0; 8]);
+    json.extend_from_slice(&short[..at]);
+    let from = json.len();
+    match values {
+        Values::Text(t) => serde_json::to_writer(&mut json, t).map_err(cannot)?,
+        Values::Literal(l) => json.extend_from_slice(l),
+    }
+    let to = json.len();
+    json.extend_from_slice(&short[at + 2..]);
+    Ok((json, (from, to)))
+}
+
+const DATA_ALIGN_USIZE: usize = DATA_ALIGN as usize;
+
+/// The header bytes from `header`: its 8 bytes of room, then the JSON; the
+/// length written into those 8 bytes (little-endian) and spaces added up
+/// to the data start, a multiple of [`DATA_ALIGN`]; with the data start.
+fn padded_header(mut header: Vec<u8>) -> Result<(Vec<u8>, u64)> {
+    let json_len = header.len() - 8;
     let too_big = || {
         Error::invalid(
             "header",
-            format!(
-                "{} bytes of JSON exceed the limit of {MAX_HEADER_BYTES} bytes",
-                json.len()
-            ),
+            format!("{json_len} bytes of JSON exceed the limit of {MAX_HEADER_BYTES} bytes"),
         )
     };
-    let unpadded = u64::try_from(json.len())
+    let data_start = u64::try_from(header.len())
         .ok()
-        .and_then(|n| n.checked_add(8))
-        .ok_or_else(too_big)?;
-    let data_start = unpadded
-        .checked_next_multiple_of(DATA_ALIGN)
+        .and_then(|n| n.checked_next_multiple_of(DATA_ALIGN))
         .ok_or_else(too_big)?;
     let n = data_start - 8;
     if n > MAX_HEADER_BYTES {
         return Err(too_big());
     }
     let header_len = usize::try_from(data_start).map_err(|_| too_big())?;
-    let mut header = Vec::with_capacity(header_len);
-    header.extend_from_slice(&n.to_le_bytes());
-    header.extend_from_slice(&json);
+    header[..8].copy_from_slice(&n.to_le_bytes());
     header.resize(header_len, b' ');
     Ok((header, data_start))
 }
@@ -554,6 +623,45 @@ mod tests {
             // Kept again from a restamped layout.
             let again = got.restamp(&first, &serde_json::to_string(&first.values).unwrap());
             assert_eq!(again.unwrap().header_bytes(), kept.header_bytes());
+        }
+    }
+
+    #[test]
+    fn a_restamp_with_the_same_values_gives_the_fresh_header() {
+        let specs = [spec("w", Dtype::F32, &[2, 3]), spec("b", Dtype::U8, &[3])];
+        // Values whose text needs escaping, and an extra value holding
+        // what the values' key looks like in the metadata.
+        let values = serde_json::json!({"q": "\"quoted\" \\ tab\t nl\n \u{1} é 👍", "n": [1, 2.5]});
+        let extra = BTreeMap::from([
+            ("a".to_owned(), r#""acp.values":"""#.to_owned()),
+            ("zz".to_owned(), "last".to_owned()),
+        ]);
+        let at = |step, values: &serde_json::Value, extra: &BTreeMap<String, String>| ImageMeta {
+            step,
+            values: values.clone(),
+            extra: extra.clone(),
+            ..meta()
+        };
+        let kept = Layout::plan(&specs, &at(1, &values, &BTreeMap::new())).unwrap();
+        let long = serde_json::json!("\"".repeat(3000));
+        for (step, extra) in [(2, BTreeMap::new()), (u64::MAX - 1, extra)] {
+            let next = at(step, &values, &extra);
+            let want = Layout::plan(&specs, &next).unwrap();
+            let (header, data_start) = kept.restamp_header_same_values(&next).unwrap();
+            assert_eq!(header, want.header_bytes());
+            assert_eq!(data_start, want.data_start);
+            // Values that move the data start, kept and restamped again.
+            let text = serde_json::to_string(&long).unwrap();
+            let moved = kept.restamp(&at(step, &long, &extra), &text).unwrap();
+            let want = Layout::plan(&specs, &at(step + 1, &long, &extra)).unwrap();
+            let (header, data_start) = moved
+                .restamp_header_same_values(&at(step + 1, &long, &extra))
+                .unwrap();
+            assert_eq!(
+                (header.as_slice(), data_start),
+                (want.header_bytes(), want.data_start)
+            );
+            assert!(data_start > kept.data_start);
         }
         assert_eq!(
             Layout::plan(
