@@ -58,6 +58,18 @@ unsafe impl GlobalAlloc for Tracking {
 #[global_allocator]
 static GLOBAL: Tracking = Tracking;
 
+/// Serialises this file's tests: the allocation record above counts every
+/// thread's requests, so a test running beside a case would be charged
+/// with its allocations (each test takes the guard first).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    // A test that panicked holding it poisons nothing the others need.
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The largest allocation any hostile case may cause: far below anything a
 /// claimed size could ask for, far above what the test's own data needs.
 const ALLOC_LIMIT: usize = 32 << 20;
@@ -705,6 +717,7 @@ fn root_cases(suite: &mut Suite) {
 
 #[test]
 fn hostile_checkpoints_are_refused_without_panic_or_reads_outside() {
+    let _one = one_at_a_time();
     let mut suite = Suite {
         trials: 0,
         failures: Vec::new(),
@@ -800,6 +813,7 @@ fn failed<T: std::fmt::Debug>(r: Result<T, Error>) -> Outcome {
 /// it at once instead of waiting for a writer for ever.
 #[test]
 fn fifos_are_refused_at_once_by_every_reader() {
+    let _one = one_at_a_time();
     use acp_core::ops;
     let mut failures = Vec::new();
 
@@ -971,6 +985,7 @@ fn fifos_are_refused_at_once_by_every_reader() {
 /// step from `load()` nor make `acp verify --all` or `acp ls` fail.
 #[test]
 fn step_names_that_alias_a_step_are_ignored() {
+    let _one = one_at_a_time();
     let c = valid_step();
     let file = st(good_header().to_string(), &DATA);
     let index = index_for(&file, DATA_NAME, &["a", "b"]);
@@ -1005,6 +1020,7 @@ fn step_names_that_alias_a_step_are_ignored() {
 /// even when resident copies are trusted without hashing.
 #[test]
 fn resident_image_of_another_root_is_not_served() {
+    let _one = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let shm = dir.path().join("shm");
     std::fs::create_dir(&shm).unwrap();
@@ -1064,6 +1080,7 @@ fn resident_image_of_another_root_is_not_served() {
 /// this rank's file).
 #[test]
 fn claimed_size_is_checked_against_the_file_before_memory_is_sized() {
+    let _one = one_at_a_time();
     const CLAIM: u64 = 1 << 40;
     let c = valid_step();
     let file = st(good_header().to_string(), &DATA);
@@ -1116,6 +1133,7 @@ fn claimed_size_is_checked_against_the_file_before_memory_is_sized() {
 /// downloaded checkpoint), and still only inside it.
 #[test]
 fn engine_refuses_a_root_others_can_write_and_tools_still_read_it() {
+    let _one = one_at_a_time();
     use std::os::unix::fs::PermissionsExt;
     let read_only_tools = |root: &Path, shm: &Path| -> Result<(), String> {
         let s = |e: Error| e.to_string();
@@ -1182,8 +1200,8 @@ fn engine_refuses_a_root_others_can_write_and_tools_still_read_it() {
 /// mapping of the claimed image).
 #[test]
 fn a_compressed_frame_claiming_gigabytes_is_refused_before_memory_is_sized() {
+    let _one = one_at_a_time();
     use acp_core::format::{digest, packed_head, FrameCodec};
-    use acp_core::ops;
     const CLAIM: u64 = 1 << 30;
     let frame = [0x5Au8; 64];
     let packed = packed_head(CLAIM, CLAIM, &[(&frame[..], FrameCodec::GroupedZstd)]);
@@ -1214,19 +1232,36 @@ fn a_compressed_frame_claiming_gigabytes_is_refused_before_memory_is_sized() {
         }
     };
     suite.refuse("load", || named(failed(load(&c))));
-    suite.refuse("load another rank's tensors", || {
-        let cfg = config(&c.root, &c.shm).with_rank(1).with_world_size(2);
-        let engine = Engine::open(cfg).unwrap();
-        let r = engine.load(&LoadRequest {
-            step: Some(STEP),
-            rank: Some(0),
-            tensors: Some(vec!["a".to_owned()]),
-            storage_only: true,
-            ..LoadRequest::default()
+    other_tools_refuse(&mut suite, &c, &named, &[Some(vec!["a".to_owned()])]);
+    report("claimed frame", suite.trials, &suite.failures);
+}
+
+/// Every reader but a load of this rank's file refuses the step of `c`,
+/// each error passing `named`: loads as another rank (of the file, when
+/// `rank_loads` holds None, or of the tensors it lists), verify, export,
+/// diff and inspect.
+fn other_tools_refuse(
+    suite: &mut Suite,
+    c: &Case,
+    named: &dyn Fn(Outcome) -> Outcome,
+    rank_loads: &[Option<Vec<String>>],
+) {
+    use acp_core::ops;
+    for tensors in rank_loads {
+        suite.refuse("load another rank's file or tensors", || {
+            let cfg = config(&c.root, &c.shm).with_rank(1).with_world_size(2);
+            let engine = Engine::open(cfg).unwrap();
+            let r = engine.load(&LoadRequest {
+                step: Some(STEP),
+                rank: Some(0),
+                tensors: tensors.clone(),
+                storage_only: true,
+                ..LoadRequest::default()
+            });
+            engine.close().unwrap();
+            named(failed(r))
         });
-        engine.close().unwrap();
-        named(failed(r))
-    });
+    }
     suite.refuse("verify", || {
         match ops::verify(&c.root, Some(STEP), false, &ops::Quiet) {
             Ok(r) if !r.ok => named(Ok(format!("{:?}", r.steps))),
@@ -1244,7 +1279,6 @@ fn a_compressed_frame_claiming_gigabytes_is_refused_before_memory_is_sized() {
     suite.refuse("inspect", || {
         named(failed(ops::inspect(&c.root, Some(STEP))))
     });
-    report("claimed frame", suite.trials, &suite.failures);
 }
 
 /// An incremental compressed file whose reference frames (which hold no
@@ -1254,9 +1288,9 @@ fn a_compressed_frame_claiming_gigabytes_is_refused_before_memory_is_sized() {
 /// step's index.
 #[test]
 fn unresolved_references_claiming_a_terabyte_size_no_memory() {
+    let _one = one_at_a_time();
     use acp_core::codec::Run;
     use acp_core::format::{chunk_digests, digest, encode_frame, packed_head, FrameCodec};
-    use acp_core::ops;
     const CHUNK_BYTES: u64 = 16 << 20;
     const REFS: u64 = 1 << 16;
     const CLAIM: u64 = (REFS + 1) * CHUNK_BYTES;
@@ -1324,37 +1358,6 @@ fn unresolved_references_claiming_a_terabyte_size_no_memory() {
             Err(e) => named(Ok(e.to_string())),
         }
     });
-    for tensors in [None, Some(vec!["a".to_owned()])] {
-        suite.refuse("load another rank's file", || {
-            let cfg = config(&c.root, &c.shm).with_rank(1).with_world_size(2);
-            let engine = Engine::open(cfg).unwrap();
-            let r = engine.load(&LoadRequest {
-                step: Some(STEP),
-                rank: Some(0),
-                tensors,
-                storage_only: true,
-                ..LoadRequest::default()
-            });
-            engine.close().unwrap();
-            named(failed(r))
-        });
-    }
-    suite.refuse("verify", || {
-        match ops::verify(&c.root, Some(STEP), false, &ops::Quiet) {
-            Ok(r) if !r.ok => named(Ok(format!("{:?}", r.steps))),
-            other => Err(format!("{other:?}")),
-        }
-    });
-    suite.refuse("export", || {
-        let out = c.outside.join("out.safetensors");
-        let r = ops::export_safetensors(&c.root, Some(STEP), None, &out, false, &ops::Quiet);
-        named(failed(r))
-    });
-    suite.refuse("diff", || {
-        named(failed(ops::diff(&c.root, STEP, STEP, &ops::Quiet)))
-    });
-    suite.refuse("inspect", || {
-        named(failed(ops::inspect(&c.root, Some(STEP))))
-    });
+    other_tools_refuse(&mut suite, &c, &named, &[None, Some(vec!["a".to_owned()])]);
     report("unresolved references", suite.trials, &suite.failures);
 }
