@@ -290,7 +290,7 @@ fn le_u32(b: &[u8], at: usize) -> u32 {
 /// index's, a table whose digest differs, or frames that do not tile the
 /// file in order (past its end, overlapping, gaps) or whose decoded length
 /// is not their chunk's, or compressed frames too short to decode to it
-/// ([`MAX_FRAME_EXPANSION`]); `read_at`'s errors.
+/// (more than 32,768 times their stored length); `read_at`'s errors.
 pub fn read_packed_table(
     path: &Path,
     file_len: u64,
