@@ -690,6 +690,13 @@ def test_import_refuses_a_ckpt_whose_bytes_differ_from_its_dims(
     with pytest.raises(acp.CheckpointCorrupt, match=r"evil\.ckpt: parameter `w`") as e:
         am.import_ckpt(src, ckpt, 1)
     assert why in str(e.value)
+    assert ckpt.steps() == []
+
+
+def test_acp_import_refuses_a_ckpt_claiming_terabytes(tmp_path: Path) -> None:
+    """The command line reads .ckpt files through the same check (one
+    case: each run starts MindSpore, seconds apiece)."""
+    src = hostile_ckpt(tmp_path / "evil.ckpt", "Float32", [2**20, 2**20], b"\0" * 4)
     proc = subprocess.run(
         [
             sys.executable,
@@ -710,8 +717,8 @@ def test_import_refuses_a_ckpt_whose_bytes_differ_from_its_dims(
         timeout=120,
     )
     assert proc.returncode == 1, proc.stderr  # corrupt, not an internal error
-    assert why in proc.stderr
-    assert ckpt.steps() == []
+    assert "evil.ckpt: parameter `w`" in proc.stderr, proc.stderr
+    assert "4398046511104 expected" in proc.stderr, proc.stderr
 
 
 def test_import_of_a_ckpt_that_is_not_protobuf_is_corrupt(
