@@ -133,13 +133,10 @@ impl Engine {
             .into_iter()
             .find(|i| i.step == step)
             .ok_or_else(not_found)?;
-        let pin = shared.ring.pin(info.slot).map_err(|_| not_found())?;
-        // The slot may have been freed and filled again between the two
-        // calls: the pin holds whatever it holds now.
-        if pin.step() != step {
-            return Err(not_found());
-        }
-        Ok(pin)
+        shared
+            .ring
+            .pin_step(info.slot, step)
+            .map_err(|_| not_found())
     }
 
     /// The metadata of `pin` (from [`Engine::pin_resident`]), without
@@ -591,8 +588,7 @@ pub(super) fn own_uncommitted(
 ) -> Option<Found> {
     let ring = &shared.ring;
     let info = ring.complete().into_iter().find(|i| i.step == step)?;
-    // The slot may have been freed and filled again between the two calls.
-    let pin = ring.pin(info.slot).ok().filter(|p| p.step() == step)?;
+    let pin = ring.pin_step(info.slot, step).ok()?;
     let origin = ring.slot_path(info.slot);
     let threads = shared.cfg.copy_threads;
     let found = |pin| Found {

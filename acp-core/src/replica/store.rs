@@ -299,7 +299,7 @@ impl Store {
                 // Pinned while its digests are read, so that they and the
                 // step and length are those of one image (the slot may be
                 // filled again between the listing and the read).
-                let Some(pin) = ring.pin(info.slot).ok().filter(|p| p.step() == info.step) else {
+                let Ok(pin) = ring.pin_step(info.slot, info.step) else {
                     continue;
                 };
                 let Some(digests) = ring.digests(info.slot) else {
@@ -331,12 +331,7 @@ impl Store {
     pub(crate) fn pin(&self, rank: u32, step: u64) -> Option<(ReplicaMeta, PinnedSlot, PathBuf)> {
         let ring = self.rings().get(&rank)?.clone();
         let info = ring.complete().into_iter().find(|i| i.step == step)?;
-        let pin = ring.pin(info.slot).ok()?;
-        // The slot may have been freed and filled with a newer replica
-        // between the two calls: the pin holds whatever it holds now.
-        if pin.step() != step {
-            return None;
-        }
+        let pin = ring.pin_step(info.slot, step).ok()?;
         // Read after the pin: the digests and sums then belong to the
         // pinned image (a sums record is believed only while bound to the
         // digests recorded now).

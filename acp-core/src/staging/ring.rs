@@ -311,6 +311,26 @@ impl Ring {
         v
     }
 
+    /// [`Ring::pin`] of `slot` while it holds `step`'s image: a slot that
+    /// [`Ring::complete`] listed may be freed and filled again before it
+    /// is pinned, and the pin holds whatever it holds then.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when it holds no complete image of `step`.
+    pub fn pin_step(&self, slot: usize, step: u64) -> Result<PinnedSlot> {
+        let pin = self.pin(slot)?;
+        if pin.step() != step {
+            return Err(Error::NotFound {
+                what: format!(
+                    "step {step} in slot {slot} of {} (it holds step {} now)",
+                    self.inner.what(),
+                    pin.step()
+                ),
+            });
+        }
+        Ok(pin)
+    }
+
     /// Pins slot `slot` for reading.
     ///
     /// # Errors
