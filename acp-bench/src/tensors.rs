@@ -46,7 +46,8 @@ impl TensorSet {
     /// A model-like state of exactly `total` bytes: a 0-d `I64` step
     /// counter, then transformer blocks (F32 weights of hidden size 512, or
     /// 1024 from 1 GiB up, with two Adam moments each, plus 1-d norms), then
-    /// one `U8` tensor holding whatever bytes remain.
+    /// one tensor holding whatever bytes remain: `F32` when they are whole
+    /// fp32 values, else `U8`.
     ///
     /// # Panics
     /// Never on a 64-bit target (block sizes fit `usize`).
@@ -82,7 +83,16 @@ impl TensorSet {
         }
         let rest = total.saturating_sub(set.total);
         if rest > 0 {
-            set.push("misc".into(), Dtype::U8, 1, vec![rest as u64]);
+            // Typed by what fills it: the benches fill a state with fp32
+            // values (or random bytes), and a compressed file groups a
+            // tensor's bytes by its dtype's width, so 26 MB of fp32 values
+            // typed `U8` in the 64 MiB state compressed as one plane of
+            // interleaved float bytes, which no training state holds.
+            if rest % 4 == 0 {
+                set.push("misc".into(), Dtype::F32, 4, vec![rest as u64 / 4]);
+            } else {
+                set.push("misc".into(), Dtype::U8, 1, vec![rest as u64]);
+            }
         }
         set
     }
