@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--mib", type=int, default=256, help="state size in MiB (32 tensors)")
     p.add_argument("--saves", type=int, default=8)
     p.add_argument("--dir", default=None, help="where the checkpoint root goes")
+    p.add_argument(
+        "--persist",
+        action="store_true",
+        help="persist each save (a committed step restored from its resident slot), for comparison",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(2)
     state = {f"t{i}": torch.randn(a.mib * MiB // 4 // 32) for i in range(32)}
@@ -41,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
         try:
             for step in range(a.saves):
-                ckpt.save(step, state, persist=False)
+                ckpt.save(step, state, persist=a.persist)
                 t = time.perf_counter()
                 ckpt.wait()
                 background.append(time.perf_counter() - t)
@@ -63,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     out = {
         "mib": a.mib,
+        "persisted": a.persist,
         "background_ms": ms(background),
         "restore_ms": ms(restore),
         "memcpy_ms": ms(memcpy),

@@ -440,6 +440,91 @@ fn a_ram_snapshot_is_summed_and_checked_by_its_sums() {
     drop(e);
 }
 
+/// `load_into` of a RAM snapshot checks each chunk against its sum and
+/// copies it in the same pass (the load is pending until that copy, as for
+/// a committed resident step); a chunk changed afterwards copies nothing
+/// of itself, fails naming the tensor, and a load without a step then
+/// takes the committed step before it, with or without `fallback`.
+#[test]
+fn load_into_a_ram_snapshot_checks_each_chunk_as_it_copies_it() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let data = tensors();
+    let older: Vec<(String, Vec<u8>)> = data
+        .iter()
+        .map(|(n, d)| (n.clone(), d.iter().map(|b| b ^ 0x5A).collect()))
+        .collect();
+    let e = engine(&root, &shm);
+    save(&e, 1, &older);
+    snapshot(&e, 2, &data);
+    let step = |s| LoadRequest {
+        step: s,
+        ..LoadRequest::default()
+    };
+    match e.open_load(&step(Some(2))).unwrap() {
+        acp_core::Opened::Pending(p) => {
+            assert_eq!(p.source(), Source::Ram);
+            assert_eq!(p.step(), 2);
+        }
+        acp_core::Opened::Ready(_) => panic!("a RAM snapshot is checked by its copy"),
+    }
+    let fill = |req: &LoadRequest| {
+        let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
+        let mut into: Vec<(&str, &mut [u8])> = data
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
+            .collect();
+        (e.load_into(req, &mut into), bufs)
+    };
+    for req in [step(Some(2)), step(None)] {
+        let (ck, bufs) = fill(&req);
+        let ck = ck.unwrap();
+        assert_eq!((ck.step(), ck.report().source), (2, Source::Ram));
+        assert!(ck.report().verified);
+        assert!(ck.report().rejected.is_none());
+        assert_filled(&bufs, &data);
+        assert_intact(&ck, &data);
+    }
+    // A byte of `b.w` changed in RAM: asked for by number, an error naming
+    // it, and none of its chunk's bytes copied.
+    let (file, image) = slot_of(&shm, 2);
+    let b = {
+        let ck = load(&e, 1);
+        ck.entries()
+            .iter()
+            .find(|x| x.name == "b.w")
+            .unwrap()
+            .offset
+    };
+    let at = b + (5 << 20) + 3;
+    flip(&file, image + at);
+    let (got, bufs) = fill(&step(Some(2)));
+    let err = got.unwrap_err().to_string();
+    assert!(err.contains("differ from the quick sum"), "{err}");
+    assert!(err.contains("`b.w`"), "{err}");
+    // The changed chunk lies inside `b.w`: where it starts in `b.w`.
+    let chunk = 64u64 << 10;
+    let from = usize::try_from(at / chunk * chunk - b).unwrap();
+    assert!(
+        bufs[1][from..from + 65536].iter().all(|&x| x == 0xEE),
+        "bytes of the changed chunk were copied"
+    );
+    // Without a step, the committed step 1, whatever `fallback` says.
+    for fallback in [false, true] {
+        let (ck, bufs) = fill(&LoadRequest {
+            fallback,
+            ..step(None)
+        });
+        let ck = ck.unwrap();
+        assert_eq!(ck.step(), 1);
+        assert_filled(&bufs, &older);
+        drop(ck);
+    }
+    drop(e);
+}
+
 /// Persisting a summed snapshot hashes it as it is written, and a chunk
 /// that no longer gives the sum taken at the snapshot is not committed
 /// under digests taken now: the persist fails naming the slot and chunk.

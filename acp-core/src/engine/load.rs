@@ -98,10 +98,15 @@ impl Engine {
             Opened::Ready(ck) => ck,
             Opened::Pending(p) => {
                 let step = p.step();
+                // A RAM snapshot that fails is only the newest of several
+                // sources, whatever `fallback` says (as in `load_with`).
+                let snapshot = matches!(p.what, Deferred::Snapshot(_));
                 let mut dsts = by_index(p.entries(), step, into)?;
                 match p.read_into(&mut dsts) {
                     Ok(ck) => return Ok(ck),
-                    Err(e) if req.fallback && req.step.is_none() && falls_back(&e) => {
+                    Err(e)
+                        if (req.fallback || snapshot) && req.step.is_none() && falls_back(&e) =>
+                    {
                         tracing::warn!(
                             "acp: step {step} cannot be loaded, loading the newest intact step: {e}"
                         );
@@ -126,8 +131,10 @@ impl Engine {
     /// caller planned with: nothing from the file is trusted before it.
     /// A step held by this rank's resident slot (with [`Verify::Always`])
     /// is [`Opened::Pending`] too, planned from the slot's header: its
-    /// check is the copy's pass ([`PendingLoad::read_into`]). Every other
-    /// source is loaded as [`Engine::load`] loads it ([`Opened::Ready`]).
+    /// check is the copy's pass ([`PendingLoad::read_into`]); so is this
+    /// rank's RAM snapshot of a step not committed, checked by the same
+    /// pass against its quick sums. Every other source is loaded as
+    /// [`Engine::load`] loads it ([`Opened::Ready`]).
     ///
     /// The fallback of [`LoadRequest::fallback`] covers what this call
     /// reads (a missing file, a bad header); a data chunk that fails its
@@ -173,8 +180,8 @@ pub enum Opened {
     /// Loaded and verified: from RAM, a replica, or another rank's file.
     Ready(Checkpoint),
     /// A committed step of this engine's rank to read from storage, or
-    /// held by its resident slot, to check by the copy
-    /// ([`PendingLoad::read_into`]).
+    /// held by its resident slot, or a RAM snapshot of this rank in its
+    /// slot, to check by the copy ([`PendingLoad::read_into`]).
     Pending(PendingLoad),
 }
 
@@ -200,6 +207,24 @@ enum Deferred {
     Stored(Box<StoredFile>),
     /// In this rank's ring slot.
     Resident(Box<ResidentSlot>),
+    /// This rank's RAM snapshot of a step not committed, in its ring slot.
+    Snapshot(Box<SnapshotSlot>),
+}
+
+/// This rank's RAM snapshot of a step that is not committed, in its ring
+/// slot, pinned, with the quick sums recorded for its image (alone, or
+/// beside digests a replica send took); its bytes not checked yet.
+#[derive(Debug)]
+struct SnapshotSlot {
+    step: u64,
+    rank: u32,
+    pin: PinnedSlot,
+    /// The slot file, for messages.
+    path: PathBuf,
+    sums: Vec<u64>,
+    rejected: Option<String>,
+    /// As [`ResidentSlot::header_bytes`].
+    header_bytes: Arc<[u8]>,
 }
 
 /// This rank's resident slot holding a committed step, whose recorded
@@ -230,16 +255,18 @@ impl PendingLoad {
         match &self.what {
             Deferred::Stored(f) => f.step,
             Deferred::Resident(r) => r.step,
+            Deferred::Snapshot(r) => r.step,
         }
     }
 
     /// Where its bytes will come from: [`Source::Storage`], or
-    /// [`Source::Ram`] for a resident slot whose check is done by the copy.
+    /// [`Source::Ram`] for a resident slot or a RAM snapshot whose check is
+    /// done by the copy.
     #[must_use]
     pub fn source(&self) -> Source {
         match &self.what {
             Deferred::Stored(_) => Source::Storage,
-            Deferred::Resident(_) => Source::Ram,
+            Deferred::Resident(_) | Deferred::Snapshot(_) => Source::Ram,
         }
     }
 
@@ -272,6 +299,7 @@ impl PendingLoad {
         match &self.what {
             Deferred::Stored(f) => f.entry.size,
             Deferred::Resident(r) => r.entry.size,
+            Deferred::Snapshot(r) => r.pin.image().len() as u64,
         }
     }
 
@@ -291,6 +319,12 @@ impl PendingLoad {
     /// blake3 check: if the bytes pass it, they are copied; if not, the
     /// slot is dropped (the reason goes in [`LoadReport::rejected`]) and
     /// the step is read from storage into `into` as above.
+    ///
+    /// A RAM snapshot that is not committed is checked and copied in the
+    /// same one pass, against the quick sums recorded for it. When a chunk
+    /// differs, the next source the load would have taken is read (a
+    /// replica on this node or a peer's, checked before use) and copied
+    /// into `into`.
     ///
     /// Nothing reaches `into` before its digest chunk matched (its digest,
     /// or its quick sum from RAM). On an error, each destination holds its
@@ -314,6 +348,9 @@ impl PendingLoad {
             }
             Deferred::Resident(slot) => {
                 read_resident_into(&self.engine, slot, self.header, self.t0, into)
+            }
+            Deferred::Snapshot(slot) => {
+                read_snapshot_into(&self.engine, *slot, &self.header, self.t0, into)
             }
         }
     }
@@ -427,6 +464,81 @@ fn read_resident_into(
     Ok(ck)
 }
 
+/// [`PendingLoad::read_into`] of this rank's RAM snapshot `slot`, planned
+/// with `planned`, `into` checked against it: the check against its quick
+/// sums and the copy in one pass; when a chunk differs, the sources after
+/// this rank's slot ([`load_uncommitted`]) in its place.
+fn read_snapshot_into(
+    engine: &Engine,
+    slot: SnapshotSlot,
+    planned: &Arc<ParsedHeader>,
+    t0: Instant,
+    into: &mut [(usize, &mut [u8])],
+) -> Result<Checkpoint> {
+    let shared = engine.shared();
+    let image = slot.pin.image();
+    let targets = into
+        .iter_mut()
+        .filter_map(|(i, d)| Some((planned.entries.get(*i)?.offset, &mut **d)))
+        .collect::<Vec<Target<'_>>>();
+    if check_and_copy(
+        image,
+        shared.cfg.chunk_bytes,
+        &slot.sums,
+        targets,
+        shared.cfg.copy_threads,
+    ) {
+        // As for a resident slot: the planned header is the checked one
+        // while the checked image holds the bytes it was parsed from.
+        if image.get(..slot.header_bytes.len()) == Some(&slot.header_bytes[..]) {
+            let backing = Backing::Slot(slot.pin);
+            let ck = checked(
+                shared,
+                slot.step,
+                backing,
+                Arc::clone(planned),
+                Source::Ram,
+                true,
+                t0,
+            );
+            return Ok(ck.with_rejected(slot.rejected));
+        }
+        let expected = snapshot_expected(shared, image, &slot.path, slot.rank)?;
+        let ck = finish(
+            shared,
+            slot.step,
+            Backing::Slot(slot.pin),
+            &slot.path,
+            Source::Ram,
+            true,
+            t0,
+            &expected,
+        )?;
+        check_planned(&ck, planned, &slot.path)?;
+        return Ok(ck.with_rejected(slot.rejected));
+    }
+    // A chunk differs: the error names it and its tensors. The same step
+    // from the sources after this rank's slot (a replica on this node, a
+    // peer's), else that error: a caller without a step then loads the
+    // next one, as after a resident copy that failed.
+    let differs =
+        replicate::differs_from_sums(image, shared.cfg.chunk_bytes, &slot.sums, &slot.path);
+    tracing::warn!(
+        "acp: RAM snapshot of step {} rejected: {differs}; trying the next source",
+        slot.step
+    );
+    let (step, rank, path) = (slot.step, slot.rank, slot.path);
+    drop(slot.pin);
+    let ck = load_uncommitted(shared, step, rank, t0).map_err(|_| differs)?;
+    check_planned(&ck, planned, &path)?;
+    let mut dsts: Vec<(usize, &mut [u8])> = into.iter_mut().map(|(i, d)| (*i, &mut **d)).collect();
+    ck.copy_into(&mut dsts)?;
+    // The snapshot's own rejection, which `load_uncommitted` recorded
+    // again, else the one of a newer step the load fell back from.
+    let rejected = ck.report.rejected.clone().or(slot.rejected);
+    Ok(ck.with_rejected(rejected))
+}
+
 /// Reads `step` of `rank` from storage into `into`, planned with
 /// `planned` (from a resident slot that failed its check, for the reason
 /// `why`).
@@ -444,6 +556,7 @@ fn storage_instead(
             let path = match &p.what {
                 Deferred::Stored(f) => f.path.clone(),
                 Deferred::Resident(r) => r.path.clone(),
+                Deferred::Snapshot(r) => r.path.clone(),
             };
             if p.header.entries != planned.entries
                 || p.header.values_text() != planned.values_text()
@@ -477,6 +590,7 @@ impl Opened {
             Opened::Pending(p) => match &p.what {
                 Deferred::Stored(f) => f.rejected.is_some(),
                 Deferred::Resident(r) => r.rejected.is_some(),
+                Deferred::Snapshot(r) => r.rejected.is_some(),
             },
         }
     }
@@ -488,6 +602,7 @@ impl Opened {
                 match &mut p.what {
                     Deferred::Stored(f) => f.rejected = rejected,
                     Deferred::Resident(r) => r.rejected = rejected,
+                    Deferred::Snapshot(r) => r.rejected = rejected,
                 }
                 Opened::Pending(p)
             }
@@ -674,6 +789,11 @@ fn load_step(
         // Not committed: only RAM copies (own, this node's, a peer's) can
         // have it, each checked against the digests recorded with it.
         Err(e) if e.kind() == ErrorKind::NotFound && !storage_only => {
+            if defer && rank == own {
+                if let Some(p) = plan_snapshot(engine, step, t0) {
+                    return Ok(Opened::Pending(p));
+                }
+            }
             return load_uncommitted(shared, step, rank, t0).map(Opened::Ready);
         }
         Err(e) => return Err(e),
@@ -1135,6 +1255,66 @@ fn read_stored(
 /// rank's own slot, another slot on this node, then a peer's replica,
 /// each verified against the digests recorded with it. The tensors and
 /// rank the verified header lists are what it is checked against.
+/// A load of this rank's RAM snapshot of `step` (not committed) whose
+/// check waits for the copy ([`read_snapshot_into`]), planned from the
+/// image's header: `None` when this rank's ring holds no snapshot of it
+/// with quick sums, or its header does not parse or is not of this step
+/// (the load then takes [`load_uncommitted`], which says why).
+fn plan_snapshot(engine: &Engine, step: u64, t0: Instant) -> Option<PendingLoad> {
+    let shared = engine.shared();
+    let ring = &shared.ring;
+    let info = ring.complete().into_iter().find(|i| i.step == step)?;
+    let pin = ring.pin_step(info.slot, step).ok()?;
+    // As in `own_uncommitted`: the sums alone first (a persist that ends
+    // meanwhile records sums beside its digests in their place).
+    let sums = ring
+        .sums_alone(info.slot)
+        .or_else(|| ring.quick_sums(info.slot))?;
+    let path = ring.slot_path(info.slot);
+    let rank = shared.cfg.rank;
+    let planned = snapshot_expected(shared, pin.image(), &path, rank).and_then(|expected| {
+        let (header, bytes) = image_header(shared, &path, pin.image())?;
+        check_header(&path, &header, step, &expected)?;
+        Ok((header, bytes))
+    });
+    let (header, header_bytes) = match planned {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::debug!("acp: RAM snapshot of step {step}: {e}");
+            return None;
+        }
+    };
+    Some(PendingLoad {
+        engine: engine.clone(),
+        what: Deferred::Snapshot(Box::new(SnapshotSlot {
+            step,
+            rank,
+            pin,
+            path,
+            sums,
+            rejected: None,
+            header_bytes,
+        })),
+        header,
+        t0,
+        _warm: ring.defer_warming(),
+    })
+}
+
+/// What a snapshot's header must agree with: no index lists its tensors,
+/// so its own header does (read from `image`, named `path` in errors),
+/// with this job's rank and world size.
+fn snapshot_expected(shared: &Shared, image: &[u8], path: &Path, rank: u32) -> Result<Expected> {
+    let (header, _) = image_header(shared, path, image)?;
+    let mut tensors: Vec<String> = header.entries.iter().map(|e| e.name.clone()).collect();
+    tensors.sort_unstable();
+    Ok(Expected {
+        tensors,
+        rank,
+        world_size: shared.cfg.world_size,
+    })
+}
+
 fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Result<Checkpoint> {
     let own = shared.cfg.rank;
     let mut rejected = None;
@@ -1154,14 +1334,7 @@ fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Resul
             ),
         });
     };
-    let (header, _) = image_header(shared, &f.origin, f.backing.image())?;
-    let mut tensors: Vec<String> = header.entries.iter().map(|e| e.name.clone()).collect();
-    tensors.sort_unstable();
-    let expected = Expected {
-        tensors,
-        rank,
-        world_size: shared.cfg.world_size,
-    };
+    let expected = snapshot_expected(shared, f.backing.image(), &f.origin, rank)?;
     finish(
         shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
     )

@@ -638,7 +638,7 @@ pub(super) fn own_uncommitted(
 /// The error for `image`, from `path`, whose first chunk that differs from
 /// its quick sum in `sums` names the tensors it holds (read from the
 /// image's own header, unverified, for naming only).
-fn differs_from_sums(image: &[u8], chunk: usize, sums: &[u64], path: &Path) -> Error {
+pub(super) fn differs_from_sums(image: &[u8], chunk: usize, sums: &[u64], path: &Path) -> Error {
     let chunk = chunk.max(1);
     let i = crate::read::first_differing(image, chunk, sums).unwrap_or(0);
     let (start, end) = (
