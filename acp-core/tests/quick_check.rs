@@ -233,22 +233,28 @@ fn the_flush_sums_reach_the_next_process() {
 
 /// `load_into` of step 1 into fresh buffers filled with 0xEE.
 fn load_into(e: &Engine, data: &[(String, Vec<u8>)]) -> (acp_core::Checkpoint, Vec<Vec<u8>>) {
+    let req = LoadRequest {
+        step: Some(1),
+        ..LoadRequest::default()
+    };
+    let (ck, bufs) = try_load_into(e, &req, data);
+    (ck.unwrap(), bufs)
+}
+
+/// `load_into` of `req` into fresh buffers filled with 0xEE, one per
+/// tensor of `data`, whatever the load gave.
+fn try_load_into(
+    e: &Engine,
+    req: &LoadRequest,
+    data: &[(String, Vec<u8>)],
+) -> (acp_core::Result<acp_core::Checkpoint>, Vec<Vec<u8>>) {
     let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
     let mut into: Vec<(&str, &mut [u8])> = data
         .iter()
         .zip(bufs.iter_mut())
         .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
         .collect();
-    let ck = e
-        .load_into(
-            &LoadRequest {
-                step: Some(1),
-                ..LoadRequest::default()
-            },
-            &mut into,
-        )
-        .unwrap();
-    (ck, bufs)
+    (e.load_into(req, &mut into), bufs)
 }
 
 fn assert_filled(bufs: &[Vec<u8>], data: &[(String, Vec<u8>)]) {
@@ -469,15 +475,7 @@ fn load_into_a_ram_snapshot_checks_each_chunk_as_it_copies_it() {
         }
         acp_core::Opened::Ready(_) => panic!("a RAM snapshot is checked by its copy"),
     }
-    let fill = |req: &LoadRequest| {
-        let mut bufs: Vec<Vec<u8>> = data.iter().map(|(_, d)| vec![0xEE; d.len()]).collect();
-        let mut into: Vec<(&str, &mut [u8])> = data
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|((n, _), b)| (n.as_str(), b.as_mut_slice()))
-            .collect();
-        (e.load_into(req, &mut into), bufs)
-    };
+    let fill = |req: &LoadRequest| try_load_into(&e, req, &data);
     for req in [step(Some(2)), step(None)] {
         let (ck, bufs) = fill(&req);
         let ck = ck.unwrap();

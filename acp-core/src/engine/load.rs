@@ -426,41 +426,76 @@ fn read_resident_into(
             return storage_instead(engine, step, rank, &planned, t0, into, e.to_string());
         }
     }
-    // The header the load was planned with is the checked one when the
-    // checked image still holds the bytes it was parsed from (a header
-    // of thousands of tensors costs milliseconds to parse again); else
-    // the checked bytes are parsed, and must tell the same story.
-    let unchanged = image.get(..slot.header_bytes.len()) == Some(&slot.header_bytes[..]);
-    let ck = if unchanged {
-        checked(
-            shared,
-            slot.step,
-            Backing::Slot(slot.pin),
-            planned,
-            Source::Ram,
-            true,
-            t0,
-        )
-    } else {
-        let ck = finish(
-            shared,
-            slot.step,
-            Backing::Slot(slot.pin),
-            &slot.path,
-            Source::Ram,
-            true,
-            t0,
-            &slot.expected,
-        )?;
-        check_planned(&ck, &planned, &slot.path)?;
-        ck
-    }
-    .with_rejected(slot.rejected);
+    let ResidentSlot {
+        step,
+        pin,
+        path,
+        expected,
+        rejected,
+        header_bytes,
+        ..
+    } = *slot;
+    let ck = checked_slot(
+        shared,
+        step,
+        pin,
+        &path,
+        &planned,
+        &header_bytes,
+        t0,
+        |_| Ok(expected),
+    )?
+    .with_rejected(rejected);
     if !copied {
         let mut dsts: Vec<(usize, &mut [u8])> =
             into.iter_mut().map(|(i, d)| (*i, &mut **d)).collect();
         ck.copy_into(&mut dsts)?;
     }
+    Ok(ck)
+}
+
+/// The checkpoint of the slot image `pin` (named `path`), whose bytes were
+/// just checked, planned with `planned` parsed from `header_bytes`. The
+/// planned header is the checked one when the checked image still holds
+/// the bytes it was parsed from (a header of thousands of tensors costs
+/// milliseconds to parse again); else the checked bytes are parsed, agree
+/// with `expected` (of the image), and must tell the planned story.
+#[allow(clippy::too_many_arguments, reason = "one call per kind of slot")]
+fn checked_slot(
+    shared: &Shared,
+    step: u64,
+    pin: PinnedSlot,
+    path: &Path,
+    planned: &Arc<ParsedHeader>,
+    header_bytes: &[u8],
+    t0: Instant,
+    expected: impl FnOnce(&[u8]) -> Result<Expected>,
+) -> Result<Checkpoint> {
+    let image = pin.image();
+    if image.get(..header_bytes.len()) == Some(header_bytes) {
+        let planned = Arc::clone(planned);
+        return Ok(checked(
+            shared,
+            step,
+            Backing::Slot(pin),
+            planned,
+            Source::Ram,
+            true,
+            t0,
+        ));
+    }
+    let expected = expected(image)?;
+    let ck = finish(
+        shared,
+        step,
+        Backing::Slot(pin),
+        path,
+        Source::Ram,
+        true,
+        t0,
+        &expected,
+    )?;
+    check_planned(&ck, planned, path)?;
     Ok(ck)
 }
 
@@ -488,33 +523,17 @@ fn read_snapshot_into(
         targets,
         shared.cfg.copy_threads,
     ) {
-        // As for a resident slot: the planned header is the checked one
-        // while the checked image holds the bytes it was parsed from.
-        if image.get(..slot.header_bytes.len()) == Some(&slot.header_bytes[..]) {
-            let backing = Backing::Slot(slot.pin);
-            let ck = checked(
-                shared,
-                slot.step,
-                backing,
-                Arc::clone(planned),
-                Source::Ram,
-                true,
-                t0,
-            );
-            return Ok(ck.with_rejected(slot.rejected));
-        }
-        let expected = snapshot_expected(shared, image, &slot.path, slot.rank)?;
-        let ck = finish(
+        let rank = slot.rank;
+        let ck = checked_slot(
             shared,
             slot.step,
-            Backing::Slot(slot.pin),
+            slot.pin,
             &slot.path,
-            Source::Ram,
-            true,
+            planned,
+            &slot.header_bytes,
             t0,
-            &expected,
+            |image| snapshot_expected(shared, image, &slot.path, rank),
         )?;
-        check_planned(&ck, planned, &slot.path)?;
         return Ok(ck.with_rejected(slot.rejected));
     }
     // A chunk differs: the error names it and its tensors. The same step
