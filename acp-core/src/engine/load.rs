@@ -15,9 +15,7 @@ use super::{ranks, replicate, Checkpoint, Engine, LoadReport, Source};
 use crate::config::Verify;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::Digest;
-use crate::format::{
-    data_file_name, parse_header, read_header, unhex, Entry, FileEntry, ParsedHeader,
-};
+use crate::format::{data_file_name, read_header, unhex, Entry, FileEntry, ParsedHeader};
 use crate::read::{
     check_and_copy, sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
 };
@@ -1005,6 +1003,8 @@ pub(super) struct KeptHeader {
     bytes: Arc<[u8]>,
     image_len: u64,
     header: Arc<ParsedHeader>,
+    /// Where its `__metadata__` value lies in `bytes`, when it has one.
+    metadata: Option<std::ops::Range<usize>>,
 }
 
 impl std::fmt::Debug for KeptHeader {
@@ -1018,7 +1018,7 @@ impl std::fmt::Debug for KeptHeader {
     }
 }
 
-/// [`parse_header`] of `image` (named `path` in errors), with the bytes it
+/// [`parse_header`](crate::format::parse_header) of `image` (named `path` in errors), with the bytes it
 /// was parsed from. The engine keeps the last header it parsed
 /// ([`Shared::kept_header`]): an image of the same length whose bytes up to
 /// its data section are the kept ones gives the kept header, unparsed
@@ -1038,12 +1038,23 @@ fn image_header(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
+    // A header like the kept one but for its metadata (the next step a
+    // kept save plan wrote: its step and values changed) gives the kept
+    // tensors with the new metadata, which alone is parsed.
+    let mut like = None;
     if let Some(k) = kept {
         if k.image_len == len && image.get(..k.bytes.len()) == Some(&k.bytes[..]) {
             return Ok((k.header, k.bytes));
         }
+        if let (true, Some(span)) = (k.image_len == len, k.metadata.clone()) {
+            like = crate::format::parse_header_like(path, image, len, (&k.header, &k.bytes, span));
+        }
     }
-    let header = Arc::new(parse_header(path, image, len)?);
+    let (header, metadata) = match like {
+        Some(parsed) => parsed.map(|(h, span)| (h, Some(span)))?,
+        None => crate::format::parse_header_spanned(path, image, len)?,
+    };
+    let header = Arc::new(header);
     // `parse_header` read no byte past the data start, which lies inside
     // the image (it refused the header otherwise).
     let bytes: Arc<[u8]> = usize::try_from(header.data_start)
@@ -1058,6 +1069,7 @@ fn image_header(
         bytes: Arc::clone(&bytes),
         image_len: len,
         header: Arc::clone(&header),
+        metadata,
     });
     Ok((header, bytes))
 }

@@ -160,7 +160,94 @@ pub fn read_header(
 /// [`Error::Corrupt`](crate::Error::Corrupt) naming the file and the tensor,
 /// [`Error::Unsupported`](crate::Error::Unsupported) for a newer format version.
 pub fn parse_header(path: &Path, bytes: &[u8], file_len: u64) -> Result<ParsedHeader> {
+    parse_header_with(path, bytes, file_len, true).map(|(h, _)| h)
+}
+
+/// [`parse_header`], also returning where the `__metadata__` value lies in
+/// `bytes` (its length prefix counted), when the header has one: what
+/// [`parse_header_like`] needs of a header it starts from.
+///
+/// # Errors
+/// As [`parse_header`].
+pub(crate) fn parse_header_spanned(
+    path: &Path,
+    bytes: &[u8],
+    file_len: u64,
+) -> Result<(ParsedHeader, Option<std::ops::Range<usize>>)> {
     parse_header_with(path, bytes, file_len, true)
+}
+
+/// [`parse_header_spanned`] of `bytes` (an image of `file_len` bytes) when
+/// its header is `kept` (parsed from `kept_bytes`, the image up to its
+/// data section, whose `__metadata__` value lies at `span`) but for that
+/// value and the header's trailing whitespace: the same data start, and
+/// every byte before the value and after it (to the trailing whitespace)
+/// the same. Such a header is `kept`'s tensors with the new metadata, which
+/// alone is read and checked, as [`parse_header`] reads and checks it (a
+/// JSON value put in place of another JSON value leaves the document valid
+/// and every other part of it the same); each save of a kept plan writes
+/// such a header (its step and values change), and a header of 100,000
+/// tensors costs a hundred milliseconds to parse whole. `None` when the
+/// headers differ otherwise, or the new value is no complete JSON value,
+/// or the format version appears in one metadata and not the other (it
+/// changes how tensors are placed): the caller parses the header whole.
+///
+/// # Errors
+/// As [`parse_header`], for the new metadata.
+pub(crate) fn parse_header_like(
+    path: &Path,
+    bytes: &[u8],
+    file_len: u64,
+    kept: (&ParsedHeader, &[u8], std::ops::Range<usize>),
+) -> Option<Result<(ParsedHeader, std::ops::Range<usize>)>> {
+    let (kept, kept_bytes, span) = kept;
+    let (data_start, text) = header_text(path, bytes, file_len).ok()?;
+    let kept_text = std::str::from_utf8(kept_bytes.get(PREFIX_BYTES as usize..)?).ok()?;
+    if data_start != kept.data_start || text.len() != kept_text.len() {
+        return None;
+    }
+    let (start, end) = (
+        span.start.checked_sub(PREFIX_BYTES as usize)?,
+        span.end.checked_sub(PREFIX_BYTES as usize)?,
+    );
+    if text.get(..start)? != kept_text.get(..start)? {
+        return None;
+    }
+    let mut de = serde_json::Deserializer::from_str(text.get(start..)?);
+    let raw: &RawValue = serde::Deserialize::deserialize(&mut de).ok()?;
+    let value_start = raw.get().as_ptr() as usize - text.as_ptr() as usize;
+    let value_end = value_start + raw.get().len();
+    let json_space = |c: char| matches!(c, ' ' | '\t' | '\n' | '\r');
+    let kept_rest = kept_text.get(end..)?.trim_end_matches(json_space);
+    let rest = text.get(value_end..)?;
+    if !rest.starts_with(kept_rest) || !rest[kept_rest.len()..].chars().all(json_space) {
+        return None;
+    }
+    let metadata = match metadata_map(path, Some(raw)) {
+        Ok(m) => m,
+        Err(e) => return Some(Err(e)),
+    };
+    let acp = match AcpFields::read(path, &metadata) {
+        Ok(a) => a,
+        Err(e) => return Some(Err(e)),
+    };
+    if acp.version.is_some() != kept.metadata.contains_key(KEY_VERSION) {
+        return None;
+    }
+    let by_name = OnceLock::new();
+    if let Some(order) = kept.by_name.get() {
+        let _ = by_name.set(order.clone());
+    }
+    let header = ParsedHeader {
+        data_start,
+        entries: kept.entries.clone(),
+        metadata,
+        step: acp.step,
+        values: OnceLock::new(),
+        by_name,
+    };
+    let prefix = PREFIX_BYTES as usize;
+    Some(Ok((header, value_start + prefix..value_end + prefix)))
 }
 
 /// [`parse_header`], trying the one-pass read of a well-formed header
@@ -170,14 +257,21 @@ fn parse_header_with(
     bytes: &[u8],
     file_len: u64,
     quick: bool,
-) -> Result<ParsedHeader> {
+) -> Result<(ParsedHeader, Option<std::ops::Range<usize>>)> {
     let (data_start, text) = header_text(path, bytes, file_len)?;
+    // Where a value borrowed from `text` lies in `bytes`.
+    let span_of = |raw: &RawValue| {
+        let at = raw.get().as_ptr() as usize - text.as_ptr() as usize + PREFIX_BYTES as usize;
+        at..at + raw.get().len()
+    };
     let Read {
         metadata,
         acp,
         stated,
+        metadata_span,
     } = match quick.then(|| quick_entries(text)).flatten() {
         Some(quick) => {
+            let metadata_span = quick.metadata.map(span_of);
             let metadata = metadata_map(path, quick.metadata)?;
             let acp = AcpFields::read(path, &metadata)?;
             let stated: Option<Vec<Stated>> = quick
@@ -193,12 +287,13 @@ fn parse_header_with(
                     metadata,
                     acp,
                     stated,
+                    metadata_span,
                 },
                 // An entry a check refuses: the checked path names it.
-                None => checked_entries(path, text)?,
+                None => checked_entries(path, text, span_of)?,
             }
         }
-        None => checked_entries(path, text)?,
+        None => checked_entries(path, text, span_of)?,
     };
     let entries = place(path, stated, data_start, file_len, acp.version.is_some())?;
     if acp.version.is_some() && data_start % DATA_ALIGN != 0 {
@@ -209,14 +304,15 @@ fn parse_header_with(
         ));
     }
 
-    Ok(ParsedHeader {
+    let header = ParsedHeader {
         data_start,
         entries,
         metadata,
         step: acp.step,
         values: OnceLock::new(),
         by_name: OnceLock::new(),
-    })
+    };
+    Ok((header, metadata_span))
 }
 
 /// The metadata map, the acp fields and the tensors of a header's JSON
@@ -224,7 +320,11 @@ fn parse_header_with(
 /// metadata first: a newer version is unsupported whatever its tensors).
 /// Each entry stays text until it is checked, one at a time: a header of
 /// 100,000 tensors never exists as a tree of JSON values.
-fn checked_entries(path: &Path, text: &str) -> Result<Read> {
+fn checked_entries(
+    path: &Path,
+    text: &str,
+    span_of: impl Fn(&RawValue) -> std::ops::Range<usize>,
+) -> Result<Read> {
     let mut de = serde_json::Deserializer::from_str(text);
     let mut fields: Vec<(String, &RawValue)> = unique_entries(&mut de)
         .and_then(|m| de.end().map(|()| m))
@@ -239,6 +339,7 @@ fn checked_entries(path: &Path, text: &str) -> Result<Read> {
         .iter()
         .position(|(k, _)| k == METADATA_KEY)
         .map(|at| fields.remove(at).1);
+    let metadata_span = metadata_raw.map(span_of);
     let metadata = metadata_map(path, metadata_raw)?;
     let acp = AcpFields::read(path, &metadata)?;
     let mut stated = Vec::with_capacity(fields.len());
@@ -255,6 +356,7 @@ fn checked_entries(path: &Path, text: &str) -> Result<Read> {
         metadata,
         acp,
         stated,
+        metadata_span,
     })
 }
 
@@ -263,6 +365,8 @@ struct Read {
     metadata: BTreeMap<String, String>,
     acp: AcpFields,
     stated: Vec<Stated>,
+    /// Where the `__metadata__` value lies in the header's bytes.
+    metadata_span: Option<std::ops::Range<usize>>,
 }
 
 /// A header's `__metadata__` text and its tensors' fields, as

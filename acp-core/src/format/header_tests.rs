@@ -526,7 +526,7 @@ fn every_truncation_is_refused() {
 /// the same error.
 fn same_as_checked(bytes: &[u8], file_len: u64) {
     let quick = parse_header(Path::new(PATH), bytes, file_len);
-    let checked = super::parse_header_with(Path::new(PATH), bytes, file_len, false);
+    let checked = super::parse_header_with(Path::new(PATH), bytes, file_len, false).map(|(h, _)| h);
     match (&quick, &checked) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a.entries, b.entries);
@@ -708,4 +708,97 @@ fn a_file_with_values_deeper_than_the_limit_is_corrupt() {
         &format!(r#""acp.values":"{}""#, "[".repeat(1_000_000)),
     );
     refused(&raw(&forged, 0), None, "nests deeper than");
+}
+
+/// `parse_header_like` of `bytes` from the header of `kept`: what it gives,
+/// and (when it gives a header) that a whole parse gives the same.
+fn like(kept: &[u8], bytes: &[u8]) -> Option<Result<ParsedHeader>> {
+    let path = Path::new(PATH);
+    let (k, span) = parse_header_spanned(path, kept, kept.len() as u64).unwrap();
+    let span = span.unwrap();
+    let head = usize::try_from(k.data_start).unwrap();
+    let got = parse_header_like(path, bytes, bytes.len() as u64, (&k, &kept[..head], span));
+    got.map(|r| {
+        r.map(|(h, span)| {
+            let whole = parse(bytes).unwrap();
+            assert_eq!(h.entries, whole.entries);
+            assert_eq!(h.metadata, whole.metadata);
+            assert_eq!((h.data_start, h.step), (whole.data_start, whole.step));
+            // The span found is where the new metadata lies.
+            let (w, at) = parse_header_spanned(path, bytes, bytes.len() as u64).unwrap();
+            assert_eq!(at, Some(span));
+            assert_eq!(w.metadata, h.metadata);
+            h
+        })
+    })
+}
+
+#[test]
+fn a_header_like_the_kept_one_but_its_metadata_reuses_its_tensors() {
+    let (l, bytes) = image();
+    let meta = |step, epoch| ImageMeta {
+        step,
+        rank: 3,
+        world_size: 4,
+        values: serde_json::json!({"epoch": epoch, "rng": [1, 2, 3]}),
+        extra: BTreeMap::new(),
+    };
+    let data = &bytes[usize::try_from(l.data_start).unwrap()..];
+    // The next steps of a kept plan: the step and the values change, the
+    // metadata gets longer or shorter, the padding takes up the rest.
+    for (step, epoch) in [(1201, 3), (1_000_000, 123_456), (7, 4)] {
+        let m = meta(step, epoch);
+        let values = serde_json::to_string(&m.values).unwrap();
+        let (mut next, start) = l.restamp_header(&m, &values).unwrap();
+        assert_eq!(start, l.data_start, "the same padded header");
+        next.extend_from_slice(data);
+        let h = like(&bytes, &next).expect("like the kept header").unwrap();
+        assert_eq!(h.step, Some(step));
+        assert_eq!(h.values()["epoch"], epoch);
+    }
+    // Anything else is parsed whole: a tensor's entry changed, trailing
+    // bytes that are not whitespace, no metadata.
+    let text = std::str::from_utf8(&bytes[8..usize::try_from(l.data_start).unwrap()]).unwrap();
+    let with = |from: &str, to: &str| {
+        assert!(text.contains(from), "{from}");
+        let mut out = bytes.clone();
+        let t = text.replacen(from, to, 1);
+        assert_eq!(t.len(), text.len());
+        out[8..8 + t.len()].copy_from_slice(t.as_bytes());
+        out
+    };
+    assert!(like(&bytes, &with(r#""shape":[4,3]"#, r#""shape":[3,4]"#)).is_none());
+    let end = text.trim_end().len();
+    let mut junk = bytes.clone();
+    junk[8 + end + 1] = b'x';
+    assert!(like(&bytes, &junk).is_none());
+    assert!(parse(&junk).is_err());
+    // A metadata value cut short is no complete value: parsed whole, and
+    // refused there.
+    let cut = with(r#""acp.rank":"3""#, r#""acp.rank":{  "#);
+    assert!(like(&bytes, &cut).is_none());
+    assert!(parse(&cut).is_err());
+    // A metadata value that is complete but wrong is refused as a whole
+    // parse refuses it.
+    let bad = with(r#""acp.step":"1200""#, r#""acp.step":"12x0""#);
+    let e = like(&bytes, &bad)
+        .expect("like the kept header")
+        .unwrap_err();
+    assert_eq!(e.to_string(), parse(&bad).unwrap_err().to_string());
+    // The format version gone from the metadata changes how tensors are
+    // placed: parsed whole.
+    let m = ImageMeta {
+        extra: BTreeMap::new(),
+        ..meta(1201, 3)
+    };
+    let mut none = l.restamp_header(&m, "{}").unwrap().0;
+    let t = std::str::from_utf8(&none[8..]).unwrap();
+    let v = format!(r#""acp.version":"{FORMAT_VERSION}","#);
+    if let Some(at) = t.find(&v) {
+        let mut t = t.replacen(&v, "", 1);
+        t.push_str(&" ".repeat(v.len()));
+        none[8..].copy_from_slice(t.as_bytes());
+        none.extend_from_slice(data);
+        assert!(like(&bytes, &none).is_none(), "{at}");
+    }
 }

@@ -282,6 +282,7 @@ pub use dtype::Dtype;
 pub use header::{
     header_end, parse_header, read_header, ParsedHeader, MAX_HEADER_BYTES, PREFIX_BYTES,
 };
+pub(crate) use header::{parse_header_like, parse_header_spanned};
 pub use index::{data_file_name, validate_file_name, ChunkRef, FileEntry, Index, INDEX_FILE_NAME};
 pub use layout::{
     check_values_json, validate_name, Entry, ImageMeta, Layout, TensorSpec, DATA_ALIGN,
