@@ -530,7 +530,10 @@ fn read_snapshot_into(
             planned,
             &slot.header_bytes,
             t0,
-            |image| snapshot_expected(shared, image, &slot.path, rank),
+            |image| {
+                let (header, _) = image_header(shared, &slot.path, image)?;
+                Ok(snapshot_expected(shared, &header, rank))
+            },
         )?;
         return Ok(ck.with_rejected(slot.rejected));
     }
@@ -1018,12 +1021,15 @@ impl std::fmt::Debug for KeptHeader {
     }
 }
 
-/// [`parse_header`](crate::format::parse_header) of `image` (named `path` in errors), with the bytes it
-/// was parsed from. The engine keeps the last header it parsed
-/// ([`Shared::kept_header`]): an image of the same length whose bytes up to
-/// its data section are the kept ones gives the kept header, unparsed
-/// (a header of thousands of tensors costs milliseconds to parse, a
-/// comparison of its bytes microseconds). The parse reads nothing else and
+/// [`parse_header`](crate::format::parse_header) of `image` (named `path`
+/// in errors), with the bytes it was parsed from. The engine keeps the
+/// last header it parsed ([`Shared::kept_header`]): an image of the same
+/// length whose bytes up to its data section are the kept ones gives the
+/// kept header, unparsed (a header of thousands of tensors costs
+/// milliseconds to parse, a comparison of its bytes microseconds), and
+/// one that differs from them only in its metadata gives the kept tensors
+/// with that metadata parsed ([`crate::format::parse_header_like`]). The
+/// parse reads nothing else and
 /// depends on nothing else: the kept header is the one a parse of `image`
 /// would give now. Nothing here checks the bytes against a digest: as
 /// after a parse, the caller checks them, or they were checked.
@@ -1282,10 +1288,6 @@ fn read_stored(
     .map(|c| c.with_rejected(stored.rejected.clone()))
 }
 
-/// Loads `rank`'s image of `step`, which is not committed, from RAM: this
-/// rank's own slot, another slot on this node, then a peer's replica,
-/// each verified against the digests recorded with it. The tensors and
-/// rank the verified header lists are what it is checked against.
 /// A load of this rank's RAM snapshot of `step` (not committed) whose
 /// check waits for the copy ([`read_snapshot_into`]), planned from the
 /// image's header: `None` when this rank's ring holds no snapshot of it
@@ -1303,8 +1305,8 @@ fn plan_snapshot(engine: &Engine, step: u64, t0: Instant) -> Option<PendingLoad>
         .or_else(|| ring.quick_sums(info.slot))?;
     let path = ring.slot_path(info.slot);
     let rank = shared.cfg.rank;
-    let planned = snapshot_expected(shared, pin.image(), &path, rank).and_then(|expected| {
-        let (header, bytes) = image_header(shared, &path, pin.image())?;
+    let planned = image_header(shared, &path, pin.image()).and_then(|(header, bytes)| {
+        let expected = snapshot_expected(shared, &header, rank);
         check_header(&path, &header, step, &expected)?;
         Ok((header, bytes))
     });
@@ -1332,20 +1334,22 @@ fn plan_snapshot(engine: &Engine, step: u64, t0: Instant) -> Option<PendingLoad>
     })
 }
 
-/// What a snapshot's header must agree with: no index lists its tensors,
-/// so its own header does (read from `image`, named `path` in errors),
-/// with this job's rank and world size.
-fn snapshot_expected(shared: &Shared, image: &[u8], path: &Path, rank: u32) -> Result<Expected> {
-    let (header, _) = image_header(shared, path, image)?;
+/// What a snapshot's `header` must agree with: no index lists its
+/// tensors, so the header does, with this job's rank and world size.
+fn snapshot_expected(shared: &Shared, header: &ParsedHeader, rank: u32) -> Expected {
     let mut tensors: Vec<String> = header.entries.iter().map(|e| e.name.clone()).collect();
     tensors.sort_unstable();
-    Ok(Expected {
+    Expected {
         tensors,
         rank,
         world_size: shared.cfg.world_size,
-    })
+    }
 }
 
+/// Loads `rank`'s image of `step`, which is not committed, from RAM: this
+/// rank's own slot, another slot on this node, then a peer's replica,
+/// each verified against the digests recorded with it. The tensors and
+/// rank the verified header lists are what it is checked against.
 fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Result<Checkpoint> {
     let own = shared.cfg.rank;
     let mut rejected = None;
@@ -1365,7 +1369,8 @@ fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Resul
             ),
         });
     };
-    let expected = snapshot_expected(shared, f.backing.image(), &f.origin, rank)?;
+    let (header, _) = image_header(shared, &f.origin, f.backing.image())?;
+    let expected = snapshot_expected(shared, &header, rank);
     finish(
         shared, step, f.backing, &f.origin, f.source, true, t0, &expected,
     )
