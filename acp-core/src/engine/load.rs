@@ -1296,13 +1296,8 @@ fn read_stored(
 fn plan_snapshot(engine: &Engine, step: u64, t0: Instant) -> Option<PendingLoad> {
     let shared = engine.shared();
     let ring = &shared.ring;
-    let info = ring.complete().into_iter().find(|i| i.step == step)?;
-    let pin = ring.pin_step(info.slot, step).ok()?;
-    // As in `own_uncommitted`: the sums alone first (a persist that ends
-    // meanwhile records sums beside its digests in their place).
-    let sums = ring
-        .sums_alone(info.slot)
-        .or_else(|| ring.quick_sums(info.slot))?;
+    let (info, pin, sums) = replicate::own_snapshot(ring, step)?;
+    let sums = sums?;
     let path = ring.slot_path(info.slot);
     let rank = shared.cfg.rank;
     let planned = image_header(shared, &path, pin.image()).and_then(|(header, bytes)| {

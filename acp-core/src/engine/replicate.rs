@@ -15,7 +15,9 @@ use crate::error::{Error, Result};
 use crate::format::{unhex, Digest, FileEntry};
 use crate::read::{sums_match, ChunkReader, MemSource};
 use crate::replica::{ImageBuf, ReplicaHandle, ReplicaMeta, ReplicaWriter};
-use crate::staging::{peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, SlotFile};
+use crate::staging::{
+    peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, Ring, SlotFile, SlotInfo,
+};
 
 /// An engine reachable without keeping it open ([`crate::replica::Loopback`]).
 #[derive(Debug, Clone)]
@@ -587,8 +589,7 @@ pub(super) fn own_uncommitted(
     rejected: &mut Option<String>,
 ) -> Option<Found> {
     let ring = &shared.ring;
-    let info = ring.complete().into_iter().find(|i| i.step == step)?;
-    let pin = ring.pin_step(info.slot, step).ok()?;
+    let (info, pin, sums) = own_snapshot(ring, step)?;
     let origin = ring.slot_path(info.slot);
     let threads = shared.cfg.copy_threads;
     let found = |pin| Found {
@@ -596,12 +597,6 @@ pub(super) fn own_uncommitted(
         origin: origin.clone(),
         source: Source::Ram,
     };
-    // The pin holds the image the sums and digests read now describe. The
-    // sums alone first: a persist that ends meanwhile records digests, and
-    // sums beside them, in their place.
-    let sums = ring
-        .sums_alone(info.slot)
-        .or_else(|| ring.quick_sums(info.slot));
     let digests = ring.digests(info.slot);
     if let Some(s) = &sums {
         if sums_match(pin.image(), shared.cfg.chunk_bytes, s, threads) {
@@ -633,6 +628,23 @@ pub(super) fn own_uncommitted(
         digests,
     );
     verified(pin.image(), &origin, &entry, threads, step, rejected).then(|| found(pin))
+}
+
+/// This rank's complete slot holding `step`, pinned, with the quick sums
+/// recorded for its image when there are some. The pin holds the image the
+/// sums (and digests) read now describe; the sums alone are read first: a
+/// persist that ends meanwhile records digests, and sums beside them, in
+/// their place.
+pub(super) fn own_snapshot(
+    ring: &Ring,
+    step: u64,
+) -> Option<(SlotInfo, PinnedSlot, Option<Vec<u64>>)> {
+    let info = ring.complete().into_iter().find(|i| i.step == step)?;
+    let pin = ring.pin_step(info.slot, step).ok()?;
+    let sums = ring
+        .sums_alone(info.slot)
+        .or_else(|| ring.quick_sums(info.slot));
+    Some((info, pin, sums))
 }
 
 /// The error for `image`, from `path`, whose first chunk that differs from

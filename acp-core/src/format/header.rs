@@ -215,8 +215,8 @@ pub(crate) fn parse_header_like(
     }
     let mut de = serde_json::Deserializer::from_str(text.get(start..)?);
     let raw: &RawValue = serde::Deserialize::deserialize(&mut de).ok()?;
-    let value_start = raw.get().as_ptr() as usize - text.as_ptr() as usize;
-    let value_end = value_start + raw.get().len();
+    let value = span_in(text, raw);
+    let value_end = value.end - PREFIX_BYTES as usize;
     let json_space = |c: char| matches!(c, ' ' | '\t' | '\n' | '\r');
     let kept_rest = kept_text.get(end..)?.trim_end_matches(json_space);
     let rest = text.get(value_end..)?;
@@ -246,8 +246,14 @@ pub(crate) fn parse_header_like(
         values: OnceLock::new(),
         by_name,
     };
-    let prefix = PREFIX_BYTES as usize;
-    Some(Ok((header, value_start + prefix..value_end + prefix)))
+    Some(Ok((header, value)))
+}
+
+/// Where `raw`, borrowed from the header text `text`, lies in the header's
+/// bytes (its length prefix counted).
+fn span_in(text: &str, raw: &RawValue) -> std::ops::Range<usize> {
+    let at = raw.get().as_ptr() as usize - text.as_ptr() as usize + PREFIX_BYTES as usize;
+    at..at + raw.get().len()
 }
 
 /// [`parse_header`], trying the one-pass read of a well-formed header
@@ -259,11 +265,7 @@ fn parse_header_with(
     quick: bool,
 ) -> Result<(ParsedHeader, Option<std::ops::Range<usize>>)> {
     let (data_start, text) = header_text(path, bytes, file_len)?;
-    // Where a value borrowed from `text` lies in `bytes`.
-    let span_of = |raw: &RawValue| {
-        let at = raw.get().as_ptr() as usize - text.as_ptr() as usize + PREFIX_BYTES as usize;
-        at..at + raw.get().len()
-    };
+    let span_of = |raw: &RawValue| span_in(text, raw);
     let Read {
         metadata,
         acp,
