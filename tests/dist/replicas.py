@@ -153,4 +153,13 @@ def main(rank: int, root: str, out: str, shms: list[str], port: int, phase: str)
 
 if __name__ == "__main__":
     root, out, shm_a, shm_b, port, phase = sys.argv[1:7]
-    mp.spawn(main, args=(root, out, [shm_a, shm_b], int(port), phase), nprocs=4)
+    # Forked by a server that imported torch and acp once (each rank is
+    # still a process of its own, with its own engine and group): a spawned
+    # rank would import torch again, 4 s of CPU each on this 2-core host.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "acp", "acp.torch"])
+    mp.start_processes(
+        main,
+        args=(root, out, [shm_a, shm_b], int(port), phase),
+        nprocs=4,
+        start_method="forkserver",
+    )
