@@ -45,3 +45,6 @@ def test_demo_check_fails_on_a_perturbed_resume(tmp_path: Path) -> None:
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert figures["mismatches"]
     assert min(figures["mismatches"]) > figures["restored"]["step"]  # only after the nudge
+    # A run that did not resume exactly times no restores.
+    assert figures["restore"] == {}
+    assert "median" not in proc.stdout

@@ -9,23 +9,31 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use acp_core::{Dtype, Engine, EngineConfig, HostTensor, LoadRequest, SaveOptions, Source};
 use serde_json::json;
 
 /// Two tensors over several 64 KiB chunks, so the checks run on threads
 /// and a flip lands in one chunk of many.
+/// (Made once per test binary: a byte-by-byte generator in an unoptimised
+/// build cost more than the loads it feeds.)
 fn tensors() -> Vec<(String, Vec<u8>)> {
-    ["a.w", "b.w"]
-        .iter()
-        .enumerate()
-        .map(|(k, n)| {
-            let data = (0..(12u32 << 20))
-                .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ k as u8)
-                .collect();
-            ((*n).to_owned(), data)
+    static TENSORS: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
+    TENSORS
+        .get_or_init(|| {
+            ["a.w", "b.w"]
+                .iter()
+                .enumerate()
+                .map(|(k, n)| {
+                    let data = (0..(12u32 << 20))
+                        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ k as u8)
+                        .collect();
+                    ((*n).to_owned(), data)
+                })
+                .collect()
         })
-        .collect()
+        .clone()
 }
 
 fn engine(root: &Path, shm: &Path) -> Engine {

@@ -5,6 +5,7 @@
 #![allow(dead_code, reason = "each suite uses a different subset")]
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use acp_core::{Compress, Dtype, Engine, EngineConfig, HostTensor, IoChoice, SaveOptions};
 use serde_json::json;
@@ -42,11 +43,21 @@ pub(crate) fn fresh_engine(
     engine
 }
 
-/// Tensor `i`'s bytes (no two chunks alike).
+/// Tensor `i`'s bytes (no two chunks alike), made once per test binary:
+/// the tests compare against them after every load, and a byte-by-byte
+/// generator in an unoptimised build cost more than the loads it checks.
 pub(crate) fn tensor(i: usize) -> Vec<u8> {
-    (0..TENSOR_BYTES)
-        .map(|j| u8::try_from((i * 131 + j * 7 + j / 4093) % 251).unwrap())
-        .collect()
+    static TENSOR_DATA: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    let all = TENSOR_DATA.get_or_init(|| {
+        (0..TENSORS)
+            .map(|i| {
+                (0..TENSOR_BYTES)
+                    .map(|j| u8::try_from((i * 131 + j * 7 + j / 4093) % 251).unwrap())
+                    .collect()
+            })
+            .collect()
+    });
+    all[i].clone()
 }
 
 /// Tensor `i`'s name.
