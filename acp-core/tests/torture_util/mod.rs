@@ -102,23 +102,18 @@ impl Rng {
 /// The bytes of tensor `which` of step `step`: derived from both, so any
 /// loaded step can be checked bit for bit without keeping it.
 pub(crate) fn payload(step: u64, which: u8, len: usize) -> Vec<u8> {
-    // The part that depends on the position alone, made once per test
+    // The part that depends on the position alone is made once per test
     // binary (the torture tests check every load against a payload, and a
     // byte-by-byte generator in an unoptimised build cost more than the
     // loads it checks); each payload is it XORed with a byte of its own.
     const BASE_LEN: usize = 1 << 18;
     static BASE: OnceLock<Vec<u8>> = OnceLock::new();
-    let base = BASE.get_or_init(|| {
-        (0..BASE_LEN as u64)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8)
-            .collect()
-    });
+    let at = |i: u64| (i.wrapping_mul(2_654_435_761) >> 7) as u8;
     let salt = (step as u8).wrapping_mul(31) ^ which;
     if len > BASE_LEN {
-        return (0..len as u64)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8 ^ salt)
-            .collect();
+        return (0..len as u64).map(|i| at(i) ^ salt).collect();
     }
+    let base = BASE.get_or_init(|| (0..BASE_LEN as u64).map(at).collect());
     let mut out = base[..len].to_vec();
     let word = u64::from_le_bytes([salt; 8]);
     let mut words = out.chunks_exact_mut(8);
