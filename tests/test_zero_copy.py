@@ -1,6 +1,8 @@
 """``load(zero_copy=True)``: fresh tensors that view the loaded image (issue
 16 target 5): bit-exact while later saves run, the slot pinned until they
-are gone, and read-only."""
+are gone, and read-only. And a fresh load of an image in private memory
+(not a ring slot), which hands that memory to its tensors: writable, and
+nothing of acp reads it again."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import pytest
 import torch
 
 import acp
+from acp import _acp
 
-from .conftest import MakeCkpt
+from .conftest import SMALL_RING, MakeCkpt
 
 
 def state(seed: int) -> dict[str, object]:
@@ -107,3 +110,107 @@ def test_a_write_through_a_view_is_refused(tmp_path: Path, shm_dir: Path) -> Non
         tmp_path / "ckpt", shm_dir=shm_dir, job="zc", ring_bytes=32 << 20, mlock=False
     ) as ckpt:
         assert torch.equal(ckpt.load(1)["w"], torch.ones(1024))
+
+
+def test_a_fresh_load_of_private_memory_hands_it_to_the_tensors(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Rank 0 loads rank 1's file from rank 1's slot on this node: the
+    image is copied into private memory for the load, and the tensors are
+    views of that copy (not a second copy), writable; rank 1's resident
+    image is unchanged by writes through them. A load of a ring slot still
+    copies."""
+    ckpts = [
+        acp.Checkpointer(
+            tmp_path / "ckpt",
+            job="give",
+            rank=r,
+            world_size=2,
+            shm_dir=shm_dir,
+            ring_bytes=SMALL_RING,
+            mlock=False,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        saved = state(3)
+        handles = [c.save(1, saved if c.rank == 1 else state(9)) for c in ckpts]
+        for h in handles:
+            h.wait()  # a step commits once both ranks wrote
+        out = ckpts[0].load(1, rank=1)
+        assert ckpts[0].last_load is not None
+        assert ckpts[0].last_load.source == "ram"
+        for k in ("w", "b", "p", "empty"):
+            assert torch.equal(out[k], saved[k]), k  # type: ignore[arg-type]
+        assert out["w"]._base is not None  # a view of the private image
+        assert isinstance(out["p"], torch.nn.Parameter)
+        out["w"].add_(1)
+        with torch.no_grad():
+            out["p"].mul_(2)
+        assert torch.equal(out["w"], saved["w"] + 1)  # type: ignore[operator]
+        # Rank 1's resident image, and a new load of it, are not changed.
+        again = ckpts[0].load(1, rank=1)
+        assert torch.equal(again["w"], saved["w"])  # type: ignore[arg-type]
+        own = ckpts[1].load(1)
+        assert ckpts[1].last_load is not None
+        assert ckpts[1].last_load.source == "ram"
+        assert torch.equal(own["w"], saved["w"])  # type: ignore[arg-type]
+        assert own["w"]._base is None  # a ring slot: copied
+        del out, again
+        gc.collect()
+    finally:
+        for c in ckpts:
+            c.close()
+
+
+def test_a_given_image_is_not_read_again(tmp_path: Path, shm_dir: Path) -> None:
+    """``Loaded.give``: only private memory is given; once given, its
+    views are writable and everything that would read the image refuses."""
+    engines = [
+        _acp.Engine(
+            tmp_path / "root",
+            job="given",
+            rank=r,
+            world_size=2,
+            ring_bytes=SMALL_RING,
+            shm_dir=shm_dir,
+            mlock=False,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        handles = []
+        for e in engines:
+            spec = [(f"t{len(handles)}", "F32", (4,))]  # names are unique across ranks
+            st = e.begin_save(1, spec, '{"acp.codec": 1, "state": null}')
+            assert st is not None
+            st.buffer(0)[:] = bytes(range(16))
+            handles.append(st.finish())
+        for h in handles:
+            h.wait()  # a step commits once both ranks wrote
+        slot = engines[1].load(1)
+        assert slot.source == "ram"
+        assert not slot.give()  # a ring slot is never given
+        assert slot.buffer(0).readonly
+        private = engines[0].load(1, rank=1)
+        assert private.source == "ram"
+        assert private.give()
+        assert private.given
+        assert private.give()  # idempotent
+        view = private.buffer(0)
+        assert not view.readonly
+        assert bytes(view) == bytes(range(16))
+        view[0] = 200
+        assert not private.protect()
+        t = torch.empty(4)
+        with pytest.raises(acp.InvalidInput, match="handed to the tensors"):
+            private.copy_into([(0, t.data_ptr(), 16)])
+        # A protected image is not given.
+        protected = engines[0].load(1, rank=1)
+        assert protected.protect()
+        assert not protected.give()
+        del slot, private, protected, view
+        gc.collect()
+    finally:
+        for e in engines:
+            e.close()

@@ -29,6 +29,13 @@ pub(crate) struct Loaded {
     /// before the checkpoint (its pin on the slot) goes.
     read_only: OnceLock<Option<ReadOnly>>,
     ready: OnceLock<Checkpoint>,
+    /// The address and length of `ready`'s image when it is private
+    /// memory (`Checkpoint::private_image_mut`), taken with write access
+    /// when the checkpoint was moved in: what `give` hands to the caller.
+    private: OnceLock<(usize, usize)>,
+    /// Set by `give`: the image is the caller's (its tensors are views of
+    /// it, written by training), so nothing here reads it again.
+    given: OnceLock<()>,
     /// The storage read not done yet (`None` once done or failed).
     pending: Mutex<Pending>,
     step: u64,
@@ -121,12 +128,18 @@ fn entry_infos(entries: &[acp_core::Entry]) -> Result<Vec<EntryInfo>, Error> {
 impl Loaded {
     /// Wraps a loaded checkpoint; serialises its values for Python (or
     /// takes them from `kept`, of the same header).
-    pub(crate) fn new(inner: Checkpoint, kept: &Kept) -> Result<Loaded, Error> {
+    pub(crate) fn new(mut inner: Checkpoint, kept: &Kept) -> Result<Loaded, Error> {
         let info = kept.info(inner.header())?;
+        let private = OnceLock::new();
+        if let Some(image) = inner.private_image_mut() {
+            let _ = private.set((image.as_mut_ptr() as usize, image.len()));
+        }
         Ok(Loaded {
             step: inner.step(),
             read_only: OnceLock::new(),
             ready: OnceLock::from(inner),
+            private,
+            given: OnceLock::new(),
             pending: Mutex::new(Pending::None),
             info,
         })
@@ -141,6 +154,8 @@ impl Loaded {
                 info: kept.info(p.header())?,
                 read_only: OnceLock::new(),
                 ready: OnceLock::new(),
+                private: OnceLock::new(),
+                given: OnceLock::new(),
                 pending: Mutex::new(Pending::Read(Box::new(p))),
             }),
         }
@@ -167,8 +182,11 @@ impl Loaded {
         };
         match read(p) {
             Ok((ck, out)) => {
-                if let Some(ck) = ck {
-                    // Only this call, under the lock, sets it.
+                if let Some(mut ck) = ck {
+                    if let Some(image) = ck.private_image_mut() {
+                        let _ = self.private.set((image.as_mut_ptr() as usize, image.len()));
+                    }
+                    // Only this call, under the lock, sets them.
                     let _ = self.ready.set(ck);
                 }
                 Ok(out)
@@ -198,8 +216,14 @@ impl Loaded {
     /// # Errors
     /// `acp.InvalidInput` when `i` is out of range; the read's errors.
     pub(crate) fn bytes(&self, py: Python<'_>, i: usize) -> PyResult<&[u8]> {
+        self.not_given()?;
         let ck = self.checkpoint(py)?;
-        let entry = ck.entries().get(i).ok_or_else(|| {
+        let entry = self.entry(ck, i)?;
+        Ok(ck.data(entry))
+    }
+
+    fn entry<'c>(&self, ck: &'c Checkpoint, i: usize) -> PyResult<&'c acp_core::Entry> {
+        ck.entries().get(i).ok_or_else(|| {
             invalid(
                 self.what(),
                 format!(
@@ -207,8 +231,45 @@ impl Loaded {
                     self.info.entries.len()
                 ),
             )
-        })?;
-        Ok(ck.data(entry))
+        })
+    }
+
+    /// Refuses once `give` handed the image to the caller.
+    fn not_given(&self) -> PyResult<()> {
+        if self.given.get().is_some() {
+            return Err(invalid(
+                self.what(),
+                "its image was handed to the tensors of a fresh load; it is theirs now",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Where tensor `i`'s bytes are in the image handed out by `give`.
+    ///
+    /// # Errors
+    /// `acp.InvalidInput` when nothing was given or `i` is out of range.
+    pub(crate) fn given_bytes(&self, i: usize) -> PyResult<(*mut u8, usize)> {
+        let (Some(ck), Some(&(base, image_len)), Some(())) =
+            (self.ready.get(), self.private.get(), self.given.get())
+        else {
+            return Err(invalid(self.what(), "its image was not handed out"));
+        };
+        let entry = self.entry(ck, i)?;
+        // The load checked the header against the image (every entry lies
+        // inside it); checked again here, where a slip would be a pointer
+        // out of bounds rather than a panic.
+        let span = usize::try_from(entry.offset)
+            .ok()
+            .zip(usize::try_from(entry.len).ok())
+            .filter(|&(off, len)| off.checked_add(len).is_some_and(|end| end <= image_len));
+        let Some((offset, len)) = span else {
+            return Err(invalid(
+                self.what(),
+                format!("tensor `{}` lies outside its image", entry.name),
+            ));
+        };
+        Ok(((base + offset) as *mut u8, len))
     }
 
     fn what(&self) -> String {
@@ -302,8 +363,36 @@ impl Loaded {
 
     /// A read-only, zero-copy memoryview over the bytes of tensor `i`
     /// (an index into `entries()`). It keeps this checkpoint alive.
+    /// Writable, once `give` handed the image to the caller.
     fn buffer<'py>(slf: &Bound<'py, Self>, i: usize) -> PyResult<Bound<'py, PyAny>> {
         loaded_view(slf, i)
+    }
+
+    /// Hands the image to the caller, when it is private memory (fetched
+    /// from a peer, copied out of another rank's slot, read from storage
+    /// with no slot free; never a ring slot) and was neither protected nor
+    /// is still to be read: `buffer()` views are then writable, and
+    /// `copy_into`, `protect` and the read-only views refuse, since the
+    /// caller's tensors own the bytes. False (nothing changed) otherwise:
+    /// the caller copies. Idempotent.
+    fn give(&self) -> bool {
+        if self.given.get().is_some() {
+            return true;
+        }
+        if self.ready.get().is_none()
+            || self.private.get().is_none()
+            || self.read_only.get().is_some()
+        {
+            return false;
+        }
+        let _ = self.given.set(());
+        true
+    }
+
+    /// Whether `give` handed the image to the caller.
+    #[getter]
+    pub(crate) fn given(&self) -> bool {
+        self.given.get().is_some()
     }
 
     /// Makes the image's pages read-only in this process for as long as
@@ -313,6 +402,11 @@ impl Loaded {
     /// protected (the caller then copies). Idempotent.
     fn protect(&self, py: Python<'_>) -> PyResult<bool> {
         let ck = self.checkpoint(py)?;
+        // Checked after the read (which releases the GIL), and with the GIL
+        // held from here to the `mprotect`: `give` cannot come between.
+        if self.given.get().is_some() {
+            return Ok(false);
+        }
         Ok(self
             .read_only
             .get_or_init(|| ReadOnly::protect(ck))
@@ -331,6 +425,7 @@ impl Loaded {
     /// On an error, each tensor holds its old bytes or verified bytes of
     /// this step, and the load failed (`failed`).
     fn copy_into(&self, py: Python<'_>, items: Vec<(usize, usize, usize)>) -> PyResult<()> {
+        self.not_given()?;
         let what = self.what();
         let mut ranges = host_ranges(&what, &self.info.entries, &items)?;
         py.detach(|| -> Result<(), Error> {

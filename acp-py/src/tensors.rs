@@ -274,6 +274,19 @@ pub(crate) fn loaded_view<'py>(
     loaded: &Bound<'py, Loaded>,
     i: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
+    if loaded.get().given() {
+        let (ptr, len) = loaded.get().given_bytes(i)?;
+        // SAFETY: `ptr..ptr + len` is tensor `i`'s bytes inside the private
+        // image that the checkpoint `loaded` (a frozen object) owns for its
+        // whole life: an anonymous mapping of its own, taken with write
+        // access (`Checkpoint::private_image_mut`) when the checkpoint was
+        // moved into `loaded`, and the entry lies inside the image (its
+        // header was checked against the image when loaded). The view keeps
+        // `loaded` alive. Once given, nothing in acp reads or writes the
+        // image again (`bytes`, `copy_into` and `protect` refuse), so the
+        // caller's writes through the view alias no Rust reference.
+        return unsafe { memoryview_owned_by(loaded.as_any(), ptr, len, true) };
+    }
     let bytes = loaded.get().bytes(loaded.py(), i)?;
     // SAFETY: the bytes belong to the checkpoint that `loaded` (a frozen
     // object) owns for its whole life, and the view keeps `loaded` alive; the

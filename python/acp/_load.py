@@ -72,11 +72,13 @@ class _Fresh:
         adapters: Adapters,
         entries: dict[str, Entry],
         zero_copy: bool = False,
+        give: bool = False,
     ) -> None:
         self.loaded = loaded
         self.adapters = adapters
         self.entries = entries
         self.zero_copy = zero_copy
+        self.give = give
         self.refs: dict[str, dict[str, Any]] = {}
         self.tensors: dict[str, tuple[Adapter, object]] = {}
         self.decoder = Decoder(adapters, self.value, loaded.step)
@@ -103,10 +105,19 @@ class _Fresh:
         groups: dict[str, list[tuple[Entry, dict[str, Any]]]] = {}
         for name, ref in self.refs.items():
             groups.setdefault(str(ref.get("fw")), []).append((self.entries[name], ref))
+        adapters = {fw: self.adapters.get(fw, items[0][0].name) for fw, items in groups.items()}
+        # A private image (not a ring slot) is handed to the tensors when
+        # every adapter can make views: copying it would only double the
+        # memory. Mixed with an adapter that copies, it is copied.
+        views = self.zero_copy or (
+            self.give
+            and all(hasattr(a, "view_tensors") for a in adapters.values())
+            and self.loaded.give()
+        )
         out = []
         for framework, items in groups.items():
-            adapter = self.adapters.get(framework, items[0][0].name)
-            view = getattr(adapter, "view_tensors", None) if self.zero_copy else None
+            adapter = adapters[framework]
+            view = getattr(adapter, "view_tensors", None) if views else None
             make = adapter.new_tensors if view is None else view
             objs, transfer = make(self.loaded, items, map_location)
             self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(items, objs))
@@ -119,10 +130,16 @@ def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bo
     tensors restored on the CPU (by adapters that can: ``acp.torch``) view
     the loaded image instead of owning copies: the image is made read-only
     (``Loaded.protect``) and stays pinned until every such tensor is gone.
-    When it cannot be protected, they are copied."""
+    When it cannot be protected, they are copied.
+
+    Without ``zero_copy``, an image in private memory (a peer's replica,
+    another rank's slot copied out, a storage read with no slot free; never
+    a ring slot) is handed to the tensors (``Loaded.give``): they are
+    writable views of it, which own it together, and nothing is copied."""
     node = parse(loaded.values_json, loaded.step)
-    zero_copy = zero_copy and type(loaded) is Loaded and loaded.protect()
-    fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy)
+    ours = type(loaded) is Loaded
+    zero_copy = zero_copy and ours and loaded.protect()
+    fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy, give=ours and not zero_copy)
     try:
         fresh.want(node)
         run_transfers(loaded.copy_into, fresh.transfers(map_location))

@@ -910,7 +910,12 @@ class Checkpointer:
         Without ``into``, returns a fresh state whose tensors own their
         memory (on the device they were saved from, or ``map_location``: a
         device, a device name, or a dict mapping saved device names to
-        others). With ``into`` (a dict, list or tensor shaped like the saved
+        others). A resident slot is copied out of; an image the load holds
+        in private memory (fetched from a peer, another rank's file copied
+        out of its slot, a storage read with no slot free) is handed to the
+        CPU torch tensors instead: they are writable views of it, together
+        keeping it mapped until the last of them is gone, and their storage
+        cannot be resized. With ``into`` (a dict, list or tensor shaped like the saved
         state, e.g. ``{"model": model.state_dict()}``), copies into its
         tensors in place and assigns its other values, and returns the
         load's ``LoadStats``; a missing key or a tensor whose shape or dtype

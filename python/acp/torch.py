@@ -581,10 +581,12 @@ class Adapter:
     def view_tensors(
         self, loaded: Any, items: Sequence[tuple[Entry, dict[str, Any]]], map_location: Any
     ) -> tuple[list[object], Transfer]:
-        """``new_tensors`` for ``load(zero_copy=True)``: each tensor restored
-        on the CPU is a view of the loaded image (which ``loaded.protect()``
-        made read-only), nothing copied; tensors for other devices are
-        copied there as ``new_tensors`` does."""
+        """``new_tensors`` for ``load(zero_copy=True)``, and for a fresh
+        load of a private image: each tensor restored on the CPU is a view
+        of the loaded image (read-only when ``loaded.protect()`` made it so,
+        writable when ``loaded.give()`` handed it over), nothing copied;
+        tensors for other devices are copied there as ``new_tensors``
+        does."""
         out: list[object | None] = []
         copies: list[tuple[int, tuple[Entry, dict[str, Any]]]] = []
         for entry, ref in items:

@@ -134,6 +134,20 @@ impl Checkpoint {
         self.backing.image()
     }
 
+    /// The image, writable, when it is memory of this checkpoint alone:
+    /// private memory it was fetched, copied or read into (a peer's
+    /// replica, another rank's slot, a storage read with no slot free).
+    /// `None` for a ring slot, which the flush, replicas and later loads
+    /// read. A caller that owns the checkpoint may hand this memory on
+    /// instead of copying out of it (a fresh load's tensors made over it).
+    #[must_use]
+    pub fn private_image_mut(&mut self) -> Option<&mut [u8]> {
+        match &mut self.backing {
+            Backing::Slot(_) => None,
+            Backing::Heap(m, len) => Some(&mut m[..*len]),
+        }
+    }
+
     /// The tensor named `name`.
     #[must_use]
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
