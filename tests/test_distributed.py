@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import acp
+from acp import _acp
 from acp.distributed import Coordinator, assign
 
 from .conftest import SMALL_RING
@@ -156,6 +157,59 @@ def test_a_hanging_rank_is_named_in_the_timeouts(tmp_path: Path, shm_dir: Path) 
 
 
 # --------------------------------------------------------------------------- in process
+
+
+def test_a_step_rank_0_refuses_fails_on_every_rank_at_once(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Two ranks' engines save a tensor of the same name (the engine API
+    lets a caller name tensors; `Checkpointer` never does this): rank 0
+    refuses the step, and rank 1, waiting for the commit, fails with rank
+    0's reason rather than at its commit timeout (a minute here). The
+    previous step stays committed and loadable."""
+    engines = [
+        _acp.Engine(
+            tmp_path / "ckpt",
+            job="refused",
+            rank=r,
+            world_size=2,
+            shm_dir=shm_dir,
+            ring_bytes=SMALL_RING,
+            mlock=False,
+            commit_timeout=60,
+        )
+        for r in (0, 1)
+    ]
+
+    def save(step: int, names: list[str]) -> list[Any]:
+        handles = []
+        for e, name in zip(engines, names):
+            st = e.begin_save(step, [(name, "F32", (4,))], '{"acp.codec": 1, "state": null}')
+            assert st is not None
+            st.buffer(0)[:] = bytes(16)
+            handles.append(st.finish())
+        return handles
+
+    try:
+        for h in save(1, ["t0", "t1"]):
+            h.wait()
+        errors = []
+        for h in save(2, ["t", "t"]):
+            with pytest.raises(acp.InvalidInput) as e:
+                h.wait()
+            errors.append(str(e.value))
+        assert "saved by two ranks" in errors[0]
+        assert "rank 0 did not commit it" in errors[1]
+        assert "saved by two ranks" in errors[1]
+        for e in engines:
+            assert e.steps() == [1]
+        assert engines[1].load(1, storage_only=True).step == 1
+        # Nothing of step 2's attempt is left in the root.
+        left = [p.name for p in (tmp_path / "ckpt").iterdir() if "000000000002" in p.name]
+        assert left == []
+    finally:
+        for e in engines:
+            e.close()
 
 
 def test_assign_balances_bytes_deterministically() -> None:

@@ -23,6 +23,7 @@
 //! A crash before 4 leaves a pending place that is never loaded and is
 //! swept by the next engine of this rank; after 4 the step is complete.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -446,7 +447,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             if rank == 0 {
                 commit_ranks(shared, step, job.overwrite)?;
             } else {
-                wait_for_commit(shared, step, &manifest.entry.root)?;
+                wait_for_commit(shared, step, &manifest.entry.root, &pending)?;
                 root.discard(&pending);
             }
         }
@@ -534,10 +535,11 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
     let root = &shared.root;
     let world = shared.cfg.world_size;
     let deadline = Instant::now() + shared.cfg.commit_timeout;
-    let reported = loop {
-        let reported = root.reported_ranks(step)?;
+    let mut reported = BTreeMap::new();
+    let result = (|| loop {
+        reported = root.reported_ranks(step)?;
         if (0..world).all(|r| reported.contains_key(&r)) {
-            break reported;
+            return gather_ranks(shared, step, overwrite, &reported);
         }
         let missing: Vec<u32> = (0..world).filter(|r| !reported.contains_key(r)).collect();
         poll_ranks(
@@ -546,9 +548,31 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
             format!("step {step}: waiting for ranks {missing:?}"),
             || format!("step {step}: ranks {missing:?} did not report their files durable"),
         )?;
-    };
+    })();
+    if let Err(e) = &result {
+        // The ranks that reported wait for the commit: tell them now,
+        // rather than let each wait out its commit timeout.
+        let reason = format!("rank 0 did not commit it: {e}");
+        for (_, pending) in reported.iter().filter(|(&r, _)| r != 0) {
+            root.refuse(pending, &reason);
+        }
+    }
+    result
+}
+
+/// Rank 0's commit of a multi-rank step once every rank has reported:
+/// reads the manifests, moves the files into one directory, writes the
+/// index and publishes the step.
+fn gather_ranks(
+    shared: &Shared,
+    step: u64,
+    overwrite: bool,
+    reported: &BTreeMap<u32, Pending>,
+) -> Result<()> {
+    let root = &shared.root;
+    let world = shared.cfg.world_size;
     let mut manifests: Vec<(&Pending, Manifest)> = Vec::with_capacity(reported.len());
-    for (&r, pending) in &reported {
+    for (&r, pending) in reported {
         if r >= world {
             continue;
         }
@@ -603,7 +627,7 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
 
 /// A rank other than 0: waits until rank 0 has committed `step` with this
 /// rank's file (recognised by its root digest).
-fn wait_for_commit(shared: &Shared, step: u64, our_root: &str) -> Result<()> {
+fn wait_for_commit(shared: &Shared, step: u64, our_root: &str, pending: &Pending) -> Result<()> {
     let deadline = Instant::now() + shared.cfg.commit_timeout;
     let file = data_file_name(shared.cfg.rank);
     loop {
@@ -611,6 +635,9 @@ fn wait_for_commit(shared: &Shared, step: u64, our_root: &str) -> Result<()> {
             if index.files.get(&file).is_some_and(|e| e.root == our_root) {
                 return Ok(());
             }
+        }
+        if let Some(why) = shared.root.refusal(pending) {
+            return Err(Error::invalid(format!("step {step}"), why));
         }
         poll_ranks(
             shared,

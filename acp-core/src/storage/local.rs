@@ -36,6 +36,13 @@ pub fn parse_step_dir_name(name: &str) -> Option<u64> {
 /// The file holding the newest committed step, as a hint for tools.
 pub const LATEST_FILE_NAME: &str = "latest";
 
+/// Where rank 0 records, in a rank's pending place, why it refused that
+/// rank's report ([`Storage::refuse`]).
+const REFUSED_FILE_NAME: &str = "refused";
+
+/// The most of a refusal a rank reads: a message, not a file.
+const MAX_REFUSAL: u64 = 64 << 10;
+
 /// The name prefixes of what an interrupted save or removal leaves in the
 /// root (pending, gathering and trash directories; `latest` hints).
 const LEFTOVER_PREFIXES: [&str; 4] = [".pending-", ".commit-", ".trash-", ".latest-"];
@@ -408,6 +415,29 @@ impl Storage for LocalStorage {
         let path = self.dir_of(pending).join(manifest_file_name(rank));
         let bytes = read_small(&path, 256 << 20)?;
         Ok((path, bytes))
+    }
+
+    fn refuse(&self, pending: &Pending, reason: &str) {
+        // Written aside and renamed: the rank reads it whole or not at all.
+        // Not made durable: it is a message to a live rank, not a record.
+        let dir = self.dir_of(pending);
+        let tmp = dir.join(format!("{REFUSED_FILE_NAME}.tmp"));
+        let written = super::create_exclusive(&tmp)
+            .and_then(|mut f| {
+                std::io::Write::write_all(&mut f, reason.as_bytes())
+                    .map_err(|e| Error::io("write", &tmp, e))
+            })
+            .and_then(|()| self.rename(&tmp, &dir.join(REFUSED_FILE_NAME)));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            tracing::debug!("acp: the refusal of {} not recorded: {e}", dir.display());
+        }
+    }
+
+    fn refusal(&self, pending: &Pending) -> Option<String> {
+        let path = self.dir_of(pending).join(REFUSED_FILE_NAME);
+        let bytes = read_small(&path, MAX_REFUSAL).ok()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
     }
 
     fn create_gather(&self, step: u64) -> Result<Pending> {

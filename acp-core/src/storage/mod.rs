@@ -329,6 +329,16 @@ pub trait Storage: Send + Sync + Debug {
     /// when it is not a regular file or is too large.
     fn read_report(&self, pending: &Pending, rank: u32) -> Result<(PathBuf, Vec<u8>)>;
 
+    /// Rank 0's answer to a rank whose report (in its pending place
+    /// `pending`) it took but could not commit: records `reason` there,
+    /// for that rank's [`Storage::refusal`], so that the rank fails at
+    /// once rather than at its commit timeout. Best effort.
+    fn refuse(&self, pending: &Pending, reason: &str);
+
+    /// Why rank 0 refused the report in this rank's pending place
+    /// `pending`, once it has ([`Storage::refuse`]).
+    fn refusal(&self, pending: &Pending) -> Option<String>;
+
     /// A fresh pending place in which rank 0 gathers the ranks' files of a
     /// multi-rank `step`.
     ///
