@@ -36,6 +36,27 @@ def shm_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def two_ranks(make: Callable[..., Any], root: Path, shm_dir: Path, **kwargs: Any) -> list[Any]:
+    """Rank 0 and rank 1 of a two-rank job, both in this process: ``make``
+    is ``acp.Checkpointer`` or ``acp._acp.Engine``, given a small ring in
+    ``shm_dir``, unlocked, and ``kwargs`` (``job`` among them)."""
+    kwargs.setdefault("ring_bytes", SMALL_RING)
+    kwargs.setdefault("mlock", False)
+    return [make(root, rank=r, world_size=2, shm_dir=shm_dir, **kwargs) for r in (0, 1)]
+
+
+def save_raw(engines: list[Any], step: int, names: list[str]) -> list[Any]:
+    """Has each engine (``acp._acp.Engine``) save one F32 tensor of four
+    elements named ``names[i]`` as ``step``; their handles."""
+    handles = []
+    for e, name in zip(engines, names):
+        st = e.begin_save(step, [(name, "F32", (4,))], '{"acp.codec": 1, "state": null}')
+        assert st is not None
+        st.buffer(0)[:] = bytes(range(16))
+        handles.append(st.finish())
+    return handles
+
+
 MakeCkpt = Callable[..., acp.Checkpointer]
 
 

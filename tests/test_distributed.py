@@ -24,7 +24,7 @@ import acp
 from acp import _acp
 from acp.distributed import Coordinator, assign
 
-from .conftest import SMALL_RING
+from .conftest import SMALL_RING, save_raw, two_ranks
 
 DIST = Path(__file__).parent / "dist"
 
@@ -159,42 +159,18 @@ def test_a_hanging_rank_is_named_in_the_timeouts(tmp_path: Path, shm_dir: Path) 
 # --------------------------------------------------------------------------- in process
 
 
-def test_a_step_rank_0_refuses_fails_on_every_rank_at_once(
-    tmp_path: Path, shm_dir: Path
-) -> None:
+def test_a_step_rank_0_refuses_fails_on_every_rank_at_once(tmp_path: Path, shm_dir: Path) -> None:
     """Two ranks' engines save a tensor of the same name (the engine API
     lets a caller name tensors; `Checkpointer` never does this): rank 0
     refuses the step, and rank 1, waiting for the commit, fails with rank
     0's reason rather than at its commit timeout (a minute here). The
     previous step stays committed and loadable."""
-    engines = [
-        _acp.Engine(
-            tmp_path / "ckpt",
-            job="refused",
-            rank=r,
-            world_size=2,
-            shm_dir=shm_dir,
-            ring_bytes=SMALL_RING,
-            mlock=False,
-            commit_timeout=60,
-        )
-        for r in (0, 1)
-    ]
-
-    def save(step: int, names: list[str]) -> list[Any]:
-        handles = []
-        for e, name in zip(engines, names):
-            st = e.begin_save(step, [(name, "F32", (4,))], '{"acp.codec": 1, "state": null}')
-            assert st is not None
-            st.buffer(0)[:] = bytes(16)
-            handles.append(st.finish())
-        return handles
-
+    engines = two_ranks(_acp.Engine, tmp_path / "ckpt", shm_dir, job="refused", commit_timeout=60)
     try:
-        for h in save(1, ["t0", "t1"]):
+        for h in save_raw(engines, 1, ["t0", "t1"]):
             h.wait()
         errors = []
-        for h in save(2, ["t", "t"]):
+        for h in save_raw(engines, 2, ["t", "t"]):
             with pytest.raises(acp.InvalidInput) as e:
                 h.wait()
             errors.append(str(e.value))
@@ -285,19 +261,7 @@ def test_replicated_state_is_written_once_and_loaded_whole(tmp_path: Path, shm_d
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     state = {"model": model.state_dict(), "step": 7}
-    ckpts = [
-        acp.Checkpointer(
-            tmp_path / "ckpt",
-            job="rep",
-            rank=r,
-            world_size=2,
-            shm_dir=shm_dir,
-            ring_bytes=SMALL_RING,
-            mlock=False,
-            commit_timeout=60,
-        )
-        for r in (0, 1)
-    ]
+    ckpts = two_ranks(acp.Checkpointer, tmp_path / "ckpt", shm_dir, job="rep", commit_timeout=60)
     try:
         handles = [
             c.save(

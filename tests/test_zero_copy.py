@@ -19,7 +19,7 @@ import torch
 import acp
 from acp import _acp
 
-from .conftest import SMALL_RING, MakeCkpt
+from .conftest import MakeCkpt, save_raw, two_ranks
 
 
 def state(seed: int) -> dict[str, object]:
@@ -120,18 +120,7 @@ def test_a_fresh_load_of_private_memory_hands_it_to_the_tensors(
     views of that copy (not a second copy), writable; rank 1's resident
     image is unchanged by writes through them. A load of a ring slot still
     copies."""
-    ckpts = [
-        acp.Checkpointer(
-            tmp_path / "ckpt",
-            job="give",
-            rank=r,
-            world_size=2,
-            shm_dir=shm_dir,
-            ring_bytes=SMALL_RING,
-            mlock=False,
-        )
-        for r in (0, 1)
-    ]
+    ckpts = two_ranks(acp.Checkpointer, tmp_path / "ckpt", shm_dir, job="give")
     try:
         saved = state(3)
         handles = [c.save(1, saved if c.rank == 1 else state(9)) for c in ckpts]
@@ -166,27 +155,9 @@ def test_a_fresh_load_of_private_memory_hands_it_to_the_tensors(
 def test_a_given_image_is_not_read_again(tmp_path: Path, shm_dir: Path) -> None:
     """``Loaded.give``: only private memory is given; once given, its
     views are writable and everything that would read the image refuses."""
-    engines = [
-        _acp.Engine(
-            tmp_path / "root",
-            job="given",
-            rank=r,
-            world_size=2,
-            ring_bytes=SMALL_RING,
-            shm_dir=shm_dir,
-            mlock=False,
-        )
-        for r in (0, 1)
-    ]
+    engines = two_ranks(_acp.Engine, tmp_path / "root", shm_dir, job="given")
     try:
-        handles = []
-        for e in engines:
-            spec = [(f"t{len(handles)}", "F32", (4,))]  # names are unique across ranks
-            st = e.begin_save(1, spec, '{"acp.codec": 1, "state": null}')
-            assert st is not None
-            st.buffer(0)[:] = bytes(range(16))
-            handles.append(st.finish())
-        for h in handles:
+        for h in save_raw(engines, 1, ["t0", "t1"]):  # names are unique across ranks
             h.wait()  # a step commits once both ranks wrote
         slot = engines[1].load(1)
         assert slot.source == "ram"
