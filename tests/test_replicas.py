@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from acp import replica
 from acp.replica import placement
 
 SCRIPT = Path(__file__).parent / "dist" / "replicas.py"
@@ -32,6 +34,28 @@ def job_dirs(tmp_path: Path) -> tuple[Path, Path, list[Path]]:
     for d in (out, *shm):
         d.mkdir()
     return root, out, shm
+
+
+def test_inventories_travel_as_json_and_a_bad_one_fails() -> None:
+    """The ranks' node names and inventories are gathered as JSON (never
+    pickle): plain values round-trip, an oversized claim and a value that
+    is not a list of integers fail with a message naming the problem."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group(backend="gloo")
+        value = {"local": [3, 4], "held": [1, 3], "committed": [], "node": "a"}
+        assert replica.all_gather_json(value, group) == [value]
+        limit = replica.MAX_GATHERED
+        replica.MAX_GATHERED = 8
+        try:
+            with pytest.raises(RuntimeError, match="claims"):
+                replica.all_gather_json(value, group)
+        finally:
+            replica.MAX_GATHERED = limit
+        with pytest.raises(RuntimeError, match="held is not a list of integers"):
+            replica._ints(["1", 2], "held")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_placement_puts_replicas_on_other_nodes() -> None:

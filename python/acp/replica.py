@@ -36,6 +36,7 @@ protected by storage as their persist policy says.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import queue
@@ -83,6 +84,39 @@ def placement(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
+MAX_GATHERED = 64 << 20
+"""The most bytes of JSON a rank may contribute to an all-gather."""
+
+
+def all_gather_json(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``value`` (plain JSON values), gathered over ``group``.
+    As JSON, never pickle (``all_gather_object``): a load must not run
+    what another process sent. A rank that claims more than
+    ``MAX_GATHERED`` bytes, or sends what is not JSON, fails the call."""
+    data = json.dumps(value).encode()
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    lengths = [int(s.item()) for s in sizes]
+    if any(not 0 < n <= MAX_GATHERED for n in lengths):
+        raise RuntimeError(
+            f"all-gather of ranks' inventories: a rank claims {max(lengths)} bytes "
+            f"(the limit is {MAX_GATHERED})"
+        )
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [json.loads(t[:n].numpy().tobytes()) for t, n in zip(out, lengths)]
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    if not isinstance(values, list) or not all(type(v) is int for v in values):
+        raise RuntimeError(f"a rank's replica inventory: {what} is not a list of integers")
+    return values
+
+
 def _frombuffer(view: memoryview) -> torch.Tensor:
     # A read-only slot view: gloo only reads what it sends.
     with warnings.catch_warnings():
@@ -114,8 +148,7 @@ class TorchReplicas:
         if not isinstance(group, dist.ProcessGroup):
             raise RuntimeError("this rank is not in the replica group")
         self.group: dist.ProcessGroup = group
-        nodes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(nodes, node_id(), group=self.group)
+        nodes = all_gather_json(node_id(), self.group)
         self.nodes: list[str] = [str(n) for n in nodes]
         self.holders = placement(self.nodes, replicas)
         self.sources = sorted(r for r, hs in self.holders.items() if self.rank in hs)
@@ -323,15 +356,18 @@ class TorchReplicas:
         e = self._engine
         inv = {
             "local": e.resident_steps(),
-            "held": [(r, s) for r, s, *_ in e.replicas()],
+            "held": [v for r, s, *_ in e.replicas() for v in (r, s)],
             "committed": e.steps(),
         }
-        all_inv: list[Any] = [None] * self.world_size
-        dist.all_gather_object(all_inv, inv, group=self.group)
+        all_inv = [
+            {k: _ints(i.get(k) if isinstance(i, dict) else None, k) for k in inv}
+            for i in all_gather_json(inv, self.group)
+        ]
         committed = {s for i in all_inv for s in i["committed"]}
         held: dict[tuple[int, int], list[int]] = {}
         for h, i in enumerate(all_inv):
-            for r, s in i["held"]:
+            pairs = i["held"]
+            for r, s in zip(pairs[::2], pairs[1::2]):
                 held.setdefault((r, s), []).append(h)
         steps = committed | {s for i in all_inv for s in i["local"]} | {s for _, s in held}
 
