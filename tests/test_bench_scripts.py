@@ -191,6 +191,19 @@ def test_snapshot_restore_tiny(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # its root is removed
 
 
+def test_rank_file_load_tiny(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(PEERS / "rank_file_load.py"), "--mib", "4", "--repeats", "2"]
+    cmd += ["--dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["mib"] == 4
+    for key in ("fresh_ms", "into_ms", "memcpy_fresh_ms", "memcpy_warm_ms"):
+        assert got[key] > 0, key
+    assert not list(tmp_path.iterdir())  # its root is removed
+
+
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "overhead.py"), "--quick", "--out", str(out)]

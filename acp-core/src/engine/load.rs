@@ -1270,7 +1270,7 @@ fn read_stored(
             shared.ring.set_state(pin.slot(), SlotState::Persisted);
             Ok(Backing::Slot(pin))
         } else {
-            let mut buf = heap(entry.size, path)?;
+            let mut buf = heap_whole(entry.size, path)?;
             r.read_verified_into(&mut buf, threads, io_chunk, targets)?;
             Ok(Backing::Heap(buf, to_usize(entry.size)))
         }
@@ -1515,10 +1515,17 @@ fn tensor_at(file: &File, path: &Path, size: u64, offset: u64) -> Option<String>
 }
 
 /// Private page-aligned memory for an image of `len` bytes (padded to a
-/// page, as the I/O layer reads whole pages).
+/// page, as the I/O layer reads whole pages), its pages taken as they are
+/// first written: for a buffer written in part.
 pub(super) fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
     let padded = to_usize(len).div_ceil(4096).max(1) * 4096;
     memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))
+}
+
+/// [`heap`] for an image about to be written whole: its pages taken first,
+/// in huge pages where the kernel allows ([`crate::replica::image_memory`]).
+pub(super) fn heap_whole(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
+    crate::replica::image_memory(to_usize(len), what)
 }
 
 #[expect(

@@ -59,7 +59,7 @@ pub(super) fn copy_from_peer_slot(
 ) -> Option<(memmap2::MmapMut, PathBuf)> {
     let slot = open_peer_slot(shared, step, rank, entry)?;
     let path = slot.path().to_path_buf();
-    let copied = super::load::heap(entry.size, &path).and_then(|mut buf| {
+    let copied = super::load::heap_whole(entry.size, &path).and_then(|mut buf| {
         slot.read_at(0, &mut buf[..to_usize(entry.size)])?;
         Ok(slot.unchanged()?.then_some(buf))
     });

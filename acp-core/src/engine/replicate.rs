@@ -737,7 +737,7 @@ fn copy_node_replica(
         }
         None => to_entry(file.rank, peek.image_len, chunk, digests),
     };
-    let mut buf = super::load::heap(peek.image_len, &path).ok()?;
+    let mut buf = super::load::heap_whole(peek.image_len, &path).ok()?;
     let len = super::to_usize(peek.image_len);
     slot.read_at(0, &mut buf[..len]).ok()?;
     if !slot.unchanged().ok()? {

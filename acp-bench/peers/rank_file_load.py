@@ -1,0 +1,106 @@
+"""A load of another rank's file from its resident slot on this node (what a
+rank of a replicated save reads for the tensors another rank wrote, and what
+``load(step, rank=r)`` reads), against 2-thread memcpys of the same bytes in
+the same run: into fresh memory (what a fresh load's tensors need) and into
+memory already touched (what ``load(into=)`` fills).
+
+    python acp-bench/peers/rank_file_load.py --mib 256 --repeats 9
+
+Two ranks' engines run in this process; rank 0 loads rank 1's file. The image
+is copied out of rank 1's slot into private memory and checked there; a fresh
+load then hands that memory to its tensors. Prints one JSON line of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import acp
+
+MiB = 1 << 20
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, default=256, help="each rank's state in MiB (32 tensors)")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--dir", default=None, help="where the checkpoint root goes")
+    a = p.parse_args(argv)
+    torch.set_num_threads(2)
+    numel = a.mib * MiB // 4 // 32
+    fresh, into_ms, memcpy_fresh, memcpy_warm = [], [], [], []
+    with (
+        tempfile.TemporaryDirectory(dir=a.dir) as d,
+        tempfile.TemporaryDirectory(
+            prefix="acp-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        ) as shm,
+    ):
+        ckpts = [
+            acp.Checkpointer(
+                d,
+                job="rank-file-load",
+                rank=r,
+                world_size=2,
+                shm_dir=shm,
+                ring_bytes=3 * a.mib * MiB + (64 << 20),
+                release_on_close=True,
+            )
+            for r in (0, 1)
+        ]
+        try:
+            states = [{f"r{r}.t{i}": torch.randn(numel) for i in range(32)} for r in (0, 1)]
+            handles = [c.save(1, s) for c, s in zip(ckpts, states)]
+            for h in handles:
+                h.wait()
+            into = {k: torch.empty_like(v) for k, v in states[1].items()}
+            src = torch.cat(list(states[1].values()))
+            warm = torch.empty_like(src)
+            for _ in range(a.repeats):
+                t = time.perf_counter()
+                out = ckpts[0].load(1, rank=1)
+                fresh.append(time.perf_counter() - t)
+                assert ckpts[0].last_load is not None
+                assert ckpts[0].last_load.source == "ram", ckpts[0].last_load.source
+                assert torch.equal(out["r1.t0"], states[1]["r1.t0"])
+                del out
+                gc.collect()
+                t = time.perf_counter()
+                ckpts[0].load(1, rank=1, into=into)
+                into_ms.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                dst = torch.empty_like(src)
+                dst.copy_(src)
+                memcpy_fresh.append(time.perf_counter() - t)
+                del dst
+                t = time.perf_counter()
+                warm.copy_(src)
+                memcpy_warm.append(time.perf_counter() - t)
+        finally:
+            for c in ckpts:
+                c.close()
+    med = {
+        "fresh_ms": 1e3 * statistics.median(fresh),
+        "into_ms": 1e3 * statistics.median(into_ms),
+        "memcpy_fresh_ms": 1e3 * statistics.median(memcpy_fresh),
+        "memcpy_warm_ms": 1e3 * statistics.median(memcpy_warm),
+    }
+    out_line = {
+        "mib": a.mib,
+        **med,
+        "fresh_over_memcpy_fresh": med["fresh_ms"] / med["memcpy_fresh_ms"],
+        "into_over_memcpy_warm": med["into_ms"] / med["memcpy_warm_ms"],
+    }
+    print(json.dumps(out_line))
+    return out_line
+
+
+if __name__ == "__main__":
+    main()
