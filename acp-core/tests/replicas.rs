@@ -1120,12 +1120,18 @@ fn a_control_block_changed_under_a_peer_reader_is_no_panic() {
         len: peek.image_len,
     };
     let slot = PeerSlot::open(&file, want).unwrap().unwrap();
-    assert!(slot.digests().unwrap().is_some());
+    let (chunk, digests) = slot.digests().unwrap().unwrap();
+    // The quick sums recorded beside those digests, and only beside them.
+    let sums = slot.sums(chunk, &digests).unwrap().unwrap();
+    assert_eq!(sums.len(), digests.len());
+    assert!(slot.sums(chunk, &digests[1..]).unwrap().is_none());
+    assert!(slot.sums(chunk * 2, &digests).unwrap().is_none());
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(file.path())
         .unwrap();
     f.write_all_at(&0u64.to_le_bytes(), 104).unwrap();
     assert!(slot.digests().unwrap().is_none());
+    assert!(slot.sums(chunk, &digests).unwrap().is_none());
     assert!(!slot.unchanged().unwrap());
 }

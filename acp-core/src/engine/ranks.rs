@@ -46,25 +46,44 @@ fn peer_image(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> PeerI
     }
 }
 
+/// An image copied out of another rank's slot ([`copy_from_peer_slot`]).
+pub(super) struct PeerCopy {
+    pub(super) buf: memmap2::MmapMut,
+    /// The slot file it came from.
+    pub(super) path: PathBuf,
+    /// The quick sums the slot recorded beside digests that are `entry`'s
+    /// (the committed ones), when it recorded any.
+    pub(super) sums: Option<Vec<u64>>,
+}
+
 /// Copies `rank`'s image of `step` out of its slot on this node, when one
 /// holds it, into private memory. The memory is sized only once a slot
 /// file is found whose real size holds an image of the index's length.
-/// Returns the memory and the slot file it came from; the caller verifies
-/// the bytes against `entry` before trusting them.
+/// Returns the memory, the slot file it came from and the quick sums the
+/// slot recorded beside `entry`'s digests; the caller verifies the bytes
+/// (against those sums, else against `entry`) before trusting them.
 pub(super) fn copy_from_peer_slot(
     shared: &Shared,
     step: u64,
     rank: u32,
     entry: &FileEntry,
-) -> Option<(memmap2::MmapMut, PathBuf)> {
+) -> Option<PeerCopy> {
     let slot = open_peer_slot(shared, step, rank, entry)?;
     let path = slot.path().to_path_buf();
     let copied = super::load::heap_whole(entry.size, &path).and_then(|mut buf| {
         slot.read_at(0, &mut buf[..to_usize(entry.size)])?;
-        Ok(slot.unchanged()?.then_some(buf))
+        // Read before `unchanged`: like the bytes, they are the image's
+        // only if the slot was not reacquired meanwhile.
+        let sums = match slot.digests()? {
+            Some((chunk, digests)) if super::replicate::same_digests(entry, chunk, &digests) => {
+                slot.sums(chunk, &digests)?
+            }
+            _ => None,
+        };
+        Ok(slot.unchanged()?.then_some((buf, sums)))
     });
     match copied {
-        Ok(buf) => buf.map(|b| (b, path)),
+        Ok(found) => found.map(|(buf, sums)| PeerCopy { buf, path, sums }),
         Err(e) => {
             tracing::debug!("acp: rank {rank}'s slot {}: {e}", path.display());
             None

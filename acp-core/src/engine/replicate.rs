@@ -567,7 +567,7 @@ fn to_entry(rank: u32, len: u64, chunk_bytes: u64, digests: Vec<Digest>) -> File
 
 /// Whether `digests` are the ones `entry` records (the image a replica
 /// holds is the committed one), compared without hashing.
-fn same_digests(entry: &FileEntry, chunk_bytes: u64, digests: &[Digest]) -> bool {
+pub(super) fn same_digests(entry: &FileEntry, chunk_bytes: u64, digests: &[Digest]) -> bool {
     entry.chunk_bytes == chunk_bytes
         && entry.chunks.len() == digests.len()
         && entry

@@ -14,7 +14,10 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::format::Digest;
 
-use super::control::{off, Header, HEADER_PAGE};
+use super::control::{
+    off, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE, SUMS_FIXED, SUMS_MAGIC,
+    SUM_BYTES,
+};
 use super::{SlotFile, SlotState};
 
 /// The image a caller wants from another rank's slot.
@@ -131,6 +134,45 @@ impl PeerSlot {
             })
             .collect();
         Ok(Some((now.chunk_bytes, digests)))
+    }
+
+    /// The quick sums the slot records beside `digests` (as
+    /// [`PeerSlot::digests`] returned them, of chunks of `chunk_bytes`):
+    /// `None` when there is no sums record, or its tag is not that of these
+    /// digests (sums taken beside other digests, or none). Like the bytes,
+    /// they are the image's only if [`PeerSlot::unchanged`] holds
+    /// afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Io`] reading the record.
+    pub fn sums(&self, chunk_bytes: u64, digests: &[Digest]) -> Result<Option<Vec<u64>>> {
+        let Some(now) = control_block(&self.file, &self.path)? else {
+            return Ok(None);
+        };
+        let count = digests.len();
+        let at = sums_at(count);
+        let end = at.saturating_add(sums_record_len(count)) as u64;
+        if !holds(&now, &self.want, self.file_len) || end > now.image_offset {
+            return Ok(None);
+        }
+        let mut record = vec![0u8; sums_record_len(count)];
+        self.file
+            .read_exact_at(&mut record, at as u64)
+            .map_err(|e| Error::io("read", &self.path, e))?;
+        let (fixed, body) = record.split_at(SUMS_FIXED);
+        let (magic, tag) = fixed.split_at(SUMS_MAGIC.len());
+        if magic != SUMS_MAGIC || tag != sums_tag(digests, chunk_bytes).to_le_bytes() {
+            return Ok(None);
+        }
+        Ok(Some(
+            body.chunks_exact(SUM_BYTES)
+                .map(|b| {
+                    let mut a = [0u8; SUM_BYTES];
+                    a.copy_from_slice(b);
+                    u64::from_le_bytes(a)
+                })
+                .collect(),
+        ))
     }
 
     /// Whether the slot still holds the same image, not reacquired since
