@@ -201,8 +201,7 @@ impl ReplicaMeta {
 /// [`Error::Io`] naming `what` when the memory cannot be mapped.
 pub(crate) fn image_memory(len: usize, what: &Path) -> Result<memmap2::MmapMut> {
     let padded = len.div_ceil(4096).max(1) * 4096;
-    let mut map =
-        memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))?;
+    let mut map = memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))?;
     // Advice only: without huge pages (disabled, or a small mapping) the
     // memory is the same, in 4 KiB pages.
     let _ = map.advise(memmap2::Advice::HugePage);

@@ -15,8 +15,7 @@ use crate::error::{Error, Result};
 use crate::format::Digest;
 
 use super::control::{
-    off, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE, SUMS_FIXED, SUMS_MAGIC,
-    SUM_BYTES,
+    off, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE, SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
 };
 use super::{SlotFile, SlotState};
 
