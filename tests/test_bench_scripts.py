@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,30 +179,30 @@ def test_replica_bench_tiny(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("acp-replica-bench-*"))
 
 
-def test_snapshot_restore_tiny(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(PEERS / "snapshot_restore.py"), "--mib", "4", "--saves", "3"]
-    cmd += ["--dir", str(tmp_path)]
+def run_json_line(script: str, tmp_path: Path, *args: str) -> dict[str, Any]:
+    """Runs a bench script that prints one JSON line of figures, with its
+    root under ``tmp_path``; checks it removed that root."""
+    cmd = [sys.executable, str(PEERS / script), *args, "--dir", str(tmp_path)]
     env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not list(tmp_path.iterdir())  # its root is removed
+    got: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got
+
+
+def test_snapshot_restore_tiny(tmp_path: Path) -> None:
+    got = run_json_line("snapshot_restore.py", tmp_path, "--mib", "4", "--saves", "3")
     assert got["mib"] == 4
     for key in ("background_ms", "restore_ms", "memcpy_ms", "restore_over_memcpy"):
         assert got[key] > 0, key
-    assert not list(tmp_path.iterdir())  # its root is removed
 
 
 def test_rank_file_load_tiny(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(PEERS / "rank_file_load.py"), "--mib", "4", "--repeats", "2"]
-    cmd += ["--dir", str(tmp_path)]
-    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_json_line("rank_file_load.py", tmp_path, "--mib", "4", "--repeats", "2")
     assert got["mib"] == 4
     for key in ("fresh_ms", "into_ms", "memcpy_fresh_ms", "memcpy_warm_ms"):
         assert got[key] > 0, key
-    assert not list(tmp_path.iterdir())  # its root is removed
 
 
 def test_overhead_quick(tmp_path: Path) -> None:

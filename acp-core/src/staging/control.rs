@@ -243,6 +243,17 @@ pub(super) fn sums_record_len(count: usize) -> usize {
     SUMS_FIXED + count * SUM_BYTES
 }
 
+/// The sums of a sums record's body (`SUM_BYTES` each, little-endian).
+pub(super) fn decode_sums(body: &[u8]) -> Vec<u64> {
+    body.chunks_exact(SUM_BYTES)
+        .map(|b| {
+            let mut a = [0u8; SUM_BYTES];
+            a.copy_from_slice(b);
+            u64::from_le_bytes(a)
+        })
+        .collect()
+}
+
 /// The tag that binds a sums record to the digests it was taken beside:
 /// the xxh3-64 of the chunk size and every digest. A record is believed
 /// only while its tag is that of the digests recorded now, so digests

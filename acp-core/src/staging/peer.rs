@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use crate::format::Digest;
 
 use super::control::{
-    off, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE, SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
+    decode_sums, off, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE, SUMS_FIXED,
+    SUMS_MAGIC,
 };
 use super::{SlotFile, SlotState};
 
@@ -163,15 +164,7 @@ impl PeerSlot {
         if magic != SUMS_MAGIC || tag != sums_tag(digests, chunk_bytes).to_le_bytes() {
             return Ok(None);
         }
-        Ok(Some(
-            body.chunks_exact(SUM_BYTES)
-                .map(|b| {
-                    let mut a = [0u8; SUM_BYTES];
-                    a.copy_from_slice(b);
-                    u64::from_le_bytes(a)
-                })
-                .collect(),
-        ))
+        Ok(Some(decode_sums(body)))
     }
 
     /// Whether the slot still holds the same image, not reacquired since

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use memmap2::{Advice, MmapOptions, MmapRaw};
 
 use super::control::{
-    off, sums_alone_tag, sums_at, sums_record_len, sums_tag, Header, DIGEST_BYTES, HEADER_BYTES,
-    HEADER_PAGE, PAGE, SUMS_ALONE_MAGIC, SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
+    decode_sums, off, sums_alone_tag, sums_at, sums_record_len, sums_tag, Header, DIGEST_BYTES,
+    HEADER_BYTES, HEADER_PAGE, PAGE, SUMS_ALONE_MAGIC, SUMS_FIXED, SUMS_MAGIC, SUM_BYTES,
 };
 use super::SlotState;
 use crate::format::Digest;
@@ -468,15 +468,7 @@ impl Control {
         }
         let mut body = vec![0u8; count * SUM_BYTES];
         self.read(at + SUMS_FIXED, &mut body);
-        Some(
-            body.chunks_exact(SUM_BYTES)
-                .map(|b| {
-                    let mut a = [0u8; SUM_BYTES];
-                    a.copy_from_slice(b);
-                    u64::from_le_bytes(a)
-                })
-                .collect(),
-        )
+        Some(decode_sums(&body))
     }
 
     /// Writes a whole header: every field but the state word first, then
