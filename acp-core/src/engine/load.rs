@@ -844,14 +844,9 @@ fn load_step(
         if let Some(copy) = ranks::copy_from_peer_slot(shared, step, rank, entry) {
             let (buf, slot_path) = (copy.buf, copy.path);
             let len = to_usize(entry.size);
-            // The sums the slot took beside the committed digests check
-            // every chunk at xxh3's speed, as for this rank's own slot; a
-            // chunk that does not give its sum is checked with blake3.
-            let chunk = to_usize(entry.chunk_bytes);
-            let by_sums = copy
-                .sums
-                .is_some_and(|sums| sums_match(&buf[..len], chunk, &sums, threads));
-            let checked = if by_sums {
+            // The sums the slot took beside the committed digests, as for
+            // this rank's own slot; else (or when one differs) blake3.
+            let checked = if given_sums(step, &buf[..len], &slot_path, entry, copy.sums, threads) {
                 Ok(())
             } else {
                 verify_in_place(&buf[..len], &slot_path, entry, threads).map(|_| ())
@@ -1416,21 +1411,45 @@ fn check_resident(
     entry: &FileEntry,
     threads: usize,
 ) -> Result<()> {
-    let chunk = to_usize(entry.chunk_bytes);
-    if let Some(sums) = ring.quick_sums(info.slot) {
-        if sums_match(image, chunk, &sums, threads) {
-            return Ok(());
-        }
-        tracing::warn!(
-            "acp: resident copy of step {} in {} differs from its quick sums; checking its digests",
-            info.step,
-            path.display()
-        );
+    if given_sums(
+        info.step,
+        image,
+        path,
+        entry,
+        ring.quick_sums(info.slot),
+        threads,
+    ) {
+        return Ok(());
     }
     let (digests, sums) =
         ChunkReader::new(MemSource::new(image, path), entry)?.verify_in_place_with_sums(threads)?;
     ring.record_quick_sums(info.slot, &digests, &sums);
     Ok(())
+}
+
+/// Whether every chunk of `image` (a resident copy of `entry`'s file of
+/// `step`, in `path`) gives its quick sum in `sums` (recorded beside `entry`'s
+/// digests); false, logged, when one does not, and false when there are
+/// none: the caller then checks the digests, whose error names the chunk.
+fn given_sums(
+    step: u64,
+    image: &[u8],
+    path: &Path,
+    entry: &FileEntry,
+    sums: Option<Vec<u64>>,
+    threads: usize,
+) -> bool {
+    let Some(sums) = sums else {
+        return false;
+    };
+    if sums_match(image, to_usize(entry.chunk_bytes), &sums, threads) {
+        return true;
+    }
+    tracing::warn!(
+        "acp: resident copy of step {step} in {} differs from its quick sums; checking its digests",
+        path.display()
+    );
+    false
 }
 
 /// Whether ring slot `info` records, for its image, the length, the chunk

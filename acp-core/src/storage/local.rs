@@ -418,15 +418,12 @@ impl Storage for LocalStorage {
     }
 
     fn refuse(&self, pending: &Pending, reason: &str) {
-        // Written aside and renamed: the rank reads it whole or not at all.
-        // Not made durable: it is a message to a live rank, not a record.
+        // Written aside and renamed, as a report is: the rank reads it
+        // whole or not at all.
         let dir = self.dir_of(pending);
         let tmp = dir.join(format!("{REFUSED_FILE_NAME}.tmp"));
-        let written = super::create_exclusive(&tmp)
-            .and_then(|mut f| {
-                std::io::Write::write_all(&mut f, reason.as_bytes())
-                    .map_err(|e| Error::io("write", &tmp, e))
-            })
+        let written = self
+            .write_durable(&tmp, reason.as_bytes())
             .and_then(|()| self.rename(&tmp, &dir.join(REFUSED_FILE_NAME)));
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
