@@ -143,7 +143,7 @@ def baselines(
 def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
     node = rank // a.per_node
     os.environ["ACP_NODE_ID"] = "ab"[node]
-    shm = Path(a.work, f"shm-{'ab'[node]}")
+    shm = Path(a.shm, "ab"[node])
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -229,7 +229,7 @@ def restore(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
     ckpt = acp.Checkpointer(
         Path(a.work, "root"),
         job="bench",
-        shm_dir=Path(a.work, f"shm-{'ab'[node]}"),
+        shm_dir=Path(a.shm, "ab"[node]),
         ring_bytes=(a.mib << 20) * 8 + (64 << 20),
         mlock=False,
         commit_timeout=600,
@@ -291,20 +291,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None, help="write the figures here")
     a = p.parse_args(argv)
     a.work = tempfile.mkdtemp(prefix="acp-replica-bench-", dir=a.dir)
+    # Each node's rings in RAM, as on a real node (a ring in a directory on
+    # disk would write every image back to the disk: page-cache writeback
+    # competing with the exchange and the storage reads).
+    a.shm = tempfile.mkdtemp(prefix="acp-replica-bench-", dir="/dev/shm")
     load_before = os.getloadavg()[0]
     try:
         out = Path(a.work, "out")
         out.mkdir()
         for n in "ab":
-            Path(a.work, f"shm-{n}").mkdir()
+            Path(a.shm, n).mkdir()
         spawn(worker, ("train", a, free_port(), out), 2 * a.per_node)
-        shutil.rmtree(Path(a.work, "shm-b"))  # node B is lost with its RAM
-        Path(a.work, "shm-b").mkdir()
+        shutil.rmtree(Path(a.shm, "b"))  # node B is lost with its RAM
+        Path(a.shm, "b").mkdir()
         spawn(worker, ("restore", a, free_port(), out), 2 * a.per_node)
         report = summarise(a, out)
         report["loadavg"] = [load_before, os.getloadavg()[0]]
     finally:
         shutil.rmtree(a.work, ignore_errors=True)
+        shutil.rmtree(a.shm, ignore_errors=True)
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     print_table(report)
