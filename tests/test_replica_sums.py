@@ -8,6 +8,7 @@ pass it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,153 @@ def test_a_peer_image_is_checked_by_its_sums_and_refused_by_name(
             assert stats.rejected is not None
             assert "rank 3's replica (torch.distributed)" in stats.rejected
             assert "rank 0's image of step 1" in stats.rejected
+        else:
+            assert stats.source == "peer"
+            assert stats.rejected is None
+    finally:
+        again.close()
+
+
+def holder_of(tmp_path: Path) -> _acp.Engine:
+    shm = tmp_path / "shm-b"
+    shm.mkdir()
+    return _acp.Engine(
+        tmp_path / "ckpt-b", job="sums", rank=1, world_size=2, shm_dir=shm,
+        ring_bytes=16 << 20, replicas_held=1, chunk_bytes=CHUNK,
+    )  # fmt: skip
+
+
+def test_a_replica_sealed_with_its_sums_alone_takes_its_digests_later(tmp_path: Path) -> None:
+    # What an exchange does: the holder seals the replica with the sums
+    # (the step counts as replicated), the digests follow when the sender
+    # has them.
+    ckpt, image, digests, sums = saved(tmp_path)
+    r, s, n, chunk, _ = image.meta()
+    holder = holder_of(tmp_path)
+    try:
+        assert ckpt._engine.resident_sums(image) == sums
+        receipt = holder.begin_replica(r, s, n, chunk)
+        view = receipt.buffer()
+        view[:] = image.buffer()
+        del view
+        receipt.finish(b"", sums)
+        assert [(m[0], m[1], m[4]) for m in holder.replicas()] == [(r, s, b"")]
+        held = holder.pin_replica(r, s)
+        assert held is not None
+        # Served as held: its sums, no digests, and nothing hashed again.
+        assert holder.resident_sums(held) == sums
+        assert holder.digests_to_send(held) is None
+        with pytest.raises(acp.InvalidInput, match="quick sums alone"):
+            holder.resident_hashes(held)
+        del held
+        assert not holder.add_replica_digests(r, s, digests[:-32]), "one per chunk"
+        assert not holder.add_replica_digests(r, s + 1, digests), "no such replica"
+        assert holder.add_replica_digests(r, s, digests)
+        assert not holder.add_replica_digests(r, s, digests), "it has digests now"
+        assert [(m[0], m[1], m[4]) for m in holder.replicas()] == [(r, s, digests)]
+        held = holder.pin_replica(r, s)
+        assert held is not None
+        assert holder.digests_to_send(held) == (digests, sums)
+        del held
+    finally:
+        holder.close()
+        del image
+        ckpt.close()
+
+
+def test_a_replica_without_sums_or_digests_is_refused(tmp_path: Path) -> None:
+    ckpt, image, _, _ = saved(tmp_path)
+    r, s, n, chunk, _ = image.meta()
+    holder = holder_of(tmp_path)
+    try:
+        receipt = holder.begin_replica(r, s, n, chunk)
+        with pytest.raises(acp.InvalidInput, match="digests"):
+            receipt.finish(b"", b"")
+        assert holder.replicas() == []
+    finally:
+        holder.close()
+        del image
+        ckpt.close()
+
+
+def test_the_digests_sent_after_the_sums_are_a_persisted_steps_only(tmp_path: Path) -> None:
+    shm = tmp_path / "shm-a"
+    shm.mkdir()
+    ckpt = acp.Checkpointer(
+        tmp_path / "ckpt", job="sums", shm_dir=shm, ring_bytes=16 << 20, chunk_bytes=CHUNK
+    )
+    try:
+        ckpt.save(1, state(), persist=False).wait()
+        e = ckpt._engine
+        e.wait_idle()
+        snap = e.pin_resident(1)
+        # A RAM snapshot: summed (by the flush thread, or now), never hashed
+        # with blake3 for its replicas.
+        assert len(e.resident_sums(snap)) == 8 * -(-snap.meta()[2] // CHUNK)
+        assert e.digests_to_send(snap) is None
+        del snap
+        ckpt.save(2, state(), persist=True).wait()
+        kept = e.pin_resident(2)
+        got = e.digests_to_send(kept)
+        assert got is not None
+        assert got == e.resident_hashes(kept)
+        del kept
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize("committed", [False, True])
+@pytest.mark.parametrize("damage", ["none", "bytes"])
+def test_a_peer_image_with_sums_alone_is_checked_by_them_or_by_the_index(
+    tmp_path: Path, committed: bool, damage: str
+) -> None:
+    # A replica of a RAM snapshot has its sums alone: they check it. Once
+    # its step is committed, the index's digests do (blake3), as the sums
+    # bind it to no digests.
+    shm = tmp_path / "shm-a"
+    shm.mkdir()
+    ckpt = acp.Checkpointer(
+        tmp_path / "ckpt", job="sums", shm_dir=shm, ring_bytes=16 << 20, chunk_bytes=CHUNK
+    )
+    ckpt.save(1, {"w": torch.zeros(4), "step": 0}).wait()
+    ckpt.save(2, state(), persist=committed).wait()
+    e = ckpt._engine
+    image = e.pin_resident(2)
+    r, s, n, chunk, _ = image.meta()
+    sums = e.resident_sums(image)
+    sent = bytearray(image.buffer())
+    del image
+    ckpt.close()  # persists the newest resident step
+    if not committed:
+        shutil.rmtree(tmp_path / "ckpt" / "step-000000000002")
+    fresh = tmp_path / "shm-new"
+    fresh.mkdir()
+    again = acp.Checkpointer(
+        tmp_path / "ckpt", job="sums", shm_dir=fresh, ring_bytes=16 << 20, chunk_bytes=CHUNK
+    )
+    try:
+        receipt = again._engine.begin_peer_image(3, r, s, n, chunk)
+        view = receipt.buffer()
+        view[:] = sent
+        if damage == "bytes":
+            view[n - 100] ^= 0x5A
+        del view
+        receipt.finish(b"", sums)
+        if damage == "bytes" and not committed:
+            # No other copy of a RAM snapshot: refused by name, not loaded.
+            with pytest.raises(acp.CheckpointNotFound, match="rank 3's replica"):
+                again.load(step=2)
+            return
+        got = again.load(step=2)
+        want = state()["w"]
+        assert isinstance(want, torch.Tensor)
+        assert torch.equal(got["w"], want)
+        stats = again.last_load
+        assert stats is not None
+        if damage == "bytes":
+            assert stats.source == "storage"
+            assert stats.rejected is not None
+            assert "rank 3's replica" in stats.rejected
         else:
             assert stats.source == "peer"
             assert stats.rejected is None

@@ -374,6 +374,13 @@ fn close_finishes_the_queued_replica_sends() {
 /// A's ranks with step 20 still only resident (their close could not
 /// commit it without B). Returns the cluster, A's engines closed.
 fn a_job_dies_with_a_replicated_snapshot() -> Cluster {
+    a_job_dies_with_a_snapshot_replicated(false)
+}
+
+/// [`a_job_dies_with_a_replicated_snapshot`]; with `sums_alone`, step 20's
+/// replicas are sealed with their quick sums alone, as an exchange seals
+/// them before the sender has digests.
+fn a_job_dies_with_a_snapshot_replicated(sums_alone: bool) -> Cluster {
     // Long enough for step 10's ranks to report on a loaded machine, short
     // enough for the closes below, which wait that long for node B.
     let mut c = Cluster::build_with(false, Duration::from_secs(2));
@@ -388,11 +395,26 @@ fn a_job_dies_with_a_replicated_snapshot() -> Cluster {
     for h in saves {
         h.wait().unwrap();
     }
-    let reps: Vec<_> = (0..WORLD)
-        .map(|r| c.engine(r).replicate(20).unwrap())
-        .collect();
-    for h in &reps {
-        h.wait(None).unwrap();
+    if sums_alone {
+        for r in 0..WORLD {
+            let pin = c.engine(r).pin_resident(20).unwrap();
+            let meta = c.engine(r).resident_meta(&pin);
+            let sums = c.engine(r).resident_sums(&pin);
+            let holder = c.engine((r + 2) % WORLD);
+            let mut w = holder
+                .begin_replica(r, 20, meta.len, meta.chunk_bytes)
+                .unwrap();
+            w.image_mut().copy_from_slice(pin.image());
+            w.finish_with_sums(Vec::new(), sums).unwrap();
+            assert!(c.engine(r).protect(20));
+        }
+    } else {
+        let reps: Vec<_> = (0..WORLD)
+            .map(|r| c.engine(r).replicate(20).unwrap())
+            .collect();
+        for h in &reps {
+            h.wait(None).unwrap();
+        }
     }
     for r in [2, 3] {
         drop(c.engines[r as usize].take());
@@ -1134,4 +1156,91 @@ fn a_control_block_changed_under_a_peer_reader_is_no_panic() {
     assert!(slot.digests().unwrap().is_none());
     assert!(slot.sums(chunk, &digests).unwrap().is_none());
     assert!(!slot.unchanged().unwrap());
+}
+
+/// A replica sealed with its quick sums alone (what an exchange does
+/// before the sender has blake3 digests) of a step that is only resident:
+/// the sums check it for a restore from the peer, and a survivor persists
+/// it; its digests, recorded later, bind it as if it had come with them.
+#[test]
+fn a_replica_sealed_with_its_sums_alone_restores_persists_and_takes_digests() {
+    let mut c = Cluster::new();
+    let resident = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    for r in [2, 3] {
+        save_with(c.engine(r), r, 10, &resident).wait().unwrap();
+        let pin = c.engine(r).pin_resident(10).unwrap();
+        let sums = c.engine(r).resident_sums(&pin);
+        let chunk = c.engine(r).resident_meta(&pin).chunk_bytes;
+        // A RAM snapshot has no digests to send.
+        assert_eq!(c.engine(r).digests_to_send(&pin).unwrap(), None);
+        let holder = c.engine((r + 2) % WORLD);
+        let mut w = holder
+            .begin_replica(r, 10, pin.image().len() as u64, chunk)
+            .unwrap();
+        w.image_mut().copy_from_slice(pin.image());
+        if r == 3 {
+            w.image_mut()[1000] ^= 0x5a;
+        }
+        w.finish_with_sums(Vec::new(), sums).unwrap();
+        let held = holder.replicas();
+        assert_eq!(held.len(), 1);
+        assert!(held[0].digests.is_empty() && !held[0].sums.is_empty());
+    }
+    // Rank 0's replica of rank 2 takes digests; a wrong count is refused.
+    let pin = c.engine(2).pin_resident(10).unwrap();
+    let (digests, _) = c.engine(2).resident_hashes(&pin).unwrap();
+    drop(pin);
+    assert!(!c.engine(0).add_replica_digests(2, 10, &digests[1..]));
+    assert!(c.engine(0).add_replica_digests(2, 10, &digests));
+    assert_eq!(c.engine(0).replicas()[0].digests, digests);
+    let chunk = c.engine(0).replicas()[0].chunk_bytes;
+    c.engine(0).replicas()[0].check(chunk).unwrap();
+    // Node B dies (no close: step 10 is only resident) and is replaced.
+    for r in [2, 3] {
+        drop(c.engines[r as usize].take());
+        c.transport.unregister(r);
+    }
+    std::fs::remove_dir_all(&c.shm[1]).unwrap();
+    std::fs::create_dir(&c.shm[1]).unwrap();
+    for r in [2, 3] {
+        c.engines[r as usize] = Some(c.open(r));
+    }
+    assert_eq!(load(c.engine(2), 2, 10), (Source::Peer, true));
+    // Rank 3's replica was damaged: refused by name, and no other copy.
+    let err = c
+        .engine(3)
+        .load(&LoadRequest {
+            step: Some(10),
+            ..LoadRequest::default()
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("quick sum"), "{err}");
+}
+
+/// `acp persist` on a surviving node commits a lost node's step from
+/// replicas that have their quick sums alone (sent before any blake3
+/// digest existed): the sums check the copies, the persist hashes them as
+/// it writes.
+#[test]
+fn acp_persist_commits_replicas_that_have_their_sums_alone() {
+    let c = a_job_dies_with_a_snapshot_replicated(true);
+    let report = persist_node_a(&c).unwrap();
+    assert_eq!(report.latest, Some(20), "{report:#?}");
+    assert!(report.incomplete.is_empty(), "{report:#?}");
+    for r in 0..WORLD {
+        let reader = Engine::open(
+            EngineConfig::new(&c.root)
+                .with_shm_dir(c._tmp.path())
+                .with_job("reader")
+                .with_rank(r)
+                .with_world_size(WORLD)
+                .with_ring_bytes(16 << 20),
+        )
+        .unwrap();
+        assert_eq!(load(&reader, r, 20), (Source::Storage, true), "rank {r}");
+        reader.close().unwrap();
+    }
 }

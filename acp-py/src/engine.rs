@@ -321,6 +321,7 @@ impl Engine {
         if !image.known_digests().is_empty() {
             return Ok(digests_bytes(py, image.known_digests()));
         }
+        no_digests_of_replica(image)?;
         let engine = self.get()?;
         let digests = py
             .detach(|| engine.resident_digests(image.pin()))
@@ -344,11 +345,73 @@ impl Engine {
                 sums_bytes(py, image.known_sums()),
             ));
         }
+        no_digests_of_replica(image)?;
         let engine = self.get()?;
         let (digests, sums) = py
             .detach(|| engine.resident_hashes(image.pin()))
             .map_err(err)?;
         Ok((digests_bytes(py, &digests), sums_bytes(py, &sums)))
+    }
+
+    /// The quick sums of `image` (8 little-endian bytes each,
+    /// concatenated): those it was pinned with, else those of this rank's
+    /// resident image it holds, recorded or taken now (GIL released) and
+    /// recorded. Sent right after the image: the holder seals its replica
+    /// with them, before any blake3 digest exists.
+    fn resident_sums<'py>(
+        &self,
+        py: Python<'py>,
+        image: &ReplicaImage,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        if !image.known_sums().is_empty() || image.is_replica() {
+            return Ok(sums_bytes(py, image.known_sums()));
+        }
+        let engine = self.get()?;
+        let sums = py.detach(|| engine.resident_sums(image.pin()));
+        Ok(sums_bytes(py, &sums))
+    }
+
+    /// The digests to send after `image`'s sums (32 bytes each,
+    /// concatenated), with the sums beside them: those it was pinned with,
+    /// else those of this rank's resident image recorded in its slot, or
+    /// taken now (GIL released) when its step is being persisted; `None`
+    /// for a RAM snapshot that is not (its replicas keep their sums
+    /// alone).
+    fn digests_to_send<'py>(
+        &self,
+        py: Python<'py>,
+        image: &ReplicaImage,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)>> {
+        if !image.known_digests().is_empty() {
+            return Ok(Some((
+                digests_bytes(py, image.known_digests()),
+                sums_bytes(py, image.known_sums()),
+            )));
+        }
+        if image.is_replica() {
+            return Ok(None);
+        }
+        let engine = self.get()?;
+        let got = py
+            .detach(|| engine.digests_to_send(image.pin()))
+            .map_err(err)?;
+        Ok(got.map(|(d, s)| (digests_bytes(py, &d), sums_bytes(py, &s))))
+    }
+
+    /// Records `digests` (32 bytes each, concatenated) beside the quick
+    /// sums this rank's replica of rank `rank`'s `step` was sealed with.
+    /// Returns whether they were recorded (see
+    /// `acp_core::Engine::add_replica_digests`).
+    fn add_replica_digests(
+        &self,
+        py: Python<'_>,
+        rank: u32,
+        step: u64,
+        digests: Vec<u8>,
+    ) -> PyResult<bool> {
+        let digests = crate::replica::digests_from(rank, step, &digests)?;
+        let engine = self.get()?;
+        Ok(py.detach(|| engine.add_replica_digests(rank, step, &digests)))
     }
 
     /// A replica slot for rank `rank`'s image of `step` (`nbytes`, digests
@@ -405,7 +468,7 @@ impl Engine {
         let engine = self.get()?;
         Ok(py
             .detach(|| engine.pin_replica(rank, step))
-            .map(|(meta, pin, _)| ReplicaImage::new(meta, pin)))
+            .map(|(meta, pin, _)| ReplicaImage::replica(meta, pin)))
     }
 
     /// The replicas this rank holds: (rank, step, len, chunk_bytes, digests).
@@ -926,4 +989,17 @@ fn start_save(
             .take()
             .unwrap_or_else(|| err(e))
     })
+}
+
+/// A replica held here is never hashed again by the methods that hash
+/// this rank's own image: one sealed with its quick sums alone has no
+/// digests to give.
+fn no_digests_of_replica(image: &ReplicaImage) -> PyResult<()> {
+    if image.is_replica() {
+        return Err(invalid(
+            "replica image",
+            "held with its quick sums alone: no digests to give (digests_to_send)",
+        ));
+    }
+    Ok(())
 }

@@ -65,7 +65,7 @@ pub(crate) fn sums_bytes<'py>(py: Python<'py>, sums: &[u64]) -> Bound<'py, PyByt
 }
 
 /// Digests as Python passes them: 32 bytes each, concatenated.
-fn digests_from(rank: u32, step: u64, raw: &[u8]) -> PyResult<Vec<Digest>> {
+pub(crate) fn digests_from(rank: u32, step: u64, raw: &[u8]) -> PyResult<Vec<Digest>> {
     if raw.len() % 32 != 0 {
         return Err(invalid(
             format!("replica of rank {rank}'s step {step}"),
@@ -104,11 +104,31 @@ pub(crate) fn meta_tuple<'py>(py: Python<'py>, m: &ReplicaMeta) -> MetaOut<'py> 
 pub(crate) struct ReplicaImage {
     meta: ReplicaMeta,
     pin: PinnedSlot,
+    /// A replica held here, not this rank's own image: its digests and
+    /// sums are those it was pinned with, never hashed again.
+    replica: bool,
 }
 
 impl ReplicaImage {
     pub(crate) fn new(meta: ReplicaMeta, pin: PinnedSlot) -> ReplicaImage {
-        ReplicaImage { meta, pin }
+        ReplicaImage {
+            meta,
+            pin,
+            replica: false,
+        }
+    }
+
+    /// A replica held here (`Engine::pin_replica`).
+    pub(crate) fn replica(meta: ReplicaMeta, pin: PinnedSlot) -> ReplicaImage {
+        ReplicaImage {
+            meta,
+            pin,
+            replica: true,
+        }
+    }
+
+    pub(crate) fn is_replica(&self) -> bool {
+        self.replica
     }
 
     /// The digests it was pinned with (none for a resident image pinned

@@ -124,6 +124,12 @@ def _frombuffer(view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
+def _chunks(image: _acp.ReplicaImage) -> int:
+    """The chunk count of ``image``: one quick sum, one digest each."""
+    _, _, n, chunk, _ = image.meta()
+    return -(-int(n) // int(chunk))
+
+
 class _Incoming:
     """An image being received from rank ``src`` into ``receipt``."""
 
@@ -203,8 +209,8 @@ class TorchReplicas:
                 )
                 continue
             try:
-                fut.set_result(self._exchange(step))
-            except BaseException as e:  # reported through the future
+                self._exchange(step, fut)
+            except BaseException as e:  # reported through the future, if not done
                 self._broken = f"step {step}'s exchange failed: {e}"
                 logger.warning(
                     "acp: rank %d: replication of step %d failed, replicas are off until "
@@ -213,28 +219,37 @@ class TorchReplicas:
                     step,
                     e,
                 )
-                fut.set_exception(e)
+                if not fut.done():
+                    fut.set_exception(e)
 
     # --- the wire, per image: a header of 5 int64 (rank, step, len,
-    # chunk_bytes, digest count n), len -1 for "nothing"; then the image,
+    # chunk_bytes, chunk count n), len -1 for "nothing"; then the image,
     # received straight into the memory that keeps it (a replica slot, or
-    # the buffer the load verifies and reads); then a trailer, last, so
-    # that the sender hashes while the bytes travel: the digests (32 bytes
-    # per chunk), the count of quick sums (an int64, little-endian: n, or
-    # 0 when the sender has none) and n quick sums (8 bytes each, zeros
-    # when none). The receiver seals the image with them: nothing uses it
-    # before its bytes were checked against the sums (bound to digests
-    # that are the ones wanted) or the digests.
+    # the buffer the load verifies and reads); then the sums trailer: the
+    # count of quick sums (an int64, little-endian: n, or 0 when the sender
+    # has none) and n quick sums (8 bytes each, zeros when none); then the
+    # digests trailer: an int64 flag (1: digests follow, 0: none) and n
+    # digests (32 bytes each, zeros when none).
+    #
+    # In an exchange the holder seals the replica with the sums alone, and
+    # the step counts as replicated; the digests trailer comes after, once
+    # the sender has digests (its step is being persisted: the flush hashes
+    # it anyway) or with none (a RAM snapshot is not hashed for its
+    # replicas), and binds the replica to them. A restore's transfer sends
+    # both trailers at once and the receiver seals with both. Nothing uses
+    # an image before its bytes were checked against the sums (bound to
+    # digests that are the ones wanted, or alone for a step not committed)
+    # or the digests.
 
     def _isend(self, to: int, image: _acp.ReplicaImage | None, rank: int, step: int) -> list[Any]:
         """Posts the header and the bytes of ``image`` (``None``: "nothing"
-        of ``rank``'s ``step``) to rank ``to``; its digests follow
-        (``_isend_digests``)."""
+        of ``rank``'s ``step``) to rank ``to``; its trailers follow
+        (``_isend_sums``, ``_isend_digests``)."""
         if image is None:
             header = torch.tensor([rank, step, -1, 0, 0], dtype=torch.int64)
             return [dist.isend(header, dst=to, group=self.group), header]
         r, s, n, chunk, _ = image.meta()
-        header = torch.tensor([r, s, n, chunk, -(-n // chunk)], dtype=torch.int64)
+        header = torch.tensor([r, s, n, chunk, _chunks(image)], dtype=torch.int64)
         data = _frombuffer(image.buffer())
         works: list[Any] = [
             dist.isend(header, dst=to, group=self.group),
@@ -244,15 +259,36 @@ class TorchReplicas:
         works.append((header, data, image))
         return works
 
-    def _isend_digests(self, to: int, hashes: tuple[bytes, bytes]) -> list[Any]:
-        """Posts the trailer of an image: ``hashes`` is its digests and
-        quick sums (``Engine.resident_hashes``)."""
-        digests, sums = hashes
-        n = len(digests) // 32
+    def _isend_sums(self, to: int, sums: bytes, n: int) -> list[Any]:
+        """Posts the sums trailer of an image of ``n`` chunks: ``sums`` is
+        its quick sums (8 bytes each), or empty."""
         count = n if len(sums) == 8 * n else 0
-        raw = bytearray(digests) + count.to_bytes(8, "little") + (sums if count else bytes(8 * n))
-        d = torch.frombuffer(raw, dtype=torch.uint8)
-        return [dist.isend(d, dst=to, group=self.group), d]
+        raw = bytearray(count.to_bytes(8, "little")) + (sums if count else bytes(8 * n))
+        t = torch.frombuffer(raw, dtype=torch.uint8)
+        return [dist.isend(t, dst=to, group=self.group), t]
+
+    def _isend_digests(self, to: int, digests: bytes | None, n: int) -> list[Any]:
+        """Posts the digests trailer of an image of ``n`` chunks:
+        ``digests`` (32 bytes each), or ``None``."""
+        flag = 1 if digests is not None and len(digests) == 32 * n else 0
+        body = digests if digests is not None and flag else bytes(32 * n)
+        raw = bytearray(flag.to_bytes(8, "little")) + body
+        t = torch.frombuffer(raw, dtype=torch.uint8)
+        return [dist.isend(t, dst=to, group=self.group), t]
+
+    def _recv_sums(self, src: int, n: int) -> bytes:
+        """The sums trailer from ``src``: its quick sums, or empty."""
+        t = torch.empty(8 + 8 * n, dtype=torch.uint8)
+        dist.recv(t, src=src, group=self.group)
+        raw = t.numpy().tobytes()
+        return raw[8:] if int.from_bytes(raw[:8], "little") == n else b""
+
+    def _recv_digests(self, src: int, n: int) -> bytes | None:
+        """The digests trailer from ``src``: its digests, or ``None``."""
+        t = torch.empty(8 + 32 * n, dtype=torch.uint8)
+        dist.recv(t, src=src, group=self.group)
+        raw = t.numpy().tobytes()
+        return raw[8:] if int.from_bytes(raw[:8], "little") == 1 else None
 
     def _irecv(self, src: int, begin: Any, rank: int, step: int) -> _Incoming | None:
         """Receives the header from ``src``, which must describe ``rank``'s
@@ -260,7 +296,7 @@ class TorchReplicas:
         image into ``begin(rank, step, len, chunk_bytes)``'s buffer (a
         ``_acp.Receipt``); ``None`` when ``src`` has nothing. A header of
         another rank or step (a stale or buggy peer, a stream out of step)
-        or whose digest count is not its length's is refused before
+        or whose chunk count is not its length's is refused before
         anything is sized by it."""
         header = torch.empty(5, dtype=torch.int64)
         dist.recv(header, src=src, group=self.group)
@@ -281,18 +317,49 @@ class TorchReplicas:
         work = dist.irecv(data, src=src, group=self.group)
         return _Incoming(src, receipt, data, work, nd)
 
-    def _finish(self, inc: _Incoming) -> None:
-        """Waits for ``inc``'s image, receives its digests and seals it."""
+    def _received(self, inc: _Incoming) -> None:
+        """Waits for ``inc``'s image to arrive; nothing writes into its
+        buffer afterwards."""
         inc.work.wait()
         # The receipt seals only once nothing can write into its buffer.
         inc.data = inc.work = None
-        n = inc.digests
-        d = torch.empty(n * 40 + 8, dtype=torch.uint8)
-        dist.recv(d, src=inc.src, group=self.group)
-        raw = d.numpy().tobytes()
-        count = int.from_bytes(raw[32 * n : 32 * n + 8], "little")
-        sums = raw[32 * n + 8 :] if count == n else b""
-        inc.receipt.finish(raw[: 32 * n], sums)
+
+    def _finish_sums(self, inc: _Incoming) -> None:
+        """Waits for ``inc``'s image and its sums, and seals it with the
+        sums alone (its digests follow: ``_finish_digests``)."""
+        self._received(inc)
+        sums = self._recv_sums(inc.src, inc.digests)
+        if not sums:
+            raise RuntimeError(
+                f"rank {self.rank}: rank {inc.src} sent its image of step "
+                f"{inc.receipt!r} without quick sums"
+            )
+        inc.receipt.finish(b"", sums)
+
+    def _finish_digests(self, inc: _Incoming, step: int) -> None:
+        """Receives the digests that follow ``inc``'s sums, if any, and
+        binds the replica sealed with those sums to them."""
+        digests = self._recv_digests(inc.src, inc.digests)
+        e = self._engine
+        if (
+            digests is not None
+            and e is not None
+            and not e.add_replica_digests(inc.src, step, digests)
+        ):
+            logger.debug(
+                "acp: rank %d: rank %d's digests of step %d not recorded (replica gone)",
+                self.rank,
+                inc.src,
+                step,
+            )
+
+    def _finish_whole(self, inc: _Incoming) -> None:
+        """Waits for ``inc``'s image and both trailers, and seals it with
+        them (a restore's transfer)."""
+        self._received(inc)
+        sums = self._recv_sums(inc.src, inc.digests)
+        digests = self._recv_digests(inc.src, inc.digests)
+        inc.receipt.finish(digests or b"", sums)
 
     @staticmethod
     def _wait(works: list[Any]) -> None:
@@ -300,19 +367,27 @@ class TorchReplicas:
             if hasattr(w, "wait"):
                 w.wait()
 
-    def _exchange(self, step: int) -> list[int]:
+    def _exchange(self, step: int, fut: Future[list[int]]) -> None:
         assert self._engine is not None
         e = self._engine
         # Kept resident until the exchange ends (newer saves seal meanwhile),
         # so that it can protect an image this rank still holds.
         held = e.hold_replicating(step)
         try:
-            return self._send_and_receive(step)
+            image, incoming, holders = self._send_and_receive(step)
         finally:
             if held:
                 e.release_replicating(step)
+        # Replicated: every holder sealed this rank's image with its sums.
+        fut.set_result(holders)
+        self._follow_with_digests(step, image, incoming)
 
-    def _send_and_receive(self, step: int) -> list[int]:
+    def _send_and_receive(
+        self, step: int
+    ) -> tuple[_acp.ReplicaImage | None, list[_Incoming | None], list[int]]:
+        """Sends this rank's image of ``step`` and its sums to its holders
+        and receives its sources' into replica slots, sealed with their
+        sums; returns the image, what was received and the holders."""
         assert self._engine is not None
         e = self._engine
         try:
@@ -326,22 +401,42 @@ class TorchReplicas:
         # Every source posted its header before anything that can wait.
         incoming = [self._irecv(src, e.begin_replica, src, step) for src in self.sources]
         if image is not None:
-            # Hashed (unless the flush already did) while the bytes travel.
-            hashes = e.resident_hashes(image)
+            # Summed (unless a flush or the snapshot's own sum did) while the
+            # bytes travel: xxh3, several times cheaper than blake3.
+            sums = e.resident_sums(image)
+            n = _chunks(image)
             for h in holders:
-                works += self._isend_digests(h, hashes)
+                works += self._isend_sums(h, sums, n)
         for inc in incoming:
             if inc is not None:
-                self._finish(inc)
+                self._finish_sums(inc)
         self._wait(works)
         if image is None:
-            return []
+            return None, incoming, []
         # Every holder has it: this rank's own image of the step stays
         # resident until a newer one is protected (or committed), so a
         # node loss finds it on the surviving node.
         if holders:
             e.protect(step)
-        return list(holders)
+        return image, incoming, list(holders)
+
+    def _follow_with_digests(
+        self, step: int, image: _acp.ReplicaImage | None, incoming: list[_Incoming | None]
+    ) -> None:
+        """After an exchange: sends the digests of this rank's image to its
+        holders (when it has some: see ``Engine.digests_to_send``) and
+        binds the replicas received to their senders' digests."""
+        assert self._engine is not None
+        works: list[Any] = []
+        if image is not None:
+            got = self._engine.digests_to_send(image)
+            n = _chunks(image)
+            for h in self.holders[self.rank]:
+                works += self._isend_digests(h, None if got is None else got[0], n)
+        for inc in incoming:
+            if inc is not None:
+                self._finish_digests(inc, step)
+        self._wait(works)
 
     # --- restore
 
@@ -391,7 +486,11 @@ class TorchReplicas:
                 held_image = e.pin_replica(r, step)
                 works += self._isend(r, held_image, r, step)
                 if held_image is not None:
-                    works += self._isend_digests(r, e.resident_hashes(held_image))
+                    # As held: sums, and digests when they came.
+                    n = _chunks(held_image)
+                    got = e.digests_to_send(held_image)
+                    works += self._isend_sums(r, e.resident_sums(held_image), n)
+                    works += self._isend_digests(r, None if got is None else got[0], n)
         incoming = []
         for h, r in transfers:
             if self.rank == r:
@@ -399,7 +498,7 @@ class TorchReplicas:
                 incoming.append(self._irecv(h, functools.partial(e.begin_peer_image, h), r, step))
         for inc in incoming:
             if inc is not None:
-                self._finish(inc)
+                self._finish_whole(inc)
         # This rank's sends complete on the replica thread (which waits for
         # them before any exchange), so its own load overlaps them.
         self.attach(e, sends=works)

@@ -202,6 +202,74 @@ impl Engine {
         Ok(hashed.unwrap_or_default())
     }
 
+    /// The quick sums of the image `pin` holds (one xxh3-64 per chunk):
+    /// those recorded in its slot (beside its digests, or alone: a RAM
+    /// snapshot summed, or an earlier call), else taken now on the copy
+    /// threads and recorded alone (so the snapshot's own background sum
+    /// and a load of it from RAM use them). What a transport sends first,
+    /// so that the image counts as replicated before anyone hashed it with
+    /// blake3 ([`Engine::digests_to_send`] after). Never call it in the
+    /// stall.
+    #[must_use]
+    pub fn resident_sums(&self, pin: &PinnedSlot) -> Vec<u64> {
+        let shared = self.shared();
+        let ring = &shared.ring;
+        let chunk = shared.cfg.chunk_bytes;
+        let want = pin.image().len().div_ceil(chunk.max(1));
+        let recorded = ring
+            .sums_alone(pin.slot())
+            .or_else(|| ring.quick_sums(pin.slot()))
+            .filter(|s| s.len() == want);
+        if let Some(sums) = recorded {
+            return sums;
+        }
+        let sums = crate::read::chunk_sums(pin.image(), chunk, shared.cfg.copy_threads);
+        // Not recorded when digests came meanwhile (a flush's hash).
+        let _ = ring.record_sums_alone(pin.slot(), pin.generation(), &sums);
+        sums
+    }
+
+    /// The digests (and the quick sums beside them) to send after the
+    /// image `pin` holds and its sums ([`Engine::resident_sums`]), so that
+    /// its holders can bind their replica to the committed index: those
+    /// recorded in its slot; else, when its step is being persisted
+    /// (queued, deferred or being written: the flush hashes it anyway),
+    /// taken now or by the flush, whichever comes first
+    /// ([`Engine::resident_hashes`]); else `None`: a RAM snapshot is not
+    /// hashed with blake3 for its replicas, which its quick sums check
+    /// (a restore of it after it was persisted, from a replica without
+    /// digests, checks the bytes against the committed index with
+    /// blake3). Never call it in the stall.
+    ///
+    /// # Errors
+    /// As [`Engine::resident_hashes`].
+    pub fn digests_to_send(&self, pin: &PinnedSlot) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
+        let shared = self.shared();
+        let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
+        if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
+            return Ok(Some((
+                d,
+                crate::replica::sums_of(&shared.ring, pin.slot(), want),
+            )));
+        }
+        let persisting = shared.lock().queued.contains(&pin.step());
+        if !persisting {
+            return Ok(None);
+        }
+        self.resident_hashes(pin).map(Some)
+    }
+
+    /// Records `digests`, sent after the quick sums its replica of rank
+    /// `rank`'s `step` was sealed with
+    /// ([`ReplicaWriter::finish_with_sums`] without digests), beside those
+    /// sums. Returns whether they were recorded: not when no such replica
+    /// is held here, it has digests already, or their count is not its
+    /// chunk count.
+    #[must_use]
+    pub fn add_replica_digests(&self, rank: u32, step: u64, digests: &[Digest]) -> bool {
+        self.shared().replicas.add_digests(rank, step, digests)
+    }
+
     /// Sends this rank's resident image of `step` to its holders (the
     /// transport's [`holders`](crate::replica::Transport::holders)) on the
     /// engine's replica thread (one per engine, sending in the order of
@@ -553,6 +621,43 @@ fn verified_by_sums(
     false
 }
 
+/// Whether `image`, from `origin`, gives `sums` (one quick sum per chunk
+/// of `chunk_bytes`): how a replica of a step that is not committed, sealed
+/// with its sums alone, is checked. When it does not, logs it, naming the
+/// first chunk that differs and the tensors in it, records why in
+/// `rejected` and returns `false`.
+fn by_sums_alone(
+    image: &[u8],
+    origin: &Path,
+    chunk_bytes: u64,
+    sums: &[u64],
+    threads: usize,
+    step: u64,
+    rejected: &mut Option<String>,
+) -> bool {
+    let chunk = usize::try_from(chunk_bytes).unwrap_or(usize::MAX);
+    if sums_match(image, chunk, sums, threads) {
+        return true;
+    }
+    let e = if image.len().div_ceil(chunk.max(1)) == sums.len() {
+        differs_from_sums(image, chunk, sums, origin)
+    } else {
+        Error::corrupt(
+            origin,
+            None,
+            format!(
+                "{} quick sums for {} bytes in chunks of {chunk}",
+                sums.len(),
+                image.len()
+            ),
+        )
+    };
+    let why = format!("image of step {step} in {} rejected: {e}", origin.display());
+    tracing::warn!("acp: {why}; trying the next source");
+    *rejected = Some(why);
+    false
+}
+
 fn to_entry(rank: u32, len: u64, chunk_bytes: u64, digests: Vec<Digest>) -> FileEntry {
     ReplicaMeta {
         rank,
@@ -725,9 +830,17 @@ fn copy_node_replica(
         len: peek.image_len,
     };
     let slot = PeerSlot::open(file, want).ok()??;
-    let (chunk, digests) = slot.digests().ok()??;
+    // Digests, or quick sums alone (a replica sealed before its digests
+    // came): a committed step is checked against its index either way.
+    let (chunk, digests, sums) = match slot.digests().ok()? {
+        Some((chunk, digests)) => (chunk, digests, None),
+        None => {
+            let (chunk, sums) = slot.sums_alone().ok()??;
+            (chunk, Vec::new(), Some(sums))
+        }
+    };
     let entry = match committed {
-        Some(e) if same_digests(e, chunk, &digests) => e.clone(),
+        Some(e) if digests.is_empty() || same_digests(e, chunk, &digests) => Some(e.clone()),
         Some(_) => {
             tracing::warn!(
                 "acp: {} holds another image of step {step} than the committed one, trying the next source",
@@ -735,7 +848,8 @@ fn copy_node_replica(
             );
             return None;
         }
-        None => to_entry(file.rank, peek.image_len, chunk, digests),
+        None if digests.is_empty() => None,
+        None => Some(to_entry(file.rank, peek.image_len, chunk, digests)),
     };
     let mut buf = super::load::heap_whole(peek.image_len, &path).ok()?;
     let len = super::to_usize(peek.image_len);
@@ -744,15 +858,15 @@ fn copy_node_replica(
         tracing::debug!("acp: {} was reused during the copy", path.display());
         return None;
     }
-    verified(
-        &buf[..len],
-        &path,
-        &entry,
-        shared.cfg.copy_threads,
-        step,
-        rejected,
-    )
-    .then(|| Found {
+    let threads = shared.cfg.copy_threads;
+    let ok = match (&entry, &sums) {
+        (Some(entry), _) => verified(&buf[..len], &path, entry, threads, step, rejected),
+        (None, Some(sums)) => {
+            by_sums_alone(&buf[..len], &path, chunk, sums, threads, step, rejected)
+        }
+        (None, None) => false,
+    };
+    ok.then(|| Found {
         backing: Backing::Heap(buf, len),
         origin: path,
         source: Source::Ram,
@@ -790,6 +904,29 @@ pub(super) fn from_peers(
                 origin.display(),
                 meta.what()
             );
+            continue;
+        }
+        if committed.is_none() && meta.digests.is_empty() {
+            // Sealed with its quick sums alone, never persisted: they are
+            // all there is to check it by, as for this rank's own snapshot.
+            let image = fetched.image.as_slice();
+            let threads = shared.cfg.copy_threads;
+            if by_sums_alone(
+                image,
+                &origin,
+                meta.chunk_bytes,
+                &meta.sums,
+                threads,
+                step,
+                rejected,
+            ) {
+                let (map, len) = fetched.image.into_parts();
+                return Some(Found {
+                    backing: Backing::Heap(map, len),
+                    origin,
+                    source: Source::Peer,
+                });
+            }
             continue;
         }
         let entry = match committed {

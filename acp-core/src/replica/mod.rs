@@ -144,7 +144,8 @@ impl ReplicaMeta {
 
     /// Checks that the fields describe an image a replica slot may take:
     /// a chunk size of `chunk_bytes` (the receiver's), one digest per
-    /// chunk, and one quick sum per chunk or none.
+    /// chunk and one quick sum per chunk or none, or no digests and one
+    /// quick sum per chunk (a replica sealed before its digests come).
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the replica.
@@ -159,23 +160,27 @@ impl ReplicaMeta {
             ));
         }
         let want = self.len.div_ceil(chunk_bytes.max(1));
-        if self.digests.len() as u64 != want {
+        // Sums alone (digests to come) are one per chunk too.
+        let sums_alone = self.digests.is_empty() && self.sums.len() as u64 == want;
+        if self.digests.len() as u64 != want && !sums_alone {
             return Err(Error::invalid(
                 self.what(),
                 format!(
-                    "{} digests for {} bytes in chunks of {chunk_bytes} ({want} expected)",
+                    "{} digests for {} bytes in chunks of {chunk_bytes} ({want} expected, \
+                     or none with one quick sum per chunk)",
                     self.digests.len(),
                     self.len
                 ),
             ));
         }
-        if !self.sums.is_empty() && self.sums.len() != self.digests.len() {
+        if !self.sums.is_empty() && self.sums.len() as u64 != want {
             return Err(Error::invalid(
                 self.what(),
                 format!(
-                    "{} quick sums for {} digests (one per chunk, or none)",
+                    "{} quick sums for {} bytes in chunks of {chunk_bytes} (one per chunk, \
+                     or none)",
                     self.sums.len(),
-                    self.digests.len()
+                    self.len
                 ),
             ));
         }

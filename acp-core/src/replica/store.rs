@@ -302,7 +302,7 @@ impl Store {
                 let Ok(pin) = ring.pin_step(info.slot, info.step) else {
                     continue;
                 };
-                let Some(digests) = ring.digests(info.slot) else {
+                let Some((digests, sums)) = checks_of(&ring, info.slot) else {
                     continue;
                 };
                 out.push(ReplicaMeta {
@@ -310,8 +310,8 @@ impl Store {
                     step: info.step,
                     len: pin.image().len() as u64,
                     chunk_bytes: self.opts.chunk_bytes,
-                    sums: sums_of(&ring, info.slot, digests.len()),
                     digests,
+                    sums,
                 });
             }
         }
@@ -334,17 +334,58 @@ impl Store {
         let pin = ring.pin_step(info.slot, step).ok()?;
         // Read after the pin: the digests and sums then belong to the
         // pinned image (a sums record is believed only while bound to the
-        // digests recorded now).
-        let digests = ring.digests(info.slot)?;
+        // digests recorded now, or, alone, to the image).
+        let (digests, sums) = checks_of(&ring, info.slot)?;
         let meta = ReplicaMeta {
             rank,
             step,
             len: pin.image().len() as u64,
             chunk_bytes: self.opts.chunk_bytes,
-            sums: sums_of(&ring, info.slot, digests.len()),
             digests,
+            sums,
         };
         Some((meta, pin, ring.slot_path(info.slot)))
+    }
+
+    /// Records `digests`, which came after the replica of `rank`'s `step`
+    /// was sealed with its quick sums alone, beside those sums: from then
+    /// on the replica is bound to them as if it had been sealed with both.
+    /// Returns whether they were recorded: not when no replica of that
+    /// step is held, it has digests already, or they are not one per
+    /// chunk.
+    pub(crate) fn add_digests(&self, rank: u32, step: u64, digests: &[Digest]) -> bool {
+        let Some(ring) = self.rings().get(&rank).cloned() else {
+            return false;
+        };
+        let Some(info) = ring.complete().into_iter().find(|i| i.step == step) else {
+            return false;
+        };
+        // The pin keeps the image whose sums are read in the slot.
+        let Ok(pin) = ring.pin_step(info.slot, step) else {
+            return false;
+        };
+        let Some(sums) = ring.sums_alone(pin.slot()) else {
+            return false;
+        };
+        if sums.len() != digests.len() {
+            return false;
+        }
+        ring.set_digests(pin.slot(), digests);
+        ring.record_quick_sums(pin.slot(), digests, &sums);
+        ring.digests(pin.slot()).is_some_and(|d| d == digests)
+    }
+}
+
+/// What checks `slot`'s replica: its digests and the sums bound to them,
+/// or no digests and the sums recorded alone (sealed before its digests
+/// came); `None` when it has neither.
+fn checks_of(ring: &Ring, slot: usize) -> Option<(Vec<Digest>, Vec<u64>)> {
+    match ring.digests(slot) {
+        Some(d) => {
+            let sums = sums_of(ring, slot, d.len());
+            Some((d, sums))
+        }
+        None => ring.sums_alone(slot).map(|s| (Vec::new(), s)),
     }
 }
 
@@ -409,23 +450,43 @@ impl ReplicaWriter {
     /// `sums` the sender took in the same pass (one per chunk), recorded
     /// in the slot's control block bound to those digests (`read/fast.rs`):
     /// a restore served from this slot then checks the bytes against the
-    /// sums instead of hashing them with blake3. Frees the rank's replicas
-    /// but the newest two.
+    /// sums instead of hashing them with blake3. With no digests, the sums
+    /// are recorded alone, bound to the image (its step, length and slot
+    /// generation), and the digests may follow
+    /// ([`Engine::add_replica_digests`](crate::Engine::add_replica_digests)):
+    /// a sender need not hash an image with blake3 before it counts as
+    /// replicated. Frees the rank's replicas but the newest two.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when the digest count is not the length's, or the
-    /// sum count neither zero nor the digests' (the slot is then freed,
-    /// unsealed).
+    /// [`Error::Invalid`] when the digest count is not the length's (nor
+    /// zero, with a sum per chunk), or the sum count neither zero nor the
+    /// length's (the slot is then freed, unsealed).
     pub fn finish_with_sums(self, digests: Vec<Digest>, sums: Vec<u64>) -> Result<()> {
         let mut meta = self.meta();
         meta.digests = digests;
         meta.sums = sums;
         meta.check(self.chunk_bytes)?;
         let pin = self.staging.seal(meta.step, meta.len);
-        self.ring.set_digests(pin.slot(), &meta.digests);
-        if !meta.sums.is_empty() {
-            self.ring
-                .record_quick_sums(pin.slot(), &meta.digests, &meta.sums);
+        if meta.digests.is_empty() {
+            // Sums alone: the digests follow ([`Store::add_digests`]).
+            if !self
+                .ring
+                .record_sums_alone(pin.slot(), pin.generation(), &meta.sums)
+            {
+                let slot = pin.slot();
+                drop(pin);
+                self.ring.release(slot);
+                return Err(Error::invalid(
+                    meta.what(),
+                    "its quick sums do not fit the slot's digest area".to_owned(),
+                ));
+            }
+        } else {
+            self.ring.set_digests(pin.slot(), &meta.digests);
+            if !meta.sums.is_empty() {
+                self.ring
+                    .record_quick_sums(pin.slot(), &meta.digests, &meta.sums);
+            }
         }
         // A copy of the same step received before is another image of it
         // (its rank re-ran the step): this one replaces it, whichever slot

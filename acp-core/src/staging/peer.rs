@@ -15,8 +15,8 @@ use crate::error::{Error, Result};
 use crate::format::Digest;
 
 use super::control::{
-    decode_sums, off, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE, SUMS_FIXED,
-    SUMS_MAGIC,
+    decode_sums, off, sums_alone_tag, sums_at, sums_record_len, sums_tag, Header, HEADER_PAGE,
+    SUMS_ALONE_MAGIC, SUMS_FIXED, SUMS_MAGIC,
 };
 use super::{SlotFile, SlotState};
 
@@ -165,6 +165,45 @@ impl PeerSlot {
             return Ok(None);
         }
         Ok(Some(decode_sums(body)))
+    }
+
+    /// The quick sums the slot records for its image without digests (a
+    /// replica sealed before its digests came, or a RAM snapshot summed
+    /// but not hashed), and their chunk size: `None` when digests are
+    /// recorded, or the record is absent or not bound to this image (its
+    /// step, length and generation). Like the bytes, they are the image's
+    /// only if [`PeerSlot::unchanged`] holds afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Io`] reading the control block or the record.
+    pub fn sums_alone(&self) -> Result<Option<(u64, Vec<u64>)>> {
+        let Some(now) = control_block(&self.file, &self.path)? else {
+            return Ok(None);
+        };
+        let chunk = now.chunk_bytes;
+        let count = usize::try_from(now.digest_count).unwrap_or(usize::MAX);
+        if !holds(&now, &self.want, self.file_len)
+            || now.digests_valid != 0
+            || chunk == 0
+            || now.image_len.div_ceil(chunk) != count as u64
+        {
+            return Ok(None);
+        }
+        let at = sums_at(count);
+        if at.saturating_add(sums_record_len(count)) as u64 > now.image_offset {
+            return Ok(None);
+        }
+        let mut record = vec![0u8; sums_record_len(count)];
+        self.file
+            .read_exact_at(&mut record, at as u64)
+            .map_err(|e| Error::io("read", &self.path, e))?;
+        let (fixed, body) = record.split_at(SUMS_FIXED);
+        let (magic, tag) = fixed.split_at(SUMS_ALONE_MAGIC.len());
+        let want = sums_alone_tag(count, chunk, [now.step, now.image_len, now.generation]);
+        if magic != SUMS_ALONE_MAGIC || tag != want.to_le_bytes() {
+            return Ok(None);
+        }
+        Ok(Some((chunk, decode_sums(body))))
     }
 
     /// Whether the slot still holds the same image, not reacquired since
