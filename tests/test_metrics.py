@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +97,31 @@ def test_prometheus_text(make_ckpt: MakeCkpt) -> None:
         ckpt.stats(format="xml")  # type: ignore[call-overload]
     ckpt.close()
     assert str(ckpt.root) not in acp.metrics.prometheus_text()
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of ``path``, as ``stat -f`` names it."""
+    return subprocess.run(
+        ["stat", "-f", "-c", "%T", str(path)], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def test_a_ring_outside_memory_is_named_in_a_warning(
+    make_ckpt: MakeCkpt, shm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # This machine's /dev/shm is a tmpfs and its /tmp is not: both cases run.
+    on_disk = tmp_path / "shm-on-disk"
+    on_disk.mkdir()
+    assert fs_type(shm_dir) == "tmpfs"
+    assert fs_type(on_disk) != "tmpfs"
+    caplog.set_level(logging.WARNING, logger="acp")
+    for d, in_ram in ((shm_dir, True), (on_disk, False)):
+        caplog.clear()
+        ckpt = make_ckpt(shm_dir=d, release_on_close=True)
+        assert ckpt._engine.open_report()["shm_in_ram"] is in_ram
+        warned = [r for r in caplog.records if "is not in memory (not a tmpfs)" in r.getMessage()]
+        assert len(warned) == (0 if in_ram else 1), d
+        if warned:
+            assert str(d) in warned[0].getMessage()
+            assert "ACP_SHM_DIR" in warned[0].getMessage()
+        ckpt.close()

@@ -551,6 +551,8 @@ impl Engine {
         d.set_item("resident_steps", r.resident_steps.clone())?;
         d.set_item("persisting_steps", r.persisting_steps.clone())?;
         d.set_item("discarded_half_staged", r.discarded_half_staged)?;
+        d.set_item("shm_in_ram", r.shm_in_ram)?;
+        d.set_item("shm_dir", r.shm_dir.clone())?;
         Ok(d)
     }
 

@@ -157,6 +157,13 @@ class Metrics:
                 report["resident_steps"],
                 report.get("persisting_steps") or "none",
             )
+        if report.get("shm_in_ram") is False:
+            logger.warning(
+                "acp: shm_dir %s is not in memory (not a tmpfs): every image saved there "
+                "is also written back to its disk, which slows saves, flushes and "
+                "replicas; point shm_dir (ACP_SHM_DIR) at /dev/shm or another tmpfs",
+                report.get("shm_dir"),
+            )
         if report.get("discarded_half_staged"):
             logger.warning(
                 "acp: discarded %d half-staged slot(s) left by a dead process",

@@ -11,13 +11,20 @@ up on every rank. Node identity comes from ``ACP_NODE_ID``, else the host
 name. Rank r's image goes to ``replicas`` ranks: the same local rank on
 each of the next ``replicas`` nodes (wrapping around).
 
-Every image travels with the blake3 digests of its chunks and the xxh3
-quick sums the sender took from the same bytes in the same pass. Before
-``load`` uses a replica, its digests must be the ones wanted (the
-committed index's, when the step is committed) and every chunk must give
-its quick sum; a chunk that does not is checked against its digest
-(``acp-core``'s one verified reader), and a replica that fails is skipped
-with a log line naming it, and the next source is used. The quick sums
+Every image travels with the xxh3 quick sum of each chunk, sent right
+after its bytes: the holder seals its replica with them, and the step
+counts as *replicated* (``wait_replicated``) without anyone hashing the
+image with blake3 first. The blake3 digests of its chunks follow in the
+same exchange when the sender has them: a step being persisted is hashed
+by its flush anyway (the send shares that hash), and the holder binds its
+replica to them; a RAM snapshot (``persist=False``) is not hashed for its
+replicas, which keep their sums alone. Before ``load`` uses a replica,
+every chunk must give its quick sum, and its digests must be the ones
+wanted (the committed index's, when the step is committed); a replica of
+a committed step that has no digests, or a chunk that does not give its
+sum, is checked against the digests with blake3 (``acp-core``'s one
+verified reader), and a replica that fails is skipped with a log line
+naming it, and the next source is used. The quick sums
 catch any accidental change of the bytes (in transit, in a replica slot)
 but for a chance of 2^-64 per chunk; they are not a defence against a
 rank of the job that forges bytes and sums (see ``acp.replica`` in

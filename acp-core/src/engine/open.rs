@@ -30,6 +30,13 @@ pub struct OpenReport {
     pub persisting_steps: Vec<u64>,
     /// Slots found half-staged and discarded.
     pub discarded_half_staged: usize,
+    /// The shared-memory directory of the ring.
+    pub shm_dir: std::path::PathBuf,
+    /// Whether the shared-memory directory is on a file system that keeps
+    /// its files in memory (tmpfs); `false` for a disk's, where every
+    /// image saved is also written back to the disk; `None` when it
+    /// cannot be told.
+    pub shm_in_ram: Option<bool>,
 }
 
 /// Whether the digests recorded in a recovered slot are those the index of
@@ -138,6 +145,15 @@ impl Engine {
         let root = LocalStorage::open(&config.root)?.with_probe(config.probe());
         let io = crate::io::open_engine(config.io)?;
         let (prefix, job_tag) = job_names(&config, &root, config.rank);
+        let shm_in_ram = crate::staging::in_ram(&config.shm_dir);
+        if shm_in_ram == Some(false) {
+            tracing::warn!(
+                "acp: shm_dir {} is not in memory (not a tmpfs): every image saved \
+                 there is also written back to its disk, which slows saves, flushes and \
+                 replicas; point shm_dir (ACP_SHM_DIR) at /dev/shm or another tmpfs",
+                config.shm_dir.display()
+            );
+        }
         // A ring without a given budget is sized from the room it has.
         let room = crate::staging::shm_room(&config.shm_dir, &prefix);
         let config = config.sized_by(room)?;
@@ -173,6 +189,8 @@ impl Engine {
             resident_steps: ring_report.recovered.iter().map(|s| s.step).collect(),
             persisting_steps: to_persist.iter().map(|s| s.step).collect(),
             discarded_half_staged: ring_report.discarded_half_staged,
+            shm_dir: config.shm_dir.clone(),
+            shm_in_ram,
         };
         if let Some(e) = &report.mlock_error {
             tracing::info!("acp: ring not locked in RAM ({e}); it stays pre-faulted");

@@ -44,16 +44,33 @@
 //! one already hashed the slot. The holder records the digests in the
 //! replica slot's digest area and the sums beside them, bound to them
 //! (`read/fast.rs`: a sums record is believed only while the digests it
-//! was recorded with are the slot's). Nothing of a replica reaches a
-//! caller before every chunk was checked: a replica fetched from a peer
-//! whose digests are the ones wanted (the committed index's when the step
-//! is committed, else its own) is checked against its quick sums; one
-//! without sums, or with a chunk that does not give its sum, goes to the
-//! one verified reader (`crate::read`), which checks every chunk against
-//! those digests with blake3 and names what is wrong. A replica slot read
-//! on this node is checked with blake3. A replica that is missing, of
-//! another length, or that fails verification is skipped with a log line
-//! naming it, and the restore takes the next source.
+//! was recorded with are the slot's).
+//!
+//! A transport may also send the sums first and the digests after
+//! ([`Engine::resident_sums`](crate::Engine::resident_sums),
+//! [`Engine::digests_to_send`](crate::Engine::digests_to_send)), so that an
+//! image counts as replicated before anyone hashed it with blake3 (the
+//! PyTorch exchange does): the holder seals the slot with the sums alone
+//! ([`ReplicaWriter::finish_with_sums`] without digests; the record is
+//! bound to the image's step, length and slot generation), and binds it
+//! to the digests when they come
+//! ([`Engine::add_replica_digests`](crate::Engine::add_replica_digests)).
+//! A RAM snapshot's replicas keep their sums alone: its sender has no
+//! digests unless the step is persisted.
+//!
+//! Nothing of a replica reaches a caller before every chunk was checked:
+//! a replica fetched from a peer whose digests are the ones wanted (the
+//! committed index's when the step is committed, else its own) is checked
+//! against its quick sums; one of a step that is not committed with its
+//! sums alone is checked against them, as this rank's own RAM snapshot is;
+//! one without sums, one of a committed step without digests, or one with
+//! a chunk that does not give its sum goes to the one verified reader
+//! (`crate::read`), which checks every chunk against the digests wanted
+//! with blake3 and names what is wrong. A replica slot read on this node
+//! is checked with blake3, or by its sums alone for a step not committed.
+//! A replica that is missing, of another length, or that fails
+//! verification is skipped with a log line naming it, and the restore
+//! takes the next source.
 //!
 //! What the quick sums stand for: a chunk that still gives the sum its
 //! sender took from the bytes its digest describes is, but for a chance
@@ -71,7 +88,8 @@
 //! # Guarantees
 //!
 //! A step is *replicated* once every holder of this rank's image has it
-//! complete in a replica slot ([`ReplicaHandle::wait`]). Losing one node
+//! complete in a replica slot, sealed with its digests or its quick sums
+//! ([`ReplicaHandle::wait`]). Losing one node
 //! then loses no replicated step: each of its ranks' images is in another
 //! node's RAM. Two nodes lost together lose the steps whose only RAM
 //! copies were on them (an image and its replicas); committed steps stay

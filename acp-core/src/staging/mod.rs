@@ -226,7 +226,7 @@ pub use peek::{peek_file, peek_slot, SlotPeek};
 pub use peer::{PeerImage, PeerSlot};
 pub use ring::{Ring, WarmDeferral};
 pub use rings::{rings, HeldRing, RingFiles, SlotSeen};
-pub use room::{shm_room, ShmRoom};
+pub use room::{in_ram, shm_room, ShmRoom};
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]

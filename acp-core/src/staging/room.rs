@@ -61,6 +61,35 @@ pub fn shm_room(dir: &Path, prefix: &str) -> Result<ShmRoom> {
     })
 }
 
+/// Whether `dir` is on a file system that keeps its files in memory
+/// (tmpfs, ramfs, hugetlbfs), as a ring's directory should be: a ring on a
+/// disk's file system works, but every image written into its shared
+/// mappings is written back to the disk (page-cache writeback competing
+/// with the saves, the flush and the training). `None` when it cannot be
+/// told (`statfs` failed).
+#[must_use]
+pub fn in_ram(dir: &Path) -> Option<bool> {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero `statfs` is a valid value of this plain C struct
+    // of integers.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated string that lives across the call,
+    // and `st` is a valid, writable `statfs` the call fills in.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &raw mut st) };
+    if rc != 0 {
+        return None;
+    }
+    #[expect(
+        clippy::useless_conversion,
+        reason = "f_type's type differs between targets"
+    )]
+    let kind = i64::from(st.f_type);
+    Some(matches!(kind, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC))
+}
+
 /// `(free for this user, size)` of the file system holding `dir`, in bytes.
 fn statvfs(dir: &Path) -> std::io::Result<(u64, u64)> {
     let c = CString::new(dir.as_os_str().as_bytes())
@@ -129,6 +158,13 @@ mod tests {
         assert_eq!(parse_mem_available(text), Some(23_776_452 * 1024));
         assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
         assert_eq!(parse_mem_available("MemAvailable: x kB\n"), None);
+    }
+
+    #[test]
+    fn a_tmpfs_is_in_ram_and_other_file_systems_are_not() {
+        assert_eq!(in_ram(Path::new("/dev/shm")), Some(true));
+        assert_eq!(in_ram(Path::new("/proc")), Some(false));
+        assert_eq!(in_ram(Path::new("/no/such/dir")), None);
     }
 
     #[test]
