@@ -97,6 +97,12 @@ pub(super) fn hash_slot(
     if summed() {
         return true;
     }
+    // A replica send sums (or hashes) the same image as soon as the save
+    // returns: the second of the two takes the first one's result.
+    let _hashing = shared.replicas.hashing();
+    if summed() {
+        return true;
+    }
     let sums = crate::read::chunk_sums(pin.image(), shared.cfg.chunk_bytes, threads);
     // Not recorded when digests were recorded meanwhile (a flush or a
     // replica send of the same image), or the slot was released

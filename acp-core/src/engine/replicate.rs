@@ -216,11 +216,18 @@ impl Engine {
         let ring = &shared.ring;
         let chunk = shared.cfg.chunk_bytes;
         let want = pin.image().len().div_ceil(chunk.max(1));
-        let recorded = ring
-            .sums_alone(pin.slot())
-            .or_else(|| ring.quick_sums(pin.slot()))
-            .filter(|s| s.len() == want);
-        if let Some(sums) = recorded {
+        let recorded = || {
+            ring.sums_alone(pin.slot())
+                .or_else(|| ring.quick_sums(pin.slot()))
+                .filter(|s| s.len() == want)
+        };
+        if let Some(sums) = recorded() {
+            return sums;
+        }
+        // The snapshot's background sum (`hash.rs`) starts when the save
+        // returns, as this call does: the second takes the first's sums.
+        let _hashing = shared.replicas.hashing();
+        if let Some(sums) = recorded() {
             return sums;
         }
         let sums = crate::read::chunk_sums(pin.image(), chunk, shared.cfg.copy_threads);

@@ -119,7 +119,9 @@ impl Store {
     }
 
     /// The lock under which an image of this rank's ring is hashed for a
-    /// flush or a replica send (`engine::replicate::hash_once`).
+    /// flush or a replica send (`engine::replicate::hash_once`), or summed
+    /// for a replica send or in the background (`engine::hash`): the second
+    /// of two takes the first one's result rather than hashing again.
     pub(crate) fn hashing(&self) -> MutexGuard<'_, ()> {
         self.hashing.lock().unwrap_or_else(PoisonError::into_inner)
     }
