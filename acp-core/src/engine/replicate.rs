@@ -225,8 +225,12 @@ impl Engine {
             return sums;
         }
         // The snapshot's background sum (`hash.rs`) starts when the save
-        // returns, as this call does: the second takes the first's sums.
-        let _hashing = shared.replicas.hashing();
+        // returns, as this call does: summing under the hashing lock makes
+        // it take these sums rather than sum again. Never waited for: the
+        // lock may be a flush's blake3 pass over the image (`hash_once`),
+        // which is what sending the sums first keeps off replication's
+        // path; summing beside it costs a few ms of a core.
+        let _hashing = shared.replicas.try_hashing();
         if let Some(sums) = recorded() {
             return sums;
         }

@@ -126,6 +126,15 @@ impl Store {
         self.hashing.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// [`Store::hashing`] when no one holds it, else `None` (at once).
+    pub(crate) fn try_hashing(&self) -> Option<MutexGuard<'_, ()>> {
+        match self.hashing.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     pub(crate) fn transport(&self) -> Option<&Arc<dyn Transport>> {
         self.transport.as_ref()
     }
