@@ -93,38 +93,55 @@ def test_a_peer_image_is_checked_by_its_sums_and_refused_by_name(
     sent = bytearray(image.buffer())
     del image
     ckpt.close()
+    again, receipt = restarted_with_peer_image(tmp_path, (r, s, n, chunk), sent, damage)
+    try:
+        got_sums = bytearray(sums)
+        if damage == "sums":
+            got_sums[0] ^= 1
+        receipt.finish(digests, bytes(got_sums))
+        rejected = loads_bit_exact(again, 1, "storage" if damage == "bytes" else "peer")
+        if damage == "bytes":
+            assert rejected is not None
+            assert "rank 3's replica (torch.distributed)" in rejected
+            assert "rank 0's image of step 1" in rejected
+        else:
+            assert rejected is None
+    finally:
+        again.close()
+
+
+def restarted_with_peer_image(
+    tmp_path: Path, meta: tuple[int, int, int, int], sent: bytearray, damage: str
+) -> tuple[acp.Checkpointer, _acp.Receipt]:
+    """A checkpointer on the same root with empty RAM, and ``sent`` (rank
+    ``meta[0]``'s image) received from rank 3 for its next load, one byte
+    changed in transit when ``damage == "bytes"`` (its sums then still
+    describe the bytes sent); finish the receipt next."""
+    r, s, n, chunk = meta
     fresh = tmp_path / "shm-new"
     fresh.mkdir()
     again = acp.Checkpointer(
         tmp_path / "ckpt", job="sums", shm_dir=fresh, ring_bytes=16 << 20, chunk_bytes=CHUNK
     )
-    try:
-        receipt = again._engine.begin_peer_image(3, r, s, n, chunk)
-        view = receipt.buffer()
-        view[:] = sent
-        if damage == "bytes":
-            view[n - 100] ^= 0x5A  # in transit: the sums still describe the sent bytes
-        del view
-        got_sums = bytearray(sums)
-        if damage == "sums":
-            got_sums[0] ^= 1
-        receipt.finish(digests, bytes(got_sums))
-        got = again.load(step=1)
-        want = state()["w"]
-        assert isinstance(want, torch.Tensor)
-        assert torch.equal(got["w"], want)
-        stats = again.last_load
-        assert stats is not None
-        if damage == "bytes":
-            assert stats.source == "storage"
-            assert stats.rejected is not None
-            assert "rank 3's replica (torch.distributed)" in stats.rejected
-            assert "rank 0's image of step 1" in stats.rejected
-        else:
-            assert stats.source == "peer"
-            assert stats.rejected is None
-    finally:
-        again.close()
+    receipt = again._engine.begin_peer_image(3, r, s, n, chunk)
+    view = receipt.buffer()
+    view[:] = sent
+    if damage == "bytes":
+        view[n - 100] ^= 0x5A
+    del view
+    return again, receipt
+
+
+def loads_bit_exact(ckpt: acp.Checkpointer, step: int, source: str) -> str | None:
+    """Loads ``step`` from ``source``, bit-exact; returns what was rejected."""
+    got = ckpt.load(step=step)
+    want = state()["w"]
+    assert isinstance(want, torch.Tensor)
+    assert torch.equal(got["w"], want)
+    stats = ckpt.last_load
+    assert stats is not None
+    assert stats.source == source
+    return stats.rejected
 
 
 def holder_of(tmp_path: Path) -> _acp.Engine:
@@ -239,36 +256,19 @@ def test_a_peer_image_with_sums_alone_is_checked_by_them_or_by_the_index(
     ckpt.close()  # persists the newest resident step
     if not committed:
         shutil.rmtree(tmp_path / "ckpt" / "step-000000000002")
-    fresh = tmp_path / "shm-new"
-    fresh.mkdir()
-    again = acp.Checkpointer(
-        tmp_path / "ckpt", job="sums", shm_dir=fresh, ring_bytes=16 << 20, chunk_bytes=CHUNK
-    )
+    again, receipt = restarted_with_peer_image(tmp_path, (r, s, n, chunk), sent, damage)
     try:
-        receipt = again._engine.begin_peer_image(3, r, s, n, chunk)
-        view = receipt.buffer()
-        view[:] = sent
-        if damage == "bytes":
-            view[n - 100] ^= 0x5A
-        del view
         receipt.finish(b"", sums)
         if damage == "bytes" and not committed:
             # No other copy of a RAM snapshot: refused by name, not loaded.
             with pytest.raises(acp.CheckpointNotFound, match="rank 3's replica"):
                 again.load(step=2)
             return
-        got = again.load(step=2)
-        want = state()["w"]
-        assert isinstance(want, torch.Tensor)
-        assert torch.equal(got["w"], want)
-        stats = again.last_load
-        assert stats is not None
+        rejected = loads_bit_exact(again, 2, "storage" if damage == "bytes" else "peer")
         if damage == "bytes":
-            assert stats.source == "storage"
-            assert stats.rejected is not None
-            assert "rank 3's replica" in stats.rejected
+            assert rejected is not None
+            assert "rank 3's replica" in rejected
         else:
-            assert stats.source == "peer"
-            assert stats.rejected is None
+            assert rejected is None
     finally:
         again.close()

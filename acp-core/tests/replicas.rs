@@ -114,6 +114,20 @@ impl Cluster {
             self.engines[r as usize].take().unwrap().close().unwrap();
             self.transport.unregister(r);
         }
+        self.replace_node_b();
+    }
+
+    /// Node B is lost without a close (its processes are killed: what is
+    /// only resident there is gone) and replaced by an empty one.
+    fn crash_node_b(&mut self) {
+        for r in [2, 3] {
+            drop(self.engines[r as usize].take());
+            self.transport.unregister(r);
+        }
+        self.replace_node_b();
+    }
+
+    fn replace_node_b(&mut self) {
         std::fs::remove_dir_all(&self.shm[1]).unwrap();
         std::fs::create_dir(&self.shm[1]).unwrap();
         for r in [2, 3] {
@@ -464,19 +478,7 @@ fn acp_persist_on_a_survivor_commits_a_dead_nodes_step_from_its_replicas() {
         ]
     );
     // Committed, and every rank's file is the bytes it saved.
-    for r in 0..WORLD {
-        let reader = Engine::open(
-            EngineConfig::new(&c.root)
-                .with_shm_dir(c._tmp.path())
-                .with_job("reader")
-                .with_rank(r)
-                .with_world_size(WORLD)
-                .with_ring_bytes(16 << 20),
-        )
-        .unwrap();
-        assert_eq!(load(&reader, r, 20), (Source::Storage, true), "rank {r}");
-        reader.close().unwrap();
-    }
+    every_rank_reads_from_storage(&c, 20);
     // The rings made to stage B's images went once they were committed.
     let left: Vec<(u32, Option<u32>)> = acp_core::ops::shm_list(&c.shm[0])
         .unwrap()
@@ -780,15 +782,7 @@ fn the_newest_replicated_snapshot_stays_until_a_newer_one_is_replicated() {
     assert!(!c.engine(0).protect(10), "10 is protected already");
     // Node B is lost (no close: its processes are killed), B's images of
     // step 20 with it.
-    for r in [2, 3] {
-        drop(c.engines[r as usize].take());
-        c.transport.unregister(r);
-    }
-    std::fs::remove_dir_all(&c.shm[1]).unwrap();
-    std::fs::create_dir(&c.shm[1]).unwrap();
-    for r in [2, 3] {
-        c.engines[r as usize] = Some(c.open(r));
-    }
+    c.crash_node_b();
     for r in [0, 1] {
         assert_eq!(load(c.engine(r), r, 10), (Source::Ram, true), "rank {r}");
     }
@@ -1199,15 +1193,7 @@ fn a_replica_sealed_with_its_sums_alone_restores_persists_and_takes_digests() {
     let chunk = c.engine(0).replicas()[0].chunk_bytes;
     c.engine(0).replicas()[0].check(chunk).unwrap();
     // Node B dies (no close: step 10 is only resident) and is replaced.
-    for r in [2, 3] {
-        drop(c.engines[r as usize].take());
-        c.transport.unregister(r);
-    }
-    std::fs::remove_dir_all(&c.shm[1]).unwrap();
-    std::fs::create_dir(&c.shm[1]).unwrap();
-    for r in [2, 3] {
-        c.engines[r as usize] = Some(c.open(r));
-    }
+    c.crash_node_b();
     assert_eq!(load(c.engine(2), 2, 10), (Source::Peer, true));
     // Rank 3's replica was damaged: refused by name, and no other copy.
     let err = c
@@ -1230,6 +1216,12 @@ fn acp_persist_commits_replicas_that_have_their_sums_alone() {
     let report = persist_node_a(&c).unwrap();
     assert_eq!(report.latest, Some(20), "{report:#?}");
     assert!(report.incomplete.is_empty(), "{report:#?}");
+    every_rank_reads_from_storage(&c, 20);
+}
+
+/// Every rank's file of committed `step` loads from storage, bit-exact
+/// (a reader of another job: no RAM of the cluster's).
+fn every_rank_reads_from_storage(c: &Cluster, step: u64) {
     for r in 0..WORLD {
         let reader = Engine::open(
             EngineConfig::new(&c.root)
@@ -1240,7 +1232,7 @@ fn acp_persist_commits_replicas_that_have_their_sums_alone() {
                 .with_ring_bytes(16 << 20),
         )
         .unwrap();
-        assert_eq!(load(&reader, r, 20), (Source::Storage, true), "rank {r}");
+        assert_eq!(load(&reader, r, step), (Source::Storage, true), "rank {r}");
         reader.close().unwrap();
     }
 }

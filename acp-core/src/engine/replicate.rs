@@ -917,12 +917,12 @@ pub(super) fn from_peers(
             );
             continue;
         }
-        if committed.is_none() && meta.digests.is_empty() {
+        let image = fetched.image.as_slice();
+        let threads = shared.cfg.copy_threads;
+        let ok = match committed {
             // Sealed with its quick sums alone, never persisted: they are
             // all there is to check it by, as for this rank's own snapshot.
-            let image = fetched.image.as_slice();
-            let threads = shared.cfg.copy_threads;
-            if by_sums_alone(
+            None if meta.digests.is_empty() => by_sums_alone(
                 image,
                 &origin,
                 meta.chunk_bytes,
@@ -930,34 +930,14 @@ pub(super) fn from_peers(
                 threads,
                 step,
                 rejected,
-            ) {
-                let (map, len) = fetched.image.into_parts();
-                return Some(Found {
-                    backing: Backing::Heap(map, len),
-                    origin,
-                    source: Source::Peer,
-                });
+            ),
+            _ => {
+                let entry = committed.cloned().unwrap_or_else(|| meta.entry());
+                verified_by_sums(image, &origin, &entry, meta, threads)
+                    || verified(image, &origin, &entry, threads, step, rejected)
             }
-            continue;
-        }
-        let entry = match committed {
-            Some(e) => e.clone(),
-            None => meta.entry(),
         };
-        if verified_by_sums(
-            fetched.image.as_slice(),
-            &origin,
-            &entry,
-            meta,
-            shared.cfg.copy_threads,
-        ) || verified(
-            fetched.image.as_slice(),
-            &origin,
-            &entry,
-            shared.cfg.copy_threads,
-            step,
-            rejected,
-        ) {
+        if ok {
             let (map, len) = fetched.image.into_parts();
             return Some(Found {
                 backing: Backing::Heap(map, len),

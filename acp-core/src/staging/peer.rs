@@ -149,10 +149,25 @@ impl PeerSlot {
         let Some(now) = control_block(&self.file, &self.path)? else {
             return Ok(None);
         };
-        let count = digests.len();
+        if !holds(&now, &self.want, self.file_len) {
+            return Ok(None);
+        }
+        let tag = sums_tag(digests, chunk_bytes);
+        self.sums_record(&now, digests.len(), SUMS_MAGIC, tag)
+    }
+
+    /// The sums of the record after a digest area of `count` digests, when
+    /// it lies before the image area (as the control block `now` places
+    /// it) and its magic is `magic` and its tag `tag`.
+    fn sums_record(
+        &self,
+        now: &Header,
+        count: usize,
+        magic: [u8; 8],
+        tag: u64,
+    ) -> Result<Option<Vec<u64>>> {
         let at = sums_at(count);
-        let end = at.saturating_add(sums_record_len(count)) as u64;
-        if !holds(&now, &self.want, self.file_len) || end > now.image_offset {
+        if at.saturating_add(sums_record_len(count)) as u64 > now.image_offset {
             return Ok(None);
         }
         let mut record = vec![0u8; sums_record_len(count)];
@@ -160,8 +175,8 @@ impl PeerSlot {
             .read_exact_at(&mut record, at as u64)
             .map_err(|e| Error::io("read", &self.path, e))?;
         let (fixed, body) = record.split_at(SUMS_FIXED);
-        let (magic, tag) = fixed.split_at(SUMS_MAGIC.len());
-        if magic != SUMS_MAGIC || tag != sums_tag(digests, chunk_bytes).to_le_bytes() {
+        let (got_magic, got_tag) = fixed.split_at(magic.len());
+        if got_magic != magic || got_tag != tag.to_le_bytes() {
             return Ok(None);
         }
         Ok(Some(decode_sums(body)))
@@ -189,21 +204,10 @@ impl PeerSlot {
         {
             return Ok(None);
         }
-        let at = sums_at(count);
-        if at.saturating_add(sums_record_len(count)) as u64 > now.image_offset {
-            return Ok(None);
-        }
-        let mut record = vec![0u8; sums_record_len(count)];
-        self.file
-            .read_exact_at(&mut record, at as u64)
-            .map_err(|e| Error::io("read", &self.path, e))?;
-        let (fixed, body) = record.split_at(SUMS_FIXED);
-        let (magic, tag) = fixed.split_at(SUMS_ALONE_MAGIC.len());
-        let want = sums_alone_tag(count, chunk, [now.step, now.image_len, now.generation]);
-        if magic != SUMS_ALONE_MAGIC || tag != want.to_le_bytes() {
-            return Ok(None);
-        }
-        Ok(Some((chunk, decode_sums(body))))
+        let tag = sums_alone_tag(count, chunk, [now.step, now.image_len, now.generation]);
+        Ok(self
+            .sums_record(&now, count, SUMS_ALONE_MAGIC, tag)?
+            .map(|sums| (chunk, sums)))
     }
 
     /// Whether the slot still holds the same image, not reacquired since
