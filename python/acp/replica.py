@@ -219,6 +219,16 @@ class TorchReplicas:
                 self._exchange(step, fut)
             except BaseException as e:  # reported through the future, if not done
                 self._broken = f"step {step}'s exchange failed: {e}"
+                if fut.done():
+                    # Replicated (sealed with its sums); its digests were not.
+                    logger.warning(
+                        "acp: rank %d: the digests of step %d were not exchanged, replicas "
+                        "are off until the next Checkpointer: %s",
+                        self.rank,
+                        step,
+                        e,
+                    )
+                    continue
                 logger.warning(
                     "acp: rank %d: replication of step %d failed, replicas are off until "
                     "the next Checkpointer (the step is protected by storage only): %s",
@@ -226,8 +236,7 @@ class TorchReplicas:
                     step,
                     e,
                 )
-                if not fut.done():
-                    fut.set_exception(e)
+                fut.set_exception(e)
 
     # --- the wire, per image: a header of 5 int64 (rank, step, len,
     # chunk_bytes, chunk count n), len -1 for "nothing"; then the image,
@@ -338,8 +347,7 @@ class TorchReplicas:
         sums = self._recv_sums(inc.src, inc.digests)
         if not sums:
             raise RuntimeError(
-                f"rank {self.rank}: rank {inc.src} sent its image of step "
-                f"{inc.receipt!r} without quick sums"
+                f"rank {self.rank}: rank {inc.src} sent {inc.receipt!r} without quick sums"
             )
         inc.receipt.finish(b"", sums)
 
