@@ -224,3 +224,34 @@ fn saving_a_held_step_again_lets_the_old_image_go() {
     check(&engine.load(&LoadRequest::default()).unwrap()).unwrap();
     engine.close().unwrap();
 }
+
+/// The digests a replica exchange sends after a held snapshot's quick
+/// sums wait for its decision: persisted, the snapshot's digests (the
+/// flush's hash); let go, none (a RAM snapshot is not hashed with blake3
+/// for its replicas).
+#[test]
+fn the_digests_sent_for_a_held_snapshot_wait_for_its_decision() {
+    let (_t, root, shm) = dirs();
+    let engine = Engine::open(config(&root, &shm, 4)).unwrap();
+    let _one = held(&engine, 1);
+    let _two = held(&engine, 2);
+    for (step, persist) in [(1, true), (2, false)] {
+        let pin = engine.pin_resident(step).unwrap();
+        let sums = engine.resident_sums(&pin);
+        let got = std::thread::scope(|s| {
+            let sent = s.spawn(|| engine.digests_to_send(&pin).unwrap());
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!sent.is_finished(), "step {step}: sent before its decision");
+            assert!(engine.decide(step, persist).unwrap());
+            sent.join().unwrap()
+        });
+        match got {
+            Some((digests, got_sums)) => {
+                assert!(persist, "step {step}: digests of a snapshot let go");
+                assert_eq!(got_sums, sums);
+                assert_eq!(digests.len(), sums.len());
+            }
+            None => assert!(!persist, "step {step}: no digests for a persisted step"),
+        }
+    }
+}

@@ -80,6 +80,10 @@ def train(ckpt: acp.Checkpointer, rank: int) -> None:
     assert held["held"] == 2, held
     assert held["steps"] == {(rank + 2) % 4: [1, 2]}, held
     assert held["bytes"] > 2 * 64 * 1024 * 4, held
+    # Sealed with their sums, a persisted step's replicas take its digests
+    # after: step 1's came before step 2's exchange began.
+    digests = {s: d for _, s, _, _, d in ckpt._engine.replicas()}
+    assert len(digests[1]) > 0 and len(digests[1]) % 32 == 0, digests
 
 
 def outcome(h: acp.SaveHandle) -> Any:

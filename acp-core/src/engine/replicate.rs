@@ -250,24 +250,37 @@ impl Engine {
     /// hashed with blake3 for its replicas, which its quick sums check
     /// (a restore of it after it was persisted, from a replica without
     /// digests, checks the bytes against the committed index with
-    /// blake3). Never call it in the stall.
+    /// blake3). A held save ([`Engine::decide`]) is waited for until it is
+    /// decided, at most the commit timeout (rank 0's decision reaches the
+    /// other ranks within milliseconds). Never call it in the stall.
     ///
     /// # Errors
     /// As [`Engine::resident_hashes`].
     pub fn digests_to_send(&self, pin: &PinnedSlot) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
         let shared = self.shared();
         let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
-        if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
-            return Ok(Some((
-                d,
-                crate::replica::sums_of(&shared.ring, pin.slot(), want),
-            )));
+        let deadline = std::time::Instant::now() + shared.cfg.commit_timeout;
+        loop {
+            if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
+                let sums = crate::replica::sums_of(&shared.ring, pin.slot(), want);
+                return Ok(Some((d, sums)));
+            }
+            let (persisting, held) = {
+                let st = shared.lock();
+                let step = pin.step();
+                (
+                    st.queued.contains(&step),
+                    st.held.iter().any(|j| j.step == step),
+                )
+            };
+            if persisting {
+                return self.resident_hashes(pin).map(Some);
+            }
+            if !held || std::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        let persisting = shared.lock().queued.contains(&pin.step());
-        if !persisting {
-            return Ok(None);
-        }
-        self.resident_hashes(pin).map(Some)
     }
 
     /// Records `digests`, sent after the quick sums its replica of rank
