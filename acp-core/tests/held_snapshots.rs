@@ -239,7 +239,11 @@ fn the_digests_sent_for_a_held_snapshot_wait_for_its_decision() {
         let pin = engine.pin_resident(step).unwrap();
         let sums = engine.resident_sums(&pin);
         let got = std::thread::scope(|s| {
-            let sent = s.spawn(|| engine.digests_to_send(&pin).unwrap());
+            let sent = s.spawn(|| {
+                engine
+                    .digests_to_send(&pin, Duration::from_secs(60))
+                    .unwrap()
+            });
             std::thread::sleep(Duration::from_millis(50));
             assert!(!sent.is_finished(), "step {step}: sent before its decision");
             assert!(engine.decide(step, persist).unwrap());

@@ -1169,7 +1169,12 @@ fn a_replica_sealed_with_its_sums_alone_restores_persists_and_takes_digests() {
         let sums = c.engine(r).resident_sums(&pin);
         let chunk = c.engine(r).resident_meta(&pin).chunk_bytes;
         // A RAM snapshot has no digests to send.
-        assert_eq!(c.engine(r).digests_to_send(&pin).unwrap(), None);
+        assert_eq!(
+            c.engine(r)
+                .digests_to_send(&pin, Duration::from_secs(60))
+                .unwrap(),
+            None
+        );
         let holder = c.engine((r + 2) % WORLD);
         let mut w = holder
             .begin_replica(r, 10, pin.image().len() as u64, chunk)

@@ -376,11 +376,14 @@ impl Engine {
     /// else those of this rank's resident image recorded in its slot, or
     /// taken now (GIL released) when its step is being persisted; `None`
     /// for a RAM snapshot that is not (its replicas keep their sums
-    /// alone).
+    /// alone). A held save is waited for until decided, at most `wait`
+    /// seconds.
+    #[pyo3(signature = (image, wait=30.0))]
     fn digests_to_send<'py>(
         &self,
         py: Python<'py>,
         image: &ReplicaImage,
+        wait: f64,
     ) -> PyResult<Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)>> {
         if !image.known_digests().is_empty() {
             return Ok(Some((
@@ -392,8 +395,9 @@ impl Engine {
             return Ok(None);
         }
         let engine = self.get()?;
+        let wait = seconds("wait", wait)?;
         let got = py
-            .detach(|| engine.digests_to_send(image.pin()))
+            .detach(|| engine.digests_to_send(image.pin(), wait))
             .map_err(err)?;
         Ok(got.map(|(d, s)| (digests_bytes(py, &d), sums_bytes(py, &s))))
     }

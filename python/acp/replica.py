@@ -157,6 +157,7 @@ class TorchReplicas:
             raise RuntimeError("replicas need torch.distributed to be initialised")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.timeout = timeout
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         if not isinstance(group, dist.ProcessGroup):
             raise RuntimeError("this rank is not in the replica group")
@@ -444,7 +445,9 @@ class TorchReplicas:
         assert self._engine is not None
         works: list[Any] = []
         if image is not None:
-            got = self._engine.digests_to_send(image)
+            # A held save waits for its decision, well within the time its
+            # holders wait for these digests.
+            got = self._engine.digests_to_send(image, self.timeout / 4)
             n = _chunks(image)
             for h in self.holders[self.rank]:
                 works += self._isend_digests(h, None if got is None else got[0], n)

@@ -251,15 +251,21 @@ impl Engine {
     /// (a restore of it after it was persisted, from a replica without
     /// digests, checks the bytes against the committed index with
     /// blake3). A held save ([`Engine::decide`]) is waited for until it is
-    /// decided, at most the commit timeout (rank 0's decision reaches the
-    /// other ranks within milliseconds). Never call it in the stall.
+    /// decided, at most `wait` (rank 0's decision reaches the other ranks
+    /// within milliseconds; a transport passes less than its peers wait
+    /// for the digests), then counts as not persisted. Never call it in
+    /// the stall.
     ///
     /// # Errors
     /// As [`Engine::resident_hashes`].
-    pub fn digests_to_send(&self, pin: &PinnedSlot) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
+    pub fn digests_to_send(
+        &self,
+        pin: &PinnedSlot,
+        wait: std::time::Duration,
+    ) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
         let shared = self.shared();
         let want = pin.image().len().div_ceil(shared.cfg.chunk_bytes.max(1));
-        let deadline = std::time::Instant::now() + shared.cfg.commit_timeout;
+        let deadline = std::time::Instant::now() + wait;
         loop {
             if let Some(d) = shared.ring.digests(pin.slot()).filter(|d| d.len() == want) {
                 let sums = crate::replica::sums_of(&shared.ring, pin.slot(), want);
