@@ -40,6 +40,26 @@ def saved(tmp_path: Path) -> tuple[acp.Checkpointer, _acp.ReplicaImage, bytes, b
     return ckpt, image, digests, sums
 
 
+def holder_of(tmp_path: Path) -> _acp.Engine:
+    shm = tmp_path / "shm-b"
+    shm.mkdir()
+    return _acp.Engine(
+        tmp_path / "ckpt-b", job="sums", rank=1, world_size=2, shm_dir=shm,
+        ring_bytes=16 << 20, replicas_held=1, chunk_bytes=CHUNK,
+    )  # fmt: skip
+
+
+def received(holder: _acp.Engine, image: _acp.ReplicaImage) -> _acp.Receipt:
+    """``image`` received whole into a replica slot of ``holder``, as a
+    transport receives it; ``finish`` seals it."""
+    r, s, n, chunk, _ = image.meta()
+    receipt = holder.begin_replica(r, s, n, chunk)
+    view = receipt.buffer()
+    view[:] = image.buffer()
+    del view
+    return receipt
+
+
 def test_the_sender_has_one_quick_sum_per_digest(tmp_path: Path) -> None:
     ckpt, image, digests, sums = saved(tmp_path)
     try:
@@ -54,25 +74,12 @@ def test_the_sender_has_one_quick_sum_per_digest(tmp_path: Path) -> None:
 
 def test_a_replica_slot_keeps_the_sums_it_was_sent_with(tmp_path: Path) -> None:
     ckpt, image, digests, sums = saved(tmp_path)
-    r, s, n, chunk, _ = image.meta()
-    shm = tmp_path / "shm-b"
-    shm.mkdir()
-    holder = _acp.Engine(
-        tmp_path / "ckpt-b", job="sums", rank=1, world_size=2, shm_dir=shm,
-        ring_bytes=16 << 20, replicas_held=1, chunk_bytes=CHUNK,
-    )  # fmt: skip
+    r, s, _, _, _ = image.meta()
+    holder = holder_of(tmp_path)
     try:
-        receipt = holder.begin_replica(r, s, n, chunk)
-        view = receipt.buffer()
-        view[:] = image.buffer()
-        del view
         with pytest.raises(acp.InvalidInput, match="quick sums"):
-            receipt.finish(digests, sums + bytes(8))
-        receipt = holder.begin_replica(r, s, n, chunk)
-        view = receipt.buffer()
-        view[:] = image.buffer()
-        del view
-        receipt.finish(digests, sums)
+            received(holder, image).finish(digests, sums + bytes(8))
+        received(holder, image).finish(digests, sums)
         held = holder.pin_replica(r, s)
         assert held is not None
         # What a restore of this replica is sent: the sender's digests and sums.
@@ -144,29 +151,16 @@ def loads_bit_exact(ckpt: acp.Checkpointer, step: int, source: str) -> str | Non
     return stats.rejected
 
 
-def holder_of(tmp_path: Path) -> _acp.Engine:
-    shm = tmp_path / "shm-b"
-    shm.mkdir()
-    return _acp.Engine(
-        tmp_path / "ckpt-b", job="sums", rank=1, world_size=2, shm_dir=shm,
-        ring_bytes=16 << 20, replicas_held=1, chunk_bytes=CHUNK,
-    )  # fmt: skip
-
-
 def test_a_replica_sealed_with_its_sums_alone_takes_its_digests_later(tmp_path: Path) -> None:
     # What an exchange does: the holder seals the replica with the sums
     # (the step counts as replicated), the digests follow when the sender
     # has them.
     ckpt, image, digests, sums = saved(tmp_path)
-    r, s, n, chunk, _ = image.meta()
+    r, s, _, _, _ = image.meta()
     holder = holder_of(tmp_path)
     try:
         assert ckpt._engine.resident_sums(image) == sums
-        receipt = holder.begin_replica(r, s, n, chunk)
-        view = receipt.buffer()
-        view[:] = image.buffer()
-        del view
-        receipt.finish(b"", sums)
+        received(holder, image).finish(b"", sums)
         assert [(m[0], m[1], m[4]) for m in holder.replicas()] == [(r, s, b"")]
         held = holder.pin_replica(r, s)
         assert held is not None

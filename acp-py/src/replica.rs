@@ -132,7 +132,7 @@ impl ReplicaImage {
     }
 
     /// The digests it was pinned with (none for a resident image pinned
-    /// before it was hashed).
+    /// before it was hashed, or a replica held with its quick sums alone).
     pub(crate) fn known_digests(&self) -> &[Digest] {
         &self.meta.digests
     }
@@ -398,15 +398,17 @@ impl Receipt {
     }
 
     /// Seals the image with `digests` (blake3 of each chunk, 32 bytes
-    /// each, concatenated, as the sender computed them) and `sums` (the
-    /// xxh3-64 quick sum of each chunk the sender took in the same pass,
-    /// 8 little-endian bytes each, or empty): a replica slot is complete
-    /// (the sums recorded beside the digests), an image from a peer goes
-    /// to the next load, which checks the bytes against the sums when the
-    /// digests are the ones it wants, else against the digests. Refuses
-    /// (`BufferError`) while a view from `buffer()` is alive; a digest
-    /// count that is not the length's, or a sum count neither zero nor
-    /// the digests', frees what was received.
+    /// each, concatenated, as the sender computed them, or empty: they
+    /// follow, `Engine.add_replica_digests`) and `sums` (the xxh3-64 quick
+    /// sum of each chunk, 8 little-endian bytes each, or empty; required
+    /// without digests): a replica slot is complete (the sums recorded
+    /// beside the digests, or alone), an image from a peer goes to the
+    /// next load, which checks the bytes against the sums when the digests
+    /// are the ones it wants (or, for a step not committed, against the
+    /// sums alone), else against the digests. Refuses (`BufferError`)
+    /// while a view from `buffer()` is alive; a digest count that is not
+    /// the length's (nor zero with a sum per chunk), or a sum count
+    /// neither zero nor the length's, frees what was received.
     #[pyo3(signature = (digests, sums=Vec::new()))]
     fn finish(&self, py: Python<'_>, digests: Vec<u8>, sums: Vec<u8>) -> PyResult<()> {
         self.check_views_gone(py)?;
