@@ -266,3 +266,27 @@ def test_a_peer_image_with_sums_alone_is_checked_by_them_or_by_the_index(
             assert rejected is None
     finally:
         again.close()
+
+
+def test_a_persist_waits_while_its_step_is_sent_to_its_holders(tmp_path: Path) -> None:
+    """The replica exchange marks its step (``exchange_started``): the
+    step's persist pauses until it ends (``exchange_ended``), so that the
+    replication goes first; another step's exchange holds nothing back."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with acp.Checkpointer(
+        tmp_path / "ckpt", job="yield", shm_dir=shm, ring_bytes=16 << 20, chunk_bytes=CHUNK,
+        release_on_close=True,
+    ) as ckpt:  # fmt: skip
+        e = ckpt.engine
+        e.exchange_started(1)
+        h = ckpt.save(1, state(), persist=True)
+        with pytest.raises(acp.AcpTimeout):
+            h.wait(timeout=0.5)
+        e.exchange_started(2)
+        e.exchange_ended(1)
+        assert h.wait(timeout=5).step == 1
+        # Step 2's exchange is marked; step 3's persist does not wait for it.
+        assert ckpt.save(3, state(), persist=True).wait(timeout=5).step == 3
+        e.exchange_ended(2)
+        assert ckpt.steps() == [1, 3]

@@ -105,7 +105,7 @@ pub use config::{
 pub use engine::{
     Checkpoint, Engine, HostTensor, LoadReport, LoadRequest, OnWait, OpenReport, Opened, Outcome,
     PendingLoad, Persist, PersistStats, SaveHandle, SaveOptions, SavePlan, SaveReport, Source,
-    Staging, TensorView,
+    Staging, TensorView, FLUSH_YIELD_MAX,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::{Dtype, Entry, TensorSpec};

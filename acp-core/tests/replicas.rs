@@ -1241,3 +1241,81 @@ fn every_rank_reads_from_storage(c: &Cluster, step: u64) {
         reader.close().unwrap();
     }
 }
+
+/// While its step's image is being sent to its holders
+/// ([`Engine::exchange_started`]), a persist of that step pauses between
+/// chunks, and commits once the exchange ends; an exchange of another
+/// step holds no persist back; and a persist never waits for its
+/// exchange past [`acp_core::FLUSH_YIELD_MAX`].
+#[test]
+fn a_persist_yields_to_its_own_steps_exchange_for_a_bounded_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shm = tmp.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let e = Engine::open(
+        EngineConfig::new(tmp.path().join("ckpt"))
+            .with_shm_dir(&shm)
+            .with_job("yield")
+            .with_ring_bytes(16 << 20)
+            .with_ring_slots(4)
+            .with_release_on_close(true),
+    )
+    .unwrap();
+    e.exchange_started(10);
+    let h = save(&e, 0, 10);
+    assert!(
+        h.wait_timeout(Duration::from_millis(500))
+            .unwrap()
+            .is_none(),
+        "step 10 committed while its exchange ran"
+    );
+    e.exchange_started(20);
+    e.exchange_ended(10);
+    h.wait_timeout(Duration::from_secs(5))
+        .unwrap()
+        .expect("step 10 committed once its exchange ended");
+    // Step 20's exchange is still marked: step 30's persist does not wait.
+    save(&e, 0, 30)
+        .wait_timeout(Duration::from_secs(5))
+        .unwrap()
+        .expect("step 30 did not wait for step 20's exchange");
+    e.exchange_ended(20);
+    // An exchange that never ends (a stalled peer) holds the persist back
+    // for FLUSH_YIELD_MAX at most.
+    e.exchange_started(40);
+    let t = std::time::Instant::now();
+    let h = save(&e, 0, 40);
+    h.wait_timeout(acp_core::FLUSH_YIELD_MAX + Duration::from_secs(20))
+        .unwrap()
+        .expect("step 40 committed despite the exchange that never ended");
+    assert!(t.elapsed() >= acp_core::FLUSH_YIELD_MAX - Duration::from_secs(1));
+    assert_eq!(load(&e, 0, 40), (Source::Ram, true));
+    e.exchange_ended(40);
+    e.close().unwrap();
+}
+
+/// Once a replica ring has received an image, its other slot is grown to
+/// that image's size in the background, so that the next image received
+/// does not wait for its memory.
+#[test]
+fn a_replica_rings_other_slot_is_readied_in_the_background() {
+    let c = Cluster::new();
+    c.save_and_replicate(10);
+    let len = shard(0, 10).len() as u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let files = acp_core::staging::replica_files(&c.shm[1], "replicas", Some(0)).unwrap();
+        let sizes: Vec<(usize, u64)> = files
+            .iter()
+            .map(|f| (f.slot, std::fs::metadata(f.path()).map_or(0, |m| m.len())))
+            .collect();
+        if sizes.len() == 2 && sizes.iter().all(|(_, n)| *n >= len) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rank 0's replica slots on node B: {sizes:?}, each should hold {len} bytes"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

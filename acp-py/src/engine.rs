@@ -827,6 +827,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Marks this rank's image of `step` as being sent to its holders,
+    /// until `exchange_ended(step)`: the flush of `step` pauses between
+    /// chunks meanwhile (at most `FLUSH_YIELD_MAX` from its start), so
+    /// the replication goes first.
+    fn exchange_started(&self, step: u64) -> PyResult<()> {
+        self.get()?.exchange_started(step);
+        Ok(())
+    }
+
+    /// Ends one `exchange_started(step)`.
+    fn exchange_ended(&self, step: u64) -> PyResult<()> {
+        self.get()?.exchange_ended(step);
+        Ok(())
+    }
+
     /// The steps of the held saves not decided yet, in save order.
     fn held(&self) -> PyResult<Vec<u64>> {
         Ok(self.get()?.held())

@@ -389,9 +389,13 @@ class TorchReplicas:
         # Kept resident until the exchange ends (newer saves seal meanwhile),
         # so that it can protect an image this rank still holds.
         held = e.hold_replicating(step)
+        # The flush of this step (a persisted save) pauses while its bytes
+        # travel: replicated first, the sooner of its two protections.
+        e.exchange_started(step)
         try:
             image, incoming, holders = self._send_and_receive(step)
         finally:
+            e.exchange_ended(step)
             if held:
                 e.release_replicating(step)
         # Replicated: every holder sealed this rank's image with its sums.

@@ -101,7 +101,7 @@ pub(super) struct Packed {
 }
 
 /// How [`write_packed`] makes each frame.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(super) struct PackMode<'a> {
     /// Whether a chunk that is written is compressed (else stored).
     pub(super) compress: bool,
@@ -117,6 +117,9 @@ pub(super) struct PackMode<'a> {
     /// The ring slot holding the image, named when a chunk changed since
     /// `pre` or `summed` was taken.
     pub(super) slot: usize,
+    /// Called before each chunk is encoded: waits while the step's
+    /// replica exchange runs (`Store::yield_to_exchange`).
+    pub(super) pause: &'a (dyn Fn() + Sync),
 }
 
 /// One encoded chunk: (chunk, quick sum, plain digest, frame, the frame's
@@ -251,6 +254,7 @@ pub(super) fn write_packed(
                         Err(_) => break,
                     };
                     let Ok(i) = next else { break };
+                    (mode.pause)();
                     let t = Instant::now();
                     let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         let start = i * chunk;

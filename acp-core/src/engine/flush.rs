@@ -273,6 +273,11 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             || base
                 .as_ref()
                 .is_some_and(|b| super::incremental::likely_reuse(b, image, chunk));
+        // While this step's image is sent to its holders, the flush pauses
+        // between chunks: replication, the sooner protection, goes first
+        // (`Engine::exchange_started`).
+        let yield_until = t_flush + super::replicate::FLUSH_YIELD_MAX;
+        let pause = || shared.replicas.yield_to_exchange(step, yield_until);
         let pre = super::replicate::hash_once(
             shared,
             slot,
@@ -281,6 +286,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             compute,
             shared.cfg.copy_threads,
             &path,
+            &pause,
         )?;
         // A RAM snapshot summed while it waited (`hash.rs`) and not hashed
         // since: every chunk written must still give its sum, or it
@@ -305,6 +311,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 pre: pre.as_ref().map(|(d, s)| (&d[..], &s[..])),
                 summed: summed.as_deref(),
                 slot,
+                pause: &pause,
             };
             let packed = super::compress::write_packed(shared, &file, &path, image, chunk, mode)?;
             digests = packed.digests;
@@ -328,6 +335,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                 len,
                 &shared.io_opts,
                 &mut |i, bytes| {
+                    pause();
                     if !hashed {
                         debug_assert_eq!(i, digests.len());
                         let sum = crate::read::fast_sum(bytes);

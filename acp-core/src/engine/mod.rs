@@ -116,7 +116,9 @@ pub use save::{HostTensor, OnWait, SaveOptions, SavePlan, SaveReport};
 pub use stage::Staging;
 
 pub(crate) use replicate::WeakEngine;
+pub use replicate::FLUSH_YIELD_MAX;
 use state::Shared;
+pub(crate) use warm::Warm;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share
 /// the ring, the flush thread and the state.

@@ -213,6 +213,7 @@ impl Engine {
                 chunk_bytes: config.chunk_bytes as u64,
                 mlock: config.mlock,
                 root: root.location().to_path_buf(),
+                nice: config.background_nice,
             },
             config.transport.clone(),
         );

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use super::checkpoint::Backing;
 use super::state::Shared;
@@ -18,6 +19,11 @@ use crate::replica::{ImageBuf, ReplicaHandle, ReplicaMeta, ReplicaWriter};
 use crate::staging::{
     peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, Ring, SlotFile, SlotInfo,
 };
+
+/// The longest a flush pauses for its own step's replica exchange
+/// ([`Engine::exchange_started`]), counted from the flush's start: a
+/// peer that stalls never holds persistence back for longer.
+pub const FLUSH_YIELD_MAX: Duration = Duration::from_secs(10);
 
 /// An engine reachable without keeping it open ([`crate::replica::Loopback`]).
 #[derive(Debug, Clone)]
@@ -100,6 +106,24 @@ impl Engine {
         }
         st.replicating.push(step);
         true
+    }
+
+    /// Marks this rank's image of `step` as being sent to its holders (a
+    /// transport calls it before it sends the image, and
+    /// [`Engine::exchange_ended`] once the sends are done or failed, each
+    /// call once): the flush of `step`, if it runs meanwhile, pauses
+    /// between chunks (hashing, compressing and writing) for at most
+    /// [`FLUSH_YIELD_MAX`] from its start, so that the step's replication,
+    /// the sooner of its two protections, has the cores and the memory
+    /// bandwidth first. Only a persist of `step` itself yields: an
+    /// exchange of a newer step never holds an older step's persist back.
+    pub fn exchange_started(&self, step: u64) {
+        self.shared().replicas.exchange_started(step);
+    }
+
+    /// Ends one [`Engine::exchange_started`] of `step`.
+    pub fn exchange_ended(&self, step: u64) {
+        self.shared().replicas.exchange_ended(step);
     }
 
     /// Ends one [`Engine::hold_replicating`] of `step` (its exchange
@@ -198,6 +222,7 @@ impl Engine {
             true,
             shared.cfg.copy_threads,
             &path,
+            &|| {},
         )?;
         Ok(hashed.unwrap_or_default())
     }
@@ -349,13 +374,19 @@ impl Engine {
                 let (meta, pin) = engine.resident_replica(step)?;
                 drop(early);
                 let mut sent = Vec::new();
-                for to in transport.holders(rank) {
+                // Marked once the digests are taken (`resident_replica`
+                // may wait for a flush's hash, which must not be paused).
+                engine.exchange_started(step);
+                let sends = transport.holders(rank).into_iter().try_for_each(|to| {
                     transport.send(to, &meta, pin.image()).map_err(|e| {
                         tracing::warn!("acp: {} to rank {to} failed: {e}", meta.what());
                         e
                     })?;
                     sent.push(to);
-                }
+                    Ok::<(), Error>(())
+                });
+                engine.exchange_ended(step);
+                sends?;
                 if !sent.is_empty() {
                     // Every holder has it: kept resident until a newer
                     // step is protected or committed.
@@ -539,6 +570,7 @@ pub(super) fn hash_once(
     compute: bool,
     threads: usize,
     path: &Path,
+    pause: &(dyn Fn() + Sync),
 ) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
     let ring = &shared.ring;
     let chunk = shared.cfg.chunk_bytes;
@@ -564,7 +596,7 @@ pub(super) fn hash_once(
     let summed = ring
         .sums_alone(slot)
         .filter(|_| ring.generation(slot) == Some(generation));
-    let (digests, sums) = super::incremental::prehash(image, chunk, threads, path)?;
+    let (digests, sums) = super::incremental::prehash(image, chunk, threads, path, pause)?;
     if let Some(i) = summed.and_then(|before| (0..want).find(|&i| before.get(i) != sums.get(i))) {
         return Err(Error::corrupt(
             ring.slot_path(slot),

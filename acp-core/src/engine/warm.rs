@@ -27,7 +27,7 @@ use crate::staging::Ring;
 
 /// The warming thread's handle.
 #[derive(Debug)]
-pub(super) struct Warm {
+pub(crate) struct Warm {
     /// The image length of the saves (`None`: the slots an open mapped).
     tx: Mutex<Option<Sender<Option<u64>>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -41,7 +41,7 @@ impl Warm {
     /// Starts the thread on `ring`; it first readies the slots the open
     /// mapped. A thread that cannot start is logged and leaves the saves
     /// to ready their slots themselves.
-    pub(super) fn start(ring: Ring, rank: u32, nice: i32) -> Warm {
+    pub(crate) fn start(ring: Ring, rank: u32, nice: i32) -> Warm {
         let (tx, rx) = crossbeam_channel::unbounded::<Option<u64>>();
         let stop = ring.clone();
         let spawned = std::thread::Builder::new()
@@ -92,7 +92,7 @@ impl Warm {
 
     /// A save stages images of `len` bytes: free slots too small for them
     /// are grown in the background.
-    pub(super) fn saw(&self, len: u64) {
+    pub(crate) fn saw(&self, len: u64) {
         if self.hinted.fetch_max(len, Ordering::Relaxed) >= len {
             return;
         }
@@ -109,7 +109,7 @@ impl Warm {
     /// Stops the thread and waits for it: it finishes the step (32 MiB) it
     /// is on, and does not wait out a load's deferral
     /// ([`Ring::stop_warming`]).
-    pub(super) fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.ring.stop_warming();
         drop(
             self.tx
