@@ -87,41 +87,55 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def raw_gloo(
-    group: Any, rank: int, nbytes: int, a: argparse.Namespace, beside: Any = None
-) -> list[float]:
-    """Seconds of each raw exchange: isend ``nbytes`` to the holder, recv
-    the source's, as the replica exchange does. ``beside``: called right
-    before each exchange is timed, it starts background work and returns
-    what waits for that work after the exchange (the bench passes a save of
-    the checkpointer without replicas: the exchange then runs beside that
-    save's flush, or its RAM snapshot's hash, as a replica exchange does;
-    that figure explains the replication one, it is not its baseline)."""
-    holders = placement(["a"] * a.per_node + ["b"] * a.per_node, 1)
-    to = holders[rank][0]
-    src = next(r for r, hs in holders.items() if rank in hs)
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    data = torch.ones(nbytes, dtype=torch.uint8)
-    secs = []
-    for _ in range(a.saves):
-        dist.barrier(group=group)
+class RawExchange:
+    """The baseline: a raw gloo exchange on a group of its own, as the
+    replica exchange does it (``isend`` ``nbytes`` to the holder, ``recv``
+    the source's), from buffers allocated and written once."""
+
+    def __init__(self, rank: int, a: argparse.Namespace) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+        holders = placement(["a"] * a.per_node + ["b"] * a.per_node, 1)
+        self.to = holders[rank][0]
+        self.src = next(r for r, hs in holders.items() if rank in hs)
+        self.out = torch.empty(0, dtype=torch.uint8)
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def once(self, nbytes: int, beside: Any = None) -> float:
+        """Seconds of one exchange, every rank starting together.
+        ``beside``: called right before the exchange is timed, it starts
+        background work and returns what waits for that work after it."""
+        if self.data.numel() != nbytes:
+            self.out = torch.ones(nbytes, dtype=torch.uint8)
+            self.data = torch.ones(nbytes, dtype=torch.uint8)
+        dist.barrier(group=self.group)
         done = beside() if beside is not None else None
         t = time.perf_counter()
-        w = dist.isend(data, dst=to, group=group)
-        dist.recv(out, src=src, group=group)
+        w = dist.isend(self.data, dst=self.to, group=self.group)
+        dist.recv(self.out, src=self.src, group=self.group)
         w.wait()
-        secs.append(time.perf_counter() - t)
+        secs = time.perf_counter() - t
         if done is not None:
             done()
-    return secs
+        return secs
+
+
+def raw_gloo(
+    raw: RawExchange, nbytes: int, a: argparse.Namespace, beside: Any = None
+) -> list[float]:
+    """Seconds of ``a.saves`` raw exchanges, one after another. ``beside``
+    (see ``RawExchange.once``): the bench passes a save of the checkpointer
+    without replicas, so that the exchange runs beside that save's flush,
+    or its RAM snapshot's hash, as a replica exchange does; that figure
+    explains the replication one, it is not its baseline."""
+    return [raw.once(nbytes, beside) for _ in range(a.saves)]
 
 
 def baselines(
-    rank: int, a: argparse.Namespace, nbytes: int, without: Any, last: int
+    raw: RawExchange, rank: int, a: argparse.Namespace, nbytes: int, without: Any, *, last: int
 ) -> dict[str, list[float]]:
-    """The raw gloo exchanges, alone and beside a save of ``without`` (the
-    checkpointer without replicas; its steps after ``last``)."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+    """The raw gloo exchanges, one after another at the end of the run,
+    alone and beside a save of ``without`` (the checkpointer without
+    replicas; its steps after ``last``)."""
     steps = iter(range(last + 1, last + 1 + 2 * a.saves))
     s = state(rank, last, a.mib)
 
@@ -134,9 +148,9 @@ def baselines(
         return start
 
     return {
-        "raw_gloo_secs": raw_gloo(group, rank, nbytes, a),
-        "raw_gloo_beside_flush_secs": raw_gloo(group, rank, nbytes, a, save_beside(True)),
-        "raw_gloo_beside_snapshot_secs": raw_gloo(group, rank, nbytes, a, save_beside(False)),
+        "raw_gloo_secs": raw_gloo(raw, nbytes, a),
+        "raw_gloo_beside_flush_secs": raw_gloo(raw, nbytes, a, save_beside(True)),
+        "raw_gloo_beside_snapshot_secs": raw_gloo(raw, nbytes, a, save_beside(False)),
     }
 
 
@@ -167,6 +181,11 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
     without = acp.Checkpointer(Path(a.work, "root-plain"), job="bench-plain", **common)
     stall: dict[str, list[float]] = {"replicas": [], "none": []}
     repl: list[float] = []
+    # The raw exchange paired with each measured replication: run right
+    # after it, once its save's background work has ended, so that both
+    # see the same host (this machine's load changes by the minute).
+    raw = RawExchange(rank, a)
+    paired: list[float] = []
     nbytes = 0
     for step in range(a.saves + 1):
         s = state(rank, step, a.mib)
@@ -184,8 +203,10 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
             stall["replicas"].append(h.stats.stall_secs)
             stall["none"].append(h0.stats.stall_secs)
             repl.append(secs)
+            paired.append(raw.once(nbytes))
     # RAM snapshots: replicated with no flush beside them.
     ram: list[float] = []
+    paired_ram: list[float] = []
     first = a.saves + 1
     for step in range(first, first + 2 * a.saves):
         s = state(rank, step, a.mib)
@@ -195,6 +216,8 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
         h.wait_replicated(600)
         if step >= first + a.saves:
             ram.append(time.perf_counter() - t)
+            with_rep.wait()  # the snapshot's own sum
+            paired_ram.append(raw.once(nbytes))
     # The newest step is committed, as the restore phase reads it from
     # storage too.
     last = first + 2 * a.saves
@@ -206,8 +229,10 @@ def train(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
         "stall": stall,
         "replicate_secs": repl,
         "replicate_ram_only_secs": ram,
+        "raw_gloo_paired_secs": paired,
+        "raw_gloo_paired_ram_only_secs": paired_ram,
         "bytes": nbytes,
-        **baselines(rank, a, nbytes, without, last),
+        **baselines(raw, rank, a, nbytes, without, last=last),
     }
     Path(out, f"train-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -327,6 +352,16 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     warm = median([s for t in train for s in t["replicate_secs"][1:]])
     ram = median([s for t in train for s in t["replicate_ram_only_secs"]])
     raw = median([s for t in train for s in t["raw_gloo_secs"]])
+    # Each replication over the raw exchange run right after it (a ratio
+    # of throughputs: raw seconds over replication seconds).
+    pairs = [p / x for t in train for p, x in zip(t["raw_gloo_paired_secs"], t["replicate_secs"])]
+    pairs_ram = [
+        p / x
+        for t in train
+        for p, x in zip(t["raw_gloo_paired_ram_only_secs"], t["replicate_ram_only_secs"])
+    ]
+    paired = median([s for t in train for s in t["raw_gloo_paired_secs"]])
+    paired_ram = median([s for t in train for s in t["raw_gloo_paired_ram_only_secs"]])
     flush = median([s for t in train for s in t["raw_gloo_beside_flush_secs"]])
     snap = median([s for t in train for s in t["raw_gloo_beside_snapshot_secs"]])
     # A node's restore ends when its slowest rank has its state.
@@ -345,6 +380,10 @@ def summarise(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         "replicate_warm_gb_per_sec": nbytes / warm / 1e9,
         "replicate_ram_only_gb_per_sec": nbytes / ram / 1e9,
         "raw_gloo_gb_per_sec": nbytes / raw / 1e9,
+        "raw_gloo_paired_gb_per_sec": nbytes / paired / 1e9,
+        "raw_gloo_paired_ram_only_gb_per_sec": nbytes / paired_ram / 1e9,
+        "replicate_over_paired_raw": median(pairs),
+        "replicate_ram_only_over_paired_raw": median(pairs_ram),
         "replicate_over_raw": raw / repl,
         "replicate_warm_over_raw": raw / warm,
         "replicate_ram_only_over_raw": raw / ram,
@@ -382,10 +421,15 @@ def print_table(r: dict[str, Any]) -> None:
         ("replication (GB/s, save -> replicated)", r["replicate_gb_per_sec"]),
         ("  the same, replica slots warm (GB/s)", r["replicate_warm_gb_per_sec"]),
         ("  persist=False saves, no flush (GB/s)", r["replicate_ram_only_gb_per_sec"]),
-        ("raw gloo send of the same bytes (GB/s)", r["raw_gloo_gb_per_sec"]),
-        ("replication / raw gloo", r["replicate_over_raw"]),
-        ("  replica slots warm / raw gloo", r["replicate_warm_over_raw"]),
-        ("  persist=False / raw gloo", r["replicate_ram_only_over_raw"]),
+        ("raw gloo right after each (GB/s)", r["raw_gloo_paired_gb_per_sec"]),
+        ("replication / raw gloo, per pair", r["replicate_over_paired_raw"]),
+        ("raw gloo right after each persist=False (GB/s)",
+         r["raw_gloo_paired_ram_only_gb_per_sec"]),
+        ("persist=False / raw gloo, per pair", r["replicate_ram_only_over_paired_raw"]),
+        ("raw gloo at the end of the run (GB/s)", r["raw_gloo_gb_per_sec"]),
+        ("replication / raw gloo at the end", r["replicate_over_raw"]),
+        ("  replica slots warm / raw gloo at the end", r["replicate_warm_over_raw"]),
+        ("  persist=False / raw gloo at the end", r["replicate_ram_only_over_raw"]),
         ("raw gloo beside a save's flush (GB/s)", r["raw_beside_flush_gb_per_sec"]),
         ("raw gloo beside a RAM snapshot's hash (GB/s)", r["raw_beside_snapshot_gb_per_sec"]),
         ("replication / raw gloo beside a flush", r["replicate_over_raw_beside_flush"]),
