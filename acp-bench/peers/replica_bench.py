@@ -13,7 +13,11 @@ One run measures, side by side:
   source's), against a **raw gloo send** of the same bytes in the same
   processes (every rank ``isend``s a buffer of the image's size to its
   holder and ``recv``s its source's, on a gloo group of its own, with
-  nothing else running). Measured three ways in the same run: over the
+  nothing else running), **paired**: each measured replication is
+  followed, once its save's background work has ended, by one raw
+  exchange, and the figure is the median of the per-pair ratios (the
+  host's load changes by the minute; a block of raw exchanges at the end
+  of the run is reported too). Measured three ways in the same run: over the
   persisted saves from the second on (the save's own flush writes the
   image while it is replicated; as in the first version of this bench,
   so the second save, the first into the second replica slot, pays for
