@@ -284,7 +284,6 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             job.pin.generation(),
             image,
             compute,
-            shared.cfg.copy_threads,
             &path,
             &pause,
         )?;

@@ -121,6 +121,7 @@ fn to_index(v: u64) -> usize {
 /// The quick sum and digest of each `chunk`-byte chunk of `image`, over up
 /// to `threads` threads (contiguous runs of chunks). The sum of a chunk is
 /// taken before its digest, as in a plain flush (`read/fast.rs` says why).
+/// Each thread calls `pause` before each chunk.
 ///
 /// # Errors
 /// [`Error::Io`] naming `path` when a thread cannot start.

@@ -220,7 +220,6 @@ impl Engine {
             pin.generation(),
             pin.image(),
             true,
-            shared.cfg.copy_threads,
             &path,
             &|| {},
         )?;
@@ -558,7 +557,9 @@ impl Engine {
 /// `compute`. The flush and the replica send of a save both want them at
 /// once, on the two threads that start when the save returns: the store's
 /// hashing lock makes the second wait for the first one's rather than
-/// hash the image again. `path` names the image in errors.
+/// hash the image again. `path` names the image in errors. The hashing
+/// threads call `pause` before each chunk (a flush's: it waits while its
+/// step's replica exchange runs).
 ///
 /// # Errors
 /// [`Error::Io`] when a hashing thread cannot start.
@@ -568,7 +569,6 @@ pub(super) fn hash_once(
     generation: u64,
     image: &[u8],
     compute: bool,
-    threads: usize,
     path: &Path,
     pause: &(dyn Fn() + Sync),
 ) -> Result<Option<(Vec<Digest>, Vec<u64>)>> {
@@ -596,6 +596,7 @@ pub(super) fn hash_once(
     let summed = ring
         .sums_alone(slot)
         .filter(|_| ring.generation(slot) == Some(generation));
+    let threads = shared.cfg.copy_threads;
     let (digests, sums) = super::incremental::prehash(image, chunk, threads, path, pause)?;
     if let Some(i) = summed.and_then(|before| (0..want).find(|&i| before.get(i) != sums.get(i))) {
         return Err(Error::corrupt(
