@@ -1291,6 +1291,20 @@ fn a_persist_yields_to_its_own_steps_exchange_for_a_bounded_time() {
     assert!(t.elapsed() >= acp_core::FLUSH_YIELD_MAX - Duration::from_secs(1));
     assert_eq!(load(&e, 0, 40), (Source::Ram, true));
     e.exchange_ended(40);
+    // The dying checkpoint (`persist_newest`) does not wait for a peer:
+    // the persist paused for step 50's exchange goes on at once.
+    e.exchange_started(50);
+    let h = save(&e, 0, 50);
+    assert!(h
+        .wait_timeout(Duration::from_millis(300))
+        .unwrap()
+        .is_none());
+    let t = std::time::Instant::now();
+    assert!(e.persist_newest().unwrap().is_none(), "step 50 is queued");
+    h.wait_timeout(Duration::from_secs(5))
+        .unwrap()
+        .expect("step 50 committed once the engine hurried");
+    assert!(t.elapsed() < Duration::from_secs(5));
     e.close().unwrap();
 }
 

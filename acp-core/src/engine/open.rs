@@ -400,6 +400,10 @@ impl Engine {
     /// # Errors
     /// [`Error::Closed`].
     pub fn persist_newest(&self) -> Result<Option<SaveHandle>> {
+        // The dying checkpoint and `close` call it: their persists, and the
+        // one already running, no longer yield to a replica exchange
+        // (`Engine::exchange_started`), whose peer may be gone.
+        self.shared().replicas.hurry();
         self.persist_newest_of(true)
     }
 

@@ -117,6 +117,8 @@ impl Engine {
     /// the sooner of its two protections, has the cores and the memory
     /// bandwidth first. Only a persist of `step` itself yields: an
     /// exchange of a newer step never holds an older step's persist back.
+    /// Once [`Engine::persist_newest`] was called (the dying checkpoint,
+    /// `close`), no persist yields any more.
     pub fn exchange_started(&self, step: u64) {
         self.shared().replicas.exchange_started(step);
     }

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -85,6 +86,9 @@ pub(crate) struct Store {
     /// ([`Store::yield_to_exchange`]); notified as each ends.
     exchanging: Mutex<Vec<u64>>,
     exchanged: Condvar,
+    /// Set once the engine persists its newest step to end (the dying
+    /// checkpoint, `close`): no flush yields to an exchange from then on.
+    hurried: AtomicBool,
 }
 
 /// A job of the sending thread.
@@ -110,6 +114,7 @@ impl Store {
             hashing: Mutex::new(()),
             exchanging: Mutex::new(Vec::new()),
             exchanged: Condvar::new(),
+            hurried: AtomicBool::new(false),
         };
         if store.opts.max_sources > 0 {
             let found =
@@ -179,6 +184,19 @@ impl Store {
         }
     }
 
+    /// Stops every flush from yielding to an exchange, now and from then
+    /// on: the engine's last persists (the dying checkpoint's, `close`'s)
+    /// must not wait for a peer that may be gone.
+    pub(crate) fn hurry(&self) {
+        let ex = self
+            .exchanging
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.hurried.store(true, Ordering::Release);
+        drop(ex);
+        self.exchanged.notify_all();
+    }
+
     /// Waits while an image of `step` is being sent to its holders, until
     /// `until` at the latest: the flush of a step calls it between chunks,
     /// so that the step's replication, the sooner of its two protections,
@@ -189,7 +207,7 @@ impl Store {
             .exchanging
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        while ex.contains(&step) {
+        while ex.contains(&step) && !self.hurried.load(Ordering::Acquire) {
             let Some(left) = until.checked_duration_since(Instant::now()) else {
                 return;
             };
