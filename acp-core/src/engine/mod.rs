@@ -105,7 +105,6 @@ mod save;
 mod stage;
 mod state;
 mod wait;
-mod warm;
 
 pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};
 pub use handle::SaveHandle;
@@ -118,7 +117,6 @@ pub use stage::Staging;
 pub(crate) use replicate::WeakEngine;
 pub use replicate::FLUSH_YIELD_MAX;
 use state::Shared;
-pub(crate) use warm::Warm;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share
 /// the ring, the flush thread and the state.
@@ -135,7 +133,7 @@ struct Inner {
     tx: Mutex<Option<Sender<flush::Work>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The thread that readies ring slots off the saves' path.
-    warm: warm::Warm,
+    warm: crate::staging::Warm,
     /// After a close with `release_on_close`: the steps whose only copy
     /// kept the ring (empty when it was released).
     kept_on_close: Mutex<Option<Vec<u64>>>,

@@ -272,10 +272,10 @@ impl Engine {
                 })
                 .map_err(|e| Error::io("start flush thread", shared.root.location(), e))?
         };
-        let warm = super::warm::Warm::start(
+        let warm = crate::staging::Warm::start(
             shared.ring.clone(),
             shared.cfg.rank,
-            shared.cfg.background_nice,
+            crate::io::background_setup(shared.cfg.background_nice, "slot warming"),
         );
         Ok(Engine {
             inner: Arc::new(Inner {

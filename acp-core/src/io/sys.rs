@@ -173,6 +173,21 @@ fn gettid() -> libc::c_long {
     unsafe { libc::syscall(libc::SYS_gettid) }
 }
 
+/// What a background thread of acp runs first: asynchronous signals
+/// blocked ([`block_async_signals`]) and, with `nice` > 0, its priority
+/// lowered ([`lower_thread_priority`]; a refusal is logged, naming
+/// `what`).
+pub(crate) fn background_setup(nice: i32, what: &'static str) -> impl FnOnce() + Send + 'static {
+    move || {
+        block_async_signals();
+        if nice > 0 {
+            if let Err(e) = lower_thread_priority(nice) {
+                tracing::info!("acp: {what} thread priority not lowered: {e}");
+            }
+        }
+    }
+}
+
 /// Lowers the calling thread's CPU priority to niceness `nice` and its I/O
 /// priority to the lowest best-effort level; threads it starts later
 /// inherit both (Linux keeps them per thread). Lowering a priority needs

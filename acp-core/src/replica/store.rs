@@ -12,10 +12,11 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::{ReplicaMeta, Transport};
-use crate::engine::Warm;
 use crate::error::{Error, Result};
 use crate::format::Digest;
-use crate::staging::{replica_files, replica_prefix, PinnedSlot, Ring, RingOptions, StagingSlot};
+use crate::staging::{
+    replica_files, replica_prefix, PinnedSlot, Ring, RingOptions, StagingSlot, Warm,
+};
 
 /// Slots of a replica ring: the newest complete replica stays while the
 /// next is received.
@@ -323,7 +324,14 @@ impl Store {
         self.warms
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(rank, Warm::start(ring.clone(), o.holder, o.nice));
+            .insert(
+                rank,
+                Warm::start(
+                    ring.clone(),
+                    o.holder,
+                    crate::io::background_setup(o.nice, "replica slot warming"),
+                ),
+            );
         Ok(ring)
     }
 

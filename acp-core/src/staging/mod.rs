@@ -211,6 +211,7 @@ mod rings;
 mod room;
 mod slot;
 mod table;
+mod warm;
 
 use std::path::PathBuf;
 
@@ -227,6 +228,7 @@ pub use peer::{PeerImage, PeerSlot};
 pub use ring::{Ring, WarmDeferral};
 pub use rings::{rings, HeldRing, RingFiles, SlotSeen};
 pub use room::{in_ram, shm_room, ShmRoom};
+pub(crate) use warm::Warm;
 
 /// Where and how big the ring is.
 #[derive(Debug, Clone)]

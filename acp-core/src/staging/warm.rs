@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 
-use crate::staging::Ring;
+use super::Ring;
 
 /// The warming thread's handle.
 #[derive(Debug)]
@@ -38,21 +38,17 @@ pub(crate) struct Warm {
 }
 
 impl Warm {
-    /// Starts the thread on `ring`; it first readies the slots the open
-    /// mapped. A thread that cannot start is logged and leaves the saves
+    /// Starts the thread on `ring` (named after `rank`); it runs `setup`
+    /// (its caller's: signals blocked, priority lowered), then readies the
+    /// slots the open mapped. A thread that cannot start is logged and leaves the saves
     /// to ready their slots themselves.
-    pub(crate) fn start(ring: Ring, rank: u32, nice: i32) -> Warm {
+    pub(crate) fn start(ring: Ring, rank: u32, setup: impl FnOnce() + Send + 'static) -> Warm {
         let (tx, rx) = crossbeam_channel::unbounded::<Option<u64>>();
         let stop = ring.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("acp-warm-r{rank}"))
             .spawn(move || {
-                crate::io::block_async_signals();
-                if nice > 0 {
-                    if let Err(e) = crate::io::lower_thread_priority(nice) {
-                        tracing::info!("acp: slot warming thread priority not lowered: {e}");
-                    }
-                }
+                setup();
                 let mut len = None;
                 while let Ok(first) = rx.recv() {
                     len = first.or(len);
