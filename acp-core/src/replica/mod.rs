@@ -20,8 +20,11 @@
 //!   [`Engine::release_replicating`](crate::Engine::release_replicating)
 //!   and calls [`Engine::protect`](crate::Engine::protect) once every
 //!   holder has the image, so the newest replicated step stays resident on
-//!   the sender's node ([`Engine::replicate`](crate::Engine::replicate)
-//!   does all three).
+//!   the sender's node; it also brackets the sends themselves with
+//!   [`Engine::exchange_started`](crate::Engine::exchange_started) and
+//!   [`Engine::exchange_ended`](crate::Engine::exchange_ended), so that the
+//!   step's own persist waits for them
+//!   ([`Engine::replicate`](crate::Engine::replicate) does all of it).
 //! - The replica store of an engine: rank `h`'s copies of rank `r`'s
 //!   images live in a ring of their own in `h`'s shared-memory directory,
 //!   named by [`replica_prefix`](crate::staging::replica_prefix)
