@@ -256,18 +256,13 @@ impl Engine {
         let (tx, rx) = crossbeam_channel::unbounded();
         let worker = {
             let for_thread = Arc::clone(&shared);
-            let nice = shared.cfg.background_nice;
+            // Hashing and writing yield to the training threads; the
+            // threads the flush starts inherit its priority.
+            let setup = crate::io::background_setup(shared.cfg.background_nice, "flush");
             std::thread::Builder::new()
                 .name(format!("acp-flush-r{}", shared.cfg.rank))
                 .spawn(move || {
-                    crate::io::block_async_signals();
-                    // Hashing and writing yield to the training threads;
-                    // the pwrite threads the flush starts inherit it.
-                    if nice > 0 {
-                        if let Err(e) = crate::io::lower_thread_priority(nice) {
-                            tracing::info!("acp: flush thread priority not lowered: {e}");
-                        }
-                    }
+                    setup();
                     flush::run(&for_thread, &rx);
                 })
                 .map_err(|e| Error::io("start flush thread", shared.root.location(), e))?

@@ -49,7 +49,7 @@ use crate::storage::create_exclusive;
 pub use crate::storage::{open_listed, open_regular};
 pub(crate) use pool::run_on_threads;
 pub(crate) use stream::StreamWriter;
-pub(crate) use sys::{background_setup, block_async_signals, lower_thread_priority};
+pub(crate) use sys::{background_setup, block_async_signals};
 
 mod file;
 mod pool;
