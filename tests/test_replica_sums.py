@@ -285,8 +285,14 @@ def test_a_persist_waits_while_its_step_is_sent_to_its_holders(tmp_path: Path) -
             h.wait(timeout=0.5)
         e.exchange_started(2)
         e.exchange_ended(1)
-        assert h.wait(timeout=5).step == 1
+        stats = h.wait(timeout=5)
+        assert stats.step == 1
+        # It says how long it waited (at least the 0.5 s above).
+        assert stats.replica_wait_secs is not None
+        assert stats.replica_wait_secs >= 0.4
         # Step 2's exchange is marked; step 3's persist does not wait for it.
-        assert ckpt.save(3, state(), persist=True).wait(timeout=5).step == 3
+        stats = ckpt.save(3, state(), persist=True).wait(timeout=5)
+        assert stats.step == 3
+        assert stats.replica_wait_secs == 0.0
         e.exchange_ended(2)
         assert ckpt.steps() == [1, 3]

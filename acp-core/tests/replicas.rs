@@ -1271,14 +1271,21 @@ fn a_persist_yields_to_its_own_steps_exchange_for_a_bounded_time() {
     );
     e.exchange_started(20);
     e.exchange_ended(10);
-    h.wait_timeout(Duration::from_secs(5))
+    let report = h
+        .wait_timeout(Duration::from_secs(5))
         .unwrap()
         .expect("step 10 committed once its exchange ended");
+    // Its report says how long it waited (at least the 0.5 s above).
+    assert!(
+        report.replica_wait_secs >= 0.4 && report.replica_wait_secs <= report.flush_secs,
+        "{report:?}"
+    );
     // Step 20's exchange is still marked: step 30's persist does not wait.
-    save(&e, 0, 30)
+    let report = save(&e, 0, 30)
         .wait_timeout(Duration::from_secs(5))
         .unwrap()
         .expect("step 30 did not wait for step 20's exchange");
+    assert_eq!(report.replica_wait_secs, 0.0);
     e.exchange_ended(20);
     // An exchange that never ends (a stalled peer) holds the persist back
     // for FLUSH_YIELD_MAX at most.

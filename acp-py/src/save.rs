@@ -457,6 +457,7 @@ fn report_dict<'py>(py: Python<'py>, r: &SaveReport) -> PyResult<Bound<'py, PyDi
     d.set_item("slot_wait_secs", r.slot_wait_secs)?;
     d.set_item("queue_secs", r.queue_secs)?;
     d.set_item("flush_secs", r.flush_secs)?;
+    d.set_item("replica_wait_secs", r.replica_wait_secs)?;
     d.set_item("commit_secs", r.commit_secs)?;
     d.set_item("total_secs", r.total_secs)?;
     d.set_item("io", io_name(r.io))?;

@@ -50,6 +50,9 @@ class SaveStats:
     slot_wait_secs: float | None = None
     queue_secs: float | None = None
     flush_secs: float | None = None
+    replica_wait_secs: float | None = None
+    """The part of ``flush_secs`` the persist waited for this step's replica
+    exchange (replicas go first); 0 without replicas."""
     commit_secs: float | None = None
     total_secs: float | None = None
     """From the start of ``save()`` in the engine to committed."""
@@ -256,6 +259,7 @@ class SaveHandle:
                 "slot_wait_secs": r["slot_wait_secs"],
                 "queue_secs": r["queue_secs"],
                 "flush_secs": flush,
+                "replica_wait_secs": r["replica_wait_secs"],
                 "commit_secs": r["commit_secs"],
                 "total_secs": r["total_secs"],
                 "flush_bytes_per_sec": r["bytes"] / flush if flush > 0 else None,

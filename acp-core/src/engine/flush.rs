@@ -70,6 +70,7 @@ impl Job {
             slot_wait_secs: self.slot_wait_secs,
             queue_secs: 0.0,
             flush_secs: 0.0,
+            replica_wait_secs: 0.0,
             commit_secs: 0.0,
             total_secs: self.started.elapsed().as_secs_f64(),
             // No I/O engine wrote it; the report names the plain one.
@@ -277,7 +278,14 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
         // between chunks: replication, the sooner protection, goes first
         // (`Engine::exchange_started`).
         let yield_until = t_flush + super::replicate::FLUSH_YIELD_MAX;
-        let pause = || shared.replicas.yield_to_exchange(step, yield_until);
+        // The longest single wait: the threads that pause wait for the
+        // same exchange to end, so that is how long the flush was held back.
+        let held_back = std::sync::atomic::AtomicU64::new(0);
+        let pause = || {
+            let waited = shared.replicas.yield_to_exchange(step, yield_until);
+            let nanos = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+            held_back.fetch_max(nanos, std::sync::atomic::Ordering::Relaxed);
+        };
         let pre = super::replicate::hash_once(
             shared,
             slot,
@@ -487,6 +495,7 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
             slot_wait_secs: job.slot_wait_secs,
             queue_secs: queue_secs.max(0.0),
             flush_secs,
+            replica_wait_secs: held_back.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9,
             commit_secs,
             total_secs: job.started.elapsed().as_secs_f64(),
             io: stats.kind,

@@ -148,6 +148,7 @@ impl SaveHandle {
             stall_secs: 0.0,
             slot_wait_secs: 0.0,
             queue_secs: 0.0,
+            replica_wait_secs: 0.0,
             flush_secs: 0.0,
             commit_secs: 0.0,
             total_secs: 0.0,

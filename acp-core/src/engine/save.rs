@@ -172,6 +172,10 @@ pub struct SaveReport {
     pub queue_secs: f64,
     /// Writing, hashing and fsyncing the data file, in seconds.
     pub flush_secs: f64,
+    /// The part of `flush_secs` the flush waited for this step's replica
+    /// exchange to end ([`Engine::exchange_started`]: replication goes
+    /// first), in seconds; 0 without replicas.
+    pub replica_wait_secs: f64,
     /// Writing the index, renaming and syncing directories, in seconds.
     pub commit_secs: f64,
     /// From `begin_save` to committed, in seconds.

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{ReplicaMeta, Transport};
 use crate::error::{Error, Result};
@@ -201,22 +201,30 @@ impl Store {
     /// Waits while an image of `step` is being sent to its holders, until
     /// `until` at the latest: the flush of a step calls it between chunks,
     /// so that the step's replication, the sooner of its two protections,
-    /// has the cores and the memory bandwidth first. Returns at once when
-    /// no exchange of `step` runs.
-    pub(crate) fn yield_to_exchange(&self, step: u64, until: Instant) {
+    /// has the cores and the memory bandwidth first. Returns how long it
+    /// waited: at once when no exchange of `step` runs.
+    pub(crate) fn yield_to_exchange(&self, step: u64, until: Instant) -> Duration {
         let mut ex = self
             .exchanging
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let start = Instant::now();
+        let mut waited = false;
         while ex.contains(&step) && !self.hurried.load(Ordering::Acquire) {
+            waited = true;
             let Some(left) = until.checked_duration_since(Instant::now()) else {
-                return;
+                break;
             };
             ex = self
                 .exchanged
                 .wait_timeout(ex, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
+        }
+        if waited {
+            start.elapsed()
+        } else {
+            Duration::ZERO
         }
     }
 
