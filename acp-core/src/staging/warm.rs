@@ -13,9 +13,12 @@
 //! comes first does that work itself, as before: nothing waits for this
 //! thread but a save whose only free slot it is growing.
 //!
-//! The thread runs at the flush thread's lower priority and exits when the
-//! engine closes or drops ([`Warm::stop`]), within one step of its work:
-//! a slot left part-way stays cold, and a save into it warms it.
+//! Each engine runs one for its own ring and one for each replica ring it
+//! holds (there the size comes from the image just received). The thread
+//! runs at the flush thread's lower priority (its caller's `setup` lowers
+//! it) and exits when the engine closes or drops ([`Warm::stop`]), within
+//! one step of its work: a slot left part-way stays cold, and a save (or a
+//! replica received) into it warms it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -40,8 +43,8 @@ pub(crate) struct Warm {
 impl Warm {
     /// Starts the thread on `ring` (named after `rank`); it runs `setup`
     /// (its caller's: signals blocked, priority lowered), then readies the
-    /// slots the open mapped. A thread that cannot start is logged and leaves the saves
-    /// to ready their slots themselves.
+    /// slots the open mapped. A thread that cannot start is logged and
+    /// leaves the saves to ready their slots themselves.
     pub(crate) fn start(ring: Ring, rank: u32, setup: impl FnOnce() + Send + 'static) -> Warm {
         let (tx, rx) = crossbeam_channel::unbounded::<Option<u64>>();
         let stop = ring.clone();
