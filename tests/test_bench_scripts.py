@@ -231,3 +231,39 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert saving["every"]["persisted_steps"] > 0
     assert (out / "overhead.md").read_text() in proc.stdout
     assert not list(tmp_path.glob("acp-overhead-*"))  # its roots are removed
+
+
+def test_compare_pairs_acp_with_its_floors(tmp_path: Path) -> None:
+    """compare.py runs each of acp's saves and loads right after the floor it is
+    judged against, and judges each issue-16 target by the per-pair ratios."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(PEERS / "compare.py"), "--size-gib", "0.01", "--repeats", "3"]
+    cmd += ["--extra-small", "10", "--ops", "baseline,acp", "--dir", str(tmp_path)]
+    cmd += ["--out", str(out)]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (case,) = json.loads((out / "compare.json").read_text())["cases"].values()
+    rows = {r["op"]: r for r in case["rows"]}
+    for op in (
+        "ckpt.save [stall]",
+        "ckpt.save [total]",
+        "ckpt.load(into=state) from RAM",
+        "ckpt.load(into=state) from storage, cold",
+    ):
+        assert len(rows[op]["runs"]) == 3, op
+        assert len(rows[op]["paired"]) == 3, op
+        assert all(p > 0 for p in rows[op]["paired"]), op
+    # A warm load has no floor to pair with.
+    assert rows["ckpt.load(into=state) from storage, warm"]["paired"] == []
+    # The floor of a save until committed holds the copy and the write: it is
+    # longer than the copy that the stall is paired with.
+    for total, stall in zip(
+        rows["ckpt.save [total]"]["paired"], rows["ckpt.save [stall]"]["paired"]
+    ):
+        assert total > stall
+    md = (out / "compare.md").read_text()
+    verdicts = [line for line in md.splitlines() if line.startswith("- ") and "target <=" in line]
+    assert len(verdicts) == 4
+    assert all("median of 3 per-pair ratios" in line for line in verdicts)
+    assert not list(tmp_path.glob("acp-compare-*"))

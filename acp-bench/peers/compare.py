@@ -36,10 +36,12 @@ once just before). acp's RAM ring is shared memory: dropping caches does not tou
 Output: a Markdown table per size with GB/s and the ratio to the fastest memcpy, a table of
 acp against each peer (peer time / acp time: above 1, acp is faster), and ``--json`` with
 every run, and one verdict line per issue-16 target the run measures (verified restore from
-RAM, stall, save until committed, cold restore: each a ratio of two medians of this run and
-met or MISSED); ``--out DIR`` writes both (``compare.md``, ``compare.json``). More peers plug in
-with ``--plugin file.py``, whose ``register(compare)`` returns a list of ``compare.Group``;
-see ``Group``.
+RAM, stall, save until committed, cold restore: each met or MISSED by the median of per-pair
+ratios, each acp run having been paired with its floor run right before it: a 2-thread memcpy,
+plus fio's write for a save until committed, fio's read for a cold load; the ratio of the two
+blocks' medians is given beside it); ``--out DIR`` writes both (``compare.md``,
+``compare.json``). More peers plug in with ``--plugin file.py``, whose ``register(compare)``
+returns a list of ``compare.Group``; see ``Group``.
 """
 
 from __future__ import annotations
@@ -166,7 +168,27 @@ def run_baselines(ctx: Ctx) -> None:
         "baseline", "O_DIRECT read, cold (raw)", "read", read, cache=None
     ).values():
         row.note = tools[-1] if tools else ""
-    rm(path)
+
+    # The same floors again, one at a time, for the tools to pair each of
+    # their runs with (the file stays until the case's directory goes).
+    def timed(fn: Any) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def read_floor() -> float:
+        if not os.path.exists(path):
+            baselines.direct_write(path, ctx.bytes)
+        return baselines.direct_read(path, ctx.bytes).secs
+
+    def copy_floor(keep: tuple[Any, ...] = (srcs, dsts)) -> float:
+        # ``ptrs`` are raw addresses into these tensors: ``keep`` holds them
+        # for as long as the floor lives (after this function returns).
+        return timed(memmove_threads)
+
+    ctx.floors["copy"] = copy_floor
+    ctx.floors["write"] = lambda: baselines.direct_write(path, ctx.bytes).secs
+    ctx.floors["read"] = read_floor
 
 
 # ----------------------------------------------------------------------------- acp
@@ -200,10 +222,37 @@ def _shm_dir() -> str | None:
     )
 
 
+def _floor_pairs(ctx: Ctx, settle: Any) -> dict[str, Any]:
+    """``measure``'s ``pair`` for a save (the copy for its stall, the copy and the
+    write for its total), a load from RAM (the copy) and a cold load (the read and
+    the copy), from the baselines this run measured; None for each without them.
+    Each calls ``settle`` first (the tool's background work from its previous run,
+    such as a commit's housekeeping, must not slow its baseline)."""
+    copy, write, read = (ctx.floors.get(k) for k in ("copy", "write", "read"))
+    if copy is None or write is None or read is None:
+        return {"save": None, "ram": None, "cold": None}
+
+    def save() -> dict[str, float]:
+        settle()
+        c = copy()
+        return {"stall": c, "total": c + write()}
+
+    def ram() -> dict[str, float]:
+        settle()
+        return {"time": copy()}
+
+    def cold() -> dict[str, float]:
+        settle()
+        return {"time": read() + copy()}
+
+    return {"save": save, "ram": ram, "cold": cold}
+
+
 def run_acp(ctx: Ctx) -> None:
     root = os.path.join(ctx.dir, "acp")
     shm = _shm_dir()
     ckpt = _acp_checkpointer(ctx, root, shm)
+    pairs = _floor_pairs(ctx, ckpt.wait)
     steps = iter(range(1, 1 << 30))
     last: dict[str, Any] = {"saves": [], "loads": []}
 
@@ -239,7 +288,7 @@ def run_acp(ctx: Ctx) -> None:
                     "stall", [first["stall"]], note="once per slot per process")
             )  # fmt: skip
         last["saves"] = []
-        rows = ctx.measure("acp", "ckpt.save", "save", save)
+        rows = ctx.measure("acp", "ckpt.save", "save", save, pair=pairs["save"])
         saves = last["saves"]
         if saves and "stall" in rows:
             rows["stall"].note = "medians: " + ", ".join(
@@ -265,6 +314,7 @@ def run_acp(ctx: Ctx) -> None:
             before=ctx.zero,
             cache=None,
             after=lambda: ctx.check("acp RAM"),
+            pair=pairs["ram"],
         )
         _note_source(rows, last, "ram")
         for row in rows.values():
@@ -273,7 +323,12 @@ def run_acp(ctx: Ctx) -> None:
                 f"copy {_ms(last['loads'], 'copy_secs')}"
             )
         for rows in ctx.measure_loads(
-            "acp", "ckpt.load(into=state) from storage", lambda: load(True), root, "acp storage"
+            "acp",
+            "ckpt.load(into=state) from storage",
+            lambda: load(True),
+            root,
+            "acp storage",
+            pair_cold=pairs["cold"],
         ):
             _note_source(rows, last, "storage")
     finally:

@@ -155,10 +155,20 @@ class Row:
     cache: str = ""
     note: str = ""
     error: str = ""
+    # The baseline run right before each of ``runs`` (``Ctx.measure``'s
+    # ``pair``), in the same order: ratios per pair steady a verdict on a
+    # machine whose speed moves between minutes.
+    paired: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
         return statistics.median(self.runs)
+
+    def paired_ratio(self) -> float | None:
+        """The median of ``run / baseline`` over the pairs; None without pairs."""
+        if not self.paired or len(self.paired) != len(self.runs):
+            return None
+        return statistics.median(r / p for r, p in zip(self.runs, self.paired) if p > 0)
 
 
 @dataclass
@@ -179,6 +189,10 @@ class Ctx:
         self.rows: list[Row] = []
         self.expected = fingerprint(self.tensors)
         self.cache_modes: set[str] = set()
+        # The physical floors, each a callable that runs one and returns its
+        # seconds ("copy", "write", "read"), set by compare.py's baselines:
+        # a tool pairs its runs with them (``measure``'s ``pair``).
+        self.floors: dict[str, Callable[[], float]] = {}
 
     def zero(self) -> None:
         for t in self.tensors:
@@ -200,11 +214,16 @@ class Ctx:
         paths: Callable[[], list[str]] | None = None,
         after: Callable[[], Any] | None = None,
         note: str = "",
+        pair: Callable[[], dict[str, float]] | None = None,
     ) -> dict[str, Row]:
         """Runs ``fn`` ``repeats`` times. ``fn`` may return ``{"blocking": s, "total": s}``
-        (async saves): each key becomes its own row. Errors are reported, not raised."""
+        (async saves): each key becomes its own row. ``pair``, when given, runs right
+        before each run (before ``before`` and the cache handling) and returns the
+        baseline's seconds for some of those keys (``"time"`` for a plain ``fn``): they
+        go to the rows' ``paired``. Errors are reported, not raised."""
         rows: dict[str, Row] = {}
         for _ in range(self.repeats):
+            base = pair() if pair is not None else {}
             if before is not None:
                 before()
             mode = ""
@@ -235,6 +254,8 @@ class Ctx:
                         group, label, k, cache=mode if kind == "load" else "", note=note
                     )
                 rows[key].runs.append(secs)
+                if key in base:
+                    rows[key].paired.append(base[key])
         for row in rows.values():
             self.rows.append(row)
             print(
@@ -254,10 +275,12 @@ class Ctx:
         *,
         zero: Callable[[], Any] | None = None,
         check: Callable[[], Any] | None = None,
+        pair_cold: Callable[[], dict[str, float]] | None = None,
     ) -> list[dict[str, Row]]:
         """A load of ``path``, cold then warm: into a zeroed state (``zero``,
         by default the state's tensors), its bytes checked after
-        (``check``, by default against the state's fingerprint)."""
+        (``check``, by default against the state's fingerprint); each cold
+        run paired with ``pair_cold`` (``measure``'s ``pair``)."""
         return [
             self.measure(
                 group,
@@ -268,6 +291,7 @@ class Ctx:
                 cache=cache,
                 paths=lambda: [path],
                 after=check or (lambda: self.check(what)),
+                pair=pair_cold if cache == "cold" else None,
             )
             for cache in ("cold", "warm")
         ]
