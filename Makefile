@@ -127,6 +127,7 @@ GOODPUT_ARGS ?=
 
 bench-compare: build-dev ## acp next to torch.save, safetensors, DCP, MindSpore and the raw baselines, with a verdict line per issue-16 target.
 	$(PY) acp-bench/peers/compare.py $(COMPARE_ARGS) --out $(RESULTS)/compare
+	$(PY) acp-bench/peers/per_tensor.py --count 100000 --no-load | tee $(RESULTS)/compare/per_tensor.txt
 
 bench-scaling: build-dev ## Stall and flush against state size and tensor count, with PNG plots.
 	$(PY) acp-bench/peers/scaling.py $(SCALING_ARGS) --out $(RESULTS)/scaling

@@ -267,3 +267,16 @@ def test_compare_pairs_acp_with_its_floors(tmp_path: Path) -> None:
     assert len(verdicts) == 4
     assert all("median of 3 per-pair ratios" in line for line in verdicts)
     assert not list(tmp_path.glob("acp-compare-*"))
+
+
+def test_per_tensor_prints_its_verdict() -> None:
+    """per_tensor.py (run by `make bench-compare`) ends with issue 16's per-tensor
+    verdict line, from rounds each paired with their own memcpy."""
+    cmd = [sys.executable, str(PEERS / "per_tensor.py"), "--count", "2000", "--rounds", "4"]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("- 2b. per-tensor cost at 2,000 tensors: "), last
+    assert "median of 2 rounds each paired with its memcpy" in last
+    assert last.endswith(("**met**", "**MISSED**"))
