@@ -37,8 +37,8 @@ Output: a Markdown table per size with GB/s and the ratio to the fastest memcpy,
 acp against each peer (peer time / acp time: above 1, acp is faster), and ``--json`` with
 every run, and one verdict line per issue-16 target the run measures (verified restore from
 RAM, stall, save until committed, cold restore: each met or MISSED by the median of per-pair
-ratios, each acp run having been paired with its floor run right before it: a 2-thread memcpy,
-plus fio's write for a save until committed, fio's read for a cold load; the ratio of the two
+ratios, each acp run having been paired with its floor run right before it: a memcpy on every
+core, plus fio's write for a save until committed, fio's read for a cold load; the ratio of two
 blocks' medians is given beside it); ``--out DIR`` writes both (``compare.md``,
 ``compare.json``). More peers plug in with ``--plugin file.py``, whose ``register(compare)``
 returns a list of ``compare.Group``; see ``Group``.

@@ -112,7 +112,7 @@ def verdicts(ctx: Ctx) -> list[str]:
             ram,
             copy.median if copy else None,
             "the fastest memcpy",
-            pair="a 2-thread memcpy",
+            pair="a memcpy on every core",
         )
     )
     if ram and warm_st:
@@ -129,7 +129,7 @@ def verdicts(ctx: Ctx) -> list[str]:
             _find(ctx, "ckpt.save [stall]"),
             copy.median if copy else None,
             "the fastest memcpy",
-            pair="a 2-thread memcpy",
+            pair="a memcpy on every core",
         )
     )
     out.append(
@@ -139,7 +139,7 @@ def verdicts(ctx: Ctx) -> list[str]:
             _find(ctx, "ckpt.save [total]"),
             copy.median + write.median if copy and write else None,
             "memcpy + the raw O_DIRECT write and fsync",
-            pair="a 2-thread memcpy + the raw O_DIRECT write and fsync",
+            pair="a memcpy on every core + the raw O_DIRECT write and fsync",
         )
     )
     out.append(
@@ -149,7 +149,7 @@ def verdicts(ctx: Ctx) -> list[str]:
             cold,
             read.median + copy.median if read and copy else None,
             "the raw O_DIRECT read + a memcpy of the same bytes (the scatter)",
-            pair="the raw O_DIRECT read + a 2-thread memcpy of the same bytes (the scatter)",
+            pair="the raw O_DIRECT read + a memcpy on every core of the same bytes (the scatter)",
         )
     )
     if cold and cold_torch:
