@@ -59,6 +59,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,7 @@ def run_baselines(ctx: Ctx) -> None:
 
     # The same floors again, one at a time, for the tools to pair each of
     # their runs with (the file stays until the case's directory goes).
-    def timed(fn: Any) -> float:
+    def timed(fn: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
@@ -222,7 +223,11 @@ def _shm_dir() -> str | None:
     )
 
 
-def _floor_pairs(ctx: Ctx, settle: Any) -> dict[str, Any]:
+Pair = Callable[[], dict[str, float]]
+"""``Ctx.measure``'s ``pair``: runs the floors and returns their seconds by row key."""
+
+
+def _floor_pairs(ctx: Ctx, settle: Callable[[], object]) -> dict[str, Pair | None]:
     """``measure``'s ``pair`` for a save (the copy for its stall, the copy and the
     write for its total), a load from RAM (the copy) and a cold load (the read and
     the copy), from the baselines this run measured; None for each without them.
