@@ -203,6 +203,9 @@ def test_rank_file_load_tiny(tmp_path: Path) -> None:
     assert got["mib"] == 4
     for key in ("fresh_ms", "into_ms", "memcpy_fresh_ms", "memcpy_warm_ms"):
         assert got[key] > 0, key
+    # The data-parallel restore ran (the script checks its bytes and sources).
+    assert got["replicated_into_ms"] > 0
+    assert got["replicated_into_over_memcpy_warm"] > 0
 
 
 def test_overhead_quick(tmp_path: Path) -> None:

@@ -7,8 +7,15 @@ memory already touched (what ``load(into=)`` fills).
     python acp-bench/peers/rank_file_load.py --mib 256 --repeats 9
 
 Two ranks' engines run in this process; rank 0 loads rank 1's file. The image
-is copied out of rank 1's slot into private memory and checked there; a fresh
-load then hands that memory to its tensors. Prints one JSON line of medians.
+is copied out of rank 1's slot into private memory, each chunk summed as it
+lands; a fresh load then hands that memory to its tensors.
+
+Then the data-parallel case: both ranks save the same state with
+``replicated=True`` (each writes half of it), and rank 1 restores the whole
+state with ``load(into=)``: its own half from its slot, the other half's
+chunks copied out of rank 0's slot and checked, then copied into the
+tensors; against a memcpy of the whole state into memory already touched.
+Prints one JSON line of medians.
 """
 
 from __future__ import annotations
@@ -26,6 +33,38 @@ import torch
 import acp
 
 MiB = 1 << 20
+
+
+def replicated_restore(
+    ckpts: list[acp.Checkpointer],
+    state: dict[str, torch.Tensor],
+    into: dict[str, torch.Tensor],
+    copy: tuple[torch.Tensor, torch.Tensor],
+    repeats: int,
+) -> tuple[list[float], list[float]]:
+    """The data-parallel case: ``state`` saved by both ranks with
+    ``replicated=True`` (written once), restored whole by rank 1 with
+    ``load(into=)``; each restore paired with a memcpy of ``copy``'s
+    first tensor into its second. Returns both lists of seconds."""
+    src, warm = copy
+    handles = [c.save(2, state, replicated=True) for c in ckpts]
+    for h in handles:
+        h.wait()
+    loads, memcpys = [], []
+    for _ in range(repeats):
+        for t_ in into.values():
+            t_.zero_()
+        t = time.perf_counter()
+        ckpts[1].load(2, into=into)
+        loads.append(time.perf_counter() - t)
+        last = ckpts[1].last_load
+        assert last is not None
+        assert last.ranks == {0: "ram", 1: "ram"}, last.ranks
+        assert all(torch.equal(into[k], v) for k, v in state.items())
+        t = time.perf_counter()
+        warm.copy_(src)
+        memcpys.append(time.perf_counter() - t)
+    return loads, memcpys
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -83,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 t = time.perf_counter()
                 warm.copy_(src)
                 memcpy_warm.append(time.perf_counter() - t)
+            replicated, memcpy_rep = replicated_restore(
+                ckpts, states[1], into, (src, warm), a.repeats
+            )
         finally:
             for c in ckpts:
                 c.close()
@@ -91,12 +133,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "into_ms": 1e3 * statistics.median(into_ms),
         "memcpy_fresh_ms": 1e3 * statistics.median(memcpy_fresh),
         "memcpy_warm_ms": 1e3 * statistics.median(memcpy_warm),
+        "replicated_into_ms": 1e3 * statistics.median(replicated),
+        "memcpy_warm_replicated_ms": 1e3 * statistics.median(memcpy_rep),
     }
     out_line = {
         "mib": a.mib,
         **med,
         "fresh_over_memcpy_fresh": med["fresh_ms"] / med["memcpy_fresh_ms"],
         "into_over_memcpy_warm": med["into_ms"] / med["memcpy_warm_ms"],
+        "replicated_into_over_memcpy_warm": med["replicated_into_ms"]
+        / med["memcpy_warm_replicated_ms"],
     }
     print(json.dumps(out_line))
     return out_line

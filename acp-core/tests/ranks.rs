@@ -363,3 +363,84 @@ fn some_tensors_of_another_rank_read_only_their_chunks() {
         data[0].as_slice()
     );
 }
+
+#[test]
+fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let open = |rank| {
+        Engine::open(
+            EngineConfig::new(&root)
+                .with_shm_dir(&shm)
+                .with_job("summed")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(64 << 20)
+                .with_chunk_bytes(64 << 10)
+                .with_copy_threads(3)
+                .with_commit_timeout(Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let (e0, e1) = (open(0), open(1));
+    // Enough bytes that the chunks are read and summed on several threads.
+    let data: Vec<Vec<u8>> = (0..4u32)
+        .map(|i| (0..(3 << 20) + 17 * i).map(|j| (j * 7 + i) as u8).collect())
+        .collect();
+    let names: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
+    let shapes: Vec<[u64; 1]> = data.iter().map(|d| [d.len() as u64]).collect();
+    let tensors: Vec<HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .zip(&shapes)
+        .map(|((n, d), s)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: s,
+            data: d,
+        })
+        .collect();
+    let h1 = e1
+        .save(5, &tensors, &json!({"of": 1}), &SaveOptions::default())
+        .unwrap();
+    save(&e0, 0, 5).wait().unwrap();
+    h1.wait().unwrap();
+    let some = |names: &[&str]| {
+        e0.load(&LoadRequest {
+            step: Some(5),
+            rank: Some(1),
+            tensors: Some(names.iter().map(|n| (*n).to_owned()).collect()),
+            ..LoadRequest::default()
+        })
+        .unwrap()
+    };
+    let got = some(&["t1", "t3"]);
+    assert_eq!(got.report().source, Source::Ram);
+    assert!(got.report().verified);
+    assert_eq!(got.tensor("t1").unwrap().data, data[1].as_slice());
+    assert_eq!(got.tensor("t3").unwrap().data, data[3].as_slice());
+    drop(got);
+    // A byte changed in the slot under t3 (after its sums were taken):
+    // that chunk is checked against its digest, which fails, and storage
+    // is read instead; t0, whose chunks are intact, still comes from RAM.
+    let slot = slot_files(&shm, 1)
+        .into_iter()
+        .find(|p| {
+            acp_core::staging::peek_slot(p)
+                .unwrap()
+                .is_some_and(|s| s.is_complete() && s.step == 5)
+        })
+        .unwrap();
+    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
+    let at = peek.image_offset + peek.image_len - 10;
+    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+    let got = some(&["t3", "t1"]);
+    assert_eq!(got.report().source, Source::Storage);
+    assert_eq!(got.tensor("t3").unwrap().data, data[3].as_slice());
+    assert_eq!(got.tensor("t1").unwrap().data, data[1].as_slice());
+    let got = some(&["t0"]);
+    assert_eq!(got.report().source, Source::Ram);
+    assert_eq!(got.tensor("t0").unwrap().data, data[0].as_slice());
+}

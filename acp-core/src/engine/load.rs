@@ -844,9 +844,10 @@ fn load_step(
         if let Some(copy) = ranks::copy_from_peer_slot(shared, step, rank, entry) {
             let (buf, slot_path) = (copy.buf, copy.path);
             let len = to_usize(entry.size);
-            // The sums the slot took beside the committed digests, as for
-            // this rank's own slot; else (or when one differs) blake3.
-            let checked = if given_sums(step, &buf[..len], &slot_path, entry, copy.sums, threads) {
+            // Summed as it was copied, against the sums the slot took
+            // beside the committed digests, as for this rank's own slot;
+            // else (or when one differs) blake3.
+            let checked = if copy.summed {
                 Ok(())
             } else {
                 verify_in_place(&buf[..len], &slot_path, entry, threads).map(|_| ())

@@ -21,7 +21,7 @@ use super::state::Shared;
 use super::{Checkpoint, LoadReport, Source};
 use crate::error::{Error, Result};
 use crate::format::{data_file_name, FileEntry, ParsedHeader};
-use crate::read::{ChunkReader, ChunkSource, StoredSource};
+use crate::read::{read_and_sum, ChunkDst, ChunkReader, ChunkSource, StoredSource};
 use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
 use crate::storage::Storage;
 
@@ -51,17 +51,20 @@ pub(super) struct PeerCopy {
     pub(super) buf: memmap2::MmapMut,
     /// The slot file it came from.
     pub(super) path: PathBuf,
-    /// The quick sums the slot recorded beside digests that are `entry`'s
-    /// (the committed ones), when it recorded any.
-    pub(super) sums: Option<Vec<u64>>,
+    /// Whether every chunk gave, as it was copied, the quick sum the slot
+    /// recorded beside digests that are `entry`'s (the committed ones):
+    /// the copy is then checked. False when the slot recorded no such sums
+    /// or a chunk differed: the caller checks the digests.
+    pub(super) summed: bool,
 }
 
 /// Copies `rank`'s image of `step` out of its slot on this node, when one
 /// holds it, into private memory. The memory is sized only once a slot
 /// file is found whose real size holds an image of the index's length.
-/// Returns the memory, the slot file it came from and the quick sums the
-/// slot recorded beside `entry`'s digests; the caller verifies the bytes
-/// (against those sums, else against `entry`) before trusting them.
+/// When the slot recorded quick sums beside `entry`'s digests, each chunk
+/// is summed as soon as it is copied, on the copy threads, while it is in
+/// cache ([`PeerCopy::summed`]); the caller verifies the bytes against
+/// `entry` otherwise before trusting them.
 pub(super) fn copy_from_peer_slot(
     shared: &Shared,
     step: u64,
@@ -71,24 +74,61 @@ pub(super) fn copy_from_peer_slot(
     let slot = open_peer_slot(shared, step, rank, entry)?;
     let path = slot.path().to_path_buf();
     let copied = super::load::heap_whole(entry.size, &path).and_then(|mut buf| {
-        slot.read_at(0, &mut buf[..to_usize(entry.size)])?;
-        // Read before `unchanged`: like the bytes, they are the image's
-        // only if the slot was not reacquired meanwhile.
-        let sums = match slot.digests()? {
-            Some((chunk, digests)) if super::replicate::same_digests(entry, chunk, &digests) => {
-                slot.sums(chunk, &digests)?
+        // Read before the bytes, and bound to the committed digests: they
+        // are the committed image's sums whatever the slot holds later.
+        let sums = committed_sums(&slot, entry)?;
+        let len = to_usize(entry.size);
+        let summed = match &sums {
+            Some(sums) => {
+                let chunks = image_chunks(&mut buf[..len], entry.chunk_bytes);
+                let differ = read_and_sum(&slot, chunks, sums, shared.cfg.copy_threads)?;
+                if let Some(k) = differ.first() {
+                    tracing::warn!(
+                        "acp: rank {rank}'s resident copy of step {step} in {}: chunk {k} differs from its quick sum; checking its digests",
+                        path.display()
+                    );
+                }
+                differ.is_empty()
             }
-            _ => None,
+            None => {
+                slot.read_at(0, &mut buf[..len])?;
+                false
+            }
         };
-        Ok(slot.unchanged()?.then_some((buf, sums)))
+        Ok(slot.unchanged()?.then_some((buf, summed)))
     });
     match copied {
-        Ok(found) => found.map(|(buf, sums)| PeerCopy { buf, path, sums }),
+        Ok(found) => found.map(|(buf, summed)| PeerCopy { buf, path, summed }),
         Err(e) => {
             tracing::debug!("acp: rank {rank}'s slot {}: {e}", path.display());
             None
         }
     }
+}
+
+/// The quick sums `slot` records for its image beside digests that are
+/// `entry`'s (the committed ones), if it records such.
+///
+/// # Errors
+/// [`Error::Io`] reading the slot's control block.
+fn committed_sums(slot: &PeerSlot, entry: &FileEntry) -> Result<Option<Vec<u64>>> {
+    match slot.digests()? {
+        Some((chunk, digests)) if super::replicate::same_digests(entry, chunk, &digests) => {
+            slot.sums(chunk, &digests)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// `image` cut into its digest chunks of `chunk` bytes, for
+/// [`read_and_sum`].
+fn image_chunks(image: &mut [u8], chunk: u64) -> Vec<ChunkDst<'_>> {
+    let chunk = to_usize(chunk).max(1);
+    image
+        .chunks_mut(chunk)
+        .enumerate()
+        .map(|(k, dst)| (k, (k * chunk) as u64, dst))
+        .collect()
 }
 
 /// Another rank's slot holding the image, if one on this node does.
@@ -166,6 +206,76 @@ impl<S: ChunkSource> Partial<S> {
     }
 }
 
+impl<S: ChunkSource + Sync> Partial<S> {
+    /// Reads the chunks under the byte ranges `ranges` not read yet, each
+    /// summed as soon as it landed, while it is in cache, against `sums`
+    /// (one per chunk of the image: the quick sums the slot recorded
+    /// beside the committed digests), on up to `threads` threads, their
+    /// memory taken first (in huge pages where the kernel allows). A chunk
+    /// that does not give its sum is read again and checked against its
+    /// digest, whose error names its tensors.
+    fn ranges_summed(&mut self, ranges: &[(u64, u64)], sums: &[u64], threads: usize) -> Result<()> {
+        let Partial { reader, buf, read } = self;
+        let c = reader.entry().chunk_bytes;
+        let want: BTreeSet<u64> = ranges
+            .iter()
+            .filter(|(s, e)| e > s)
+            .flat_map(|&(s, e)| s / c..e.div_ceil(c))
+            .filter(|i| !read.contains(i))
+            .collect();
+        if want.is_empty() {
+            return Ok(());
+        }
+        // Advice only: without it the pages are taken as they are written.
+        let _ = buf.advise(memmap2::Advice::HugePage);
+        let mut run: Option<(u64, u64)> = None;
+        for (s, e) in want
+            .iter()
+            .map(|&i| reader.span(i))
+            .chain([(u64::MAX, u64::MAX)])
+        {
+            match run {
+                Some((rs, re)) if re == s => run = Some((rs, e)),
+                _ => {
+                    if let Some((rs, re)) = run {
+                        let from = to_usize(rs) / 4096 * 4096;
+                        let to = to_usize(re).div_ceil(4096) * 4096;
+                        let _ = buf.advise_range(
+                            memmap2::Advice::PopulateWrite,
+                            from,
+                            to.min(buf.len()) - from,
+                        );
+                    }
+                    run = Some((s, e));
+                }
+            }
+        }
+        let mut chunks: Vec<ChunkDst<'_>> = Vec::with_capacity(want.len());
+        let mut rest: &mut [u8] = &mut buf[..];
+        let mut pos = 0u64;
+        for &i in &want {
+            let (s, e) = reader.span(i);
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(to_usize(s - pos));
+            let (dst, tail) = tail.split_at_mut(to_usize(e - s));
+            chunks.push((to_usize(i), s, dst));
+            rest = tail;
+            pos = e;
+        }
+        let differ = read_and_sum(reader.source(), chunks, sums, threads)?;
+        for k in differ {
+            let k = k as u64;
+            tracing::warn!(
+                "acp: {}: chunk {k} differs from its quick sum; checking its digest",
+                reader.path().display()
+            );
+            let (s, e) = reader.span(k);
+            reader.read_chunk_into(k, &mut buf[to_usize(s)..to_usize(e)])?;
+        }
+        read.extend(want);
+        Ok(())
+    }
+}
+
 /// The header of `rank`'s file of committed `step`, read from the chunks
 /// that hold it, each checked against the index's digests.
 pub(super) fn read_header(shared: &Shared, step: u64, rank: u32) -> Result<ParsedHeader> {
@@ -203,7 +313,13 @@ pub(super) fn load_tensors(
     if !storage_only {
         if let Some(slot) = open_peer_slot(shared, step, rank, &entry) {
             let slot_path = slot.path().to_path_buf();
-            let got = read_tensors(slot, &entry, names, step).and_then(|(p, h)| {
+            // Read before the bytes, bound to the committed digests.
+            let sums = committed_sums(&slot, &entry).unwrap_or_else(|e| {
+                tracing::debug!("acp: rank {rank}'s slot {}: {e}", slot_path.display());
+                None
+            });
+            let summed = sums.as_deref().map(|s| (s, shared.cfg.copy_threads));
+            let got = read_tensors(slot, &entry, names, step, summed).and_then(|(p, h)| {
                 if p.reader.source().unchanged()? {
                     Ok((p, h))
                 } else {
@@ -223,15 +339,20 @@ pub(super) fn load_tensors(
         }
     }
     let source = storage(&*shared.root, step, &name, &entry)?;
-    let (p, h) = read_tensors(source, &entry, names, step)?;
+    let (p, h) = read_tensors(source, &entry, names, step, None)?;
     Ok(checkpoint(shared, step, p, h, Source::Storage, t0))
 }
 
-fn read_tensors<S: ChunkSource>(
+/// `names` of the image in `src` (with its header): the chunks under the
+/// header and under them, each checked against `entry`'s digests, or
+/// against `summed` (the quick sums the source recorded beside those
+/// digests, and the copy threads) when given.
+fn read_tensors<S: ChunkSource + Sync>(
     src: S,
     entry: &FileEntry,
     names: &[String],
     step: u64,
+    summed: Option<(&[u64], usize)>,
 ) -> Result<(Partial<S>, ParsedHeader)> {
     let mut p = Partial::new(entry, src)?;
     let mut header = p.header()?;
@@ -251,8 +372,20 @@ fn read_tensors<S: ChunkSource>(
             what: format!("tensor `{missing}` in {}", p.path().display()),
         });
     }
-    for e in &header.entries {
-        p.range(e.offset, e.offset + e.len)?;
+    match summed {
+        Some((sums, threads)) => {
+            let ranges: Vec<(u64, u64)> = header
+                .entries
+                .iter()
+                .map(|e| (e.offset, e.offset + e.len))
+                .collect();
+            p.ranges_summed(&ranges, sums, threads)?;
+        }
+        None => {
+            for e in &header.entries {
+                p.range(e.offset, e.offset + e.len)?;
+            }
+        }
     }
     Ok((p, header))
 }

@@ -82,6 +82,7 @@
 //! one read of the image.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use twox_hash::XxHash3_64;
 
@@ -151,6 +152,83 @@ pub(crate) fn sums_match(image: &[u8], chunk: usize, sums: &[u64], threads: usiz
         }
     });
     !differs.into_inner()
+}
+
+/// One chunk to read: its index, its offset in the image, and the memory
+/// it goes to (exactly its length).
+pub(crate) type ChunkDst<'m> = (usize, u64, &'m mut [u8]);
+
+/// Reads each chunk of `chunks` from `src` into its memory and sums it
+/// right after it landed, while it is in cache (one pass over the bytes
+/// instead of a read and then a check), on up to `threads` threads, each
+/// a contiguous run of chunks in the order given. Returns the chunks whose
+/// bytes do not give their sum in `sums` (none missing: a chunk past the
+/// sums counts as differing), in the order given; the caller checks those
+/// against their digests, whose error names the tensors.
+///
+/// # Errors
+/// The first of the source's errors; the other reads stop at their next
+/// chunk.
+pub(crate) fn read_and_sum<S: super::ChunkSource + Sync + ?Sized>(
+    src: &S,
+    chunks: Vec<ChunkDst<'_>>,
+    sums: &[u64],
+    threads: usize,
+) -> crate::error::Result<Vec<usize>> {
+    let bytes: usize = chunks.iter().map(|c| c.2.len()).sum();
+    let runs = if threads <= 1 || bytes < PARALLEL_MIN_BYTES || chunks.len() < 2 {
+        1
+    } else {
+        threads.min(chunks.len())
+    };
+    let per = chunks.len().div_ceil(runs.max(1)).max(1);
+    let mut work: Vec<(usize, Vec<ChunkDst<'_>>)> = Vec::with_capacity(runs);
+    let mut it = chunks.into_iter();
+    loop {
+        let run: Vec<ChunkDst<'_>> = it.by_ref().take(per).collect();
+        if run.is_empty() {
+            break;
+        }
+        work.push((work.len(), run));
+    }
+    let failed = AtomicBool::new(false);
+    // (position in `chunks`, chunk) of each chunk that differs; the
+    // first error.
+    let differ = Mutex::new(Vec::<(usize, usize)>::new());
+    let error = Mutex::new(None::<crate::error::Error>);
+    let run = |(r, run): (usize, Vec<ChunkDst<'_>>)| {
+        for (j, (k, offset, dst)) in run.into_iter().enumerate() {
+            if failed.load(Ordering::Relaxed) {
+                return;
+            }
+            match src.read_at(dst, offset) {
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    error
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .get_or_insert(e);
+                    return;
+                }
+                Ok(()) if sums.get(k) != Some(&fast_sum(dst)) => differ
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((r * per + j, k)),
+                Ok(()) => {}
+            }
+        }
+    };
+    if work.len() <= 1 {
+        work.into_iter().for_each(run);
+    } else {
+        crate::io::run_on_threads("acp-read-sum", work, run);
+    }
+    if let Some(e) = error.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(e);
+    }
+    let mut differ = differ.into_inner().unwrap_or_else(PoisonError::into_inner);
+    differ.sort_unstable();
+    Ok(differ.into_iter().map(|(_, k)| k).collect())
 }
 
 /// One destination piece of a fused check and copy: the chunk holding it,
@@ -252,6 +330,41 @@ mod tests {
 
     fn sums(data: &[u8], chunk: usize) -> Vec<u64> {
         data.chunks(chunk).map(fast_sum).collect()
+    }
+
+    #[test]
+    fn read_and_sum_reports_the_chunks_that_differ_on_any_thread_count() {
+        let data = image((20 << 20) + 123);
+        let chunk = 1 << 20;
+        let mut s = sums(&data, chunk);
+        s[3] ^= 1;
+        s[17] ^= 1;
+        let src = super::super::MemSource::new(&data, std::path::Path::new("image"));
+        for threads in [1, 2, 3, 8] {
+            let mut dst = vec![0u8; data.len()];
+            // Every chunk but the fifth.
+            let chunks: Vec<ChunkDst<'_>> = dst
+                .chunks_mut(chunk)
+                .enumerate()
+                .filter(|(k, _)| *k != 5)
+                .map(|(k, d)| (k, (k * chunk) as u64, d))
+                .collect();
+            let differ = read_and_sum(&src, chunks, &s, threads).unwrap();
+            assert_eq!(differ, vec![3, 17], "threads {threads}");
+            for (k, (got, want)) in dst.chunks(chunk).zip(data.chunks(chunk)).enumerate() {
+                if k == 5 {
+                    assert!(got.iter().all(|&b| b == 0), "chunk 5 was not wanted");
+                } else {
+                    assert_eq!(got, want, "chunk {k}, threads {threads}");
+                }
+            }
+        }
+        // A chunk past the sums differs; a read past the source fails.
+        let mut one = vec![0u8; chunk];
+        let differ = read_and_sum(&src, vec![(99, 0, &mut one[..])], &s, 2).unwrap();
+        assert_eq!(differ, vec![99]);
+        let past = data.len() as u64;
+        assert!(read_and_sum(&src, vec![(0, past, &mut one[..])], &s, 2).is_err());
     }
 
     #[test]

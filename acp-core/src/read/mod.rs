@@ -70,7 +70,9 @@ mod whole;
 
 use std::path::Path;
 
-pub(crate) use fast::{check_and_copy, chunk_sums, fast_sum, first_differing, sums_match};
+pub(crate) use fast::{
+    check_and_copy, chunk_sums, fast_sum, first_differing, read_and_sum, sums_match, ChunkDst,
+};
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};
 pub(crate) use whole::Target;
