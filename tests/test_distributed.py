@@ -24,7 +24,7 @@ import acp
 from acp import _acp
 from acp.distributed import Coordinator, assign
 
-from .conftest import SMALL_RING, save_raw, two_ranks
+from .conftest import SMALL_RING, save_raw, slot_dir, two_ranks
 
 DIST = Path(__file__).parent / "dist"
 
@@ -292,6 +292,83 @@ def test_replicated_state_is_written_once_and_loaded_whole(tmp_path: Path, shm_d
         )
         assert index["weight_map"]["model.0.weight"].startswith("rank-")
         assert index["weight_map"]["rank1.mine"] == "rank-00001.safetensors"
+    finally:
+        for c in ckpts:
+            c.close()
+
+
+def test_replicated_load_into_checks_the_other_ranks_chunks_on_their_way_in(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """``load(into=)`` of a replicated state: the tensors the other rank
+    wrote come from its slot straight into this rank's tensors, each chunk
+    checked on the way (over several chunks and copy threads); a byte
+    changed in that slot sends those tensors to storage, and the restore
+    is still exact."""
+    torch.manual_seed(1)
+    state = {f"t{i}": torch.randn(400_000 + 1000 * i) for i in range(6)}
+    ckpts = two_ranks(
+        acp.Checkpointer,
+        tmp_path / "ckpt",
+        shm_dir,
+        job="rep-into",
+        commit_timeout=60,
+        chunk_bytes=256 << 10,
+        copy_threads=3,
+    )
+    try:
+        for h in [c.save(1, state, replicated=True) for c in ckpts]:
+            h.wait()
+        index = json.loads(
+            (tmp_path / "ckpt/step-000000000001/model.safetensors.index.json").read_text()
+        )
+        by_rank = {
+            r: [k for k, f in index["weight_map"].items() if f == f"rank-{r:05d}.safetensors"]
+            for r in (0, 1)
+        }
+        assert by_rank[0]  # shared out
+        assert by_rank[1]
+        c = ckpts[1]
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        c.load(1, into=into)
+        assert all(torch.equal(into[k], v) for k, v in state.items())
+        assert c.last_load is not None
+        assert c.last_load.ranks == {0: "ram", 1: "ram"}
+        # The engine's side: rank 0's tensors planned from its slot, read
+        # by the first copy_into into the memory given, and not kept.
+        engine = c._engine
+        part = engine.load(step=1, rank=0, tensors=by_rank[0], defer=True)
+        assert part.pending
+        assert part.source == "ram"
+        names = [e[0] for e in part.entries()]
+        dst = torch.zeros_like(state[names[0]])
+        part.copy_into([(0, dst.data_ptr(), dst.numel() * dst.element_size())])
+        assert torch.equal(dst, state[names[0]])
+        assert part.report()["source"] == "ram"
+        with pytest.raises(acp.InvalidInput, match=f"tensor `{names[0]}` was read straight"):
+            part.buffer(0)
+        if len(names) > 1:  # the others are kept, and checked too
+            kept = torch.frombuffer(bytearray(part.buffer(1)), dtype=torch.float32)
+            assert torch.equal(kept, state[names[1]])
+        del part
+        # A byte of one of rank 0's tensors changed in rank 0's slot.
+        name = by_rank[0][0]
+        needle = state[name.split(".")[-1]][1000:1100].numpy().tobytes()
+        hit = 0
+        for slot in sorted(slot_dir(shm_dir).iterdir()):
+            if "-r00000-s" not in slot.name:
+                continue
+            data = bytearray(slot.read_bytes())
+            at = data.find(needle)
+            if at >= 0:
+                data[at + 40] ^= 0xFF
+                slot.write_bytes(bytes(data))
+                hit += 1
+        assert hit == 1
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        c.load(1, into=into)
+        assert all(torch.equal(into[k], v) for k, v in state.items())
+        assert c.last_load.ranks == {0: "storage", 1: "ram"}
     finally:
         for c in ckpts:
             c.close()

@@ -7,7 +7,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use acp_core::{Dtype, Engine, EngineConfig, Error, HostTensor, LoadRequest, SaveOptions, Source};
+use acp_core::{
+    Dtype, Engine, EngineConfig, Error, HostTensor, LoadRequest, Opened, SaveOptions, Source,
+};
 use serde_json::json;
 
 fn engine(root: &Path, shm: &Path, rank: u32, world: u32) -> Engine {
@@ -443,4 +445,131 @@ fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
     let got = some(&["t0"]);
     assert_eq!(got.report().source, Source::Ram);
     assert_eq!(got.tensor("t0").unwrap().data, data[0].as_slice());
+}
+
+#[test]
+fn some_tensors_of_another_ranks_slot_go_straight_into_the_callers_memory() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let open = |rank| {
+        Engine::open(
+            EngineConfig::new(&root)
+                .with_shm_dir(&shm)
+                .with_job("direct")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(64 << 20)
+                .with_chunk_bytes(64 << 10)
+                .with_copy_threads(3)
+                .with_commit_timeout(Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let (e0, e1) = (open(0), open(1));
+    let data: Vec<Vec<u8>> = (0..4u32)
+        .map(|i| (0..(3 << 20) + 17 * i).map(|j| (j * 5 + i) as u8).collect())
+        .collect();
+    let names: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
+    let shapes: Vec<[u64; 1]> = data.iter().map(|d| [d.len() as u64]).collect();
+    let tensors: Vec<HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .zip(&shapes)
+        .map(|((n, d), s)| HostTensor {
+            name: n,
+            dtype: Dtype::U8,
+            shape: s,
+            data: d,
+        })
+        .collect();
+    let h1 = e1
+        .save(6, &tensors, &json!({"of": 1}), &SaveOptions::default())
+        .unwrap();
+    save(&e0, 0, 6).wait().unwrap();
+    h1.wait().unwrap();
+    let req = LoadRequest {
+        step: Some(6),
+        rank: Some(1),
+        tensors: Some(vec!["t3".into(), "t1".into(), "t2".into()]),
+        ..LoadRequest::default()
+    };
+    // Planned from rank 1's slot: t1, t2, t3 in file order.
+    let load_some = |dsts: &mut [Vec<u8>]| {
+        let Opened::Pending(p) = e0.open_load(&req).unwrap() else {
+            panic!("another rank's resident tensors are read by the copy");
+        };
+        assert_eq!(p.source(), Source::Ram);
+        let names: Vec<&str> = p.entries().iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["t1", "t2", "t3"]);
+        // Destinations for t1 and t3; t2 is kept by the checkpoint.
+        let (a, b) = dsts.split_at_mut(1);
+        p.read_into(&mut [(0, &mut a[0][..]), (2, &mut b[0][..])])
+            .unwrap()
+    };
+    let mut dsts = vec![vec![0u8; data[1].len()], vec![0u8; data[3].len()]];
+    let ck = load_some(&mut dsts);
+    assert_eq!(ck.report().source, Source::Ram);
+    assert!(ck.report().verified);
+    assert_eq!(ck.report().rejected, None);
+    assert_eq!(dsts[0], data[1]);
+    assert_eq!(dsts[1], data[3]);
+    // The checkpoint holds t2, not t1 or t3, and says so.
+    assert_eq!(ck.tensor("t2").unwrap().data, data[2].as_slice());
+    assert!(ck.tensor("t1").is_none());
+    assert!(!ck.holds(&ck.entries()[2]));
+    assert!(ck.data(&ck.entries()[2]).is_empty());
+    let mut again = vec![0u8; data[1].len()];
+    let err = ck.copy_into(&mut [(0, &mut again[..])]).unwrap_err();
+    assert!(err.to_string().contains("tensor `t1`"), "{err}");
+    drop(ck);
+    // The whole file the same way: every tensor straight into its
+    // destination.
+    let whole = LoadRequest {
+        step: Some(6),
+        rank: Some(1),
+        ..LoadRequest::default()
+    };
+    let Opened::Pending(p) = e0.open_load(&whole).unwrap() else {
+        panic!("another rank's resident file is read by the copy");
+    };
+    assert_eq!(p.entries().len(), 4);
+    let mut all: Vec<Vec<u8>> = data.iter().map(|d| vec![0u8; d.len()]).collect();
+    let mut dsts: Vec<(usize, &mut [u8])> = all
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| (i, &mut d[..]))
+        .collect();
+    let ck = p.read_into(&mut dsts).unwrap();
+    assert_eq!(ck.report().source, Source::Ram);
+    assert_eq!(all, data);
+    assert!(ck.entries().iter().all(|e| !ck.holds(e)));
+    drop(ck);
+
+    // A byte of t3 changed in rank 1's slot: read from storage instead,
+    // into the same destinations, with the reason.
+    let slot = slot_files(&shm, 1)
+        .into_iter()
+        .find(|p| {
+            acp_core::staging::peek_slot(p)
+                .unwrap()
+                .is_some_and(|s| s.is_complete() && s.step == 6)
+        })
+        .unwrap();
+    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
+    let at = peek.image_offset + peek.image_len - 10;
+    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+    let mut dsts = vec![vec![0u8; data[1].len()], vec![0u8; data[3].len()]];
+    let ck = load_some(&mut dsts);
+    assert_eq!(ck.report().source, Source::Storage);
+    assert!(ck
+        .report()
+        .rejected
+        .as_deref()
+        .unwrap()
+        .contains("quick sum"));
+    assert_eq!(dsts[0], data[1]);
+    assert_eq!(dsts[1], data[3]);
+    assert_eq!(ck.tensor("t2").unwrap().data, data[2].as_slice());
 }

@@ -672,7 +672,9 @@ impl Engine {
     /// (verified later, by the read), its data read by the first
     /// `copy_into`, into the caller's tensors in the read's own pass; so
     /// does one held by this rank's resident slot (`source` "ram"), whose
-    /// check is that copy's pass.
+    /// check is that copy's pass, and so does another rank's file (or its
+    /// `tensors`) held by its slot on this node: the tensors `copy_into`
+    /// fills are then not kept (`buffer` of them raises `acp.InvalidInput`).
     #[pyo3(signature = (step=None, storage_only=false, fallback=false, rank=None, tensors=None, defer=false))]
     #[expect(
         clippy::too_many_arguments,

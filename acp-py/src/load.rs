@@ -219,6 +219,15 @@ impl Loaded {
         self.not_given()?;
         let ck = self.checkpoint(py)?;
         let entry = self.entry(ck, i)?;
+        if !ck.holds(entry) {
+            return Err(invalid(
+                self.what(),
+                format!(
+                    "tensor `{}` was read straight into the memory given to copy_into and is not kept; load the step again to read it",
+                    entry.name
+                ),
+            ));
+        }
         Ok(ck.data(entry))
     }
 

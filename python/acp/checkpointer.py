@@ -1025,7 +1025,7 @@ class Checkpointer:
         loaded = self._in.load(step, storage_only, fallback, rank, defer)
         # Replicated tensors other ranks wrote are in their files.
         loaded = with_other_ranks(
-            self._engine, loaded, self.rank if rank is None else rank, storage_only
+            self._engine, loaded, self.rank if rank is None else rank, storage_only, defer
         )
         ranks = loaded.sources() if isinstance(loaded, Sources) else None
         if ranks:  # other ranks' files, loaded by with_other_ranks
@@ -1088,6 +1088,10 @@ class Checkpointer:
                     defer=False,
                 )
         t2 = perf_counter()
+        if ranks:
+            # Where each file came from in the end: a deferred read of
+            # another rank's slot may have read storage instead.
+            ranks = loaded.sources()
         report = loaded.report()
         del loaded
         stats = load_stats(report, t0, t1, t2, copied, ranks=ranks)

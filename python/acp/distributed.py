@@ -244,10 +244,15 @@ class Sources:
         }
 
 
-def with_other_ranks(engine: Any, loaded: Any, rank: int, storage_only: bool) -> Any:
+def with_other_ranks(
+    engine: Any, loaded: Any, rank: int, storage_only: bool, defer: bool = False
+) -> Any:
     """``loaded`` (``rank``'s file) itself when its tree refers only to its
     own tensors; else a :class:`Sources` that adds the files holding the
-    others (replicated tensors other ranks wrote), per the step's index."""
+    others (replicated tensors other ranks wrote), per the step's index.
+    With ``defer`` (a load ``into=``), another rank's tensors resident in
+    its slot on this node are read by the first ``copy_into``, each chunk
+    checked on its way into the caller's tensors."""
     # The tree's names are kept from the last load of the same values: a
     # restore of the same structure again walks it once.
     missing = ref_names_cached(loaded.values_json, loaded.step).difference(
@@ -267,7 +272,9 @@ def with_other_ranks(engine: Any, loaded: Any, rank: int, storage_only: bool) ->
     wanted.pop(rank, None)
     parts: list[tuple[int, Any]] = [(rank, loaded)]
     for r, names in sorted(wanted.items()):
-        other = engine.load(step=loaded.step, storage_only=storage_only, rank=r, tensors=names)
+        other = engine.load(
+            step=loaded.step, storage_only=storage_only, rank=r, tensors=names, defer=defer
+        )
         parts.append((r, other))
     return Sources(parts)
 

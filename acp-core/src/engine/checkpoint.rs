@@ -1,6 +1,7 @@
 //! A loaded checkpoint: zero-copy views into the memory it was loaded
 //! into, and the figures of the load.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use super::{copy, to_usize};
@@ -48,6 +49,10 @@ pub struct Checkpoint {
     pub(super) backing: Backing,
     pub(super) report: LoadReport,
     pub(super) copy_threads: usize,
+    /// The offsets of the tensors (of at least one byte) whose bytes the
+    /// load read straight into the caller's memory and did not keep
+    /// ([`Checkpoint::holds`]); empty for nearly every load.
+    pub(super) elsewhere: BTreeSet<u64>,
     /// The ring's warming waits while the checkpoint is used (its views
     /// read, its tensors copied out), a few seconds at most.
     pub(super) _warm: WarmDeferral,
@@ -128,32 +133,51 @@ impl Checkpoint {
         &self.header
     }
 
-    /// The whole image (a safetensors file).
+    /// The whole image (a safetensors file). The bytes of a tensor it
+    /// does not hold ([`Checkpoint::holds`]) are zeros there.
     #[must_use]
     pub fn image(&self) -> &[u8] {
         self.backing.image()
+    }
+
+    /// Whether it holds the bytes of `entry` (one of
+    /// [`Checkpoint::entries`]). Every checkpoint holds all of its tensors
+    /// but one: some tensors of another rank's file read from its slot by
+    /// [`PendingLoad::read_into`](super::PendingLoad::read_into) went
+    /// straight into the caller's memory, checked on the way, and only
+    /// the others are kept.
+    #[must_use]
+    pub fn holds(&self, entry: &Entry) -> bool {
+        entry.len == 0 || !self.elsewhere.contains(&entry.offset)
     }
 
     /// The image, writable, when it is memory of this checkpoint alone:
     /// private memory it was fetched, copied or read into (a peer's
     /// replica, another rank's slot, a storage read with no slot free).
     /// `None` for a ring slot, which the flush, replicas and later loads
-    /// read. A caller that owns the checkpoint may hand this memory on
+    /// read, and for an image that does not hold every tensor
+    /// ([`Checkpoint::holds`]). A caller that owns the checkpoint may hand this memory on
     /// instead of copying out of it (a fresh load's tensors made over it).
     #[must_use]
     pub fn private_image_mut(&mut self) -> Option<&mut [u8]> {
+        if !self.elsewhere.is_empty() {
+            // Not the whole image: nothing to hand on as its tensors.
+            return None;
+        }
         match &mut self.backing {
             Backing::Slot(_) => None,
             Backing::Heap(m, len) => Some(&mut m[..*len]),
         }
     }
 
-    /// The tensor named `name`.
+    /// The tensor named `name`; `None` when there is none, or when the
+    /// checkpoint does not hold its bytes ([`Checkpoint::holds`]).
     #[must_use]
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         self.entries()
             .iter()
             .find(|e| e.name == name)
+            .filter(|e| self.holds(e))
             .map(|e| TensorView {
                 name: &e.name,
                 dtype: e.dtype,
@@ -162,9 +186,13 @@ impl Checkpoint {
             })
     }
 
-    /// The bytes of `entry` (one of [`Checkpoint::entries`]).
+    /// The bytes of `entry` (one of [`Checkpoint::entries`]); empty when
+    /// the checkpoint does not hold them ([`Checkpoint::holds`]).
     #[must_use]
     pub fn data(&self, entry: &Entry) -> &[u8] {
+        if !self.holds(entry) {
+            return &[];
+        }
         let off = to_usize(entry.offset);
         &self.backing.image()[off..off + to_usize(entry.len)]
     }
@@ -173,11 +201,15 @@ impl Checkpoint {
     /// into `dsts[k].1`, in parallel over the copy threads.
     ///
     /// # Errors
-    /// [`Error::Invalid`] naming the tensor when an index is out of range or
-    /// a length differs, before anything is copied.
+    /// [`Error::Invalid`] naming the tensor when an index is out of range,
+    /// a length differs or the checkpoint does not hold the tensor
+    /// ([`Checkpoint::holds`]), before anything is copied.
     pub fn copy_into(&self, dsts: &mut [(usize, &mut [u8])]) -> Result<()> {
         for (i, d) in dsts.iter() {
-            destination(self.entries(), self.step, *i, d.len())?;
+            let e = destination(self.entries(), self.step, *i, d.len())?;
+            if !self.holds(e) {
+                return Err(not_held(e));
+            }
         }
         let pairs = dsts
             .iter_mut()
@@ -189,6 +221,14 @@ impl Checkpoint {
         copy::parallel_copy(pairs, self.copy_threads);
         Ok(())
     }
+}
+
+/// The error for reading a tensor that a checkpoint does not hold.
+pub(super) fn not_held(e: &Entry) -> Error {
+    Error::invalid(
+        format!("tensor `{}`", e.name),
+        "this load read its bytes straight into the memory it was given and did not keep them; load the step again to read it",
+    )
 }
 
 /// Entry `i` of `entries` (of step `step`), checked as the destination of

@@ -131,8 +131,16 @@ impl Engine {
     /// is [`Opened::Pending`] too, planned from the slot's header: its
     /// check is the copy's pass ([`PendingLoad::read_into`]); so is this
     /// rank's RAM snapshot of a step not committed, checked by the same
-    /// pass against its quick sums. Every other source is loaded as
-    /// [`Engine::load`] loads it ([`Opened::Ready`]).
+    /// pass against its quick sums; and so is another rank's committed
+    /// file ([`LoadRequest::rank`]), or some of its tensors
+    /// ([`LoadRequest::tensors`]), held by that rank's slot on this node with
+    /// quick sums recorded beside the committed digests: planned from the
+    /// chunks under its header (checked against the digests), each chunk
+    /// of the tensors read into a buffer of a copy thread, checked
+    /// against its quick sum and copied into its destinations, with no
+    /// copy kept: the checkpoint then does not hold the tensors given a
+    /// destination ([`Checkpoint::holds`]). Every other source is loaded
+    /// as [`Engine::load`] loads it ([`Opened::Ready`]).
     ///
     /// The fallback of [`LoadRequest::fallback`] covers what this call
     /// reads (a missing file, a bad header); a data chunk that fails its
@@ -179,7 +187,8 @@ pub enum Opened {
     Ready(Checkpoint),
     /// A committed step of this engine's rank to read from storage, or
     /// held by its resident slot, or a RAM snapshot of this rank in its
-    /// slot, to check by the copy ([`PendingLoad::read_into`]).
+    /// slot, or another rank's file (or some of its tensors) in its slot
+    /// on this node, to check by the copy ([`PendingLoad::read_into`]).
     Pending(PendingLoad),
 }
 
@@ -207,6 +216,9 @@ enum Deferred {
     Resident(Box<ResidentSlot>),
     /// This rank's RAM snapshot of a step not committed, in its ring slot.
     Snapshot(Box<SnapshotSlot>),
+    /// Another rank's committed file, or some of its tensors, in its slot
+    /// on this node.
+    PeerTensors(Box<ranks::PeerTensors>),
 }
 
 /// This rank's RAM snapshot of a step that is not committed, in its ring
@@ -254,6 +266,7 @@ impl PendingLoad {
             Deferred::Stored(f) => f.step,
             Deferred::Resident(r) => r.step,
             Deferred::Snapshot(r) => r.step,
+            Deferred::PeerTensors(r) => r.step(),
         }
     }
 
@@ -264,7 +277,7 @@ impl PendingLoad {
     pub fn source(&self) -> Source {
         match &self.what {
             Deferred::Stored(_) => Source::Storage,
-            Deferred::Resident(_) | Deferred::Snapshot(_) => Source::Ram,
+            Deferred::Resident(_) | Deferred::Snapshot(_) | Deferred::PeerTensors(_) => Source::Ram,
         }
     }
 
@@ -298,6 +311,7 @@ impl PendingLoad {
             Deferred::Stored(f) => f.entry.size,
             Deferred::Resident(r) => r.entry.size,
             Deferred::Snapshot(r) => r.pin.image().len() as u64,
+            Deferred::PeerTensors(r) => r.image_bytes(),
         }
     }
 
@@ -323,6 +337,15 @@ impl PendingLoad {
     /// differs, the next source the load would have taken is read (a
     /// replica on this node or a peer's, checked before use) and copied
     /// into `into`.
+    ///
+    /// Another rank's file (or some of its tensors) in its slot: each chunk under
+    /// the tensors of `into` read into a buffer of a copy thread, checked
+    /// against the slot's quick sum and copied into `into`; the chunks
+    /// under the others read into the checkpoint's memory, checked the
+    /// same way. The checkpoint holds only those ([`Checkpoint::holds`]).
+    /// When a chunk differs (the slot reused meanwhile, a changed byte),
+    /// the tensors are read from storage into `into`, the reason in
+    /// [`LoadReport::rejected`].
     ///
     /// Nothing reaches `into` before its digest chunk matched (its digest,
     /// or its quick sum from RAM). On an error, each destination holds its
@@ -350,6 +373,9 @@ impl PendingLoad {
             Deferred::Snapshot(slot) => {
                 read_snapshot_into(&self.engine, *slot, &self.header, self.t0, into)
             }
+            Deferred::PeerTensors(p) => {
+                ranks::read_pending_into(self.engine.shared(), *p, &self.header, self.t0, into)
+            }
         }
     }
 }
@@ -374,7 +400,7 @@ fn read_stored_into(
 
 /// The placement and the values a caller planned with (`planned`) must be
 /// the ones the load verified.
-fn check_planned(ck: &Checkpoint, planned: &ParsedHeader, path: &Path) -> Result<()> {
+pub(super) fn check_planned(ck: &Checkpoint, planned: &ParsedHeader, path: &Path) -> Result<()> {
     if ck.entries() != planned.entries.as_slice()
         || ck.header().values_text() != planned.values_text()
     {
@@ -577,6 +603,7 @@ fn storage_instead(
                 Deferred::Stored(f) => f.path.clone(),
                 Deferred::Resident(r) => r.path.clone(),
                 Deferred::Snapshot(r) => r.path.clone(),
+                Deferred::PeerTensors(r) => r.path().to_path_buf(),
             };
             if p.header.entries != planned.entries
                 || p.header.values_text() != planned.values_text()
@@ -611,6 +638,7 @@ impl Opened {
                 Deferred::Stored(f) => f.rejected.is_some(),
                 Deferred::Resident(r) => r.rejected.is_some(),
                 Deferred::Snapshot(r) => r.rejected.is_some(),
+                Deferred::PeerTensors(r) => r.rejected.is_some(),
             },
         }
     }
@@ -623,6 +651,7 @@ impl Opened {
                     Deferred::Stored(f) => f.rejected = rejected,
                     Deferred::Resident(r) => r.rejected = rejected,
                     Deferred::Snapshot(r) => r.rejected = rejected,
+                    Deferred::PeerTensors(r) => r.rejected = rejected,
                 }
                 Opened::Pending(p)
             }
@@ -728,8 +757,22 @@ fn load_with(engine: &Engine, req: &LoadRequest, defer: bool) -> Result<Opened> 
     for step in candidates {
         let result = match (&req.tensors, req.rank) {
             (Some(names), Some(rank)) if rank != shared.cfg.rank => {
-                ranks::load_tensors(shared, step, rank, names, req.storage_only, t0)
-                    .map(Opened::Ready)
+                // From that rank's slot, the copy checks each chunk on its
+                // way into the caller's memory.
+                let pending = (defer && !req.storage_only)
+                    .then(|| ranks::pending_tensors(shared, step, rank, Some(names)))
+                    .flatten();
+                match pending {
+                    Some((p, header)) => Ok(Opened::Pending(PendingLoad {
+                        engine: engine.clone(),
+                        what: Deferred::PeerTensors(Box::new(p)),
+                        header: Arc::new(header),
+                        t0,
+                        _warm: shared.ring.defer_warming(),
+                    })),
+                    None => ranks::load_tensors(shared, step, rank, names, req.storage_only, t0)
+                        .map(Opened::Ready),
+                }
             }
             _ => load_step(engine, step, req.rank, req.storage_only, t0, defer),
         };
@@ -839,6 +882,25 @@ fn load_step(
         world_size: index.world_size,
     };
     let mut rejected = None;
+    if !storage_only && rank != own && defer {
+        // Another rank's image resident in its slot on this node, checked
+        // on its way into the caller's memory.
+        if let Some((p, header)) = ranks::pending_tensors(shared, step, rank, None) {
+            match check_header(p.path(), &header, step, &expected) {
+                Ok(()) => {
+                    return Ok(Opened::Pending(PendingLoad {
+                        engine: engine.clone(),
+                        what: Deferred::PeerTensors(Box::new(p)),
+                        header: Arc::new(header),
+                        t0,
+                        _warm: shared.ring.defer_warming(),
+                    }))
+                }
+                // Copied and checked below, which names what is wrong.
+                Err(e) => tracing::debug!("acp: rank {rank}'s slot: {e}"),
+            }
+        }
+    }
     if !storage_only && rank != own {
         // Another rank's image may be resident in its slot on this node.
         if let Some(copy) = ranks::copy_from_peer_slot(shared, step, rank, entry) {
@@ -1604,6 +1666,7 @@ fn checked(
         backing,
         report,
         copy_threads: shared.cfg.copy_threads,
+        elsewhere: std::collections::BTreeSet::new(),
         _warm: shared.ring.defer_warming(),
     }
 }

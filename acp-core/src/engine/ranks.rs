@@ -7,12 +7,20 @@
 //! alive and reuse the slot at any time. Bytes copied from it are kept only
 //! when the slot's control block is unchanged across the copy
 //! ([`PeerSlot`]) and every chunk matches the committed digests; anything
-//! else falls back to storage. Partial reads read and verify whole digest
+//! else falls back to storage. Where the slot records quick sums beside
+//! digests that are the committed ones (read before any byte, and bound to
+//! those digests), each chunk is checked against its sum as soon as it is
+//! copied, on the copy threads: a chunk that gives the committed image's
+//! sum is that image's, whatever the slot holds by then. A load into the
+//! caller's memory ([`read_pending_into`]) copies each chunk into a buffer
+//! of its thread, checks it, and copies it into its destinations, with
+//! nothing kept in between. Partial reads read and verify whole digest
 //! chunks: the chunks under the header, then those under the wanted
 //! tensors.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::checkpoint::Backing;
@@ -21,7 +29,9 @@ use super::state::Shared;
 use super::{Checkpoint, LoadReport, Source};
 use crate::error::{Error, Result};
 use crate::format::{data_file_name, FileEntry, ParsedHeader};
-use crate::read::{read_and_sum, ChunkDst, ChunkReader, ChunkSource, StoredSource};
+use crate::read::{
+    read_and_sum, read_check_copy, ChunkCopy, ChunkDst, ChunkReader, ChunkSource, StoredSource,
+};
 use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
 use crate::storage::Storage;
 
@@ -331,7 +341,7 @@ pub(super) fn load_tensors(
                 }
             });
             match got {
-                Ok((p, h)) => return Ok(checkpoint(shared, step, p, h, Source::Ram, t0)),
+                Ok((p, h)) => return Ok(checkpoint(shared, step, p, Arc::new(h), Source::Ram, t0)),
                 Err(e) => tracing::warn!(
                     "acp: rank {rank}'s resident copy of step {step} not used, reading storage: {e}"
                 ),
@@ -340,7 +350,14 @@ pub(super) fn load_tensors(
     }
     let source = storage(&*shared.root, step, &name, &entry)?;
     let (p, h) = read_tensors(source, &entry, names, step, None)?;
-    Ok(checkpoint(shared, step, p, h, Source::Storage, t0))
+    Ok(checkpoint(
+        shared,
+        step,
+        p,
+        Arc::new(h),
+        Source::Storage,
+        t0,
+    ))
 }
 
 /// `names` of the image in `src` (with its header): the chunks under the
@@ -353,6 +370,34 @@ fn read_tensors<S: ChunkSource + Sync>(
     names: &[String],
     step: u64,
     summed: Option<(&[u64], usize)>,
+) -> Result<(Partial<S>, ParsedHeader)> {
+    let (mut p, header) = plan_tensors(src, entry, names, step)?;
+    match summed {
+        Some((sums, threads)) => {
+            let ranges: Vec<(u64, u64)> = header
+                .entries
+                .iter()
+                .map(|e| (e.offset, e.offset + e.len))
+                .collect();
+            p.ranges_summed(&ranges, sums, threads)?;
+        }
+        None => {
+            for e in &header.entries {
+                p.range(e.offset, e.offset + e.len)?;
+            }
+        }
+    }
+    Ok((p, header))
+}
+
+/// The image in `src` with the chunks under its header read and checked
+/// against `entry`'s digests, and its header, its entries cut to `names`
+/// (each of which it must have).
+fn plan_tensors<S: ChunkSource>(
+    src: S,
+    entry: &FileEntry,
+    names: &[String],
+    step: u64,
 ) -> Result<(Partial<S>, ParsedHeader)> {
     let mut p = Partial::new(entry, src)?;
     let mut header = p.header()?;
@@ -372,29 +417,222 @@ fn read_tensors<S: ChunkSource + Sync>(
             what: format!("tensor `{missing}` in {}", p.path().display()),
         });
     }
-    match summed {
-        Some((sums, threads)) => {
-            let ranges: Vec<(u64, u64)> = header
-                .entries
-                .iter()
-                .map(|e| (e.offset, e.offset + e.len))
-                .collect();
-            p.ranges_summed(&ranges, sums, threads)?;
-        }
-        None => {
-            for e in &header.entries {
-                p.range(e.offset, e.offset + e.len)?;
+    Ok((p, header))
+}
+
+/// Some tensors of another rank's image in its slot on this node, planned
+/// ([`pending_tensors`]): the chunks under its header read and checked, the
+/// others not read yet ([`read_pending_into`]).
+pub(super) struct PeerTensors {
+    partial: Partial<PeerSlot>,
+    /// The slot's quick sums, recorded beside the committed digests.
+    sums: Vec<u64>,
+    step: u64,
+    rank: u32,
+    names: Vec<String>,
+    /// Why a newer source was passed over for this one, if one was.
+    pub(super) rejected: Option<String>,
+}
+
+impl std::fmt::Debug for PeerTensors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerTensors")
+            .field("slot", &self.partial.path())
+            .field("step", &self.step)
+            .field("rank", &self.rank)
+            .field("tensors", &self.names.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerTensors {
+    pub(super) fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub(super) fn image_bytes(&self) -> u64 {
+        self.partial.reader.entry().size
+    }
+
+    /// The slot file.
+    pub(super) fn path(&self) -> &Path {
+        self.partial.path()
+    }
+}
+
+/// The tensors `names` (all of them when `None`) of `rank`'s file of
+/// committed `step`, planned from its slot on this node when one holds
+/// the step and recorded quick sums beside the committed digests: its
+/// header read and checked (against the digests) and cut to `names`.
+/// `None` otherwise, or when anything is amiss (the load then takes
+/// [`load_tensors`] or the whole file's path, which say what).
+pub(super) fn pending_tensors(
+    shared: &Shared,
+    step: u64,
+    rank: u32,
+    names: Option<&[String]>,
+) -> Option<(PeerTensors, ParsedHeader)> {
+    let (_, entry) = file_of(shared, step, rank).ok()?;
+    let slot = open_peer_slot(shared, step, rank, &entry)?;
+    let path = slot.path().to_path_buf();
+    let planned = committed_sums(&slot, &entry).and_then(|sums| {
+        let Some(sums) = sums else {
+            return Ok(None);
+        };
+        let (partial, header) = match names {
+            Some(names) => plan_tensors(slot, &entry, names, step)?,
+            None => {
+                let mut partial = Partial::new(&entry, slot)?;
+                let header = partial.header()?;
+                (partial, header)
             }
+        };
+        Ok(Some((partial, header, sums)))
+    });
+    match planned {
+        Ok(Some((partial, header, sums))) => Some((
+            PeerTensors {
+                partial,
+                sums,
+                step,
+                rank,
+                names: header.entries.iter().map(|e| e.name.clone()).collect(),
+                rejected: None,
+            },
+            header,
+        )),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::debug!("acp: rank {rank}'s slot {}: {e}", path.display());
+            None
         }
     }
-    Ok((p, header))
+}
+
+/// [`PendingLoad::read_into`](super::PendingLoad::read_into) of `pending`
+/// (planned with `planned`, its header): the chunks under the tensors of
+/// `into` are read from the slot into memory of each copy thread, checked
+/// against their quick sums and copied into `into` while in cache; the
+/// chunks under the other tensors are read, checked the same way, into
+/// the checkpoint's memory. The checkpoint holds those, not the ones of
+/// `into` ([`Checkpoint::holds`]). When a chunk differs (the slot reused
+/// meanwhile, or its bytes changed), the tensors are read from storage
+/// instead, into `into` too.
+pub(super) fn read_pending_into(
+    shared: &Shared,
+    pending: PeerTensors,
+    planned: &Arc<ParsedHeader>,
+    t0: Instant,
+    into: &mut [(usize, &mut [u8])],
+) -> Result<Checkpoint> {
+    let PeerTensors {
+        mut partial,
+        sums,
+        step,
+        rank,
+        names,
+        rejected,
+    } = pending;
+    let threads = shared.cfg.copy_threads;
+    let path = partial.path().to_path_buf();
+    let given: BTreeSet<usize> = into.iter().map(|(i, _)| *i).collect();
+    // The tensors not given a destination: read into the checkpoint's
+    // memory, as a load without `into` reads them.
+    let kept: Vec<(u64, u64)> = planned
+        .entries
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !given.contains(i))
+        .map(|(_, e)| (e.offset, e.offset + e.len))
+        .collect();
+    let read = partial.ranges_summed(&kept, &sums, threads).and_then(|()| {
+        let c = partial.reader.entry().chunk_bytes;
+        let Partial { reader, buf, read } = &mut partial;
+        // Every destination cut at chunk boundaries: from the
+        // checkpoint's memory where its chunk is there already (checked),
+        // else read, checked and copied by a copy thread.
+        let mut chunks: std::collections::BTreeMap<u64, ChunkCopy<'_>> =
+            std::collections::BTreeMap::new();
+        let mut bytes = 0u64;
+        for (i, dst) in into.iter_mut() {
+            let Some(e) = planned.entries.get(*i) else {
+                continue;
+            };
+            let mut at = e.offset;
+            let mut dst: &mut [u8] = dst;
+            while !dst.is_empty() {
+                let k = at / c;
+                let take = to_usize(((k + 1) * c - at).min(dst.len() as u64));
+                let (head, tail) = std::mem::take(&mut dst).split_at_mut(take);
+                if read.contains(&k) {
+                    head.copy_from_slice(&buf[to_usize(at)..to_usize(at) + take]);
+                } else {
+                    let (start, end) = reader.span(k);
+                    chunks
+                        .entry(k)
+                        .or_insert_with(|| {
+                            bytes += end - start;
+                            ChunkCopy {
+                                k: to_usize(k),
+                                start,
+                                len: to_usize(end - start),
+                                pieces: Vec::new(),
+                            }
+                        })
+                        .pieces
+                        .push((at, head));
+                }
+                dst = tail;
+                at += take as u64;
+            }
+        }
+        let matched = read_check_copy(
+            reader.source(),
+            chunks.into_values().collect(),
+            &sums,
+            threads,
+        )?;
+        if matched {
+            Ok(bytes)
+        } else {
+            Err(Error::corrupt(
+                &path,
+                None,
+                "a chunk differs from its quick sum (the slot reused, or its bytes changed)",
+            ))
+        }
+    });
+    match read {
+        Ok(direct) => {
+            let mut ck = checkpoint(shared, step, partial, Arc::clone(planned), Source::Ram, t0);
+            ck.report.bytes += direct;
+            ck.elsewhere = given
+                .iter()
+                .filter_map(|&i| planned.entries.get(i))
+                .filter(|e| e.len > 0)
+                .map(|e| e.offset)
+                .collect();
+            Ok(ck.with_rejected(rejected))
+        }
+        Err(e) => {
+            tracing::warn!(
+                "acp: rank {rank}'s resident copy of step {step} not used, reading storage: {e}"
+            );
+            let ck = load_tensors(shared, step, rank, &names, true, t0)?;
+            super::load::check_planned(&ck, planned, &path)?;
+            let mut dsts: Vec<(usize, &mut [u8])> =
+                into.iter_mut().map(|(i, d)| (*i, &mut **d)).collect();
+            ck.copy_into(&mut dsts)?;
+            Ok(ck.with_rejected(Some(e.to_string())))
+        }
+    }
 }
 
 fn checkpoint<S: ChunkSource>(
     shared: &Shared,
     step: u64,
     p: Partial<S>,
-    header: ParsedHeader,
+    header: Arc<ParsedHeader>,
     source: Source,
     t0: Instant,
 ) -> Checkpoint {
@@ -409,7 +647,7 @@ fn checkpoint<S: ChunkSource>(
     let len = to_usize(p.reader.entry().size);
     Checkpoint {
         step,
-        header: std::sync::Arc::new(header),
+        header,
         backing: Backing::Heap(p.buf, len),
         report: LoadReport {
             source,
@@ -419,6 +657,7 @@ fn checkpoint<S: ChunkSource>(
             rejected: None,
         },
         copy_threads: shared.cfg.copy_threads,
+        elsewhere: BTreeSet::new(),
         _warm: shared.ring.defer_warming(),
     }
 }

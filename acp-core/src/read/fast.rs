@@ -231,6 +231,103 @@ pub(crate) fn read_and_sum<S: super::ChunkSource + Sync + ?Sized>(
     Ok(differ.into_iter().map(|(_, k)| k).collect())
 }
 
+/// One chunk for [`read_check_copy`]: its index, its span in the image
+/// (start, length), and the destination pieces it fills, each (image
+/// offset, memory) inside the span.
+pub(crate) struct ChunkCopy<'m> {
+    pub(crate) k: usize,
+    pub(crate) start: u64,
+    pub(crate) len: usize,
+    pub(crate) pieces: Vec<(u64, &'m mut [u8])>,
+}
+
+/// Reads each chunk of `chunks` from `src` into memory of its thread (one
+/// chunk's worth, reused), checks it against its sum in `sums`, and once
+/// it matched copies its pieces into their destinations while it is in
+/// cache: the bytes go from the source to the destinations with no other
+/// copy, on up to `threads` threads, each a contiguous run of chunks in
+/// the order given.
+///
+/// Returns whether every chunk matched (a chunk past the sums does not).
+/// Nothing reaches a destination before the chunk it comes from matched;
+/// when one differs, each thread stops at its next chunk, and every
+/// destination holds its old bytes or bytes of chunks that matched.
+///
+/// # Errors
+/// The first of the source's errors (the same holds of the destinations).
+pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
+    src: &S,
+    chunks: Vec<ChunkCopy<'_>>,
+    sums: &[u64],
+    threads: usize,
+) -> crate::error::Result<bool> {
+    let bytes: usize = chunks.iter().map(|c| c.len).sum();
+    let runs = if threads <= 1 || bytes < PARALLEL_MIN_BYTES || chunks.len() < 2 {
+        1
+    } else {
+        threads.min(chunks.len())
+    };
+    let per = chunks.len().div_ceil(runs.max(1)).max(1);
+    let mut work: Vec<Vec<ChunkCopy<'_>>> = Vec::with_capacity(runs);
+    let mut it = chunks.into_iter();
+    loop {
+        let run: Vec<ChunkCopy<'_>> = it.by_ref().take(per).collect();
+        if run.is_empty() {
+            break;
+        }
+        work.push(run);
+    }
+    let stop = AtomicBool::new(false);
+    let differs = AtomicBool::new(false);
+    let error = Mutex::new(None::<crate::error::Error>);
+    let run = |run: Vec<ChunkCopy<'_>>| {
+        let mut buf: Vec<u8> = Vec::new();
+        for c in run {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            buf.resize(c.len, 0);
+            if let Err(e) = src.read_at(&mut buf, c.start) {
+                stop.store(true, Ordering::Relaxed);
+                error
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_or_insert(e);
+                return;
+            }
+            if sums.get(c.k) != Some(&fast_sum(&buf)) {
+                differs.store(true, Ordering::Relaxed);
+                stop.store(true, Ordering::Relaxed);
+                return;
+            }
+            for (at, dst) in c.pieces {
+                let from = at
+                    .checked_sub(c.start)
+                    .and_then(|d| usize::try_from(d).ok());
+                match from.and_then(|f| buf.get(f..)?.get(..dst.len())) {
+                    Some(bytes) => dst.copy_from_slice(bytes),
+                    // A piece outside its chunk: a caller's mistake, never
+                    // copied from elsewhere.
+                    None => {
+                        differs.store(true, Ordering::Relaxed);
+                        stop.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    if work.len() <= 1 {
+        work.into_iter().for_each(run);
+    } else {
+        crate::io::run_on_threads("acp-read-copy", work, run);
+    }
+    if let Some(e) = error.into_inner().unwrap_or_else(PoisonError::into_inner) {
+        return Err(e);
+    }
+    Ok(!differs.into_inner())
+}
+
 /// One destination piece of a fused check and copy: the chunk holding it,
 /// its offset in the image, and the memory it goes to.
 type Piece<'t> = (usize, usize, &'t mut [u8]);
@@ -365,6 +462,77 @@ mod tests {
         assert_eq!(differ, vec![99]);
         let past = data.len() as u64;
         assert!(read_and_sum(&src, vec![(0, past, &mut one[..])], &s, 2).is_err());
+    }
+
+    /// `dst` (bytes `base..` of an image) cut at `chunk` boundaries into
+    /// the chunks [`read_check_copy`] reads, for an image of `len` bytes.
+    fn copies(dst: &mut [u8], base: usize, chunk: usize, len: usize) -> Vec<ChunkCopy<'_>> {
+        let mut out = Vec::new();
+        let (mut at, mut rest) = (base, dst);
+        while !rest.is_empty() {
+            let k = at / chunk;
+            let take = ((k + 1) * chunk - at).min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            out.push(ChunkCopy {
+                k,
+                start: (k * chunk) as u64,
+                len: chunk.min(len - k * chunk),
+                pieces: vec![(at as u64, head)],
+            });
+            rest = tail;
+            at += take;
+        }
+        out
+    }
+
+    #[test]
+    fn read_check_copy_fills_only_from_chunks_that_matched() {
+        let data = image((12 << 20) + 77);
+        let chunk = 1 << 20;
+        let s = sums(&data, chunk);
+        let src = super::super::MemSource::new(&data, std::path::Path::new("image"));
+        let (a0, b0) = (2 * chunk + 100, 9 * chunk + 5);
+        let (a_len, b_len) = (3 * chunk, data.len() - b0);
+        for threads in [1, 2, 3, 8] {
+            let (mut a, mut b) = (vec![0u8; a_len], vec![0u8; b_len]);
+            let mut chunks = copies(&mut a, a0, chunk, data.len());
+            chunks.extend(copies(&mut b, b0, chunk, data.len()));
+            assert!(read_check_copy(&src, chunks, &s, threads).unwrap());
+            assert_eq!(a, data[a0..a0 + a_len], "threads {threads}");
+            assert_eq!(b, data[b0..], "threads {threads}");
+        }
+        // A chunk that differs from its sum: nothing of it is copied, and
+        // every destination byte is old (zero) or the image's.
+        let mut bad = s.clone();
+        bad[3] ^= 1;
+        for threads in [1, 2] {
+            let mut a = vec![0u8; a_len];
+            let chunks = copies(&mut a, a0, chunk, data.len());
+            assert!(!read_check_copy(&src, chunks, &bad, threads).unwrap());
+            let c3 = 3 * chunk - a0..4 * chunk - a0;
+            assert!(a[c3].iter().all(|&x| x == 0), "threads {threads}");
+            assert!(a
+                .iter()
+                .zip(&data[a0..])
+                .all(|(&got, &want)| got == 0 || got == want));
+        }
+        // A piece outside its chunk is refused, never copied.
+        let mut one = [0u8; 10];
+        let wrong = vec![ChunkCopy {
+            k: 0,
+            start: 0,
+            len: chunk,
+            pieces: vec![(chunk as u64 - 5, &mut one[..])],
+        }];
+        assert!(!read_check_copy(&src, wrong, &s, 1).unwrap());
+        // A read past the source fails.
+        let past = vec![ChunkCopy {
+            k: 0,
+            start: data.len() as u64,
+            len: chunk,
+            pieces: Vec::new(),
+        }];
+        assert!(read_check_copy(&src, past, &s, 1).is_err());
     }
 
     #[test]

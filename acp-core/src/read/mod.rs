@@ -71,7 +71,8 @@ mod whole;
 use std::path::Path;
 
 pub(crate) use fast::{
-    check_and_copy, chunk_sums, fast_sum, first_differing, read_and_sum, sums_match, ChunkDst,
+    check_and_copy, chunk_sums, fast_sum, first_differing, read_and_sum, read_check_copy,
+    sums_match, ChunkCopy, ChunkDst,
 };
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};
