@@ -230,8 +230,10 @@ class StorageReader(_storage.StorageReader):
             names = None
             if r != self._ref.rank:
                 names = sorted({self._storage_data[req.storage_index] for req in groups[r]})
+            # Deferred: the bytes are read and checked by the first
+            # copy_into, on their way into the state dict's tensors.
             loaded = self._ref.engine.load(
-                step=step, storage_only=self._storage_only, rank=r, tensors=names
+                step=step, storage_only=self._storage_only, rank=r, tensors=names, defer=True
             )
             try:
                 self._names = {e[0]: i for i, e in enumerate(loaded.entries())}
@@ -281,6 +283,12 @@ class StorageReader(_storage.StorageReader):
                 fast_used.add(i)
             else:
                 slow.append((req, target))
+        # An item read through a view needs its entry's bytes kept by the
+        # load, which a deferred copy_into of another rank's entry does not
+        # keep: such an entry is read through views for every item.
+        viewed = {self._entry(req) for req, _ in slow}
+        slow += [(req, t) for req, t, i in fast if i in viewed]
+        fast = [f for f in fast if f[2] not in viewed]
         if fast:
             loaded.copy_into(
                 [(i, t.data_ptr() if entries[i][3] else 0, entries[i][3]) for _, t, i in fast]
