@@ -26,6 +26,19 @@ def slot_dir(shm_dir: Path) -> Path:
     return shm_dir / f"acp-u{os.geteuid()}"
 
 
+def flip_in_slot(shm_dir: Path, needle: bytes) -> None:
+    """Flips a byte of the one ring slot holding ``needle``."""
+    hit = 0
+    for slot in sorted(slot_dir(shm_dir).iterdir()):
+        data = bytearray(slot.read_bytes())
+        at = data.find(needle)
+        if at >= 0:
+            data[at + 100] ^= 0xFF
+            slot.write_bytes(bytes(data))
+            hit += 1
+    assert hit == 1
+
+
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A private directory for ring slots, on tmpfs when there is one."""

@@ -24,7 +24,7 @@ import acp
 from acp import _acp
 from acp.distributed import Coordinator, assign
 
-from .conftest import SMALL_RING, save_raw, slot_dir, two_ranks
+from .conftest import SMALL_RING, flip_in_slot, save_raw, two_ranks
 
 DIST = Path(__file__).parent / "dist"
 
@@ -354,17 +354,7 @@ def test_replicated_load_into_checks_the_other_ranks_chunks_on_their_way_in(
         # A byte of one of rank 0's tensors changed in rank 0's slot.
         name = by_rank[0][0]
         needle = state[name.split(".")[-1]][1000:1100].numpy().tobytes()
-        hit = 0
-        for slot in sorted(slot_dir(shm_dir).iterdir()):
-            if "-r00000-s" not in slot.name:
-                continue
-            data = bytearray(slot.read_bytes())
-            at = data.find(needle)
-            if at >= 0:
-                data[at + 40] ^= 0xFF
-                slot.write_bytes(bytes(data))
-                hit += 1
-        assert hit == 1
+        flip_in_slot(shm_dir, needle)  # only rank 0's slot holds it
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         c.load(1, into=into)
         assert all(torch.equal(into[k], v) for k, v in state.items())

@@ -15,7 +15,7 @@ import torch
 import acp
 from acp import _acp
 
-from .conftest import MakeCkpt, slot_dir
+from .conftest import MakeCkpt, flip_in_slot
 
 
 def step_dirs(ckpt: acp.Checkpointer) -> list[Path]:
@@ -119,19 +119,6 @@ def test_corrupt_file_is_detected_naming_file_and_tensor(ckpt: acp.Checkpointer)
     assert ckpt.last_load is not None
     assert ckpt.last_load.step == 1
     assert torch.equal(out["model"]["w"], torch.arange(64.0))
-
-
-def flip_in_slot(shm_dir: Path, needle: bytes) -> None:
-    """Flips a byte of the one ring slot holding ``needle``."""
-    hit = 0
-    for slot in sorted(slot_dir(shm_dir).iterdir()):
-        data = bytearray(slot.read_bytes())
-        at = data.find(needle)
-        if at >= 0:
-            data[at + 100] ^= 0xFF
-            slot.write_bytes(bytes(data))
-            hit += 1
-    assert hit == 1
 
 
 def test_corrupt_resident_copy_falls_back_to_storage(make_ckpt: MakeCkpt, shm_dir: Path) -> None:

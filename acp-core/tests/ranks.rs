@@ -153,18 +153,7 @@ fn another_ranks_image_comes_from_its_slot_only_when_intact() {
     assert_eq!(peer(&e0).report().source, Source::Ram);
 
     // A changed byte in the resident copy: rejected, storage read instead.
-    let slot = slot_files(&shm, 1)
-        .into_iter()
-        .find(|p| {
-            acp_core::staging::peek_slot(p)
-                .unwrap()
-                .is_some_and(|s| s.is_complete() && s.step == 3)
-        })
-        .unwrap();
-    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
-    let at = peek.image_offset + peek.image_len - 10;
-    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
-    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+    change_resident_byte(&shm, 1, 3);
     let got = peer(&e0);
     assert_eq!(got.report().source, Source::Storage);
     assert_eq!(
@@ -366,16 +355,21 @@ fn some_tensors_of_another_rank_read_only_their_chunks() {
     );
 }
 
-#[test]
-fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
-    let t = tempfile::tempdir().unwrap();
-    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
-    std::fs::create_dir(&shm).unwrap();
+/// Two ranks of job `job` (chunks of 64 KiB, 3 copy threads) that both
+/// committed `step`, rank 1 with four tensors `t0`..`t3` of about 3 MiB
+/// (made by `byte`), returned with them.
+fn two_ranks_four_tensors(
+    root: &Path,
+    shm: &Path,
+    job: &str,
+    step: u64,
+    byte: fn(u32, u32) -> u8,
+) -> (Engine, Engine, Vec<Vec<u8>>) {
     let open = |rank| {
         Engine::open(
-            EngineConfig::new(&root)
-                .with_shm_dir(&shm)
-                .with_job("summed")
+            EngineConfig::new(root)
+                .with_shm_dir(shm)
+                .with_job(job)
                 .with_rank(rank)
                 .with_world_size(2)
                 .with_ring_bytes(64 << 20)
@@ -386,9 +380,9 @@ fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
         .unwrap()
     };
     let (e0, e1) = (open(0), open(1));
-    // Enough bytes that the chunks are read and summed on several threads.
+    // Enough bytes that the chunks are read and checked on several threads.
     let data: Vec<Vec<u8>> = (0..4u32)
-        .map(|i| (0..(3 << 20) + 17 * i).map(|j| (j * 7 + i) as u8).collect())
+        .map(|i| (0..(3 << 20) + 17 * i).map(|j| byte(i, j)).collect())
         .collect();
     let names: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
     let shapes: Vec<[u64; 1]> = data.iter().map(|d| [d.len() as u64]).collect();
@@ -404,10 +398,37 @@ fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
         })
         .collect();
     let h1 = e1
-        .save(5, &tensors, &json!({"of": 1}), &SaveOptions::default())
+        .save(step, &tensors, &json!({"of": 1}), &SaveOptions::default())
         .unwrap();
-    save(&e0, 0, 5).wait().unwrap();
+    save(&e0, 0, step).wait().unwrap();
     h1.wait().unwrap();
+    (e0, e1, data)
+}
+
+/// Changes the tenth byte from the end of `rank`'s resident image of
+/// `step` in its slot under `shm` (a byte of its last tensor).
+fn change_resident_byte(shm: &Path, rank: u32, step: u64) {
+    let slot = slot_files(shm, rank)
+        .into_iter()
+        .find(|p| {
+            acp_core::staging::peek_slot(p)
+                .unwrap()
+                .is_some_and(|s| s.is_complete() && s.step == step)
+        })
+        .unwrap();
+    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
+    let at = peek.image_offset + peek.image_len - 10;
+    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+}
+
+#[test]
+fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let (e0, _e1, data) =
+        two_ranks_four_tensors(&root, &shm, "summed", 5, |i, j| (j * 7 + i) as u8);
     let some = |names: &[&str]| {
         e0.load(&LoadRequest {
             step: Some(5),
@@ -426,18 +447,7 @@ fn some_tensors_of_another_ranks_slot_are_checked_chunk_by_chunk() {
     // A byte changed in the slot under t3 (after its sums were taken):
     // that chunk is checked against its digest, which fails, and storage
     // is read instead; t0, whose chunks are intact, still comes from RAM.
-    let slot = slot_files(&shm, 1)
-        .into_iter()
-        .find(|p| {
-            acp_core::staging::peek_slot(p)
-                .unwrap()
-                .is_some_and(|s| s.is_complete() && s.step == 5)
-        })
-        .unwrap();
-    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
-    let at = peek.image_offset + peek.image_len - 10;
-    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
-    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+    change_resident_byte(&shm, 1, 5);
     let got = some(&["t3", "t1"]);
     assert_eq!(got.report().source, Source::Storage);
     assert_eq!(got.tensor("t3").unwrap().data, data[3].as_slice());
@@ -452,42 +462,8 @@ fn some_tensors_of_another_ranks_slot_go_straight_into_the_callers_memory() {
     let t = tempfile::tempdir().unwrap();
     let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
     std::fs::create_dir(&shm).unwrap();
-    let open = |rank| {
-        Engine::open(
-            EngineConfig::new(&root)
-                .with_shm_dir(&shm)
-                .with_job("direct")
-                .with_rank(rank)
-                .with_world_size(2)
-                .with_ring_bytes(64 << 20)
-                .with_chunk_bytes(64 << 10)
-                .with_copy_threads(3)
-                .with_commit_timeout(Duration::from_secs(20)),
-        )
-        .unwrap()
-    };
-    let (e0, e1) = (open(0), open(1));
-    let data: Vec<Vec<u8>> = (0..4u32)
-        .map(|i| (0..(3 << 20) + 17 * i).map(|j| (j * 5 + i) as u8).collect())
-        .collect();
-    let names: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
-    let shapes: Vec<[u64; 1]> = data.iter().map(|d| [d.len() as u64]).collect();
-    let tensors: Vec<HostTensor<'_>> = names
-        .iter()
-        .zip(&data)
-        .zip(&shapes)
-        .map(|((n, d), s)| HostTensor {
-            name: n,
-            dtype: Dtype::U8,
-            shape: s,
-            data: d,
-        })
-        .collect();
-    let h1 = e1
-        .save(6, &tensors, &json!({"of": 1}), &SaveOptions::default())
-        .unwrap();
-    save(&e0, 0, 6).wait().unwrap();
-    h1.wait().unwrap();
+    let (e0, _e1, data) =
+        two_ranks_four_tensors(&root, &shm, "direct", 6, |i, j| (j * 5 + i) as u8);
     let req = LoadRequest {
         step: Some(6),
         rank: Some(1),
@@ -548,18 +524,7 @@ fn some_tensors_of_another_ranks_slot_go_straight_into_the_callers_memory() {
 
     // A byte of t3 changed in rank 1's slot: read from storage instead,
     // into the same destinations, with the reason.
-    let slot = slot_files(&shm, 1)
-        .into_iter()
-        .find(|p| {
-            acp_core::staging::peek_slot(p)
-                .unwrap()
-                .is_some_and(|s| s.is_complete() && s.step == 6)
-        })
-        .unwrap();
-    let peek = acp_core::staging::peek_slot(&slot).unwrap().unwrap();
-    let at = peek.image_offset + peek.image_len - 10;
-    let f = std::fs::OpenOptions::new().write(true).open(&slot).unwrap();
-    std::os::unix::fs::FileExt::write_all_at(&f, &[0xAA], at).unwrap();
+    change_resident_byte(&shm, 1, 6);
     let mut dsts = vec![vec![0u8; data[1].len()], vec![0u8; data[3].len()]];
     let ck = load_some(&mut dsts);
     assert_eq!(ck.report().source, Source::Storage);

@@ -154,6 +154,42 @@ pub(crate) fn sums_match(image: &[u8], chunk: usize, sums: &[u64], threads: usiz
     !differs.into_inner()
 }
 
+/// Runs `work(first, run)` over `items` cut into contiguous runs (`first`:
+/// the position of the run's first item), one per thread of up to
+/// `threads` named `name`, the calling thread among them; on the calling
+/// thread alone when the items hold fewer than [`PARALLEL_MIN_BYTES`]
+/// (`bytes` in all) or there are fewer than two.
+fn in_runs<T: Send>(
+    name: &str,
+    items: Vec<T>,
+    bytes: usize,
+    threads: usize,
+    work: impl Fn(usize, Vec<T>) + Sync,
+) {
+    let runs = if threads <= 1 || bytes < PARALLEL_MIN_BYTES || items.len() < 2 {
+        1
+    } else {
+        threads.min(items.len())
+    };
+    let per = items.len().div_ceil(runs).max(1);
+    let mut batches: Vec<(usize, Vec<T>)> = Vec::with_capacity(runs);
+    let mut it = items.into_iter();
+    loop {
+        let run: Vec<T> = it.by_ref().take(per).collect();
+        if run.is_empty() {
+            break;
+        }
+        batches.push((batches.len() * per, run));
+    }
+    if batches.len() <= 1 {
+        for (first, run) in batches {
+            work(first, run);
+        }
+    } else {
+        crate::io::run_on_threads(name, batches, |(first, run)| work(first, run));
+    }
+}
+
 /// One chunk to read: its index, its offset in the image, and the memory
 /// it goes to (exactly its length).
 pub(crate) type ChunkDst<'m> = (usize, u64, &'m mut [u8]);
@@ -176,27 +212,12 @@ pub(crate) fn read_and_sum<S: super::ChunkSource + Sync + ?Sized>(
     threads: usize,
 ) -> crate::error::Result<Vec<usize>> {
     let bytes: usize = chunks.iter().map(|c| c.2.len()).sum();
-    let runs = if threads <= 1 || bytes < PARALLEL_MIN_BYTES || chunks.len() < 2 {
-        1
-    } else {
-        threads.min(chunks.len())
-    };
-    let per = chunks.len().div_ceil(runs.max(1)).max(1);
-    let mut work: Vec<(usize, Vec<ChunkDst<'_>>)> = Vec::with_capacity(runs);
-    let mut it = chunks.into_iter();
-    loop {
-        let run: Vec<ChunkDst<'_>> = it.by_ref().take(per).collect();
-        if run.is_empty() {
-            break;
-        }
-        work.push((work.len(), run));
-    }
     let failed = AtomicBool::new(false);
     // (position in `chunks`, chunk) of each chunk that differs; the
     // first error.
     let differ = Mutex::new(Vec::<(usize, usize)>::new());
     let error = Mutex::new(None::<crate::error::Error>);
-    let run = |(r, run): (usize, Vec<ChunkDst<'_>>)| {
+    let run = |first: usize, run: Vec<ChunkDst<'_>>| {
         for (j, (k, offset, dst)) in run.into_iter().enumerate() {
             if failed.load(Ordering::Relaxed) {
                 return;
@@ -213,16 +234,12 @@ pub(crate) fn read_and_sum<S: super::ChunkSource + Sync + ?Sized>(
                 Ok(()) if sums.get(k) != Some(&fast_sum(dst)) => differ
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .push((r * per + j, k)),
+                    .push((first + j, k)),
                 Ok(()) => {}
             }
         }
     };
-    if work.len() <= 1 {
-        work.into_iter().for_each(run);
-    } else {
-        crate::io::run_on_threads("acp-read-sum", work, run);
-    }
+    in_runs("acp-read-sum", chunks, bytes, threads, run);
     if let Some(e) = error.into_inner().unwrap_or_else(PoisonError::into_inner) {
         return Err(e);
     }
@@ -262,25 +279,10 @@ pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
     threads: usize,
 ) -> crate::error::Result<bool> {
     let bytes: usize = chunks.iter().map(|c| c.len).sum();
-    let runs = if threads <= 1 || bytes < PARALLEL_MIN_BYTES || chunks.len() < 2 {
-        1
-    } else {
-        threads.min(chunks.len())
-    };
-    let per = chunks.len().div_ceil(runs.max(1)).max(1);
-    let mut work: Vec<Vec<ChunkCopy<'_>>> = Vec::with_capacity(runs);
-    let mut it = chunks.into_iter();
-    loop {
-        let run: Vec<ChunkCopy<'_>> = it.by_ref().take(per).collect();
-        if run.is_empty() {
-            break;
-        }
-        work.push(run);
-    }
     let stop = AtomicBool::new(false);
     let differs = AtomicBool::new(false);
     let error = Mutex::new(None::<crate::error::Error>);
-    let run = |run: Vec<ChunkCopy<'_>>| {
+    let run = |_: usize, run: Vec<ChunkCopy<'_>>| {
         let mut buf: Vec<u8> = Vec::new();
         for c in run {
             if stop.load(Ordering::Relaxed) {
@@ -317,11 +319,7 @@ pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
             }
         }
     };
-    if work.len() <= 1 {
-        work.into_iter().for_each(run);
-    } else {
-        crate::io::run_on_threads("acp-read-copy", work, run);
-    }
+    in_runs("acp-read-copy", chunks, bytes, threads, run);
     if let Some(e) = error.into_inner().unwrap_or_else(PoisonError::into_inner) {
         return Err(e);
     }
