@@ -538,3 +538,113 @@ fn some_tensors_of_another_ranks_slot_go_straight_into_the_callers_memory() {
     assert_eq!(dsts[1], data[3]);
     assert_eq!(ck.tensor("t2").unwrap().data, data[2].as_slice());
 }
+
+#[test]
+fn another_ranks_tensors_stay_exact_while_it_saves_over_its_slots() {
+    // Rank 1 keeps saving into a ring of two slots while rank 0 reads the
+    // newest committed step of rank 1's file straight into its memory:
+    // the slot read may be reused under the read, and every load must
+    // still give that step's bytes exactly (from the slot, or storage).
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let open = |rank| {
+        Engine::open(
+            EngineConfig::new(&root)
+                .with_shm_dir(&shm)
+                .with_job("race")
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_ring_bytes(16 << 20)
+                .with_ring_slots(2)
+                .with_keep_last(1000)
+                .with_chunk_bytes(64 << 10)
+                .with_copy_threads(3)
+                .with_commit_timeout(Duration::from_secs(20)),
+        )
+        .unwrap()
+    };
+    let (e0, e1) = (open(0), open(1));
+    let pattern = |step: u64, i: u32| -> Vec<u8> {
+        (0..(1 << 20) + 4099 * i)
+            .map(|j| (j as u64 * 31 + step * 7 + u64::from(i)) as u8)
+            .collect()
+    };
+    let names = ["a".to_owned(), "b".to_owned()];
+    let steps = 24u64;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (mut ram, mut storage, mut passed_over) = (0, 0, 0);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for step in 1..=steps {
+                let data = [pattern(step, 0), pattern(step, 1)];
+                let shapes = [[data[0].len() as u64], [data[1].len() as u64]];
+                let tensors: Vec<HostTensor<'_>> = (0..2)
+                    .map(|i| HostTensor {
+                        name: &names[i],
+                        dtype: Dtype::U8,
+                        shape: &shapes[i],
+                        data: &data[i],
+                    })
+                    .collect();
+                let h1 = e1
+                    .save(
+                        step,
+                        &tensors,
+                        &json!({"step": step}),
+                        &SaveOptions::default(),
+                    )
+                    .unwrap();
+                save(&e0, 0, step).wait().unwrap();
+                h1.wait().unwrap();
+            }
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            // The newest step, or the one before it, whose slot the next
+            // save takes (two slots): reused under the read, at times.
+            let Some(newest) = e0.latest().unwrap() else {
+                continue;
+            };
+            let step = if (ram + storage) % 2 == 0 || newest == 1 {
+                newest
+            } else {
+                newest - 1
+            };
+            let req = LoadRequest {
+                step: Some(step),
+                rank: Some(1),
+                // The whole file and some of its tensors, in turn.
+                tensors: (step % 2 == 0).then(|| vec!["b".to_owned(), "a".to_owned()]),
+                ..LoadRequest::default()
+            };
+            let mut dsts = [
+                vec![0u8; pattern(step, 0).len()],
+                vec![0u8; pattern(step, 1).len()],
+            ];
+            let (a, b) = dsts.split_at_mut(1);
+            let ck = match e0.open_load(&req).unwrap() {
+                Opened::Pending(p) => p
+                    .read_into(&mut [(0, &mut a[0][..]), (1, &mut b[0][..])])
+                    .unwrap(),
+                Opened::Ready(ck) => {
+                    ck.copy_into(&mut [(0, &mut a[0][..]), (1, &mut b[0][..])])
+                        .unwrap();
+                    ck
+                }
+            };
+            match ck.report().source {
+                Source::Ram => ram += 1,
+                _ => storage += 1,
+            }
+            // A slot reused while it was read.
+            passed_over += usize::from(ck.report().rejected.is_some());
+            assert_eq!(dsts[0], pattern(step, 0), "step {step}");
+            assert_eq!(dsts[1], pattern(step, 1), "step {step}");
+        }
+    });
+    assert!(ram + storage > 0);
+    eprintln!(
+        "loads: {ram} from rank 1's slots, {storage} from storage, {passed_over} of them after the slot changed under the read"
+    );
+}
