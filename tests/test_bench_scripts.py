@@ -206,6 +206,7 @@ def test_rank_file_load_tiny(tmp_path: Path) -> None:
     # The data-parallel restore ran (the script checks its bytes and sources).
     assert got["replicated_into_ms"] > 0
     assert got["replicated_into_over_memcpy_warm"] > 0
+    assert got["replicated_fresh_over_memcpy_fresh"] > 0
 
 
 def test_overhead_quick(tmp_path: Path) -> None:

@@ -329,6 +329,23 @@ def test_replicated_load_into_checks_the_other_ranks_chunks_on_their_way_in(
         assert by_rank[0]  # shared out
         assert by_rank[1]
         c = ckpts[1]
+        # A fresh load: rank 0's tensors are views of the memory they were
+        # copied into (handed over, not copied again), writable, and
+        # nobody else's: writing them changes no later load.
+        fresh = c.load(1)
+        assert all(torch.equal(fresh[k], v) for k, v in state.items())
+        # Views (over memory torch cannot resize) where rank 0 wrote them;
+        # copies out of this rank's own ring slot.
+        for r in (0, 1):
+            for name in by_rank[r]:
+                views = not fresh[name.split(".")[-1]].untyped_storage().resizable()
+                assert views == (r == 0), name
+        for t in fresh.values():
+            t.add_(1.0)
+        del fresh
+        again = c.load(1)
+        assert all(torch.equal(again[k], v) for k, v in state.items())
+        del again
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         c.load(1, into=into)
         assert all(torch.equal(into[k], v) for k, v in state.items())

@@ -13,9 +13,10 @@ lands; a fresh load then hands that memory to its tensors.
 Then the data-parallel case: both ranks save the same state with
 ``replicated=True`` (each writes half of it), and rank 1 restores the whole
 state with ``load(into=)``: its own half from its slot, the other half's
-chunks copied out of rank 0's slot and checked, then copied into the
+chunks read from rank 0's slot, each checked on its way into the
 tensors; against a memcpy of the whole state into memory already touched.
-Prints one JSON line of medians.
+And the same restore with a fresh ``load()``, against a memcpy into fresh
+memory. Prints one JSON line of medians.
 """
 
 from __future__ import annotations
@@ -41,30 +42,42 @@ def replicated_restore(
     into: dict[str, torch.Tensor],
     copy: tuple[torch.Tensor, torch.Tensor],
     repeats: int,
-) -> tuple[list[float], list[float]]:
+) -> dict[str, list[float]]:
     """The data-parallel case: ``state`` saved by both ranks with
     ``replicated=True`` (written once), restored whole by rank 1 with
-    ``load(into=)``; each restore paired with a memcpy of ``copy``'s
-    first tensor into its second. Returns both lists of seconds."""
+    ``load(into=)`` and with a fresh ``load()``; each restore paired with a
+    memcpy of ``copy``'s first tensor into its second (memory already
+    touched) or into fresh memory. Returns the lists of seconds."""
     src, warm = copy
     handles = [c.save(2, state, replicated=True) for c in ckpts]
     for h in handles:
         h.wait()
-    loads, memcpys = [], []
+    got: dict[str, list[float]] = {k: [] for k in ("into", "warm", "fresh", "memcpy_fresh")}
     for _ in range(repeats):
         for t_ in into.values():
             t_.zero_()
         t = time.perf_counter()
         ckpts[1].load(2, into=into)
-        loads.append(time.perf_counter() - t)
+        got["into"].append(time.perf_counter() - t)
         last = ckpts[1].last_load
         assert last is not None
         assert last.ranks == {0: "ram", 1: "ram"}, last.ranks
         assert all(torch.equal(into[k], v) for k, v in state.items())
         t = time.perf_counter()
         warm.copy_(src)
-        memcpys.append(time.perf_counter() - t)
-    return loads, memcpys
+        got["warm"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = ckpts[1].load(2)
+        got["fresh"].append(time.perf_counter() - t)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+        del out
+        gc.collect()
+        t = time.perf_counter()
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        got["memcpy_fresh"].append(time.perf_counter() - t)
+        del dst
+    return got
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -122,9 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 t = time.perf_counter()
                 warm.copy_(src)
                 memcpy_warm.append(time.perf_counter() - t)
-            replicated, memcpy_rep = replicated_restore(
-                ckpts, states[1], into, (src, warm), a.repeats
-            )
+            rep = replicated_restore(ckpts, states[1], into, (src, warm), a.repeats)
         finally:
             for c in ckpts:
                 c.close()
@@ -133,8 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "into_ms": 1e3 * statistics.median(into_ms),
         "memcpy_fresh_ms": 1e3 * statistics.median(memcpy_fresh),
         "memcpy_warm_ms": 1e3 * statistics.median(memcpy_warm),
-        "replicated_into_ms": 1e3 * statistics.median(replicated),
-        "memcpy_warm_replicated_ms": 1e3 * statistics.median(memcpy_rep),
+        "replicated_into_ms": 1e3 * statistics.median(rep["into"]),
+        "memcpy_warm_replicated_ms": 1e3 * statistics.median(rep["warm"]),
+        "replicated_fresh_ms": 1e3 * statistics.median(rep["fresh"]),
+        "memcpy_fresh_replicated_ms": 1e3 * statistics.median(rep["memcpy_fresh"]),
     }
     out_line = {
         "mib": a.mib,
@@ -143,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "into_over_memcpy_warm": med["into_ms"] / med["memcpy_warm_ms"],
         "replicated_into_over_memcpy_warm": med["replicated_into_ms"]
         / med["memcpy_warm_replicated_ms"],
+        "replicated_fresh_over_memcpy_fresh": med["replicated_fresh_ms"]
+        / med["memcpy_fresh_replicated_ms"],
     }
     print(json.dumps(out_line))
     return out_line

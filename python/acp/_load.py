@@ -62,6 +62,14 @@ def run_transfers(
             job.close()
 
 
+def _ALWAYS(i: int) -> bool:
+    return True
+
+
+def _NEVER(i: int) -> bool:
+    return False
+
+
 class _Fresh:
     """Fresh values for tree nodes: every tensor they reference is created
     and filled in one batch, then the nodes are decoded."""
@@ -106,23 +114,42 @@ class _Fresh:
         for name, ref in self.refs.items():
             groups.setdefault(str(ref.get("fw")), []).append((self.entries[name], ref))
         adapters = {fw: self.adapters.get(fw, items[0][0].name) for fw, items in groups.items()}
-        # A private image (not a ring slot) is handed to the tensors when
-        # every adapter can make views: copying it would only double the
-        # memory. Mixed with an adapter that copies, it is copied.
-        views = self.zero_copy or (
-            self.give
-            and all(hasattr(a, "view_tensors") for a in adapters.values())
-            and self.loaded.give()
-        )
+        viewed = self._viewed(adapters)
         out = []
         for framework, items in groups.items():
             adapter = adapters[framework]
-            view = getattr(adapter, "view_tensors", None) if views else None
-            make = adapter.new_tensors if view is None else view
-            objs, transfer = make(self.loaded, items, map_location)
-            self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(items, objs))
-            out.append(transfer)
+            view = getattr(adapter, "view_tensors", None)
+            # Views of the image where it was handed over, copies elsewhere.
+            parts = [
+                (make, picked)
+                for make, picked in (
+                    (view, [it for it in items if viewed(it[0].index)]),
+                    (adapter.new_tensors, [it for it in items if not viewed(it[0].index)]),
+                )
+                if picked and make is not None
+            ]
+            for make, picked in parts:
+                objs, transfer = make(self.loaded, picked, map_location)
+                self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(picked, objs))
+                out.append(transfer)
         return out
+
+    def _viewed(self, adapters: dict[str, Adapter]) -> Callable[[int], bool]:
+        """Whether the tensor at entry index ``i`` is made a view of the
+        loaded image rather than a copy: a private image (not a ring slot)
+        is handed to the tensors when every adapter can make views, since
+        copying it would only double the memory (mixed with an adapter that
+        copies, it is copied). Of several files (another rank's tensors,
+        ``acp.distributed.Sources``), each file's image that is private."""
+        if self.zero_copy:
+            return _ALWAYS
+        if not (self.give and all(hasattr(a, "view_tensors") for a in adapters.values())):
+            return _NEVER
+        give_each = getattr(self.loaded, "give_each", None)
+        if give_each is not None:
+            given: Callable[[int], bool] = give_each()
+            return given
+        return _ALWAYS if self.loaded.give() else _NEVER
 
 
 def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bool = False) -> Any:
@@ -139,7 +166,8 @@ def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bo
     node = parse(loaded.values_json, loaded.step)
     ours = type(loaded) is Loaded
     zero_copy = zero_copy and ours and loaded.protect()
-    fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy, give=ours and not zero_copy)
+    give = (ours or hasattr(loaded, "give_each")) and not zero_copy
+    fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy, give=give)
     try:
         fresh.want(node)
         run_transfers(loaded.copy_into, fresh.transfers(map_location))

@@ -218,6 +218,16 @@ class Sources:
         view: memoryview = part.loaded.buffer(j)
         return view
 
+    def give_each(self) -> Callable[[int], bool]:
+        """Hands each file's image to the caller where it is private memory
+        (another rank's tensors copied out of its slot, or read from
+        storage; never a ring slot: ``Loaded.give``). Returns whether the
+        tensor at entry index ``i`` is in an image handed over: ``buffer(i)``
+        of it is then a writable view the caller's tensor owns."""
+        given = [(p.first, p.first + len(p.loaded.entries()), p.loaded.give()) for p in self._parts]
+        spans = [(first, end) for first, end, ok in given if ok]
+        return lambda i: any(first <= i < end for first, end in spans)
+
     def copy_into(self, items: list[tuple[int, int, int]]) -> None:
         by_part: dict[int, list[tuple[int, int, int]]] = {}
         for i, addr, n in items:
