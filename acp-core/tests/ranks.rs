@@ -269,23 +269,25 @@ fn a_rank_that_never_reports_is_named_and_nothing_is_committed() {
     assert!(r0.steps().unwrap().is_empty());
 }
 
+/// Rank `rank` of two in job `job`, in chunks of 64 KiB.
+fn two_rank_config(root: &Path, shm: &Path, job: &str, rank: u32) -> EngineConfig {
+    EngineConfig::new(root)
+        .with_shm_dir(shm)
+        .with_job(job)
+        .with_rank(rank)
+        .with_world_size(2)
+        .with_chunk_bytes(64 << 10)
+        .with_commit_timeout(Duration::from_secs(20))
+}
+
 #[test]
 fn some_tensors_of_another_rank_read_only_their_chunks() {
     let t = tempfile::tempdir().unwrap();
     let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
     std::fs::create_dir(&shm).unwrap();
     let open = |rank| {
-        Engine::open(
-            EngineConfig::new(&root)
-                .with_shm_dir(&shm)
-                .with_job("partial")
-                .with_rank(rank)
-                .with_world_size(2)
-                .with_ring_bytes(16 << 20)
-                .with_chunk_bytes(64 << 10)
-                .with_commit_timeout(Duration::from_secs(20)),
-        )
-        .unwrap()
+        Engine::open(two_rank_config(&root, &shm, "partial", rank).with_ring_bytes(16 << 20))
+            .unwrap()
     };
     let (e0, e1) = (open(0), open(1));
     // Rank 1 writes four tensors of 256 KiB, each over four chunks.
@@ -367,15 +369,9 @@ fn two_ranks_four_tensors(
 ) -> (Engine, Engine, Vec<Vec<u8>>) {
     let open = |rank| {
         Engine::open(
-            EngineConfig::new(root)
-                .with_shm_dir(shm)
-                .with_job(job)
-                .with_rank(rank)
-                .with_world_size(2)
+            two_rank_config(root, shm, job, rank)
                 .with_ring_bytes(64 << 20)
-                .with_chunk_bytes(64 << 10)
-                .with_copy_threads(3)
-                .with_commit_timeout(Duration::from_secs(20)),
+                .with_copy_threads(3),
         )
         .unwrap()
     };
@@ -550,17 +546,11 @@ fn another_ranks_tensors_stay_exact_while_it_saves_over_its_slots() {
     std::fs::create_dir(&shm).unwrap();
     let open = |rank| {
         Engine::open(
-            EngineConfig::new(&root)
-                .with_shm_dir(&shm)
-                .with_job("race")
-                .with_rank(rank)
-                .with_world_size(2)
+            two_rank_config(&root, &shm, "race", rank)
                 .with_ring_bytes(16 << 20)
                 .with_ring_slots(2)
                 .with_keep_last(1000)
-                .with_chunk_bytes(64 << 10)
-                .with_copy_threads(3)
-                .with_commit_timeout(Duration::from_secs(20)),
+                .with_copy_threads(3),
         )
         .unwrap()
     };
