@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,18 @@ def test_views_of_a_storage_load_are_exact(make_ckpt: MakeCkpt) -> None:
     assert ckpt.last_load.source == "storage"
     assert out["w"]._base is not None
     assert torch.equal(out["w"], saved["w"])  # type: ignore[arg-type]
+
+
+def test_zero_copy_copies_what_an_adapter_cannot_view(make_ckpt: MakeCkpt) -> None:
+    """NumPy arrays beside torch tensors: the tensors view the image, the
+    arrays (whose adapter makes no views) are copies, and both are exact."""
+    ckpt = make_ckpt()
+    saved = {**state(5), "arr": np.arange(1000, dtype=np.float32)}
+    ckpt.save(5, saved).wait()
+    out = ckpt.load(5, zero_copy=True)
+    assert out["w"]._base is not None
+    assert torch.equal(out["w"], saved["w"])  # type: ignore[arg-type]
+    assert np.array_equal(out["arr"], saved["arr"])
 
 
 def test_zero_copy_with_into_is_refused(ckpt: acp.Checkpointer) -> None:

@@ -119,16 +119,13 @@ class _Fresh:
         for framework, items in groups.items():
             adapter = adapters[framework]
             view = getattr(adapter, "view_tensors", None)
-            # Views of the image where it was handed over, copies elsewhere.
-            parts = [
-                (make, picked)
-                for make, picked in (
-                    (view, [it for it in items if viewed(it[0].index)]),
-                    (adapter.new_tensors, [it for it in items if not viewed(it[0].index)]),
-                )
-                if picked and make is not None
-            ]
-            for make, picked in parts:
+            # Views of the image where it was handed over (by an adapter
+            # that makes views), copies elsewhere.
+            views = [it for it in items if view is not None and viewed(it[0].index)]
+            copies = [it for it in items if view is None or not viewed(it[0].index)]
+            for make, picked in ((view, views), (adapter.new_tensors, copies)):
+                if make is None or not picked:
+                    continue
                 objs, transfer = make(self.loaded, picked, map_location)
                 self.tensors.update((e.name, (adapter, obj)) for (e, _), obj in zip(picked, objs))
                 out.append(transfer)

@@ -141,11 +141,12 @@ impl Checkpoint {
     }
 
     /// Whether it holds the bytes of `entry` (one of
-    /// [`Checkpoint::entries`]). Every checkpoint holds all of its tensors
-    /// but one: some tensors of another rank's file read from its slot by
-    /// [`PendingLoad::read_into`](super::PendingLoad::read_into) went
-    /// straight into the caller's memory, checked on the way, and only
-    /// the others are kept.
+    /// [`Checkpoint::entries`]). A checkpoint holds all of its tensors,
+    /// except after one kind of load: another rank's file (or some of its
+    /// tensors) read from that rank's slot by
+    /// [`PendingLoad::read_into`](super::PendingLoad::read_into), whose
+    /// destinations got their tensors' bytes straight from the slot,
+    /// checked on the way; only the other tensors are kept.
     #[must_use]
     pub fn holds(&self, entry: &Entry) -> bool {
         entry.len == 0 || !self.elsewhere.contains(&entry.offset)
@@ -156,8 +157,9 @@ impl Checkpoint {
     /// replica, another rank's slot, a storage read with no slot free).
     /// `None` for a ring slot, which the flush, replicas and later loads
     /// read, and for an image that does not hold every tensor
-    /// ([`Checkpoint::holds`]). A caller that owns the checkpoint may hand this memory on
-    /// instead of copying out of it (a fresh load's tensors made over it).
+    /// ([`Checkpoint::holds`]). A caller that owns the checkpoint may hand
+    /// this memory on instead of copying out of it (a fresh load's tensors
+    /// made over it).
     #[must_use]
     pub fn private_image_mut(&mut self) -> Option<&mut [u8]> {
         if !self.elsewhere.is_empty() {
