@@ -381,6 +381,37 @@ def test_replicated_load_into_checks_the_other_ranks_chunks_on_their_way_in(
             c.close()
 
 
+def test_a_rank_that_wrote_none_of_a_replicated_state_restores_it(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """One tensor shared out over two ranks: rank 0 writes it, rank 1's file
+    holds no tensor. Rank 1 restores it fresh and into its own tensor,
+    from rank 0's slot and from storage."""
+    w = torch.arange(1000.0)
+    ckpts = two_ranks(
+        acp.Checkpointer, tmp_path / "ckpt", shm_dir, job="rep-none", commit_timeout=60
+    )
+    try:
+        for h in [c.save(1, {"w": w}, replicated=True) for c in ckpts]:
+            h.wait()
+        index = json.loads(
+            (tmp_path / "ckpt/step-000000000001/model.safetensors.index.json").read_text()
+        )
+        assert set(index["weight_map"].values()) == {"rank-00000.safetensors"}
+        c = ckpts[1]
+        for storage_only in (False, True):
+            assert torch.equal(c.load(1, storage_only=storage_only)["w"], w)
+            into = {"w": torch.zeros(1000)}
+            c.load(1, into=into, storage_only=storage_only)
+            assert torch.equal(into["w"], w)
+            assert c.last_load is not None
+            want = "storage" if storage_only else "ram"
+            assert c.last_load.ranks == {0: want, 1: want}
+    finally:
+        for c in ckpts:
+            c.close()
+
+
 def _ranks_in_threads(fn: Any, world: int) -> list[Any]:
     """Runs ``fn(rank)`` for every rank in its own thread; each result or
     exception, by rank."""

@@ -48,6 +48,7 @@ its resident images on open.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import json
@@ -193,29 +194,30 @@ class Sources:
         for rank, loaded in parts:
             self._parts.append(_Part(rank, loaded, len(self._entries)))
             self._entries.extend(loaded.entries())
+        self._firsts = [p.first for p in self._parts]
         head = self._parts[0].loaded
         self.step: int = head.step
         self.values_json: str = head.values_json
 
-    def _locate(self, i: int) -> tuple[_Part, int]:
+    def _locate(self, i: int) -> tuple[int, int]:
+        """The position in ``_parts`` of the file holding entry ``i``, and
+        the entry's index in that file. A file without entries starts where
+        the next one does: the last part starting at or before ``i`` is the
+        one that holds it."""
         if not 0 <= i < len(self._entries):
             raise InvalidInput(
                 f"load of step {self.step}: tensor index {i} out of range "
                 f"(there are {len(self._entries)})"
             )
-        part = self._parts[0]
-        for p in self._parts:
-            if p.first > i:
-                break
-            part = p
-        return part, i - part.first
+        k = bisect.bisect_right(self._firsts, i) - 1
+        return k, i - self._parts[k].first
 
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         return list(self._entries)
 
     def buffer(self, i: int) -> memoryview:
-        part, j = self._locate(i)
-        view: memoryview = part.loaded.buffer(j)
+        k, j = self._locate(i)
+        view: memoryview = self._parts[k].loaded.buffer(j)
         return view
 
     def give_each(self) -> Callable[[int], bool]:
@@ -231,12 +233,10 @@ class Sources:
     def copy_into(self, items: list[tuple[int, int, int]]) -> None:
         by_part: dict[int, list[tuple[int, int, int]]] = {}
         for i, addr, n in items:
-            part, j = self._locate(i)
-            by_part.setdefault(part.first, []).append((j, addr, n))
-        for p in self._parts:
-            sub = by_part.get(p.first)
-            if sub:
-                p.loaded.copy_into(sub)
+            k, j = self._locate(i)
+            by_part.setdefault(k, []).append((j, addr, n))
+        for k, sub in sorted(by_part.items()):
+            self._parts[k].loaded.copy_into(sub)
 
     def sources(self) -> dict[int, str]:
         """Where each rank's file came from: ``"ram"`` or ``"storage"``."""
