@@ -382,7 +382,8 @@ def load_into(
     succeeded. A plan refused (``InvalidInput``) reads the step first, so
     that a changed header raises ``CheckpointCorrupt`` instead. When it fails, the exception
     propagates and ``into``'s tensors hold, each, their old bytes or bytes
-    of this step that were verified (a mix): they must not be used.
+    of this step (a mix, which may include bytes of a resident chunk that
+    failed its check): they must not be used.
 
     With ``plans``, a load of the same checkpoint structure into an
     ``into`` of the same signature (``acp._plan``) as the last one reuses

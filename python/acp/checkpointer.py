@@ -924,11 +924,13 @@ class Checkpointer:
         ``into`` are not loaded. From storage, ``into``'s tensors are filled
         in the read's own pass (each chunk verified, then copied, no second
         pass over a full copy), and from RAM in the pass that checks the
-        resident copy (each chunk against its recorded sum, then copied;
-        a resident copy that fails its check is dropped and the step is
-        read from storage instead, logged); when the load raises, each of
-        them holds its old bytes or verified bytes of the step that failed
-        (a mix) and must not be used, and no other value was assigned; with
+        resident copy (each chunk copied and checked against its recorded
+        sum a cache-sized block at a time; a resident copy that fails its
+        check is dropped and the step is read from storage instead, into
+        every tensor, logged); when the load raises, each of them holds its
+        old bytes or bytes of the step that failed (a mix, which may include
+        bytes of a resident chunk that failed its check) and must not be
+        used, and no other value was assigned; with
         ``fallback``, a step whose data fails verification during that
         read is skipped (logged) and the next intact one is loaded into
         every tensor. ``fallback`` (with ``step=None``) falls back

@@ -70,14 +70,17 @@ impl Engine {
     /// `into[k].1` (exactly its length). From storage, the tensors are
     /// filled in the read's own pass ([`Engine::open_load`], then
     /// [`PendingLoad::read_into`]); from this rank's resident slot, in the
-    /// pass that checks it (each chunk against its quick sum, then copied,
-    /// the same way); from any other source, they are copied once the load
+    /// pass that checks it (each chunk copied and summed a cache-sized
+    /// block at a time, then its sum compared; a chunk that differs sends
+    /// the load to the full check, then to storage, and every tensor is
+    /// filled again); from any other source, they are copied once the load
     /// succeeded.
     ///
-    /// Nothing reaches `into` before its digest chunk matched. On an error,
-    /// each tensor of `into` holds its old bytes or bytes of the step
-    /// being loaded that were verified (a storage read that failed part
-    /// way): the caller is told by the error and must not use them. With
+    /// From storage, nothing reaches `into` before its digest chunk
+    /// matched. On an error, each tensor of `into` holds its old bytes or
+    /// bytes of the step being loaded (verified ones of a storage read that
+    /// failed part way, or of a resident chunk whose sum differed): the
+    /// caller is told by the error and must not use them. With
     /// `fallback`, a step whose data fails verification during that read
     /// is loaded again through [`Engine::load`], which falls back to the
     /// newest intact step; every tensor of `into` then holds that step's
@@ -347,9 +350,13 @@ impl PendingLoad {
     /// the tensors are read from storage into `into`, the reason in
     /// [`LoadReport::rejected`].
     ///
-    /// Nothing reaches `into` before its digest chunk matched (its digest,
-    /// or its quick sum from RAM). On an error, each destination holds its
-    /// old bytes or checked bytes of this step (per read it spans);
+    /// Nothing reaches `into` from storage or another rank's slot before
+    /// its digest chunk matched (its digest, or its quick sum); from this
+    /// rank's own slot, a chunk is copied and summed in one pass and a sum
+    /// that differs sends every tensor to be filled again from the full
+    /// check or storage. On an error, each destination holds its old bytes
+    /// or bytes of this step (per read it spans, and of a resident chunk
+    /// whose sum differed);
     /// nothing becomes resident. When the verified header is not the one
     /// [`PendingLoad::entries`] and [`PendingLoad::values`] came from, the
     /// load fails ([`Error::Corrupt`]).
