@@ -133,6 +133,22 @@ def test_corrupt_resident_copy_falls_back_to_storage(make_ckpt: MakeCkpt, shm_di
     assert ckpt.last_load.source == "storage"
 
 
+def test_a_fresh_load_whose_resident_and_stored_copies_are_corrupt_falls_back(
+    make_ckpt: MakeCkpt, shm_dir: Path
+) -> None:
+    ckpt = make_ckpt(ring_slots=3)
+    ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
+    ckpt.save(2, {"w": torch.arange(1000.0) + 2}).wait()
+    flip_in_slot(shm_dir, (torch.arange(1000.0) + 2).numpy().tobytes())
+    flip_byte(data_file(ckpt, 2), 10)
+    with pytest.raises(acp.CheckpointCorrupt):
+        ckpt.load()
+    out = ckpt.load(fallback=True)
+    assert ckpt.last_load is not None
+    assert ckpt.last_load.step == 1
+    assert torch.equal(out["w"], torch.arange(1000.0))
+
+
 def test_resident_and_stored_copies_both_corrupt_fall_back_to_older_step(
     make_ckpt: MakeCkpt, shm_dir: Path
 ) -> None:

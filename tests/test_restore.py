@@ -110,6 +110,43 @@ def test_a_chunk_failing_during_the_read_falls_back_to_the_previous_step(
     assert same(into, state(1))
 
 
+def test_a_fresh_load_from_ram_is_filled_by_the_pass_that_checks_the_slot(
+    ckpt: acp.Checkpointer,
+) -> None:
+    ckpt.save(1, state(1)).wait()
+    # Opened pending from RAM, as load(into=) opens it: the fresh tensors
+    # are the copy's destinations.
+    out = ckpt.load()
+    assert same(out, state(1))
+    assert ckpt.last_load is not None
+    assert (ckpt.last_load.source, ckpt.last_load.verified) == ("ram", True)
+    # The tensors own their memory: a write does not reach the slot.
+    model = out["model"]
+    assert isinstance(model, dict)
+    model["w"].add_(1)
+    assert same(ckpt.load(), state(1))
+    assert same(ckpt.load(zero_copy=True), state(1))
+
+
+def test_a_fresh_load_from_storage_falls_back_to_the_previous_step(
+    ckpt: acp.Checkpointer,
+) -> None:
+    ckpt.save(1, state(1)).wait()
+    ckpt.save(2, state(2)).wait()
+    path = data_file(ckpt, 2)
+    with path.open("r+b") as f:  # a byte of the last tensor's data
+        f.seek(-10, 2)
+        b = f.read(1)
+        f.seek(-10, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(acp.CheckpointCorrupt, match=path.name):
+        ckpt.load(storage_only=True)
+    out = ckpt.load(storage_only=True, fallback=True)
+    assert ckpt.last_load is not None
+    assert ckpt.last_load.step == 1
+    assert same(out, state(1))
+
+
 def test_values_only_into_still_verifies_the_step(ckpt: acp.Checkpointer) -> None:
     ckpt.save(1, state(1)).wait()
     path = data_file(ckpt, 1)

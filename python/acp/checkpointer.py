@@ -1023,79 +1023,92 @@ class Checkpointer:
         # With into=, a step read from storage is opened pending: planned
         # from its header, then read, verified (the header too) and copied
         # into the tensors in one pass by the planner's copy (acp._load).
-        defer = defer and into is not None
-        loaded = self._in.load(step, storage_only, fallback, rank, defer)
+        # A fresh load of this rank's file opens it pending too: from RAM,
+        # the fresh tensors are filled by the pass that checks the slot
+        # (from storage it is read whole first, below, as before: its
+        # image may be handed to the tensors). Other ranks' files are read
+        # whole for a fresh load (their private images are handed over).
+        ours = rank is None or rank == self.rank
+        defer_other = defer and into is not None
+        defer = defer_other or (defer and ours)
+        own = self._in.load(step, storage_only, fallback, rank, defer)
+        from_ram = getattr(own, "source", None) == "ram"
         # Replicated tensors other ranks wrote are in their files.
         loaded = with_other_ranks(
-            self._engine, loaded, self.rank if rank is None else rank, storage_only, defer
+            self._engine, own, self.rank if rank is None else rank, storage_only, defer_other
         )
         ranks = loaded.sources() if isinstance(loaded, Sources) else None
         if ranks:  # other ranks' files, loaded by with_other_ranks
             self._in.loaded_from(ranks.values())
         t1 = perf_counter()
-        if into is None:
-            result = load_state(loaded, self._adapters, map_location, zero_copy)
-            copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
-        else:
-            from_ram = getattr(loaded, "source", None) == "ram"
-            try:
+        try:
+            if into is None:
+                if getattr(own, "pending", False) and not from_ram:
+                    own.copy_into([])  # read whole: give() may hand it over
+                result = load_state(loaded, self._adapters, map_location, zero_copy)
+                copied = sum(nbytes for _, _, _, nbytes in loaded.entries())
+            else:
                 copied = load_into(loaded, self._adapters, into, map_location, self._plans)
-            except AcpError as e:
-                failed_step, why, failed = loaded.step, e, read_failed(loaded)
-                del loaded
-                if from_ram and not storage_only and isinstance(e, CheckpointCorrupt):
-                    # The resident copy failed its check (the slot is
-                    # dropped): the same step from the next source,
-                    # storage, planned afresh from its own header.
-                    logger.warning(
-                        "acp: the resident copy of step %d failed verification, "
-                        "reading it from storage: %s",
-                        failed_step,
-                        e,
-                    )
-                    try:
-                        return self._load(
-                            failed_step,
-                            into=into,
-                            map_location=map_location,
-                            fallback=fallback,
-                            storage_only=True,
-                            rank=rank,
-                            defer=defer,
-                        )
-                    except CheckpointNotFound:
-                        # A RAM snapshot only: with no step asked for,
-                        # the next source, whatever ``fallback`` says
-                        # (as the engine does for one it checks).
-                        if step is not None:
-                            raise e from None
-                    except AcpError as again:
-                        # Storage's copy fails too: with ``fallback``
-                        # and no step asked for, the newest intact step.
-                        if not (fallback and step is None):
-                            raise
-                        why = again
-                elif not (fallback and step is None and failed):
-                    raise
-                # The failed step's slot is gone, or its read is
-                # marked failed: the engine loads another step.
-                logger.warning("acp: step %d cannot be loaded, falling back: %s", failed_step, why)
-                return self._load(
-                    None,
-                    into=into,
-                    map_location=map_location,
-                    fallback=fallback,
-                    storage_only=storage_only,
-                    rank=rank,
-                    defer=False,
+        except AcpError as e:
+            # ``failed``: the read of the step's file failed (storage).
+            failed_step, why = loaded.step, e
+            failed = read_failed(loaded) or read_failed(own)
+            del loaded, own
+            if from_ram and not storage_only and isinstance(e, CheckpointCorrupt):
+                # The resident copy failed its check (the slot is
+                # dropped): the same step from the next source,
+                # storage, planned afresh from its own header.
+                logger.warning(
+                    "acp: the resident copy of step %d failed verification, "
+                    "reading it from storage: %s",
+                    failed_step,
+                    e,
                 )
+                try:
+                    return self._load(
+                        failed_step,
+                        into=into,
+                        map_location=map_location,
+                        fallback=fallback,
+                        storage_only=True,
+                        rank=rank,
+                        defer=defer,
+                        zero_copy=zero_copy,
+                    )
+                except CheckpointNotFound:
+                    # A RAM snapshot only: with no step asked for,
+                    # the next source, whatever ``fallback`` says
+                    # (as the engine does for one it checks).
+                    if step is not None:
+                        raise e from None
+                except AcpError as again:
+                    # Storage's copy fails too: with ``fallback``
+                    # and no step asked for, the newest intact step.
+                    if not (fallback and step is None):
+                        raise
+                    why = again
+            elif not (fallback and step is None and failed):
+                raise
+            # The failed step's slot is gone, or its read is
+            # marked failed: the engine loads another step.
+            logger.warning("acp: step %d cannot be loaded, falling back: %s", failed_step, why)
+            return self._load(
+                None,
+                into=into,
+                map_location=map_location,
+                fallback=fallback,
+                storage_only=storage_only,
+                rank=rank,
+                defer=False,
+                zero_copy=zero_copy,
+            )
         t2 = perf_counter()
         if ranks:
             # Where each file came from in the end: a deferred read of
             # another rank's slot may have read storage instead.
             ranks = loaded.sources()
         report = loaded.report()
-        del loaded
+        del loaded, own
         stats = load_stats(report, t0, t1, t2, copied, ranks=ranks)
         self.last_load = stats
         self._metrics.loaded(stats)
