@@ -412,6 +412,46 @@ def test_a_rank_that_wrote_none_of_a_replicated_state_restores_it(
             c.close()
 
 
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "into"])
+def test_a_rank_holding_only_values_has_its_slot_checked_before_they_are_used(
+    tmp_path: Path, shm_dir: Path, fresh: bool
+) -> None:
+    """Rank 1 of a replicated state writes no tensor, only the values. Its
+    slot's copy of them changed in RAM: the restore reads (and checks)
+    rank 1's file all the same, before it uses a value of it, and takes
+    the step from storage instead."""
+    w = torch.arange(1000.0)
+    ckpts = two_ranks(
+        acp.Checkpointer, tmp_path / "ckpt", shm_dir, job="rep-values", commit_timeout=60
+    )
+    try:
+        for h in [c.save(1, {"w": w, "epoch": 7}, replicated=True) for c in ckpts]:
+            h.wait()
+        hit = 0
+        for f in sorted(p for p in shm_dir.rglob("*-r00001-s*") if p.is_file()):
+            b = bytearray(f.read_bytes())
+            at = b.find(b"},7]")
+            if at >= 0:
+                b[at + 2] = ord("8")
+                f.write_bytes(bytes(b))
+                hit += 1
+        assert hit == 1
+        c = ckpts[1]
+        if fresh:
+            out = c.load(1)
+        else:
+            out = {"w": torch.zeros(1000), "epoch": -1}
+            c.load(1, into=out)
+        assert out["epoch"] == 7
+        assert torch.equal(out["w"], w)
+        assert c.last_load is not None
+        assert c.last_load.ranks is not None
+        assert c.last_load.ranks[1] == "storage"
+    finally:
+        for c in ckpts:
+            c.close()
+
+
 def _ranks_in_threads(fn: Any, world: int) -> list[Any]:
     """Runs ``fn(rank)`` for every rank in its own thread; each result or
     exception, by rank."""

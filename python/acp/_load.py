@@ -167,7 +167,10 @@ def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bo
     fresh = _Fresh(loaded, adapters, entries_of(loaded), zero_copy, give=give)
     try:
         fresh.want(node)
-        run_transfers(loaded.copy_into, fresh.transfers(map_location))
+        # Also with nothing to copy: a pending load's read (which verifies
+        # the values too) is this call.
+        pending = bool(getattr(loaded, "pending", False))
+        run_transfers(loaded.copy_into, fresh.transfers(map_location), always=pending)
         return fresh.decoder.value(node, "")
     finally:
         # `fresh` is in a reference cycle (its decoder calls back into it):

@@ -215,6 +215,11 @@ class Sources:
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         return list(self._entries)
 
+    @property
+    def pending(self) -> bool:
+        """Whether a file is still to be read (by ``copy_into``)."""
+        return any(getattr(p.loaded, "pending", False) for p in self._parts)
+
     def buffer(self, i: int) -> memoryview:
         k, j = self._locate(i)
         view: memoryview = self._parts[k].loaded.buffer(j)
@@ -231,12 +236,18 @@ class Sources:
         return lambda i: any(first <= i < end for first, end in spans)
 
     def copy_into(self, items: list[tuple[int, int, int]]) -> None:
+        """Copies each item out of the file holding it. A pending file
+        none of them is in is read all the same: its read is what verifies
+        it (its values, when it is this rank's file), and it must happen
+        before the caller uses anything of it."""
         by_part: dict[int, list[tuple[int, int, int]]] = {}
         for i, addr, n in items:
             k, j = self._locate(i)
             by_part.setdefault(k, []).append((j, addr, n))
-        for k, sub in sorted(by_part.items()):
-            self._parts[k].loaded.copy_into(sub)
+        for k, part in enumerate(self._parts):
+            sub = by_part.get(k)
+            if sub or getattr(part.loaded, "pending", False):
+                part.loaded.copy_into(sub or [])
 
     def sources(self) -> dict[int, str]:
         """Where each rank's file came from: ``"ram"`` or ``"storage"``."""
