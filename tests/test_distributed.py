@@ -452,6 +452,40 @@ def test_a_rank_holding_only_values_has_its_slot_checked_before_they_are_used(
             c.close()
 
 
+def test_a_replicated_restore_into_keeps_its_plan(tmp_path: Path, shm_dir: Path) -> None:
+    """A data-parallel ``load(into=)`` (this rank's file and the other's)
+    keeps its plan as a single file's does: the next load of the same
+    structure reuses it, and fills every tensor from the step it loads."""
+    ckpts = two_ranks(
+        acp.Checkpointer, tmp_path / "ckpt", shm_dir, job="rep-plan", commit_timeout=60
+    )
+    try:
+        first: dict[str, Any] = {f"t{i}": torch.randn(100) for i in range(6)}
+        first["epoch"] = 3
+        second = {k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in first.items()}
+        for step, state in ((1, first), (2, second)):
+            for h in [c.save(step, state, replicated=True) for c in ckpts]:
+                h.wait()
+        c = ckpts[1]
+        into: dict[str, Any] = {k: torch.zeros(100) for k in first if k != "epoch"}
+        into["epoch"] = -1
+        plan = None
+        for step, state in ((1, first), (2, second), (1, first)):
+            c.load(step, into=into)
+            assert c.last_load is not None
+            assert c.last_load.ranks == {0: "ram", 1: "ram"}
+            assert into["epoch"] == 3
+            for k, v in state.items():
+                if k != "epoch":
+                    assert torch.equal(into[k], v), (step, k)
+            plan = plan or c._plans.load
+            assert plan is not None
+            assert c._plans.load is plan, "the kept plan was not reused"
+    finally:
+        for c in ckpts:
+            c.close()
+
+
 def _ranks_in_threads(fn: Any, world: int) -> list[Any]:
     """Runs ``fn(rank)`` for every rank in its own thread; each result or
     exception, by rank."""

@@ -82,12 +82,13 @@ def replicated_restore(
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mib", type=int, default=256, help="each rank's state in MiB (32 tensors)")
+    p.add_argument("--mib", type=int, default=256, help="each rank's state in MiB")
+    p.add_argument("--tensors", type=int, default=32, help="tensors in each rank's state")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--dir", default=None, help="where the checkpoint root goes")
     a = p.parse_args(argv)
     torch.set_num_threads(2)
-    numel = a.mib * MiB // 4 // 32
+    numel = a.mib * MiB // 4 // a.tensors
     fresh, into_ms, memcpy_fresh, memcpy_warm = [], [], [], []
     with (
         tempfile.TemporaryDirectory(dir=a.dir) as d,
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             for r in (0, 1)
         ]
         try:
-            states = [{f"r{r}.t{i}": torch.randn(numel) for i in range(32)} for r in (0, 1)]
+            states = [{f"r{r}.t{i}": torch.randn(numel) for i in range(a.tensors)} for r in (0, 1)]
             handles = [c.save(1, s) for c, s in zip(ckpts, states)]
             for h in handles:
                 h.wait()
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     out_line = {
         "mib": a.mib,
+        "tensors": a.tensors,
         **med,
         "fresh_over_memcpy_fresh": med["fresh_ms"] / med["memcpy_fresh_ms"],
         "into_over_memcpy_warm": med["into_ms"] / med["memcpy_warm_ms"],

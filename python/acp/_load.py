@@ -23,6 +23,7 @@ from acp._codec import (
     tensor_refs,
 )
 from acp._plan import LoadPlan, Plans, parse_cached
+from acp.distributed import Sources
 
 
 def entries_of(loaded: Any) -> dict[str, Entry]:
@@ -410,7 +411,9 @@ def _load_into_planned(
     map_location: Any,
     plans: Plans | None,
 ) -> int:
-    keep = plans is not None and type(loaded) is Loaded
+    # Plans are kept for one file, or for the files of a replicated state
+    # (``Sources``: its entries are all of theirs, in order).
+    keep = plans is not None and (type(loaded) is Loaded or type(loaded) is Sources)
     if keep:
         assert plans is not None
         entries = loaded.entries()
