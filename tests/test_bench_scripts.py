@@ -209,6 +209,15 @@ def test_rank_file_load_tiny(tmp_path: Path) -> None:
     assert got["replicated_fresh_over_memcpy_fresh"] > 0
 
 
+def test_fresh_load_tiny(tmp_path: Path) -> None:
+    got = run_json_line("fresh_load.py", tmp_path, "--mib", "4", "--tensors", "8", "--repeats", "2")
+    assert (got["mib"], got["tensors"]) == (4, 8)
+    for key in ("fresh_ms", "memcpy_new_ms", "into_ms", "memcpy_warm_ms"):
+        assert got[key] > 0, key
+    assert got["fresh_over_memcpy_new"] > 0
+    assert got["into_over_memcpy_warm"] > 0
+
+
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "overhead.py"), "--quick", "--out", str(out)]
