@@ -133,14 +133,21 @@ def test_corrupt_resident_copy_falls_back_to_storage(make_ckpt: MakeCkpt, shm_di
     assert ckpt.last_load.source == "storage"
 
 
-def test_a_fresh_load_whose_resident_and_stored_copies_are_corrupt_falls_back(
-    make_ckpt: MakeCkpt, shm_dir: Path
-) -> None:
+def newest_step_corrupt_in_ram_and_storage(make_ckpt: MakeCkpt, shm_dir: Path) -> acp.Checkpointer:
+    """A checkpointer holding step 1 (``w``: ``arange(1000)``) and step 2
+    (the same plus 2), step 2 changed in its ring slot and in its file."""
     ckpt = make_ckpt(ring_slots=3)
     ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
     ckpt.save(2, {"w": torch.arange(1000.0) + 2}).wait()
     flip_in_slot(shm_dir, (torch.arange(1000.0) + 2).numpy().tobytes())
     flip_byte(data_file(ckpt, 2), 10)
+    return ckpt
+
+
+def test_a_fresh_load_whose_resident_and_stored_copies_are_corrupt_falls_back(
+    make_ckpt: MakeCkpt, shm_dir: Path
+) -> None:
+    ckpt = newest_step_corrupt_in_ram_and_storage(make_ckpt, shm_dir)
     with pytest.raises(acp.CheckpointCorrupt):
         ckpt.load()
     out = ckpt.load(fallback=True)
@@ -152,11 +159,7 @@ def test_a_fresh_load_whose_resident_and_stored_copies_are_corrupt_falls_back(
 def test_resident_and_stored_copies_both_corrupt_fall_back_to_older_step(
     make_ckpt: MakeCkpt, shm_dir: Path
 ) -> None:
-    ckpt = make_ckpt(ring_slots=3)
-    ckpt.save(1, {"w": torch.arange(1000.0)}).wait()
-    ckpt.save(2, {"w": torch.arange(1000.0) + 2}).wait()
-    flip_in_slot(shm_dir, (torch.arange(1000.0) + 2).numpy().tobytes())
-    flip_byte(data_file(ckpt, 2), 10)
+    ckpt = newest_step_corrupt_in_ram_and_storage(make_ckpt, shm_dir)
     into = {"w": torch.zeros(1000)}
     stats = ckpt.load(into=into, fallback=True)
     assert stats.step == 1
