@@ -195,10 +195,12 @@ fn in_runs<T: Send>(
 /// it goes to (exactly its length).
 pub(crate) type ChunkDst<'m> = (usize, u64, &'m mut [u8]);
 
-/// Reads each chunk of `chunks` from `src` into its memory and sums it
-/// right after it landed, while it is in cache (one pass over the bytes
-/// instead of a read and then a check), on up to `threads` threads, each
-/// a contiguous run of chunks in the order given. Returns the chunks whose
+/// Reads each chunk of `chunks` from `src` into its memory
+/// [`HOT_BYTES`] at a time and sums each block right after it landed,
+/// while it is in cache (one pass over the bytes instead of a read and
+/// then a check), on up to `threads` threads, each a contiguous run of
+/// chunks in the order given. `src` must read any range as cheaply as a
+/// whole chunk (a plain file, not compressed frames). Returns the chunks whose
 /// bytes do not give their sum in `sums` (none missing: a chunk past the
 /// sums counts as differing), in the order given; the caller checks those
 /// against their digests, whose error names the tensors.
@@ -223,8 +225,12 @@ pub(crate) fn read_and_sum<S: super::ChunkSource + Sync + ?Sized>(
             if failed.load(Ordering::Relaxed) {
                 return;
             }
-            match src.read_at(dst, offset) {
-                Err(e) => {
+            // A block at a time: each summed while the read left it in
+            // cache.
+            let mut sum = XxHash3_64::new();
+            let mut at = offset;
+            for block in dst.chunks_mut(HOT_BYTES) {
+                if let Err(e) = src.read_at(block, at) {
                     failed.store(true, Ordering::Relaxed);
                     error
                         .lock()
@@ -232,11 +238,14 @@ pub(crate) fn read_and_sum<S: super::ChunkSource + Sync + ?Sized>(
                         .get_or_insert(e);
                     return;
                 }
-                Ok(()) if sums.get(k) != Some(&fast_sum(dst)) => differ
+                sum.write(block);
+                at += block.len() as u64;
+            }
+            if sums.get(k) != Some(&sum.finish()) {
+                differ
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .push((first + j, k)),
-                Ok(()) => {}
+                    .push((first + j, k));
             }
         }
     };
