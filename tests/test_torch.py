@@ -439,6 +439,13 @@ def test_load_with_map_location(ckpt: acp.Checkpointer) -> None:
     assert out["w"].device.type == "cpu"
     with pytest.raises(acp.InvalidInput, match="map_location"):
         ckpt.load(map_location=lambda s, loc: s)
+    # Many tensors: each saved device is mapped once, and one that cannot
+    # be restored on is named with the first tensor saved on it.
+    ckpt.save(2, {f"t{i}": torch.full((3,), float(i)) for i in range(50)}).wait()
+    out = ckpt.load(2, map_location={"cpu": "cpu"})
+    assert all(torch.equal(out[f"t{i}"], torch.full((3,), float(i))) for i in range(50))
+    with pytest.raises(acp.InvalidInput, match=r"device meta is not supported"):
+        ckpt.load(2, map_location={"cpu": "meta"})
 
 
 class MyTensor(torch.Tensor):

@@ -325,6 +325,27 @@ class _HostCopies:
         self.pairs = []
 
 
+class _Devices:
+    """:func:`_device` for the tensors of one load, each saved device's
+    answer kept (a state's tensors are on one or two devices; checking the
+    name and mapping it again for each of thousands of tensors costs more
+    than making the tensor). The first tensor with a device raises for it,
+    naming that tensor."""
+
+    def __init__(self, map_location: Any, step: int) -> None:
+        self.map_location = map_location
+        self.step = step
+        self.known: dict[str | None, torch.device] = {}
+
+    def of(self, saved: object, key: str) -> torch.device:
+        if saved is None or type(saved) is str:
+            got = self.known.get(saved)
+            if got is None:
+                got = self.known[saved] = _device(saved, self.map_location, key, self.step)
+            return got
+        return _device(saved, self.map_location, key, self.step)  # checked each time
+
+
 def _device(saved: object, map_location: Any, key: str, step: int) -> torch.device:
     """The device to restore tensor ``key`` of ``step`` on; ``saved`` is the
     device its reference records (from the checkpoint: checked)."""
@@ -561,9 +582,10 @@ class Adapter:
         transfer = Transfer()
         out: list[object] = []
         device_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        devices = _Devices(map_location, loaded.step)
         for entry, ref in items:
             dtype = dtype_from_safetensors(entry.dtype)
-            device = _device(ref.get("dev"), map_location, entry.name, loaded.step)
+            device = devices.of(ref.get("dev"), entry.name)
             t = torch.empty(entry.shape, dtype=dtype, device=device)
             if device.type == "cpu":
                 transfer.host.append((entry.index, t.data_ptr(), entry.nbytes))
@@ -589,8 +611,9 @@ class Adapter:
         does."""
         out: list[object | None] = []
         copies: list[tuple[int, tuple[Entry, dict[str, Any]]]] = []
+        devices = _Devices(map_location, loaded.step)
         for entry, ref in items:
-            device = _device(ref.get("dev"), map_location, entry.name, loaded.step)
+            device = devices.of(ref.get("dev"), entry.name)
             if device.type != "cpu":
                 copies.append((len(out), (entry, ref)))
                 out.append(None)
