@@ -191,10 +191,15 @@ class Sources:
     def __init__(self, parts: Sequence[tuple[int, Any]]) -> None:
         self._parts: list[_Part] = []
         self._entries: list[tuple[str, str, tuple[int, ...], int]] = []
-        for rank, loaded in parts:
+        # Per entry, the position in ``_parts`` of the file holding it.
+        self._owner: list[int] = []
+        for k, (rank, loaded) in enumerate(parts):
             self._parts.append(_Part(rank, loaded, len(self._entries)))
-            self._entries.extend(loaded.entries())
+            held = loaded.entries()
+            self._entries.extend(held)
+            self._owner.extend([k] * len(held))
         self._firsts = [p.first for p in self._parts]
+        self._ends = [*self._firsts[1:], len(self._entries)]
         head = self._parts[0].loaded
         self.step: int = head.step
         self.values_json: str = head.values_json
@@ -231,8 +236,8 @@ class Sources:
         storage; never a ring slot: ``Loaded.give``). Returns whether the
         tensor at entry index ``i`` is in an image handed over: ``buffer(i)``
         of it is then a writable view the caller's tensor owns."""
-        given = [(p.first, p.first + len(p.loaded.entries()), p.loaded.give()) for p in self._parts]
-        spans = [(first, end) for first, end, ok in given if ok]
+        given = [p.loaded.give() for p in self._parts]
+        spans = [(p.first, end) for p, end, ok in zip(self._parts, self._ends, given) if ok]
         return lambda i: any(first <= i < end for first, end in spans)
 
     def copy_into(self, items: list[tuple[int, int, int]]) -> None:
@@ -240,14 +245,16 @@ class Sources:
         none of them is in is read all the same: its read is what verifies
         it (its values, when it is this rank's file), and it must happen
         before the caller uses anything of it."""
-        by_part: dict[int, list[tuple[int, int, int]]] = {}
+        subs: list[list[tuple[int, int, int]]] = [[] for _ in self._parts]
+        owner, firsts, count = self._owner, self._firsts, len(self._entries)
         for i, addr, n in items:
-            k, j = self._locate(i)
-            by_part.setdefault(k, []).append((j, addr, n))
-        for k, part in enumerate(self._parts):
-            sub = by_part.get(k)
+            if not 0 <= i < count:
+                self._locate(i)  # raises, naming it
+            k = owner[i]
+            subs[k].append((i - firsts[k], addr, n))
+        for part, sub in zip(self._parts, subs):
             if sub or getattr(part.loaded, "pending", False):
-                part.loaded.copy_into(sub or [])
+                part.loaded.copy_into(sub)
 
     def sources(self) -> dict[int, str]:
         """Where each rank's file came from: ``"ram"`` or ``"storage"``."""
