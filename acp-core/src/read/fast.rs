@@ -364,13 +364,15 @@ pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
     Ok(!differs.into_inner())
 }
 
-/// One destination piece of a fused check and copy: the chunk holding it,
+/// One destination piece of a fused check and copy: the block holding it
+/// (its chunk times the blocks per chunk, plus its block in the chunk),
 /// its offset in the image, and the memory it goes to.
 type Piece<'t> = (usize, usize, &'t mut [u8]);
 
-/// Bytes of a chunk copied, then summed, at a time by [`check_and_copy`]:
-/// small enough to be still in the core's cache when the sum reads them
-/// after the copy, large enough that a block costs few calls.
+/// Bytes of a chunk read or copied, then summed, at a time by the checks
+/// that sum as they copy ([`check_and_copy`], [`read_check_copy`],
+/// [`read_and_sum`]): small enough to be still in the core's cache when
+/// the sum reads them, large enough that a block costs few calls.
 const HOT_BYTES: usize = 128 << 10;
 
 /// Checks each `chunk`-byte piece of `image` against its sum in `sums`
