@@ -26,8 +26,8 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,27 +35,10 @@ import torch
 
 import acp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from baselines import copy_ranges
+
 MiB = 1 << 20
-
-
-def memcpy_2t(pairs: list[tuple[int, int, int]]) -> None:
-    """Copies each ``(dst, src, nbytes)`` with libc ``memmove`` (ctypes
-    releases the GIL), split by bytes over two threads."""
-    parts: list[list[tuple[int, int, int]]] = [[], []]
-    loads = [0, 0]
-    for p in sorted(pairs, key=lambda x: -x[2]):
-        i = loads.index(min(loads))
-        parts[i].append(p)
-        loads[i] += p[2]
-
-    def run(part: list[tuple[int, int, int]]) -> None:
-        for d, s, n in part:
-            ctypes.memmove(d, s, n)
-
-    t = threading.Thread(target=run, args=(parts[1],))
-    t.start()
-    run(parts[0])
-    t.join()
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -109,11 +92,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             for step in (1, 2):
                 ckpt.save(step, state).wait()
 
-            def new_copy() -> None:
-                dsts = [torch.empty_like(t) for t in srcs]
-                memcpy_2t([(d.data_ptr(), s.data_ptr(), s.numel() * 4) for d, s in zip(dsts, srcs)])
+            def ranges(dsts: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+                return [(d.data_ptr(), s.data_ptr(), s.numel() * 4) for d, s in zip(dsts, srcs)]
 
-            warm_pairs = [(d.data_ptr(), s.data_ptr(), s.numel() * 4) for d, s in zip(warm, srcs)]
+            def new_copy() -> None:
+                dsts = [torch.empty_like(t) for t in srcs]  # alive until copied
+                copy_ranges(ranges(dsts), 2)
+
+            warm_pairs = ranges(warm)
             for _ in range(a.repeats):
                 got["memcpy_new"].append(timed(new_copy))
                 gc.collect()
@@ -126,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 assert all(torch.equal(out[k], v) for k, v in state.items())
                 del out
                 gc.collect()
-                got["memcpy_warm"].append(timed(lambda: memcpy_2t(warm_pairs)))
+                got["memcpy_warm"].append(timed(lambda: copy_ranges(warm_pairs, 2)))
                 got["into"].append(timed(lambda: ckpt.load(2, into=into)))
                 assert all(torch.equal(into[k], v) for k, v in state.items())
         finally:
