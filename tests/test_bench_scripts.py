@@ -221,13 +221,14 @@ def test_fresh_load_tiny(tmp_path: Path) -> None:
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "overhead.py"), "--quick", "--out", str(out)]
-    cmd += ["--dir", str(tmp_path), "--modes", "none", "snapshot", "coalesce", "every"]
+    modes = ["none", "snapshot", "coalesce", "every", "memcpy", "memcpy:overlap=1"]
+    cmd += ["--dir", str(tmp_path), "--modes", *modes]
     env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads((out / "overhead.json").read_text())
     args = got["args"]
-    assert [r["mode"] for r in got["rows"]] == ["none", "snapshot", "coalesce", "every"]
+    assert [r["mode"] for r in got["rows"]] == modes
     assert got["state_bytes"] > 0
     assert len(got["load_before"]) == len(got["load_after"]) == 3
     for row in got["rows"]:
@@ -244,8 +245,52 @@ def test_overhead_quick(tmp_path: Path) -> None:
     timed = args["rounds"] * args["steps"]
     assert 0 < saving["coalesce"]["persisted_steps"] <= timed
     assert saving["every"]["persisted_steps"] == timed
+    # The floor copies and writes nothing else; its stall is its save call.
+    for floor in ("memcpy", "memcpy:overlap=1"):
+        assert saving[floor]["persisted_steps"] == 0
+        assert saving[floor]["overlapped_saves"] == 0
     assert (out / "overhead.md").read_text() in proc.stdout
     assert not list(tmp_path.glob("acp-overhead-*"))  # its roots are removed
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overhead_floor_copies_every_tensor_of_the_state(baselines: Any, overlap: bool) -> None:
+    """overhead.py's memcpy floor copies each tensor's bytes, in walk order, into its
+    buffer (64-byte aligned), and an overlapped copy is done once staged() returns."""
+    import ctypes
+
+    import overhead
+    import torch
+
+    state = {
+        "model": {"w": torch.arange(10, dtype=torch.float32), "b": torch.ones(3)},
+        "optim": {"state": {0: {"step": torch.tensor(5.0)}}, "groups": [{"lr": 0.1}]},
+        "step": 7,
+    }
+    floor = overhead.Floor(1 << 12, overlap=overlap, threads=2)
+    try:
+        floor.save(7, state)
+        floor.staged()
+        at = 0
+        for t in (state["model"]["w"], state["model"]["b"], state["optim"]["state"][0]["step"]):
+            n = t.numel() * t.element_size()
+            got = ctypes.string_at(floor.buf.addr + at, n)
+            assert got == t.numpy().tobytes()
+            at += n + (-n % 64)
+        with pytest.raises(SystemExit, match="outgrew"):
+            floor.save(8, {"big": torch.zeros(1 << 11)})
+    finally:
+        floor.close()
+
+
+def test_overhead_refuses_unknown_floor_keywords(baselines: Any) -> None:
+    import argparse
+
+    import overhead
+
+    assert overhead._mode("memcpy:overlap=1,threads=1") == "memcpy:overlap=1,threads=1"
+    with pytest.raises(argparse.ArgumentTypeError, match="not ring_slots"):
+        overhead._mode("memcpy:ring_slots=3")
 
 
 def test_compare_pairs_acp_with_its_floors(tmp_path: Path) -> None:

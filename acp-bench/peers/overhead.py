@@ -8,13 +8,26 @@ times each step (the training step plus the ``save()`` call) in each mode:
   copy into the ring, then the background hash that makes it loadable);
 - ``coalesce``: ``save(step, state)`` every step with the default policy: every step a
   snapshot, the newest persisted whenever the previous persist has finished;
-- ``every`` (not run unless named): every step persisted.
+- ``every`` (not run unless named): every step persisted;
+- ``memcpy`` (not run unless named): the floor of any RAM snapshot, measured beside the
+  modes above: every tensor of the state copied each step into one preallocated, prefaulted
+  buffer with libc memcpy on as many threads as acp's default ``copy_threads`` (the machine's
+  cores), nothing else (no ring, no sums, no Python beyond the walk). ``memcpy:overlap=1``
+  overlaps it as ``overlap=1`` does a save: the copy runs on its threads while the next step's
+  forward and backward run, and that step's optimizer step waits for it. ``threads=N`` sets
+  the copy's threads.
 
 A mode may carry ``Checkpointer`` keywords, to compare settings in the same run:
 ``snapshot:background_nice=19``, ``coalesce:copy_threads=1,ring_slots=4``. With
 ``overlap=1`` (``snapshot:overlap=1``: overlapped saves) the mode's checkpointer is hooked to
 the optimizer (``staged_before``), so each step's optimizer step waits for the copy of the
 save before it, and that wait is in the step's time; the report gives its median.
+
+What saving every step costs has a floor that no engine goes below: the state's bytes read
+and written once per step, on the same cores and the same memory bus as training. With the
+small model (114 MB every ~60 ms) that floor is a large share of a step; name ``memcpy`` (and
+``memcpy:overlap=1``) among the modes to measure it in the same run, and read each mode's
+overhead against it.
 
 The modes alternate within each round (the order rotates from round to round), each mode
 running ``--steps`` timed steps; between two modes the engine is left to finish its work
@@ -35,15 +48,18 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from baselines import Buffer, copy_ranges
 from goodput_worker import REALISTIC_MODEL, Model, Trainer
 
-MODES = ("none", "snapshot", "coalesce", "every")
+MODES = ("none", "snapshot", "coalesce", "every", "memcpy")
+FLOOR_KEYWORDS = ("overlap", "threads")
 DEFAULT_MODES = ("none", "snapshot", "coalesce")
 ALL = "ALL"
 ENDED = "ended threads"
@@ -73,7 +89,74 @@ def _mode(text: str) -> str:
     for item in text.split(":", 1)[1].split(",") if ":" in text else []:
         if "=" not in item:
             raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not KEY=VALUE")
+    if _base(text) == "memcpy":
+        unknown = sorted(set(_keywords(text)) - set(FLOOR_KEYWORDS))
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: memcpy takes {', '.join(FLOOR_KEYWORDS)}, not {', '.join(unknown)}"
+            )
     return text
+
+
+def _tensors(obj: Any) -> list[Any]:
+    """Every tensor in ``obj`` (nested dicts, lists and tuples), in walk order."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class Floor:
+    """The ``memcpy`` mode: a save that is nothing but a copy of every tensor of the state into
+    one preallocated buffer, on ``threads`` threads; with ``overlap`` the copy runs in the
+    background and ``staged`` (hooked before the optimizer step) waits for it. It has the
+    methods of ``Checkpointer`` that ``Tally.block`` calls."""
+
+    def __init__(self, nbytes: int, *, overlap: bool, threads: int) -> None:
+        self.buf = Buffer(nbytes)
+        self.overlap, self.threads = overlap, threads
+        self._copy: threading.Thread | None = None
+
+    def save(self, step: int, state: Any, persist: bool | None = None) -> None:
+        del step, persist
+        self.staged()  # one copy at a time, as a ring slot is written once
+        ranges, at = [], 0
+        for t in _tensors(state):
+            n = t.numel() * t.element_size()
+            if at + n > self.buf.size:
+                raise SystemExit(f"memcpy: the state outgrew its {self.buf.size}-byte buffer")
+            ranges.append((self.buf.addr + at, t.data_ptr(), n))
+            at += n + (-n % 64)
+        if not self.overlap:
+            copy_ranges(ranges, self.threads)
+            return
+        self._copy = threading.Thread(
+            target=copy_ranges, args=(ranges, self.threads), name="floor-copy", daemon=True
+        )
+        self._copy.start()
+
+    def reserve(self, state: Any) -> None:
+        del state  # the buffer is prefaulted when it is made
+
+    def staged_before(self, optimizer: Any) -> Any:
+        return optimizer.register_step_pre_hook(lambda *_: self.staged())
+
+    def staged(self) -> None:
+        if self._copy is not None:
+            self._copy.join()
+            self._copy = None
+
+    def wait(self) -> None:
+        self.staged()
+
+    def close(self) -> None:
+        self.staged()
+        self.buf.close()
 
 
 def _order(modes: list[str], round_: int) -> list[str]:
@@ -145,8 +228,9 @@ class Tally:
             if timed:
                 self.times.append(t1 - t0)
                 if ckpt is not None:
-                    handles.append(h)
                     self.saves.append(t1 - ts)
+                    if h is not None:  # the memcpy floor has no handle
+                        handles.append(h)
         if ckpt is not None:
             ckpt.wait()
         for h in handles:  # sealed by now
@@ -171,7 +255,8 @@ class Tally:
             "median_s": statistics.median(t),
             "mean_s": statistics.fmean(t),
             "p90_s": statistics.quantiles(t, n=10)[-1] if len(t) >= 2 else t[0],
-            "stall_median_s": statistics.median(self.stalls) if self.stalls else 0.0,
+            # The floor's stall is its save call: the copy, or (overlapped) its start.
+            "stall_median_s": statistics.median(self.stalls or self.saves or [0.0]),
             "overlap_wait_median_s": statistics.median(self.waits) if self.waits else None,
             "overlapped_saves": len(self.waits),
             "save_call_median_s": statistics.median(self.saves) if self.saves else 0.0,
@@ -183,6 +268,10 @@ class Tally:
 
 def _open(acp: Any, work: Path, mode: str, state_bytes: int) -> Any:
     slot = state_bytes + (4 << 20)
+    if _base(mode) == "memcpy":
+        kw = _keywords(mode)
+        threads = int(kw.get("threads", os.cpu_count() or 1))
+        return Floor(slot, overlap=bool(kw.get("overlap")), threads=threads)
     kwargs: dict[str, Any] = {"persist_every": 1} if _base(mode) == "every" else {}
     kwargs.update(ring_slots=3, ring_bytes=3 * slot, keep_last=2, release_on_close=True)
     kwargs.update(_keywords(mode))
