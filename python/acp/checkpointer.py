@@ -922,15 +922,16 @@ class Checkpointer:
         differs raises ``acp.InvalidInput`` naming the key before anything
         is copied. Keys present in the checkpoint but not at the top level of
         ``into`` are not loaded. From storage, ``into``'s tensors are filled
-        in the read's own pass (each chunk verified, then copied, no second
-        pass over a full copy), and from RAM in the pass that checks the
+        in the read's own pass (each chunk copied and hashed a cache-sized
+        block at a time, its digest compared at its end; no second pass
+        over a full copy), and from RAM in the pass that checks the
         resident copy (each chunk copied and checked against its recorded
-        sum a cache-sized block at a time; a resident copy that fails its
-        check is dropped and the step is read from storage instead, into
-        every tensor, logged); when the load raises, each of them holds its
-        old bytes or bytes of the step that failed (a mix, which may include
-        bytes of a resident chunk that failed its check) and must not be
-        used, and no other value was assigned; with
+        sum the same way; a resident copy that fails its check is dropped
+        and the step is read from storage instead, into every tensor,
+        logged); when the load raises, each of them holds its old bytes or
+        bytes of the step that failed (a mix, which may include bytes of a
+        chunk that failed its check) and must not be used, and no other
+        value was assigned; with
         ``fallback``, a step whose data fails verification during that
         read is skipped (logged) and the next intact one is loaded into
         every tensor. ``fallback`` (with ``step=None``) falls back

@@ -76,11 +76,13 @@ impl Engine {
     /// filled again); from any other source, they are copied once the load
     /// succeeded.
     ///
-    /// From storage, nothing reaches `into` before its digest chunk
-    /// matched. On an error, each tensor of `into` holds its old bytes or
-    /// bytes of the step being loaded (verified ones of a storage read that
-    /// failed part way, or of a resident chunk whose sum differed): the
-    /// caller is told by the error and must not use them. With
+    /// Every source is checked in the pass that copies: each chunk is
+    /// copied and hashed (or summed) a cache-sized block at a time, and its
+    /// digest (or sum) compared at the chunk's end. On an error, each
+    /// tensor of `into` holds its old bytes or bytes of the step being
+    /// loaded (verified ones of a storage read that failed part way, or
+    /// those of a chunk whose digest or sum then differed): the caller is
+    /// told by the error and must not use them. With
     /// `fallback`, a step whose data fails verification during that read
     /// is loaded again through [`Engine::load`], which falls back to the
     /// newest intact step; every tensor of `into` then holds that step's
@@ -350,14 +352,14 @@ impl PendingLoad {
     /// the tensors are read from storage into `into`, the reason in
     /// [`LoadReport::rejected`].
     ///
-    /// Nothing reaches `into` from storage or another rank's slot before
-    /// its digest chunk matched (its digest, or its quick sum); from this
-    /// rank's own slot, a chunk is copied and summed in one pass and a sum
-    /// that differs sends every tensor to be filled again from the full
-    /// check or storage. On an error, each destination holds its old bytes
-    /// or bytes of this step (per read it spans, and of a resident chunk
-    /// whose sum differed);
-    /// nothing becomes resident. When the verified header is not the one
+    /// From every source, a chunk is copied into `into` and hashed (its
+    /// digest, or its quick sum) in one pass, a cache-sized block at a
+    /// time, and compared at the chunk's end; a chunk of this rank's own
+    /// slot or another rank's that differs sends every tensor it fed to
+    /// be filled again from the full check or storage. On an error, each
+    /// destination holds its old bytes or bytes of this step (per read it
+    /// spans, and of a chunk whose digest or sum differed, at most one per
+    /// checking thread); nothing becomes resident. When the verified header is not the one
     /// [`PendingLoad::entries`] and [`PendingLoad::values`] came from, the
     /// load fails ([`Error::Corrupt`]).
     ///

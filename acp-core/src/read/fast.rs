@@ -370,10 +370,12 @@ pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
 type Piece<'t> = (usize, usize, &'t mut [u8]);
 
 /// Bytes of a chunk read or copied, then summed, at a time by the checks
-/// that sum as they copy ([`check_and_copy`], [`read_check_copy`],
-/// [`read_and_sum`]): small enough to be still in the core's cache when
-/// the sum reads them, large enough that a block costs few calls.
-const HOT_BYTES: usize = 128 << 10;
+/// that sum or hash as they copy ([`check_and_copy`], [`read_check_copy`],
+/// [`read_and_sum`], and a storage read's check in `whole.rs`): small
+/// enough to be still in the core's cache when the sum reads them, large
+/// enough that a block costs few calls (and a whole number of blake3's
+/// 1 KiB chunks, so its hasher takes each block in its wide path).
+pub(crate) const HOT_BYTES: usize = 128 << 10;
 
 /// Checks each `chunk`-byte piece of `image` against its sum in `sums`
 /// and copies the bytes of it that `targets` (image offset, destination)

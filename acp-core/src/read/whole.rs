@@ -1,8 +1,8 @@
 //! Whole images checked on several threads: in place
 //! ([`ChunkReader::verify_in_place`]), or while they are read
-//! ([`ChunkReader::read_verified`]), optionally copying each verified read
-//! into the caller's tensors while it is still in cache
-//! ([`ChunkReader::read_verified_into`]).
+//! ([`ChunkReader::read_verified`]), optionally copying each read into
+//! the caller's tensors in the pass that verifies it, a cache-sized block
+//! at a time ([`ChunkReader::read_verified_into`]).
 //!
 //! A read is verified while it runs: the source hands over each read as
 //! soon as it has landed, and a small pool of hashing threads (fed through
@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use super::fast::fast_sum;
+use super::fast::{fast_sum, HOT_BYTES};
 use super::{to_usize, ChunkReader, ChunkSource};
 use crate::error::{Error, Result};
 use crate::format::{digest, Digest};
@@ -108,13 +108,15 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
     }
 
     /// [`ChunkReader::read_verified`], also copying file bytes
-    /// `[off, off + d.len())` into each target `(off, d)` as soon as every
-    /// digest chunk of the read holding them matched, on the thread that
-    /// checked it, while those bytes are still in its cache. A target never
-    /// receives a byte whose chunk was not verified.
+    /// `[off, off + d.len())` into each target `(off, d)` in the pass that
+    /// checks them, on the thread that checks them: each digest chunk is
+    /// copied and hashed a cache-sized block at a time, and its digest
+    /// compared at the chunk's end.
     ///
-    /// On an error, each target holds either its old bytes or the file's
-    /// verified ones (per read it spans), never others.
+    /// On an error, each target holds its old bytes, the file's verified
+    /// ones, or bytes of a chunk whose digest then differed (at most one
+    /// per checking thread): a mix the caller is told of by the error and
+    /// must overwrite from a verified source or discard, never use.
     ///
     /// # Errors
     /// As [`ChunkReader::read_verified`]; [`Error::Invalid`] for a target
@@ -460,22 +462,55 @@ struct Job<'a> {
 
 impl Job<'_> {
     /// Hashes each `chunk`-byte piece and compares it with the index's
-    /// digest; records the first that differs. Once all matched, copies
-    /// the read's bytes into its targets' parts, while they are in cache.
+    /// digest; records the first that differs and stops there. Each piece
+    /// is taken [`HOT_BYTES`] at a time: the block's bytes that the
+    /// targets' parts take are copied into them first (the copy streams
+    /// them from memory), then the block is fed to the piece's hash from
+    /// the cache the copy left it in; the digest is compared at the
+    /// piece's end. So the read's bytes cross memory once, not twice (a
+    /// hash of a whole 4 MiB chunk, then its copy, read it twice: it does
+    /// not fit in a core's cache). The price: a piece that differs may
+    /// have put some of its bytes into the targets before its digest was
+    /// compared; the read then fails, and the caller must not use them.
     /// Skips the work once any mismatch is known (the read fails anyway).
     fn check<S: ChunkSource>(self, chunk: usize, reader: &ChunkReader<S>, found: &Found) {
         if found.any() {
             return;
         }
-        for (k, (piece, d)) in self.bytes.chunks(chunk).zip(self.out).enumerate() {
-            *d = digest(piece);
-            let i = self.first + k;
+        let Job {
+            first,
+            bytes,
+            out,
+            mut copies,
+        } = self;
+        copies.sort_unstable_by_key(|p| p.0);
+        // The first part that may still take bytes of the next block.
+        let mut lo = 0;
+        for (k, (piece, d)) in bytes.chunks(chunk.max(1)).zip(out).enumerate() {
+            let base = k * chunk;
+            let mut hasher = blake3::Hasher::new();
+            for from in (0..piece.len()).step_by(HOT_BYTES) {
+                let to = (from + HOT_BYTES).min(piece.len());
+                let (bf, bt) = (base + from, base + to);
+                while copies.get(lo).is_some_and(|p| p.0 + p.1.len() <= bf) {
+                    lo += 1;
+                }
+                for (at, dst) in copies[lo..].iter_mut().take_while(|p| p.0 < bt) {
+                    // The part's bytes in this block.
+                    let (s, e) = ((*at).max(bf), (*at + dst.len()).min(bt));
+                    if let Some(src) = bytes.get(s..e) {
+                        dst[s - *at..e - *at].copy_from_slice(src);
+                    }
+                }
+                hasher.update(&piece[from..to]);
+            }
+            *d = *hasher.finalize().as_bytes();
+            let i = first + k;
             if !reader.matches(i as u64, d) {
                 found.record(i);
                 return;
             }
         }
-        scatter(self.bytes, self.copies);
     }
 }
 
@@ -552,6 +587,7 @@ type Hashes = (Digest, u64);
 
 #[cfg(test)]
 mod tests {
+    use super::super::source::MemSource;
     use super::*;
 
     #[test]
@@ -595,6 +631,79 @@ mod tests {
         }
         assert_eq!(a, file[2..5]);
         assert_eq!(b, file[13..25]);
+    }
+
+    /// An image of `n` bytes in `chunk`-byte digest chunks, with its entry.
+    fn image_and_entry(n: usize, chunk: usize) -> (Vec<u8>, crate::format::FileEntry) {
+        let image: Vec<u8> = (0..n).map(|i| (i * 7 % 253) as u8).collect();
+        let digests = crate::format::chunk_digests(&image, chunk);
+        let entry = crate::format::FileEntry::plain(0, n as u64, chunk as u64, &digests);
+        (image, entry)
+    }
+
+    #[test]
+    fn targets_get_their_bytes_from_the_pass_that_hashes_them() {
+        // Chunks of two blocks and a short last one; targets that start and
+        // end mid-block, span blocks, chunks and reads, overlap each other,
+        // or are empty.
+        let chunk = 2 * HOT_BYTES;
+        let n = 5 * chunk + 1000;
+        let (image, entry) = image_and_entry(n, chunk);
+        let spans = [
+            (3, 10),
+            (HOT_BYTES - 5, 10),
+            (chunk - 1, 2),
+            (100, 3 * chunk),
+            (200, 50),
+            (4 * chunk + 7, chunk + 993),
+            (n, 0),
+        ];
+        for (threads, io_chunk) in [(1, chunk), (2, chunk), (2, 2 * chunk), (3, 4 * chunk)] {
+            let path = std::path::PathBuf::from("image");
+            let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
+            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, l)| vec![0xee; l]).collect();
+            let targets: Vec<Target<'_>> = spans
+                .iter()
+                .zip(&mut bufs)
+                .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
+                .collect();
+            let mut dst = vec![0u8; n];
+            let got = reader.read_verified_into(&mut dst, threads, io_chunk, targets);
+            assert!(got.is_ok(), "{threads} threads, reads of {io_chunk}");
+            for (&(at, l), b) in spans.iter().zip(&bufs) {
+                assert!(b[..] == image[at..at + l], "{at}+{l}, {threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunk_that_differs_stops_its_thread_and_nothing_but_its_bytes_arrive() {
+        let chunk = 2 * HOT_BYTES;
+        let n = 6 * chunk;
+        let (mut image, entry) = image_and_entry(n, chunk);
+        let bad = 3 * chunk + HOT_BYTES + 17;
+        image[bad] ^= 0x5a;
+        for threads in [1, 2] {
+            let path = std::path::PathBuf::from("image");
+            let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
+            let mut all = vec![0xeeu8; n - 1];
+            let mut dst = vec![0u8; n];
+            let e = reader
+                .read_verified_into(&mut dst, threads, chunk, vec![(1, &mut all[..])])
+                .unwrap_err();
+            let want = format!("bytes {}..{}", 3 * chunk, 4 * chunk);
+            assert!(e.to_string().contains(&want), "{e}");
+            // Each byte is old or the file's (the changed one included).
+            assert!(all
+                .iter()
+                .zip(&image[1..])
+                .all(|(g, f)| *g == 0xee || g == f));
+            // One thread stops at the chunk that differs: the chunks after
+            // it were never copied.
+            if threads == 1 {
+                assert!(all[4 * chunk - 1..].iter().all(|g| *g == 0xee));
+            }
+        }
     }
 
     #[test]
