@@ -218,6 +218,15 @@ def test_fresh_load_tiny(tmp_path: Path) -> None:
     assert got["into_over_memcpy_warm"] > 0
 
 
+def test_warm_storage_load_tiny(tmp_path: Path) -> None:
+    got = run_json_line(
+        "warm_storage_load.py", tmp_path, "--mib", "4", "--tensors", "8", "--repeats", "2"
+    )
+    assert (got["mib"], got["tensors"]) == (4, 8)
+    for key in ("memcpy_ms", "zstd_ms", "plain_ms", "zstd_over_memcpy", "plain_over_memcpy"):
+        assert got[key] > 0, key
+
+
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "overhead.py"), "--quick", "--out", str(out)]
