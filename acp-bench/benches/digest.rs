@@ -4,7 +4,11 @@
 //! Rows: `blake3_1t` (`blake3::hash` per chunk on one thread, the
 //! baseline), `acp_chunk_digests` (acp's `format::chunk_digests`, one
 //! thread), `blake3_nt` (chunks split over N scoped threads, as a verified
-//! load hashes).
+//! load hashes); `sum_then_digest_1t` (each chunk's xxh3 sum, then its
+//! blake3 digest: two reads of a chunk that does not fit in a core's
+//! cache) and `sum_and_digest_blocks_1t` (both fed from each 128 KiB block
+//! in turn, the sum first: one read), the two ways a flush can take a
+//! chunk's sum and digest.
 
 use std::hint::black_box;
 
@@ -17,6 +21,28 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 fn hash_chunks(data: &[u8], out: &mut [[u8; 32]]) {
     for (d, piece) in out.iter_mut().zip(data.chunks(BLOCK)) {
         *d = *blake3::hash(piece).as_bytes();
+    }
+}
+
+/// Each chunk's xxh3 sum, then its blake3 digest.
+fn sum_then_digest(data: &[u8], out: &mut [(u64, [u8; 32])]) {
+    for (d, piece) in out.iter_mut().zip(data.chunks(BLOCK)) {
+        let sum = twox_hash::XxHash3_64::oneshot(piece);
+        *d = (sum, *blake3::hash(piece).as_bytes());
+    }
+}
+
+/// Each chunk's sum and digest fed from each 128 KiB block in turn.
+fn sum_and_digest_blocks(data: &[u8], out: &mut [(u64, [u8; 32])]) {
+    use std::hash::Hasher;
+    for (d, piece) in out.iter_mut().zip(data.chunks(BLOCK)) {
+        let mut sum = twox_hash::XxHash3_64::new();
+        let mut hasher = blake3::Hasher::new();
+        for block in piece.chunks(128 << 10) {
+            sum.write(block);
+            hasher.update(block);
+        }
+        *d = (sum.finish(), *hasher.finalize().as_bytes());
     }
 }
 
@@ -55,7 +81,29 @@ fn digest(c: &mut Criterion) {
             black_box(&mut out);
         });
     });
+    let mut both = vec![(0u64, [0u8; 32]); chunks];
+    g.bench_function("sum_then_digest_1t", |b| {
+        b.iter(|| {
+            sum_then_digest(&data, &mut both);
+            black_box(&mut both);
+        });
+    });
+    g.bench_function("sum_and_digest_blocks_1t", |b| {
+        b.iter(|| {
+            sum_and_digest_blocks(&data, &mut both);
+            black_box(&mut both);
+        });
+    });
     g.finish();
+
+    // Both ways give the same sums and digests.
+    let mut blocks = vec![(0u64, [0u8; 32]); chunks];
+    sum_then_digest(&data, &mut both);
+    sum_and_digest_blocks(&data, &mut blocks);
+    assert!(
+        both == blocks,
+        "a chunk's sum or digest depends on how it is fed"
+    );
 
     // The reference: blake3 of the whole 4 MiB chunks must match acp's.
     hash_chunks(&data, &mut out);

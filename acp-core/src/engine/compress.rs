@@ -32,8 +32,8 @@ use super::state::Shared;
 use crate::config::Compress;
 use crate::error::{Error, Result};
 use crate::format::{
-    chunk_runs, digest, encode_frame, packed_frames_start, packed_head_of, parse_header,
-    quick_frame_check, Digest, FrameCodec, FrameEntry,
+    chunk_runs, encode_frame, packed_frames_start, packed_head_of, parse_header, quick_frame_check,
+    Digest, FrameCodec, FrameEntry,
 };
 use crate::io::{IoStats, StreamWriter};
 
@@ -280,13 +280,13 @@ pub(super) fn write_packed(
                             // The quick sum before the digest, as in a
                             // plain flush (`read/fast.rs` says why).
                             None => {
-                                let sum = crate::read::fast_sum(bytes);
+                                let (sum, d) = crate::read::sum_then_digest(bytes);
                                 if mode.summed.is_some_and(|s| s.get(i) != Some(&sum)) {
                                     return Err(super::flush::changed_since_hashed(
                                         shared, mode.slot, i,
                                     ));
                                 }
-                                (sum, digest(bytes))
+                                (sum, d)
                             }
                         };
                         let entry = FrameEntry {

@@ -34,7 +34,7 @@ use super::state::{FailedSlot, Shared};
 use super::SaveReport;
 use crate::error::{Error, Result};
 use crate::format::{
-    data_file_name, digest, parse_header, Digest, FileEntry, Index, Manifest, INDEX_FILE_NAME,
+    data_file_name, parse_header, Digest, FileEntry, Index, Manifest, INDEX_FILE_NAME,
     PLAIN_VERSION, QUICK_FRAME_VERSION,
 };
 use crate::staging::{PinnedSlot, SlotState};
@@ -345,12 +345,12 @@ fn flush_one(shared: &Shared, job: Job) -> Result<SaveReport> {
                     pause();
                     if !hashed {
                         debug_assert_eq!(i, digests.len());
-                        let sum = crate::read::fast_sum(bytes);
+                        let (sum, d) = crate::read::sum_then_digest(bytes);
                         if summed.as_ref().is_some_and(|s| s.get(i) != Some(&sum)) {
                             return Err(changed_since_hashed(shared, slot, i));
                         }
                         sums.push(sum);
-                        digests.push(digest(bytes));
+                        digests.push(d);
                     } else if sums.get(i) != Some(&crate::read::fast_sum(bytes)) {
                         // Digests taken before the write vouch for the
                         // bytes they were taken from: a chunk that changed

@@ -145,8 +145,7 @@ pub(super) fn prehash(
                         pause();
                         let start = (k * per + j) * chunk;
                         let bytes = &image[start..(start + chunk).min(image.len())];
-                        let sum = crate::read::fast_sum(bytes);
-                        *slot = (sum, digest(bytes));
+                        *slot = crate::read::sum_then_digest(bytes);
                     }
                 })
                 .map_err(|e| Error::io("start a digest thread for", path, e))?;

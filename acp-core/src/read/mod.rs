@@ -72,7 +72,7 @@ use std::path::Path;
 
 pub(crate) use fast::{
     check_and_copy, chunk_sums, fast_sum, first_differing, read_and_sum, read_check_copy,
-    sums_match, ChunkCopy, ChunkDst,
+    sum_then_digest, sums_match, ChunkCopy, ChunkDst,
 };
 pub(crate) use packed::StoredSource;
 pub(crate) use source::{ChunkSource, IoSource, MemSource};

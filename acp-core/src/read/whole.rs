@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use super::fast::{fast_sum, HOT_BYTES};
+use super::fast::{sum_then_digest, HOT_BYTES};
 use super::{to_usize, ChunkReader, ChunkSource};
 use crate::error::{Error, Result};
 use crate::format::{digest, Digest};
@@ -564,8 +564,8 @@ fn hashes_of(data: &[u8], chunk: usize, threads: usize) -> Vec<Hashes> {
     let chunk = chunk.max(1);
     let n = data.len().div_ceil(chunk);
     let both = |piece: &[u8]| {
-        let sum = fast_sum(piece);
-        (digest(piece), sum)
+        let (sum, d) = sum_then_digest(piece);
+        (d, sum)
     };
     if threads <= 1 || data.len() < POOL_MIN_BYTES || n < 2 {
         return data.chunks(chunk).map(both).collect();
@@ -587,6 +587,7 @@ type Hashes = (Digest, u64);
 
 #[cfg(test)]
 mod tests {
+    use super::super::fast::fast_sum;
     use super::super::source::MemSource;
     use super::*;
 
