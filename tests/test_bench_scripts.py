@@ -254,6 +254,11 @@ def test_overhead_quick(tmp_path: Path) -> None:
     timed = args["rounds"] * args["steps"]
     assert 0 < saving["coalesce"]["persisted_steps"] <= timed
     assert saving["every"]["persisted_steps"] == timed
+    # Bytes written per hour: none for snapshots, a full state per step for `every`.
+    assert saving["snapshot"]["storage_bytes"] == 0
+    assert saving["every"]["storage_bytes"] >= timed * got["state_bytes"]
+    assert 0 < saving["coalesce"]["storage_bytes"] <= saving["every"]["storage_bytes"] * 2
+    assert saving["every"]["storage_bytes_per_hour"] > 0
     # The floor copies and writes nothing else; its stall is its save call.
     for floor in ("memcpy", "memcpy:overlap=1"):
         assert saving[floor]["persisted_steps"] == 0

@@ -18,7 +18,11 @@ times each step (the training step plus the ``save()`` call) in each mode:
   the copy's threads.
 
 A mode may carry ``Checkpointer`` keywords, to compare settings in the same run:
-``snapshot:background_nice=19``, ``coalesce:copy_threads=1,ring_slots=4``. With
+``snapshot:background_nice=19``, ``coalesce:copy_threads=1,ring_slots=4``; other persist
+policies are ``coalesce`` with theirs: ``coalesce:persist_every=50``,
+``coalesce:persist_interval=30``. Each mode's row gives the bytes its policy wrote to storage
+per hour of training at its step rate (``stats()["persist"]["bytes_written"]`` over the timed
+blocks, their persists waited for, against the sum of their step times). With
 ``overlap=1`` (``snapshot:overlap=1``: overlapped saves) the mode's checkpointer is hooked to
 the optimizer (``staged_before``), so each step's optimizer step waits for the copy of the
 save before it, and that wait is in the step's time; the report gives its median.
@@ -188,6 +192,13 @@ def _faults() -> int:
     return int(fields[7])
 
 
+def _written(ckpt: Any) -> int:
+    """Bytes ``ckpt`` (a Checkpointer) has written to storage so far; 0 for none or the floor."""
+    if ckpt is None or isinstance(ckpt, Floor):
+        return 0
+    return int(ckpt.stats()["persist"]["bytes_written"])
+
+
 def _pct(x: float, base: float) -> float:
     return 100.0 * (x / base - 1.0)
 
@@ -210,11 +221,16 @@ class Tally:
         superseded)."""
         self.cpu: dict[str, float] = {}
         self.faults = 0
+        self.written = 0
+        """Bytes the checkpointer wrote to storage for the timed blocks
+        (``stats()["persist"]["bytes_written"]``, their persists waited
+        for)."""
 
     def block(self, tr: Trainer, ckpt: Any, mode: str, steps: int, timed: bool) -> None:
         """Runs ``steps`` steps of ``mode``, then waits for ``ckpt``'s
         background work (untimed), so that the next mode starts clean."""
         cpu0, faults0 = _threads_cpu(), _faults()
+        written0 = _written(ckpt)
         first = len(self.times)
         handles = []
         for _ in range(steps):
@@ -246,6 +262,7 @@ class Tally:
             for name, secs in spent.items():
                 self.cpu[name] = self.cpu.get(name, 0.0) + secs
             self.faults += _faults() - faults0
+            self.written += _written(ckpt) - written0
 
     def row(self, mode: str) -> dict[str, Any]:
         t = self.times
@@ -263,6 +280,9 @@ class Tally:
             "cpu_per_step_s": {k: v / len(t) for k, v in sorted(self.cpu.items()) if v > 0},
             "minor_faults_per_step": self.faults / len(t),
             "persisted_steps": self.persisted,
+            "storage_bytes": self.written,
+            # What the policy writes per hour of training at this step rate.
+            "storage_bytes_per_hour": self.written / sum(t) * 3600,
         }
 
 
@@ -339,8 +359,9 @@ def report(got: dict[str, Any]) -> str:
         f"{got['load_before'][0]:.2f} before, {got['load_after'][0]:.2f} after",
         "",
         "| mode | step median | overhead (median) | overhead (paired by round) "
-        "| step mean | overhead (mean) | step p90 | save stall median | timed saves persisted |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step mean | overhead (mean) | step p90 | save stall median | timed saves persisted "
+        "| written to storage per hour |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in got["rows"]:
         med, paired, mean = (
@@ -350,7 +371,8 @@ def report(got: dict[str, Any]) -> str:
         lines.append(
             f"| {r['mode']} | {r['median_s'] * 1e3:.1f} ms | {med} | {paired} | "
             f"{r['mean_s'] * 1e3:.1f} ms | {mean} | {r['p90_s'] * 1e3:.1f} ms | "
-            f"{r['stall_median_s'] * 1e3:.1f} ms | {r['persisted_steps']} |"
+            f"{r['stall_median_s'] * 1e3:.1f} ms | {r['persisted_steps']} | "
+            f"{r['storage_bytes_per_hour'] / 1e9:,.1f} GB |"
         )
     lines += ["", "CPU per step, by thread (ms), and minor page faults per step:", ""]
     for r in got["rows"]:
