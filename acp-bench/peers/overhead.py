@@ -60,6 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import Buffer, copy_ranges
+from compare_harness import tensors_of
 from goodput_worker import REALISTIC_MODEL, Model, Trainer
 
 MODES = ("none", "snapshot", "coalesce", "every", "memcpy")
@@ -102,19 +103,6 @@ def _mode(text: str) -> str:
     return text
 
 
-def _tensors(obj: Any) -> list[Any]:
-    """Every tensor in ``obj`` (nested dicts, lists and tuples), in walk order."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
 class Floor:
     """The ``memcpy`` mode: a save that is nothing but a copy of every tensor of the state into
     one preallocated buffer, on ``threads`` threads; with ``overlap`` the copy runs in the
@@ -130,7 +118,7 @@ class Floor:
         del step, persist
         self.staged()  # one copy at a time, as a ring slot is written once
         ranges, at = [], 0
-        for t in _tensors(state):
+        for t in tensors_of(state):
             n = t.numel() * t.element_size()
             if at + n > self.buf.size:
                 raise SystemExit(f"memcpy: the state outgrew its {self.buf.size}-byte buffer")
