@@ -359,9 +359,10 @@ impl PendingLoad {
     /// be filled again from the full check or storage. On an error, each
     /// destination holds its old bytes or bytes of this step (per read it
     /// spans, and of a chunk whose digest or sum differed, at most one per
-    /// checking thread); nothing becomes resident. When the verified header is not the one
-    /// [`PendingLoad::entries`] and [`PendingLoad::values`] came from, the
-    /// load fails ([`Error::Corrupt`]).
+    /// checking thread); nothing becomes resident. When the verified
+    /// header is not the one [`PendingLoad::entries`] and
+    /// [`PendingLoad::values`] came from, the load fails
+    /// ([`Error::Corrupt`]).
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the tensor when an index is out of range
