@@ -4,6 +4,7 @@
     python acp-bench/peers/restart.py                           # 1 GiB, 3 slots, 3 rounds
     python acp-bench/peers/restart.py --mib 256 --rounds 5 --out acp-bench/results/restart
     python acp-bench/peers/restart.py --python /other/build/.venv/bin/python   # another build
+    python acp-bench/peers/restart.py --storage --saves 1 --gap 0   # a replaced node: from storage
 
 Each round runs two processes on a fresh checkpoint root and ring, as a job and its
 restart would. The first opens a ``Checkpointer`` (default settings but the ring: ``--slots``
@@ -14,6 +15,12 @@ with ``load(into=)``, and saves ``--saves`` times again. Each process also times
 copy of the same tensors into a buffer it has already written once (the memcpy floor of a
 save), in the same run. Printed: per save, the stall in each round and its median against
 that floor; the restart's open and restore. The ring is removed at the end of each round.
+
+With ``--storage`` the restart runs on a new, empty ring, as on a node that replaced a lost
+one: its ``load(into=)`` reads the newest step from storage, the page cache dropped first
+(when this user may). It also counts that load's minor page faults and, in the same
+process, loads the step from storage once more (cache dropped again): the first restore of a
+new process against a later one.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -77,13 +85,23 @@ def life(a: argparse.Namespace) -> None:
     out["open"] = time.perf_counter() - t0
     first = 0
     if a.life == "restart":
+        out["cache"] = drop_caches() if a.storage else "warm"
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         stats = ckpt.load(into=into)
         out["load"] = time.perf_counter() - t0
+        out["load_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         out["source"] = stats.source
         first = stats.step
         if not all(torch.equal(into[k], state[k]) for k in state):
             raise SystemExit("restored state differs from the saved one")
+        if a.storage:
+            drop_caches()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            ckpt.load(first, into=into, storage_only=True)
+            out["load_again"] = time.perf_counter() - t0
+            out["load_again_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     stalls = []
     h = None
     for i in range(1, a.saves + 1):
@@ -96,6 +114,17 @@ def life(a: argparse.Namespace) -> None:
     out["stalls"] = stalls
     print(json.dumps(out), flush=True)
     os._exit(0)  # no close: the ring stays, as after a crash
+
+
+def drop_caches() -> str:
+    """Empties the page cache: "cold", or "warm" when this user may not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        return "warm"
+    return "cold"
 
 
 def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str, Any]:
@@ -118,6 +147,7 @@ def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str
         str(a.saves),
         "--gap",
         str(a.gap),
+        *(["--storage"] if a.storage else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -141,6 +171,9 @@ def main() -> None:
     ap.add_argument("--python", default=sys.executable, help="interpreter with the acp to test")
     ap.add_argument("--dir", default=None, help="where checkpoint roots go (system temp)")
     ap.add_argument("--out", default=None, help="directory for restart.json and restart.md")
+    ap.add_argument(
+        "--storage", action="store_true", help="restart on a new ring: the restore from storage"
+    )
     ap.add_argument("--life", choices=("first", "restart"), help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--shm", help=argparse.SUPPRESS)
@@ -157,6 +190,9 @@ def main() -> None:
         try:
             root = os.path.join(base, "ckpt")
             first = run_life(a, "first", root, shm)
+            if a.storage:  # a replaced node: its ring is gone
+                shutil.rmtree(shm, ignore_errors=True)
+                shm = tempfile.mkdtemp(prefix="acp-restart-", dir="/dev/shm")
             restart = run_life(a, "restart", root, shm)
         finally:
             shutil.rmtree(shm, ignore_errors=True)
@@ -166,7 +202,13 @@ def main() -> None:
         print(
             f"round {r + 1}: first life stalls {', '.join(ms(x) for x in f['stalls'])} "
             f"(memcpy {ms(f['memcpy'])}); restart: open {ms(s['open'])}, "
-            f"load {ms(s['load'])} from {s['source']}, stalls "
+            f"load {ms(s['load'])} from {s['source']} ({s['load_faults']} faults)"
+            + (
+                f", again {ms(s['load_again'])} ({s['load_again_faults']} faults)"
+                if "load_again" in s
+                else ""
+            )
+            + ", stalls "
             f"{', '.join(ms(x) for x in s['stalls'])} (memcpy {ms(s['memcpy'])})",
             flush=True,
         )
@@ -187,7 +229,8 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
 
     lines = [
         f"`restart.py --mib {a.mib} --tensors {a.tensors} --slots {a.slots} --saves {a.saves} "
-        f"--gap {a.gap} --rounds {a.rounds}`, {os.cpu_count()} CPUs, "
+        f"--gap {a.gap} --rounds {a.rounds}{' --storage' if a.storage else ''}`, "
+        f"{os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f} at the end",
         "",
         "| process | what | median | against memcpy (same process) |",
@@ -197,7 +240,8 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
         lives = [r[which] for r in rounds]
         copy = med([x["memcpy"] for x in lives])
         if which == "restart":
-            for key in ("open", "load"):
+            keys = ("open", "load", "load_again") if a.storage else ("open", "load")
+            for key in keys:
                 v = med([x[key] for x in lives])
                 lines.append(f"| restart | {key} | {ms(v)} | {v / copy:.2f}x |")
         for i in range(a.saves):
