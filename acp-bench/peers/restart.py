@@ -18,7 +18,7 @@ that floor; the restart's open and restore. The ring is removed at the end of ea
 
 With ``--storage`` the restart runs on a new, empty ring, as on a node that replaced a lost
 one: its ``load(into=)`` reads the newest step from storage, the page cache dropped first
-(when this user may). It also counts that load's minor page faults and, in the same
+(`baselines.drop_caches`). It also counts that load's minor page faults and, in the same
 process, loads the step from storage once more (cache dropped again): the first restore of a
 new process against a later one.
 """
@@ -37,6 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from baselines import drop_caches
 
 GIB = 1 << 30
 
@@ -85,7 +89,7 @@ def life(a: argparse.Namespace) -> None:
     out["open"] = time.perf_counter() - t0
     first = 0
     if a.life == "restart":
-        out["cache"] = drop_caches() if a.storage else "warm"
+        out["cache"] = drop_caches([a.root]) if a.storage else "warm"
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         stats = ckpt.load(into=into)
@@ -96,7 +100,7 @@ def life(a: argparse.Namespace) -> None:
         if not all(torch.equal(into[k], state[k]) for k in state):
             raise SystemExit("restored state differs from the saved one")
         if a.storage:
-            drop_caches()
+            drop_caches([a.root])
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             ckpt.load(first, into=into, storage_only=True)
@@ -114,17 +118,6 @@ def life(a: argparse.Namespace) -> None:
     out["stalls"] = stalls
     print(json.dumps(out), flush=True)
     os._exit(0)  # no close: the ring stays, as after a crash
-
-
-def drop_caches() -> str:
-    """Empties the page cache: "cold", or "warm" when this user may not."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-    except OSError:
-        return "warm"
-    return "cold"
 
 
 def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str, Any]:

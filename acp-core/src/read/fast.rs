@@ -357,16 +357,7 @@ pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
                 if let Err(e) = src.read_at(&mut buf, c.start + from as u64) {
                     return fail(Some(e));
                 }
-                while pieces.get(lo).is_some_and(|p| p.0 + p.1.len() <= from) {
-                    lo += 1;
-                }
-                for (at, dst) in pieces[lo..].iter_mut().take_while(|p| p.0 < to) {
-                    // The piece's bytes in this block.
-                    let (s, e) = ((*at).max(from), (*at + dst.len()).min(to));
-                    if s < e {
-                        dst[s - *at..e - *at].copy_from_slice(&buf[s - from..e - from]);
-                    }
-                }
+                copy_block(&mut pieces, &mut lo, from, &buf);
                 sum.write(&buf);
             }
             if sums.get(c.k) != Some(&sum.finish()) {
@@ -379,6 +370,32 @@ pub(crate) fn read_check_copy<S: super::ChunkSource + Sync + ?Sized>(
         return Err(e);
     }
     Ok(!differs.into_inner())
+}
+
+/// Copies `block`, the bytes at offsets `from..from + block.len()`, into
+/// each `(offset, memory)` of `pieces` (sorted by offset) that takes any
+/// of them. `lo` is the first piece that may still take bytes of this
+/// block or a later one; it moves past the pieces that end before the
+/// block, so blocks must come in offset order. Shared by the checks that
+/// copy a block, then sum or hash it from cache ([`read_check_copy`],
+/// and a storage read's check in `whole.rs`).
+pub(crate) fn copy_block(
+    pieces: &mut [(usize, &mut [u8])],
+    lo: &mut usize,
+    from: usize,
+    block: &[u8],
+) {
+    let to = from + block.len();
+    while pieces.get(*lo).is_some_and(|p| p.0 + p.1.len() <= from) {
+        *lo += 1;
+    }
+    for (at, dst) in pieces[*lo..].iter_mut().take_while(|p| p.0 < to) {
+        // The piece's bytes in this block.
+        let (s, e) = ((*at).max(from), (*at + dst.len()).min(to));
+        if s < e {
+            dst[s - *at..e - *at].copy_from_slice(&block[s - from..e - from]);
+        }
+    }
 }
 
 /// One destination piece of a fused check and copy: the block holding it

@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use super::fast::{sum_then_digest, HOT_BYTES};
+use super::fast::{copy_block, sum_then_digest, HOT_BYTES};
 use super::{to_usize, ChunkReader, ChunkSource};
 use crate::error::{Error, Result};
 use crate::format::{digest, Digest};
@@ -490,19 +490,9 @@ impl Job<'_> {
             let base = k * chunk;
             let mut hasher = blake3::Hasher::new();
             for from in (0..piece.len()).step_by(HOT_BYTES) {
-                let to = (from + HOT_BYTES).min(piece.len());
-                let (bf, bt) = (base + from, base + to);
-                while copies.get(lo).is_some_and(|p| p.0 + p.1.len() <= bf) {
-                    lo += 1;
-                }
-                for (at, dst) in copies[lo..].iter_mut().take_while(|p| p.0 < bt) {
-                    // The part's bytes in this block.
-                    let (s, e) = ((*at).max(bf), (*at + dst.len()).min(bt));
-                    if let Some(src) = bytes.get(s..e) {
-                        dst[s - *at..e - *at].copy_from_slice(src);
-                    }
-                }
-                hasher.update(&piece[from..to]);
+                let block = &piece[from..(from + HOT_BYTES).min(piece.len())];
+                copy_block(&mut copies, &mut lo, base + from, block);
+                hasher.update(block);
             }
             *d = *hasher.finalize().as_bytes();
             let i = first + k;
