@@ -28,8 +28,10 @@ pub(super) fn round_up(n: usize) -> Option<usize> {
 pub(super) struct Span {
     /// The chunk's index in the file.
     pub(super) index: usize,
-    /// Offset in the file and in the buffer.
+    /// Offset in the buffer, and in the file past [`Span::base`].
     pub(super) start: usize,
+    /// The file offset of the buffer's first byte (0 for a whole file).
+    pub(super) base: u64,
     /// Bytes of file data in the chunk.
     pub(super) data: usize,
     /// Bytes transferred: `data`, or `data` rounded up to [`ALIGN`] when
@@ -40,7 +42,7 @@ pub(super) struct Span {
 impl Span {
     /// The file offset.
     pub(super) fn offset(&self) -> u64 {
-        self.start as u64
+        self.base + self.start as u64
     }
 }
 
@@ -50,6 +52,7 @@ pub(super) struct Geometry {
     len: usize,
     chunk: usize,
     pad: bool,
+    base: u64,
 }
 
 impl Geometry {
@@ -57,7 +60,18 @@ impl Geometry {
     /// with `pad`, the last transfer is rounded up to [`ALIGN`] (the buffer
     /// must hold that many bytes).
     pub(super) fn new(len: usize, chunk: usize, pad: bool) -> Self {
-        Geometry { len, chunk, pad }
+        Geometry {
+            len,
+            chunk,
+            pad,
+            base: 0,
+        }
+    }
+
+    /// The same chunks of a buffer that holds the file's bytes from
+    /// offset `base` on.
+    pub(super) fn at(self, base: u64) -> Self {
+        Geometry { base, ..self }
     }
 
     /// The number of chunks; 0 for an empty file.
@@ -78,6 +92,7 @@ impl Geometry {
         Span {
             index: i,
             start,
+            base: self.base,
             data,
             io,
         }
@@ -242,25 +257,65 @@ where
     check_opts(opts)?;
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let len = meta.len();
-    let too_big = || {
-        Error::invalid(
+    let n = usize::try_from(len).map_err(|_| too_big(path, len, dst.len()))?;
+    read_part(file, path, 0, n, dst, opts, chunks).map(|()| len)
+}
+
+/// The read skeleton of [`read_file`] over the `len` bytes of `file` from
+/// `offset` on (a multiple of [`ALIGN`]), read into the start of `dst`:
+/// the caller knows the file holds them (a shorter file fails the read).
+pub(super) fn read_range<'a, F>(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    len: usize,
+    dst: &'a mut [u8],
+    opts: &IoOpts,
+    chunks: F,
+) -> Result<()>
+where
+    F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
+{
+    check_opts(opts)?;
+    if offset % ALIGN as u64 != 0 {
+        return Err(Error::invalid(
             format!("read {}", path.display()),
-            format!(
-                "{len} bytes (rounded up to 4096) do not fit in a {} byte buffer",
-                dst.len()
-            ),
-        )
-    };
-    let n = usize::try_from(len).map_err(|_| too_big())?;
+            format!("offset {offset} is not a multiple of 4096"),
+        ));
+    }
+    read_part(file, path, offset, len, dst, opts, chunks)
+}
+
+fn too_big(path: &Path, len: u64, room: usize) -> Error {
+    Error::invalid(
+        format!("read {}", path.display()),
+        format!("{len} bytes (rounded up to 4096) do not fit in a {room} byte buffer"),
+    )
+}
+
+/// Reads the `n` bytes of `file` at `base` into the start of `dst` with
+/// `chunks`, under the `O_DIRECT` policy, which it leaves as it found it.
+fn read_part<'a, F>(
+    file: &File,
+    path: &Path,
+    base: u64,
+    n: usize,
+    dst: &'a mut [u8],
+    opts: &IoOpts,
+    chunks: F,
+) -> Result<()>
+where
+    F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
+{
     let padded = round_up(n)
         .filter(|&p| p <= dst.len())
-        .ok_or_else(too_big)?;
+        .ok_or_else(|| too_big(path, n as u64, dst.len()))?;
     let want = want_direct(opts.direct, aligned(dst.as_ptr()), "read", path)?;
     let direct = apply_flags(file, opts.direct, want, path)?;
-    tracing::trace!(path = %path.display(), len, direct, "read");
+    tracing::trace!(path = %path.display(), base, n, direct, "read");
     let read = if n > 0 {
         let (dst, _) = dst.split_at_mut(padded);
-        chunks(file, dst, Geometry::new(n, opts.chunk_bytes, true))
+        chunks(file, dst, Geometry::new(n, opts.chunk_bytes, true).at(base))
     } else {
         Ok(())
     };
@@ -269,7 +324,7 @@ where
     if direct {
         sys::clear_direct(file).map_err(|e| Error::io("fcntl", path, e))?;
     }
-    read.map(|()| len)
+    read
 }
 
 #[cfg(test)]
@@ -285,6 +340,7 @@ mod tests {
             Span {
                 index: 0,
                 start: 0,
+                base: 0,
                 data: 8192,
                 io: 8192
             }
@@ -294,10 +350,14 @@ mod tests {
             Span {
                 index: 3,
                 start: 24576,
+                base: 0,
                 data: 5,
                 io: 4096
             }
         );
+        let g = Geometry::new(8192 + 5, 8192, true).at(1 << 20);
+        assert_eq!(g.span(1).start, 8192);
+        assert_eq!(g.span(1).offset(), (1 << 20) + 8192);
         let g = Geometry::new(8192, 8192, false);
         assert_eq!(g.count(), 1);
         assert_eq!(Geometry::new(0, 8192, true).count(), 0);

@@ -165,6 +165,27 @@ pub trait IoEngine: Send + Sync + Debug {
         on_chunk: &mut dyn FnMut(usize, &'a [u8]) -> Result<()>,
     ) -> Result<u64>;
 
+    /// Reads the `len` bytes of `file` from `offset` on (a multiple of
+    /// 4096) into the start of `dst`, as [`IoEngine::read_from`] reads a
+    /// whole file (same chunks, depth and `O_DIRECT` policy, and `dst`
+    /// rules: 4096-aligned, room for `len` rounded up to 4096), and
+    /// returns once all of them have landed. A file that ends before
+    /// `offset + len` fails the read. A reader that streams a file through
+    /// a few small buffers reads it so, one window at a time.
+    ///
+    /// # Errors
+    /// [`Error::Io`]; [`Error::Invalid`] for an unaligned `offset`, a `len`
+    /// that does not fit, or the bad options `write_to` refuses.
+    fn read_range(
+        &self,
+        file: &File,
+        path: &Path,
+        offset: u64,
+        len: usize,
+        dst: &mut [u8],
+        opts: &IoOpts,
+    ) -> Result<()>;
+
     /// Creates `path` (mode 0600, `O_EXCL`: it must not exist) and writes it
     /// as [`IoEngine::write_to`] does. On any error the partial file is
     /// removed; an existing file at `path` is never touched.
@@ -316,6 +337,52 @@ mod tests {
             .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Io, "{e}");
             assert!(!path.exists());
+        }
+    }
+
+    /// A range of a file, read into a buffer of its own: the bytes at that
+    /// offset, a tail short of a whole chunk included; an unaligned offset
+    /// and a file that ends too soon are errors.
+    #[test]
+    fn ranges_read_the_bytes_at_their_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let len = 5 * 8192 + 5;
+        let data: Vec<u8> = (0..len)
+            .map(|i| u8::try_from(i % 251).expect("below 251"))
+            .collect();
+        std::fs::write(&path, &data).unwrap();
+        let file = File::open(&path).unwrap();
+        for engine in engines() {
+            for direct in [DirectIo::Auto, DirectIo::Off] {
+                let mut dst = MmapMut::map_anon(3 * 8192).unwrap();
+                let o = opts(direct);
+                engine
+                    .read_range(&file, &path, 8192, 2 * 8192 + 4096, &mut dst, &o)
+                    .unwrap();
+                let first_diff = |a: &[u8], b: &[u8]| a.iter().zip(b).position(|(x, y)| x != y);
+                let k = engine.kind();
+                let got = first_diff(&dst[..2 * 8192 + 4096], &data[8192..4 * 8192 + 4096]);
+                assert_eq!(got, None, "{k:?} {direct:?}");
+                // The tail, padded to 4096 in the buffer.
+                engine
+                    .read_range(&file, &path, 4 * 8192, 8192 + 5, &mut dst, &o)
+                    .unwrap();
+                let got = first_diff(&dst[..8192 + 5], &data[4 * 8192..]);
+                assert_eq!(got, None, "{k:?} {direct:?}");
+                let e = engine
+                    .read_range(&file, &path, 100, 4096, &mut dst, &o)
+                    .unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+                let e = engine
+                    .read_range(&file, &path, 4 * 8192, 2 * 8192, &mut dst, &o)
+                    .unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+                let e = engine
+                    .read_range(&file, &path, 0, 4 * 8192, &mut dst, &o)
+                    .unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+            }
         }
     }
 

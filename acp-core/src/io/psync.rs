@@ -66,6 +66,20 @@ impl IoEngine for PsyncEngine {
             read_chunks(f, path, dst, geo, opts, on_chunk)
         })
     }
+
+    fn read_range(
+        &self,
+        file: &File,
+        path: &Path,
+        offset: u64,
+        len: usize,
+        dst: &mut [u8],
+        opts: &IoOpts,
+    ) -> Result<()> {
+        file::read_range(file, path, offset, len, dst, opts, |f, dst, geo| {
+            read_chunks(f, path, dst, geo, opts, &mut |_, _| Ok(()))
+        })
+    }
 }
 
 /// The first error of a call, shared by the caller and the workers; once

@@ -96,6 +96,20 @@ impl IoEngine for UringEngine {
             read_chunks(f, path, dst, geo, opts, on_chunk)
         })
     }
+
+    fn read_range(
+        &self,
+        file: &File,
+        path: &Path,
+        offset: u64,
+        len: usize,
+        dst: &mut [u8],
+        opts: &IoOpts,
+    ) -> Result<()> {
+        file::read_range(file, path, offset, len, dst, opts, |f, dst, geo| {
+            read_chunks(f, path, dst, geo, opts, &mut |_, _| Ok(()))
+        })
+    }
 }
 
 /// Whether `io_uring` works here: a ring can be created, the kernel has
@@ -247,14 +261,15 @@ enum Dir {
     Read(*mut u8),
 }
 
-/// One chunk transfer: `len` bytes at `start` (the same offset in the file
-/// and in the buffer), of which `done` have moved; it is complete once
-/// `need` have (a read may end short at end of file).
+/// One chunk transfer: `len` bytes at `start` in the buffer and `offset`
+/// in the file, of which `done` have moved; it is complete once `need`
+/// have (a read may end short at end of file).
 #[derive(Debug)]
 struct Op {
     /// The chunk's index in the file.
     index: usize,
     start: usize,
+    offset: u64,
     len: usize,
     need: usize,
     done: usize,
@@ -391,6 +406,7 @@ impl<'f, 'b> Flight<'f, 'b> {
         self.slots[slot] = Some(Op {
             index: span.index,
             start: span.start,
+            offset: span.offset(),
             len: span.io,
             need,
             done: 0,
@@ -416,7 +432,7 @@ impl<'f, 'b> Flight<'f, 'b> {
         // and `done < len` here, so `at + rest <= buf_len`.
         let at = op.start + op.done;
         let rest = u32::try_from(op.len - op.done).map_err(io::Error::other)?;
-        let offset = at as u64;
+        let offset = op.offset + op.done as u64;
         let fd = types::Fd(self.file.as_raw_fd());
         let entry = match self.dir {
             Dir::Write(base) => opcode::Write::new(fd, base.wrapping_add(at), rest)
@@ -715,6 +731,7 @@ mod tests {
         let span = Span {
             index: 0,
             start: 0,
+            base: 0,
             data: 4096,
             io: 4096,
         };
@@ -745,6 +762,7 @@ mod tests {
         let span = |index: usize| Span {
             index,
             start: index * 4096,
+            base: 0,
             data: 4096,
             io: 4096,
         };
@@ -781,6 +799,7 @@ mod tests {
         let span = Span {
             index: 0,
             start: 50,
+            base: 0,
             data: 51,
             io: 51,
         };
