@@ -20,7 +20,9 @@ With ``--storage`` the restart runs on a new, empty ring, as on a node that repl
 one: its ``load(into=)`` reads the newest step from storage, the page cache dropped first
 (`baselines.drop_caches`). It also counts that load's minor page faults and, in the same
 process, loads the step from storage once more (cache dropped again): the first restore of a
-new process against a later one.
+new process against a later one. Its floor, in the same process after the loads: the step's
+data file read cold with ``O_DIRECT`` (`baselines.direct_read`: fio when installed); each
+load's ratio to it is given per round.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from baselines import drop_caches
+from baselines import direct_read, drop_caches, files_under
 
 GIB = 1 << 30
 
@@ -100,12 +102,7 @@ def life(a: argparse.Namespace) -> None:
         if not all(torch.equal(into[k], state[k]) for k in state):
             raise SystemExit("restored state differs from the saved one")
         if a.storage:
-            drop_caches([a.root])
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
-            ckpt.load(first, into=into, storage_only=True)
-            out["load_again"] = time.perf_counter() - t0
-            out["load_again_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            out.update(storage_again(a, ckpt, first, into))
     stalls = []
     h = None
     for i in range(1, a.saves + 1):
@@ -118,6 +115,25 @@ def life(a: argparse.Namespace) -> None:
     out["stalls"] = stalls
     print(json.dumps(out), flush=True)
     os._exit(0)  # no close: the ring stays, as after a crash
+
+
+def storage_again(
+    a: argparse.Namespace, ckpt: Any, step: int, into: dict[str, Any]
+) -> dict[str, Any]:
+    """After a restore from storage: the same step loaded from storage again (cache dropped),
+    and the floor in the same process: its data file read cold with O_DIRECT (fio when
+    installed), as compare.py pairs its cold restores."""
+    out: dict[str, Any] = {}
+    drop_caches([a.root])
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    ckpt.load(step, into=into, storage_only=True)
+    out["load_again"] = time.perf_counter() - t0
+    out["load_again_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    raw = direct_read(max(files_under([a.root]), key=os.path.getsize))
+    out["raw_read"] = raw.secs
+    out["raw_read_tool"] = raw.tool
+    return out
 
 
 def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str, Any]:
@@ -198,6 +214,7 @@ def main() -> None:
             f"load {ms(s['load'])} from {s['source']} ({s['load_faults']} faults)"
             + (
                 f", again {ms(s['load_again'])} ({s['load_again_faults']} faults)"
+                f", raw O_DIRECT read {ms(s['raw_read'])}"
                 if "load_again" in s
                 else ""
             )
@@ -233,10 +250,17 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
         lives = [r[which] for r in rounds]
         copy = med([x["memcpy"] for x in lives])
         if which == "restart":
-            keys = ("open", "load", "load_again") if a.storage else ("open", "load")
+            keys = ("open", "load", "load_again", "raw_read") if a.storage else ("open", "load")
             for key in keys:
                 v = med([x[key] for x in lives])
                 lines.append(f"| restart | {key} | {ms(v)} | {v / copy:.2f}x |")
+            if a.storage:
+                for key in ("load", "load_again"):
+                    pairs = [x[key] / x["raw_read"] for x in lives]
+                    lines.append(
+                        f"| restart | {key} / raw read, per round | "
+                        f"{', '.join(f'{p:.2f}x' for p in pairs)} | |"
+                    )
         for i in range(a.saves):
             v = med([x["stalls"][i] for x in lives])
             lines.append(f"| {which} | save {i + 1} stall | {ms(v)} | {v / copy:.2f}x |")

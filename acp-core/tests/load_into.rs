@@ -66,6 +66,22 @@ fn tensors_get_the_saved_bytes_from_storage_and_from_ram() {
                 &format!("{compress:?}-{io:?}-{threads}"),
                 |c| c.with_io(io).with_copy_threads(threads),
             );
+            // A new node's ring has no slot ready for the image: the file
+            // is streamed into the tensors, and kept nowhere else.
+            let mut bufs = old_bufs();
+            let ck = load_into(&engine, &request(true), &mut bufs).unwrap();
+            assert_eq!(ck.report().source, Source::Storage, "{case}");
+            assert!(ck.report().verified, "{case}");
+            for (i, b) in bufs.iter().enumerate() {
+                assert!(*b == tensor(i), "{case}, streamed: w.{i}");
+                assert!(ck.tensor(&name(i)).is_none(), "{case}: w.{i} kept");
+            }
+            assert_eq!(ck.values(), &serde_json::json!({"step": 1}), "{case}");
+            drop(ck);
+            assert!(engine.resident_steps().is_empty(), "{case}");
+            // A load without destinations reads it into a slot; from then
+            // on a slot is ready, and storage is read into it.
+            drop(engine.load(&request(true)).unwrap());
             for (storage_only, source) in [(true, Source::Storage), (false, Source::Ram)] {
                 let mut bufs = old_bufs();
                 let ck = load_into(&engine, &request(storage_only), &mut bufs).unwrap();
@@ -76,7 +92,8 @@ fn tensors_get_the_saved_bytes_from_storage_and_from_ram() {
                     assert!(ck.tensor(&name(i)).unwrap().data == tensor(i), "{case}");
                 }
                 drop(ck);
-                // The storage read left the step resident, as `load` does.
+                // The storage read into a ready slot left the step
+                // resident, as `load` does.
                 assert_eq!(engine.resident_steps(), vec![1], "{case}");
             }
             engine.close().unwrap();

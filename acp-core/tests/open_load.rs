@@ -57,6 +57,10 @@ fn a_storage_step_opens_pending_and_its_read_fills_the_destinations() {
         assert!(*b == tensor(k), "w.{k}");
     }
     drop(ck);
+    // No slot was ready (a fresh ring): streamed into the destinations,
+    // kept nowhere. A load without destinations makes it resident.
+    assert!(engine.resident_steps().is_empty());
+    drop(engine.load(&storage(Some(1))).unwrap());
     assert_eq!(engine.resident_steps(), vec![1]);
     // Resident now: pending from RAM, checked and copied in one pass.
     let req = LoadRequest {

@@ -15,7 +15,8 @@ pub enum Source {
     /// A resident shared-memory slot.
     Ram,
     /// The storage files (now resident in a slot, or in private memory
-    /// when no slot was free).
+    /// when no slot was free or the tensors went straight to the memory
+    /// given for them).
     Storage,
     /// A replica held by a rank on another node, fetched through the
     /// engine's transport ([`crate::replica`]).
@@ -142,11 +143,13 @@ impl Checkpoint {
 
     /// Whether it holds the bytes of `entry` (one of
     /// [`Checkpoint::entries`]). A checkpoint holds all of its tensors,
-    /// except after one kind of load: another rank's file (or some of its
-    /// tensors) read from that rank's slot by
+    /// except after two kinds of load by
     /// [`PendingLoad::read_into`](super::PendingLoad::read_into), whose
-    /// destinations got their tensors' bytes straight from the slot,
-    /// checked on the way; only the other tensors are kept.
+    /// destinations got their tensors' bytes straight from the source,
+    /// checked on the way, and only the other tensors are kept: another
+    /// rank's file (or some of its tensors) read from that rank's slot,
+    /// and a file streamed from storage when no ring slot was ready for
+    /// it.
     #[must_use]
     pub fn holds(&self, entry: &Entry) -> bool {
         entry.len == 0 || !self.elsewhere.contains(&entry.offset)

@@ -2,6 +2,7 @@
 //! replica (this node's, then a peer's, `replicate.rs`), else from storage
 //! into a slot (or private memory when the ring has no room).
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -323,10 +324,18 @@ impl PendingLoad {
     /// Reads the whole file in one pass, verifying each digest chunk as it
     /// lands and copying tensor `i` of [`PendingLoad::entries`] into each
     /// `into` destination `(i, memory)` (exactly its length) by the thread
-    /// that checked its chunks, while they are in cache. The image is read
-    /// into a ring slot, which becomes resident as after [`Engine::load`]
-    /// (a pre-faulted slot costs less than fresh memory), or into private
-    /// memory when the ring has no room.
+    /// that checked its chunks, while they are in cache. With no
+    /// destination, the image is read into a ring slot, which becomes
+    /// resident as after [`Engine::load`], or into private memory when the
+    /// ring has no room. With destinations, it is read into a ring slot
+    /// only when one is ready for it (its memory already faulted in:
+    /// [`Ring::acquire_ready`](crate::staging::Ring::acquire_ready)), and
+    /// then becomes resident too; else it is streamed through a few
+    /// buffers of 16 MiB, and the checkpoint keeps only the header and the
+    /// tensors given no destination ([`Checkpoint::holds`]): fresh memory
+    /// for the whole image (a new node's empty ring) would cost a page
+    /// fault per 4 KiB, more than the read itself on some hosts
+    /// (BENCHMARKS.md, "A replaced node's restore from storage").
     ///
     /// From a resident slot ([`PendingLoad::source`] is [`Source::Ram`]),
     /// the same pass over the slot: each chunk checked against the quick
@@ -399,11 +408,17 @@ fn read_stored_into(
     t0: Instant,
     into: &mut [(usize, &mut [u8])],
 ) -> Result<Checkpoint> {
+    let given: BTreeSet<usize> = into.iter().map(|(i, _)| *i).collect();
     let targets = into
         .iter_mut()
         .filter_map(|(i, d)| Some((planned.entries.get(*i)?.offset, &mut **d)))
         .collect::<Vec<Target<'_>>>();
-    let ck = read_stored(engine.shared(), file, targets, t0)?;
+    let memory = if targets.is_empty() {
+        Memory::Image
+    } else {
+        Memory::Given(planned, &given)
+    };
+    let ck = read_stored(engine.shared(), file, targets, t0, memory)?;
     check_planned(&ck, planned, &file.path)?;
     Ok(ck)
 }
@@ -1061,7 +1076,7 @@ fn load_step(
             _warm: shared.ring.defer_warming(),
         }));
     }
-    read_stored(shared, &stored, Vec::new(), t0).map(Opened::Ready)
+    read_stored(shared, &stored, Vec::new(), t0, Memory::Image).map(Opened::Ready)
 }
 
 /// The header of the resident image `pin` (the slot file `path`), not yet
@@ -1216,6 +1231,12 @@ fn with_reader<T>(
 /// What a load needs of a [`ChunkReader`], whatever its source.
 trait VerifiedRead {
     fn header(&mut self) -> Result<ParsedHeader>;
+    fn read_verified_streamed(
+        &mut self,
+        threads: usize,
+        io_chunk: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>>;
     fn read_verified_into(
         &mut self,
         dst: &mut [u8],
@@ -1228,6 +1249,15 @@ trait VerifiedRead {
 impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
     fn header(&mut self) -> Result<ParsedHeader> {
         ChunkReader::header(self).cloned()
+    }
+
+    fn read_verified_streamed(
+        &mut self,
+        threads: usize,
+        io_chunk: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>> {
+        ChunkReader::read_verified_streamed(self, threads, io_chunk, targets)
     }
 
     fn read_verified_into(
@@ -1328,21 +1358,24 @@ fn read_stored(
     stored: &StoredFile,
     targets: Vec<Target<'_>>,
     t0: Instant,
+    memory: Memory<'_>,
 ) -> Result<Checkpoint> {
     let (entry, path, step) = (&stored.entry, &stored.path, stored.step);
     let fits = stored.own && entry.size <= shared.ring.max_image_bytes();
     let threads = shared.cfg.copy_threads;
     let io_chunk = shared.io_opts.chunk_bytes;
     let mut targets = Some(targets);
+    // The offsets of the tensors whose bytes went only to the caller.
+    let mut elsewhere = BTreeSet::new();
     // The reader is opened first: a compressed file's references are
     // resolved against the steps that hold their chunks (which bounds the
     // index's length) before memory is sized by that length.
     let backing = with_reader(shared, stored, &mut |r| {
-        let targets = targets.take().unwrap_or_default();
-        let slot = if fits {
-            shared.ring.acquire(entry.size, None)?
-        } else {
-            None
+        let mut targets = targets.take().unwrap_or_default();
+        let slot = match memory {
+            _ if !fits => None,
+            Memory::Image => shared.ring.acquire(entry.size, None)?,
+            Memory::Given(..) => shared.ring.acquire_ready(entry.size)?,
         };
         if let Some(mut slot) = slot {
             let digests = r.read_verified_into(slot.image_mut(), threads, io_chunk, targets)?;
@@ -1350,13 +1383,37 @@ fn read_stored(
             shared.ring.set_digests(pin.slot(), &digests);
             shared.ring.set_state(pin.slot(), SlotState::Persisted);
             Ok(Backing::Slot(pin))
+        } else if let Memory::Given(planned, given) = memory {
+            // No slot ready: stream the file through a few small buffers
+            // into the caller's memory, and keep only the header and the
+            // tensors given no destination, in memory that is never
+            // touched elsewhere (so never faulted in).
+            let mut kept = memmap2::MmapMut::map_anon(to_usize(entry.size).max(1))
+                .map_err(|e| Error::io("allocate", path, e))?;
+            let others = planned
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !given.contains(i))
+                .map(|(_, e)| (e.offset, e.offset.saturating_add(e.len)));
+            let ranges = kept_ranges(planned.data_start, others, entry.size);
+            targets.extend(carve(&mut kept, &ranges));
+            r.read_verified_streamed(threads, io_chunk, targets)?;
+            elsewhere = planned
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(i, e)| e.len > 0 && given.contains(i))
+                .map(|(_, e)| e.offset)
+                .collect();
+            Ok(Backing::Heap(kept, to_usize(entry.size)))
         } else {
             let mut buf = heap_whole(entry.size, path)?;
             r.read_verified_into(&mut buf, threads, io_chunk, targets)?;
             Ok(Backing::Heap(buf, to_usize(entry.size)))
         }
     })?;
-    finish(
+    let mut ck = finish(
         shared,
         step,
         backing,
@@ -1365,8 +1422,61 @@ fn read_stored(
         true,
         t0,
         &stored.expected,
-    )
-    .map(|c| c.with_rejected(stored.rejected.clone()))
+    )?;
+    ck.elsewhere = elsewhere;
+    Ok(ck.with_rejected(stored.rejected.clone()))
+}
+
+/// Where a storage read puts the image.
+#[derive(Clone, Copy)]
+enum Memory<'a> {
+    /// All of it in memory: a ring slot, else private memory.
+    Image,
+    /// The tensors of the given indices of the planned header go to the
+    /// caller: a ring slot whose memory is ready holds the image, else
+    /// only the rest is kept.
+    Given(&'a ParsedHeader, &'a BTreeSet<usize>),
+}
+
+/// The byte ranges of an image of `size` bytes a streamed load keeps: the
+/// header (`0..data_start`) and the `others` (the tensors given no
+/// destination); sorted, merged where they touch or overlap (a hostile
+/// header may overlap its tensors), cut to the image, empty ones dropped.
+fn kept_ranges(
+    data_start: u64,
+    others: impl Iterator<Item = (u64, u64)>,
+    size: u64,
+) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = std::iter::once((0, data_start))
+        .chain(others)
+        .map(|(s, e)| (s.min(size), e.min(size)))
+        .filter(|(s, e)| s < e)
+        .collect();
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (s, e) in ranges {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    merged
+}
+
+/// `mem`'s bytes at each of `ranges` (sorted, disjoint, inside `mem`), as
+/// targets at the same offsets.
+fn carve<'m>(mem: &'m mut [u8], ranges: &[(u64, u64)]) -> Vec<Target<'m>> {
+    let mut out = Vec::with_capacity(ranges.len());
+    let mut rest = mem;
+    let mut at = 0u64;
+    for &(s, e) in ranges {
+        let tail = std::mem::take(&mut rest).split_at_mut(to_usize(s - at)).1;
+        let (part, tail) = tail.split_at_mut(to_usize(e - s));
+        out.push((s, part));
+        rest = tail;
+        at = e;
+    }
+    out
 }
 
 /// A load of this rank's RAM snapshot of `step` (not committed) whose
@@ -1628,9 +1738,9 @@ pub(super) fn heap(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
 }
 
 /// [`heap`] for an image about to be written whole: its pages taken first,
-/// in huge pages where the kernel allows ([`crate::replica::image_memory`]).
+/// in huge pages where the kernel allows ([`crate::read::image_memory`]).
 pub(super) fn heap_whole(len: u64, what: &Path) -> Result<memmap2::MmapMut> {
-    crate::replica::image_memory(to_usize(len), what)
+    crate::read::image_memory(to_usize(len), what)
 }
 
 #[expect(
@@ -1743,4 +1853,30 @@ fn check_agrees(path: &Path, header: &ParsedHeader, expected: &Expected) -> Resu
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_streamed_load_keeps_the_header_and_the_tensors_not_given() {
+        // Overlapping, touching, empty, reversed and out-of-image ranges.
+        let others = [(50, 60), (55, 70), (70, 80), (90, 90), (95, 92), (150, 400)];
+        let ranges = kept_ranges(20, others.into_iter(), 200);
+        assert_eq!(ranges, vec![(0, 20), (50, 80), (150, 200)]);
+        assert_eq!(kept_ranges(0, std::iter::empty(), 10), vec![]);
+        let mut mem: Vec<u8> = (0..200u8).collect();
+        let copy = mem.clone();
+        let parts = carve(&mut mem, &ranges);
+        let got: Vec<(u64, Vec<u8>)> = parts.into_iter().map(|(at, d)| (at, d.to_vec())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, copy[..20].to_vec()),
+                (50, copy[50..80].to_vec()),
+                (150, copy[150..].to_vec())
+            ]
+        );
+    }
 }

