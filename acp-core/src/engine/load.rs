@@ -420,6 +420,13 @@ fn read_stored_into(
     };
     let ck = read_stored(engine.shared(), file, targets, t0, memory)?;
     check_planned(&ck, planned, &file.path)?;
+    if file.own && !ck.elsewhere.is_empty() {
+        // Streamed on a ring with no slot ready for such an image (a new
+        // node's): the next saves are likely of its size, so the free
+        // slots grow in the background, once the load is done, rather
+        // than in the first saves' stalls.
+        engine.inner.warm.saw(file.entry.size);
+    }
     Ok(ck)
 }
 
