@@ -229,10 +229,11 @@ def test_warm_storage_load_tiny(tmp_path: Path) -> None:
 
 def test_restart_from_storage_on_a_new_ring(tmp_path: Path) -> None:
     """restart.py --storage: the restart opens a new, empty ring (a replaced node) and
-    restores from storage, twice, counting each load's page faults."""
+    restores the newest of two steps (each save's state changed) from storage, twice,
+    counting each load's page faults, and times the raw read of its file."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "restart.py"), "--mib", "8", "--rounds", "1"]
-    cmd += ["--saves", "1", "--gap", "0", "--storage", "--dir", str(tmp_path), "--out", str(out)]
+    cmd += ["--saves", "2", "--gap", "0", "--storage", "--dir", str(tmp_path), "--out", str(out)]
     env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -240,11 +241,13 @@ def test_restart_from_storage_on_a_new_ring(tmp_path: Path) -> None:
     (round_,) = got["rounds"]
     restart = round_["restart"]
     assert restart["source"] == "storage"
-    for key in ("load", "load_again"):
+    for key in ("load", "load_again", "raw_read"):
         assert restart[key] > 0, key
     assert restart["load_faults"] >= 0
     assert restart["load_again_faults"] >= 0
-    assert "load_again" in (out / "restart.md").read_text()
+    md = (out / "restart.md").read_text()
+    assert "load_again" in md
+    assert "load / raw read, per round" in md
     assert not list(tmp_path.glob("acp-restart-*"))  # its roots are removed
 
 

@@ -11,10 +11,13 @@ restart would. The first opens a ``Checkpointer`` (default settings but the ring
 slots of the state's size), then saves ``--saves`` times, ``--gap`` seconds apart (the rest
 of a training step), waits for the last save's commit and exits without closing (the ring
 stays, as after a crash). The second opens the same root, restores the newest step from RAM
-with ``load(into=)``, and saves ``--saves`` times again. Each process also times a plain
-copy of the same tensors into a buffer it has already written once (the memcpy floor of a
-save), in the same run. Printed: per save, the stall in each round and its median against
-that floor; the restart's open and restore. The ring is removed at the end of each round.
+with ``load(into=)``, and saves ``--saves`` times again. Before each save every tensor is
+negated (outside the timing), so that each step's chunks differ from the last step's, as
+after a training step (none is referenced by an incremental step). Each process also times
+a plain copy of the same tensors into a buffer it has already written once (the memcpy floor
+of a save), in the same run. Printed: per save, the stall in each round and its median
+against that floor; the restart's open and restore. The ring is removed at the end of each
+round.
 
 With ``--storage`` the restart runs on a new, empty ring, as on a node that replaced a lost
 one: its ``load(into=)`` reads the newest step from storage, the page cache dropped first
@@ -77,6 +80,9 @@ def life(a: argparse.Namespace) -> None:
     into = (
         {k: torch.empty_like(v).fill_(0.5) for k, v in state.items()} if a.life == "restart" else {}
     )
+    if a.life == "restart" and a.saves % 2:
+        for t in state.values():
+            t.neg_()  # as the first life's last save left it
     t0 = time.perf_counter()
     ckpt = acp.Checkpointer(
         a.root,
@@ -107,6 +113,8 @@ def life(a: argparse.Namespace) -> None:
     h = None
     for i in range(1, a.saves + 1):
         time.sleep(a.gap)
+        for t in state.values():
+            t.neg_()  # every chunk changes, as a training step changes it (exactly)
         t0 = time.perf_counter()
         h = ckpt.save(first + i, state)
         stalls.append(time.perf_counter() - t0)
