@@ -40,6 +40,12 @@
 //!   the slot's sums unmade before the open (its digests recorded again):
 //!   that load re-hashes the slot with blake3, as every new process's
 //!   first load did before the sums were kept in the slot;
+//! - `acp_load_into_storage_new_node`: a replaced node's restore: an engine
+//!   on the same root opened over a new, empty ring (untimed), then the
+//!   cold `Engine::load_into` from storage, which finds no slot ready and
+//!   streams the file into the destination through small buffers; each
+//!   iteration paired with a cold `raw_read_direct` + scatter right before
+//!   it;
 //! - `acp_load_ram_trusted`: the same with `Verify::StorageOnly` (a second
 //!   engine; the resident slot is trusted, no hashing).
 //!
@@ -522,6 +528,46 @@ fn restore(c: &mut Criterion) {
         e.close()
             .unwrap_or_else(|e| panic!("closing the engine: {e}"));
     }
+
+    // A replaced node's restore: an engine on the same root opened over a
+    // new, empty ring (untimed), the page cache dropped, then
+    // `Engine::load_into` from storage; each iteration paired with a cold
+    // `raw_read_direct` + scatter right before it. No slot is ready, so
+    // the file is streamed into the tensors through small buffers.
+    let mut paired_node = Paired::default();
+    let mut node_secs = Vec::new();
+    let mut nodes = 0u32;
+    g.bench_function("acp_load_into_storage_new_node", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                nodes += 1;
+                let shm = scratch.shm().join(format!("node-{nodes}"));
+                std::fs::create_dir_all(&shm)
+                    .unwrap_or_else(|e| panic!("creating {}: {e}", shm.display()));
+                let e = Engine::open(cfg().with_shm_dir(&shm))
+                    .unwrap_or_else(|e| panic!("opening the engine on a new ring: {e}"));
+                let _ = drop_caches();
+                let t = Instant::now();
+                raw::read_uring(&path, read_buf.padded_mut(), BLOCK, 8)
+                    .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+                scatter(&read_buf, &mut dst, &places, n);
+                let base = t.elapsed();
+                let _ = drop_caches();
+                let t = Instant::now();
+                let ck = load_into_fused(&e, &storage, &set, &mut dst);
+                let took = t.elapsed();
+                timed += took;
+                paired_node.push(base, took);
+                node_secs.push(ck.report().secs);
+                drop(ck);
+                e.close()
+                    .unwrap_or_else(|e| panic!("closing the engine: {e}"));
+                let _ = std::fs::remove_dir_all(&shm);
+            }
+            timed
+        });
+    });
     drop(scratch);
 
     let scratch2 = Scratch::new("restore-trusted");
@@ -582,6 +628,17 @@ fn restore(c: &mut Criterion) {
     notes.set(
         "paired storage direct + scatter, load_into",
         paired_into_scatter.summary("raw_read_direct + scatter", "acp_load_into_storage"),
+    );
+    notes.set(
+        "paired storage direct + scatter, load_into on a new node",
+        paired_node.summary(
+            "raw_read_direct + scatter",
+            "acp_load_into_storage_new_node",
+        ),
+    );
+    notes.set(
+        "acp_load_into_storage_new_node: median LoadReport.secs (ms)",
+        median(&node_secs) * 1e3,
     );
     notes.set(
         "paired storage, load_into zstd vs plain",
