@@ -924,18 +924,21 @@ class Checkpointer:
         ``into`` are not loaded. From storage, ``into``'s tensors are filled
         in the read's own pass (each chunk copied and hashed a cache-sized
         block at a time, its digest compared at its end; no second pass
-        over a full copy), and from RAM in the pass that checks the
-        resident copy (each chunk copied and checked against its recorded
-        sum the same way; a resident copy that fails its check is dropped
-        and the step is read from storage instead, into every tensor,
-        logged); when the load raises, each of them holds its old bytes or
-        bytes of the step that failed (a mix, which may include bytes of a
-        chunk that failed its check) and must not be used, and no other
-        value was assigned; with
-        ``fallback``, a step whose data fails verification during that
-        read is skipped (logged) and the next intact one is loaded into
-        every tensor. ``fallback`` (with ``step=None``) falls back
-        to the newest intact step when the latest is corrupt;
+        over a full copy); on a node whose ring has no slot ready for the
+        image (a replaced node's), the file is streamed through a few
+        16 MiB buffers into the tensors and nothing becomes resident, else
+        it is read into a slot, which does. From RAM, they are filled in the
+        pass that checks the resident copy (each chunk copied and checked
+        against its recorded sum the same way; a resident copy that fails
+        its check is dropped and the step is read from storage instead,
+        into every tensor, logged). When the load raises, each of them
+        holds its old bytes or bytes of the step that failed (a mix, which
+        may include bytes of a chunk that failed its check) and must not be
+        used, and no other value was assigned; with ``fallback``, a step
+        whose data fails verification during that read is skipped (logged)
+        and the next intact one is loaded into every tensor. ``fallback``
+        (with ``step=None``) falls back to the newest intact step when the
+        latest is corrupt;
         ``storage_only`` ignores the resident copy; ``rank`` loads the file
         another rank wrote (each rank's file holds that rank's state).
         Tensors another rank wrote (``save(..., replicated=...)``) come from
