@@ -18,7 +18,9 @@ use std::os::unix::fs::FileExt;
 use acp_core::{Compress, Engine, Error, ErrorKind, LoadRequest, Source};
 
 mod six_tensors;
-use six_tensors::{combos, committed, fresh_engine, name, tensor, TENSORS, TENSOR_BYTES};
+use six_tensors::{
+    combos, committed, fresh_engine, name, ready_slots, tensor, TENSORS, TENSOR_BYTES,
+};
 
 /// What `into` holds before a load.
 const OLD: u8 = 0xee;
@@ -79,9 +81,17 @@ fn tensors_get_the_saved_bytes_from_storage_and_from_ram() {
             assert_eq!(ck.values(), &serde_json::json!({"step": 1}), "{case}");
             drop(ck);
             assert!(engine.resident_steps().is_empty(), "{case}");
-            // A load without destinations reads it into a slot; from then
-            // on a slot is ready, and storage is read into it.
-            drop(engine.load(&request(true)).unwrap());
+            // A load without destinations reads it into private memory,
+            // which holds every tensor.
+            let ck = engine.load(&request(true)).unwrap();
+            assert_eq!(ck.report().source, Source::Storage, "{case}");
+            for i in 0..TENSORS {
+                assert!(ck.tensor(&name(i)).unwrap().data == tensor(i), "{case}");
+            }
+            drop(ck);
+            assert!(engine.resident_steps().is_empty(), "{case}");
+            // With the slots ready, storage is read into one of them.
+            ready_slots(&engine);
             for (storage_only, source) in [(true, Source::Storage), (false, Source::Ram)] {
                 let mut bufs = old_bufs();
                 let ck = load_into(&engine, &request(storage_only), &mut bufs).unwrap();
@@ -177,6 +187,7 @@ fn a_name_or_length_that_differs_is_refused_and_nothing_is_copied() {
         let engine = fresh_engine(&root, dir.path(), &format!("refuse-{storage_only}"), |c| c);
         if !storage_only {
             // Resident: the refusal comes from the copy after the load.
+            ready_slots(&engine);
             drop(engine.load(&request(true)).unwrap());
             assert_eq!(engine.resident_steps(), vec![1]);
         }

@@ -20,7 +20,9 @@ use acp_core::{Compress, Error, LoadRequest, Opened, Source};
 use serde_json::json;
 
 mod six_tensors;
-use six_tensors::{committed, fresh_engine, name, save_six, tensor, TENSORS, TENSOR_BYTES};
+use six_tensors::{
+    committed, fresh_engine, name, ready_slots, save_six, tensor, TENSORS, TENSOR_BYTES,
+};
 
 fn storage(step: Option<u64>) -> LoadRequest {
     LoadRequest {
@@ -58,8 +60,9 @@ fn a_storage_step_opens_pending_and_its_read_fills_the_destinations() {
     }
     drop(ck);
     // No slot was ready (a fresh ring): streamed into the destinations,
-    // kept nowhere. A load without destinations makes it resident.
+    // kept nowhere. With the slots ready, a load makes it resident.
     assert!(engine.resident_steps().is_empty());
+    ready_slots(&engine);
     drop(engine.load(&storage(Some(1))).unwrap());
     assert_eq!(engine.resident_steps(), vec![1]);
     // Resident now: pending from RAM, checked and copied in one pass.

@@ -18,7 +18,7 @@ use acp_core::storage::faults::FaultInjector;
 use acp_core::{Compress, Engine, Error, ErrorKind, LoadRequest, Source};
 
 mod six_tensors;
-use six_tensors::{combos, committed, fresh_engine, name, tensor, CHUNK, TENSORS};
+use six_tensors::{combos, committed, fresh_engine, name, ready_slots, tensor, CHUNK, TENSORS};
 
 fn storage() -> LoadRequest {
     LoadRequest {
@@ -28,7 +28,10 @@ fn storage() -> LoadRequest {
     }
 }
 
+/// A load from storage into a ready ring slot returns the saved bytes and
+/// leaves the step resident.
 fn assert_saved_bytes(engine: &Engine) {
+    ready_slots(engine);
     let ck = engine.load(&storage()).unwrap();
     assert_eq!(ck.report().source, Source::Storage);
     assert!(ck.report().verified);
@@ -71,6 +74,8 @@ fn a_changed_chunk_in_the_middle_is_found_and_named() {
         let engine = fresh_engine(&root, dir.path(), &tag, |c| {
             c.with_io(io).with_copy_threads(threads)
         });
+        // Into a slot: the failed read must not mark it valid.
+        ready_slots(&engine);
         let e = engine.load(&storage()).unwrap_err();
         match &e {
             Error::Corrupt {
@@ -123,6 +128,8 @@ fn an_io_error_mid_read_is_reported_and_marks_nothing_valid() {
                 .with_copy_threads(threads)
                 .with_faults(Arc::clone(&faults))
         });
+        // Into a slot: the failed read must not mark it valid.
+        ready_slots(&engine);
         // The operations before the first chunk read, in a load: none but
         // the chunk reads are counted on this path.
         let before = faults.ops();

@@ -1,6 +1,7 @@
 //! Loading a step: from a resident slot when one holds it, else from a
 //! replica (this node's, then a peer's, `replicate.rs`), else from storage
-//! into a slot (or private memory when the ring has no room).
+//! into a slot whose memory is ready, or else into private memory (or,
+//! with destinations, straight into them).
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -52,7 +53,8 @@ impl Engine {
     /// before use: this rank's resident slot, another slot on this node
     /// (another rank's own, or a replica kept here), a replica on another
     /// node through the transport ([`Source::Peer`]), then storage (into
-    /// a slot, which becomes resident). A source that is missing or fails
+    /// a slot whose memory is ready, which becomes resident, else into
+    /// private memory: fresh slot memory costs more than the read). A source that is missing or fails
     /// verification is logged, naming it, and the next one is used. An
     /// explicit `step` that is not committed is loaded from RAM only,
     /// checked against the quick sums or digests recorded with the image
@@ -324,18 +326,18 @@ impl PendingLoad {
     /// Reads the whole file in one pass, verifying each digest chunk as it
     /// lands and copying tensor `i` of [`PendingLoad::entries`] into each
     /// `into` destination `(i, memory)` (exactly its length) by the thread
-    /// that checked its chunks, while they are in cache. With no
-    /// destination, the image is read into a ring slot, which becomes
-    /// resident as after [`Engine::load`], or into private memory when the
-    /// ring has no room. With destinations, it is read into a ring slot
-    /// only when one is ready for it (its memory already faulted in:
-    /// [`Ring::acquire_ready`](crate::staging::Ring::acquire_ready)), and
-    /// then becomes resident too; else it is streamed through a few
-    /// buffers of 16 MiB, and the checkpoint keeps only the header and the
-    /// tensors given no destination ([`Checkpoint::holds`]): fresh memory
-    /// for the whole image (a new node's empty ring) would cost a page
-    /// fault per 4 KiB, more than the read itself on some hosts
-    /// (BENCHMARKS.md, "A replaced node's restore from storage").
+    /// that checked its chunks, while they are in cache. The image is read
+    /// into a ring slot only when one is ready for it (its memory already
+    /// faulted in: [`Ring::acquire_ready`](crate::staging::Ring::acquire_ready)),
+    /// which then becomes resident as after [`Engine::load`]. Else, with no
+    /// destination, into private memory; with destinations, it is streamed
+    /// through a few buffers of 16 MiB, and the checkpoint keeps only the
+    /// header and the tensors given no destination
+    /// ([`Checkpoint::holds`]). Fresh memory for the whole image (a new
+    /// node's empty ring) would cost a page fault per 4 KiB, more than the
+    /// read itself on some hosts (BENCHMARKS.md, "A replaced node's restore
+    /// from storage"); after such a load the free slots grow in the
+    /// background.
     ///
     /// From a resident slot ([`PendingLoad::source`] is [`Source::Ram`]),
     /// the same pass over the slot: each chunk checked against the quick
@@ -420,13 +422,7 @@ fn read_stored_into(
     };
     let ck = read_stored(engine.shared(), file, targets, t0, memory)?;
     check_planned(&ck, planned, &file.path)?;
-    if file.own && !ck.elsewhere.is_empty() {
-        // Streamed on a ring with no slot ready for such an image (a new
-        // node's): the next saves are likely of its size, so the free
-        // slots grow in the background, once the load is done, rather
-        // than in the first saves' stalls.
-        engine.inner.warm.saw(file.entry.size);
-    }
+    grow_slots_after(engine, file, &ck);
     Ok(ck)
 }
 
@@ -1083,7 +1079,19 @@ fn load_step(
             _warm: shared.ring.defer_warming(),
         }));
     }
-    read_stored(shared, &stored, Vec::new(), t0, Memory::Image).map(Opened::Ready)
+    let ck = read_stored(shared, &stored, Vec::new(), t0, Memory::Image)?;
+    grow_slots_after(engine, &stored, &ck);
+    Ok(Opened::Ready(ck))
+}
+
+/// After a load of this rank's `file` that found no ring slot ready for
+/// it (a new node's ring) and read it elsewhere: the next saves are
+/// likely of its size, so the free slots grow in the background, once the
+/// load is done, rather than in the first saves' stalls.
+fn grow_slots_after(engine: &Engine, file: &StoredFile, ck: &Checkpoint) {
+    if file.own && matches!(ck.backing, Backing::Heap(..)) {
+        engine.inner.warm.saw(file.entry.size);
+    }
 }
 
 /// The header of the resident image `pin` (the slot file `path`), not yet
@@ -1379,10 +1387,14 @@ fn read_stored(
     // index's length) before memory is sized by that length.
     let backing = with_reader(shared, stored, &mut |r| {
         let mut targets = targets.take().unwrap_or_default();
-        let slot = match memory {
-            _ if !fits => None,
-            Memory::Image => shared.ring.acquire(entry.size, None)?,
-            Memory::Given(..) => shared.ring.acquire_ready(entry.size)?,
+        // Only a slot whose memory is ready: fresh ring memory costs a
+        // page fault per 4 KiB (and cannot use huge pages), more than the
+        // read itself on some hosts (BENCHMARKS.md, "A replaced node's
+        // restore from storage").
+        let slot = if fits {
+            shared.ring.acquire_ready(entry.size)?
+        } else {
+            None
         };
         if let Some(mut slot) = slot {
             let digests = r.read_verified_into(slot.image_mut(), threads, io_chunk, targets)?;
@@ -1415,6 +1427,8 @@ fn read_stored(
                 .collect();
             Ok(Backing::Heap(kept, to_usize(entry.size)))
         } else {
+            // Private memory, in huge pages where the kernel allows: a
+            // fresh load hands it to its tensors without a copy.
             let mut buf = heap_whole(entry.size, path)?;
             r.read_verified_into(&mut buf, threads, io_chunk, targets)?;
             Ok(Backing::Heap(buf, to_usize(entry.size)))

@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use acp_core::{Compress, Dtype, Engine, EngineConfig, HostTensor, IoChoice, SaveOptions};
+use acp_core::{
+    Compress, Dtype, Engine, EngineConfig, HostTensor, IoChoice, SaveOptions, TensorSpec,
+};
 use serde_json::json;
 
 pub(crate) const CHUNK: usize = 1 << 20;
@@ -41,6 +43,22 @@ pub(crate) fn fresh_engine(
     let engine = Engine::open(cfg(config(root, &shm, IoChoice::Auto, 2))).unwrap();
     assert!(engine.resident_steps().is_empty());
     engine
+}
+
+/// Readies `engine`'s free ring slots for the six tensors' image (their
+/// memory made, as `reserve` before training does): a load from storage
+/// then reads into a slot, which becomes resident. On a ring with no slot
+/// ready (a new node's), a load reads into private memory or straight
+/// into its destinations, and nothing becomes resident.
+pub(crate) fn ready_slots(engine: &Engine) {
+    let specs: Vec<TensorSpec> = (0..TENSORS)
+        .map(|i| TensorSpec {
+            name: name(i),
+            dtype: Dtype::U8,
+            shape: vec![TENSOR_BYTES as u64],
+        })
+        .collect();
+    assert!(engine.reserve_json(&specs, r#"{"step": 1}"#).unwrap() > 0);
 }
 
 /// Tensor `i`'s bytes (no two chunks alike), made once per test binary:
