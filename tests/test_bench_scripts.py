@@ -227,13 +227,16 @@ def test_warm_storage_load_tiny(tmp_path: Path) -> None:
         assert got[key] > 0, key
 
 
-def test_restart_from_storage_on_a_new_ring(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fresh", [False, True])
+def test_restart_from_storage_on_a_new_ring(tmp_path: Path, fresh: bool) -> None:
     """restart.py --storage: the restart opens a new, empty ring (a replaced node) and
     restores the newest of two steps (each save's state changed) from storage, twice,
-    counting each load's page faults, and times the raw read of its file."""
+    counting each load's page faults, and times the raw read of its file; into its
+    tensors, or with --fresh as a fresh state (each checked against the saved one)."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "restart.py"), "--mib", "8", "--rounds", "1"]
     cmd += ["--saves", "2", "--gap", "0", "--storage", "--dir", str(tmp_path), "--out", str(out)]
+    cmd += ["--fresh"] if fresh else []
     env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

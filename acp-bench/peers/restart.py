@@ -5,6 +5,7 @@
     python acp-bench/peers/restart.py --mib 256 --rounds 5 --out acp-bench/results/restart
     python acp-bench/peers/restart.py --python /other/build/.venv/bin/python   # another build
     python acp-bench/peers/restart.py --storage --saves 1 --gap 0   # a replaced node: from storage
+    python acp-bench/peers/restart.py --storage --fresh   # the same, restoring a fresh state
 
 Each round runs two processes on a fresh checkpoint root and ring, as a job and its
 restart would. The first opens a ``Checkpointer`` (default settings but the ring: ``--slots``
@@ -26,6 +27,10 @@ process, loads the step from storage once more (cache dropped again): the first 
 new process against a later one. Its floor, in the same process after the loads: the step's
 data file read cold with ``O_DIRECT`` (`baselines.direct_read`: fio when installed); each
 load's ratio to it is given per round.
+
+With ``--fresh`` the restart's loads return a fresh state (``state = ckpt.load()``, as a
+trainer that then calls ``model.load_state_dict(state)`` does) instead of filling tensors it
+has (``load(into=)``); each is checked against the saved state and dropped, untimed.
 """
 
 from __future__ import annotations
@@ -99,16 +104,12 @@ def life(a: argparse.Namespace) -> None:
     if a.life == "restart":
         out["cache"] = drop_caches([a.root]) if a.storage else "warm"
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t0 = time.perf_counter()
-        stats = ckpt.load(into=into)
-        out["load"] = time.perf_counter() - t0
+        stats, out["load"] = restore(a, ckpt, None, into, state)
         out["load_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         out["source"] = stats.source
         first = stats.step
-        if not all(torch.equal(into[k], state[k]) for k in state):
-            raise SystemExit("restored state differs from the saved one")
         if a.storage:
-            out.update(storage_again(a, ckpt, first, into))
+            out.update(storage_again(a, ckpt, first, into, state))
     stalls = []
     h = None
     for i in range(1, a.saves + 1):
@@ -125,8 +126,37 @@ def life(a: argparse.Namespace) -> None:
     os._exit(0)  # no close: the ring stays, as after a crash
 
 
+def restore(
+    a: argparse.Namespace, ckpt: Any, step: int | None, into: dict[str, Any], state: dict[str, Any]
+) -> tuple[Any, float]:
+    """Loads ``step`` (the newest: None; else from storage) into ``into``, or with ``--fresh``
+    as a fresh state (``ckpt.load()``); returns the load's stats and seconds. Then, untimed,
+    checks what it restored against ``state`` (a fresh state is dropped after)."""
+    import torch
+
+    storage_only = step is not None
+    t0 = time.perf_counter()
+    if a.fresh:
+        got = ckpt.load(step, storage_only=storage_only)
+        secs = time.perf_counter() - t0
+        same = all(torch.equal(got[k], state[k]) for k in state)
+        del got
+        stats = ckpt.last_load
+    else:
+        stats = ckpt.load(step, into=into, storage_only=storage_only)
+        secs = time.perf_counter() - t0
+        same = all(torch.equal(into[k], state[k]) for k in state)
+    if not same:
+        raise SystemExit("restored state differs from the saved one")
+    return stats, secs
+
+
 def storage_again(
-    a: argparse.Namespace, ckpt: Any, step: int, into: dict[str, Any]
+    a: argparse.Namespace,
+    ckpt: Any,
+    step: int,
+    into: dict[str, Any],
+    state: dict[str, Any],
 ) -> dict[str, Any]:
     """After a restore from storage: the same step loaded from storage again (cache dropped),
     and the floor in the same process: its data file read cold with O_DIRECT (fio when
@@ -134,9 +164,7 @@ def storage_again(
     out: dict[str, Any] = {}
     drop_caches([a.root])
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t0 = time.perf_counter()
-    ckpt.load(step, into=into, storage_only=True)
-    out["load_again"] = time.perf_counter() - t0
+    _, out["load_again"] = restore(a, ckpt, step, into, state)
     out["load_again_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     raw = direct_read(max(files_under([a.root]), key=os.path.getsize))
     out["raw_read"] = raw.secs
@@ -165,6 +193,7 @@ def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str
         "--gap",
         str(a.gap),
         *(["--storage"] if a.storage else []),
+        *(["--fresh"] if a.fresh else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -190,6 +219,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for restart.json and restart.md")
     ap.add_argument(
         "--storage", action="store_true", help="restart on a new ring: the restore from storage"
+    )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="the restart restores a fresh state (ckpt.load()) instead of load(into=)",
     )
     ap.add_argument("--life", choices=("first", "restart"), help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
@@ -247,7 +281,8 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
 
     lines = [
         f"`restart.py --mib {a.mib} --tensors {a.tensors} --slots {a.slots} --saves {a.saves} "
-        f"--gap {a.gap} --rounds {a.rounds}{' --storage' if a.storage else ''}`, "
+        f"--gap {a.gap} --rounds {a.rounds}{' --storage' if a.storage else ''}"
+        f"{' --fresh' if a.fresh else ''}`, "
         f"{os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f} at the end",
         "",
