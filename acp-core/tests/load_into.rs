@@ -9,12 +9,18 @@
 //!   changed byte, which may have arrived before its chunk's digest was
 //!   compared (each chunk is copied and hashed in one pass);
 //! - a name the step lacks, or a length that differs, is refused naming
-//!   the tensor, and `into` is left as it was.
+//!   the tensor, and `into` is left as it was;
+//! - on a ring with no slot ready (the file streamed into the tensors), a
+//!   read that fails part way is an I/O error naming the file, each byte
+//!   of `into` is its old value or the saved one, and nothing becomes
+//!   resident.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
+use acp_core::storage::faults::FaultInjector;
 use acp_core::{Compress, Engine, Error, ErrorKind, LoadRequest, Source};
 
 mod six_tensors;
@@ -211,6 +217,60 @@ fn a_name_or_length_that_differs_is_refused_and_nothing_is_copied() {
         assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
         assert!(err.to_string().contains("w.1"), "{err}");
         assert!(a.iter().chain(&b).chain(&short).all(|g| *g == OLD));
+        engine.close().unwrap();
+    }
+}
+
+#[test]
+fn a_streamed_read_that_fails_part_way_is_an_io_error_and_nothing_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, file) = committed(dir.path(), Compress::None);
+    let file_text = file.display().to_string();
+    for (io, threads) in combos() {
+        let case = format!("{io:?}, {threads} threads");
+        let engine_with = |tag: &str, faults: &Arc<FaultInjector>| {
+            fresh_engine(&root, dir.path(), &format!("{tag}-{io:?}-{threads}"), |c| {
+                c.with_io(io)
+                    .with_copy_threads(threads)
+                    .with_faults(Arc::clone(faults))
+            })
+        };
+        // A new node's healthy restore counts the reads (the engine is
+        // closed after it: its slots then grow in the background).
+        let counter = Arc::new(FaultInjector::counting());
+        let probe = engine_with("count", &counter);
+        let mut bufs = old_bufs();
+        drop(load_into(&probe, &request(true), &mut bufs).unwrap());
+        let reads = counter.ops();
+        probe.close().unwrap();
+        assert!(reads >= 4, "{case}: {reads} reads");
+        // On another new node, the same restore fails half way.
+        let faults = Arc::new(FaultInjector::counting());
+        let engine = engine_with("fail", &faults);
+        faults.arm(reads / 2, libc::EIO, false);
+        let mut bufs = old_bufs();
+        let e = load_into(&engine, &request(true), &mut bufs).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Io, "{case}: {e}");
+        assert!(e.to_string().contains(&file_text), "{case}: {e}");
+        assert!(engine.resident_steps().is_empty(), "{case}");
+        // Each byte is old or the file's.
+        for (i, b) in bufs.iter().enumerate() {
+            let want = tensor(i);
+            assert!(
+                b.iter().zip(&want).all(|(g, w)| *g == OLD || g == w),
+                "{case}: w.{i}"
+            );
+        }
+        // The disk recovers: the same engine streams the saved bytes.
+        faults.heal();
+        let mut bufs = old_bufs();
+        let ck = load_into(&engine, &request(true), &mut bufs).unwrap();
+        assert!(ck.tensor(&name(0)).is_none(), "{case}: streamed, not kept");
+        drop(ck);
+        assert!(
+            bufs.iter().enumerate().all(|(i, b)| *b == tensor(i)),
+            "{case}"
+        );
         engine.close().unwrap();
     }
 }
