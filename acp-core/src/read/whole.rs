@@ -845,6 +845,27 @@ mod tests {
         (image, entry)
     }
 
+    /// Memory for each `(offset, length)` of `spans`, filled with 0xee.
+    fn bufs_for(spans: &[(usize, usize)]) -> Vec<Vec<u8>> {
+        spans.iter().map(|&(_, l)| vec![0xee; l]).collect()
+    }
+
+    /// `bufs` as the targets of `spans`.
+    fn targets_over<'b>(spans: &[(usize, usize)], bufs: &'b mut [Vec<u8>]) -> Vec<Target<'b>> {
+        spans
+            .iter()
+            .zip(bufs)
+            .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
+            .collect()
+    }
+
+    /// Each of `bufs` holds `image`'s bytes at its span.
+    fn assert_spans(image: &[u8], spans: &[(usize, usize)], bufs: &[Vec<u8>], case: &str) {
+        for (&(at, l), b) in spans.iter().zip(bufs) {
+            assert!(b[..] == image[at..at + l], "{at}+{l}, {case}");
+        }
+    }
+
     #[test]
     fn targets_get_their_bytes_from_the_pass_that_hashes_them() {
         // Chunks of two blocks and a short last one; targets that start and
@@ -865,18 +886,12 @@ mod tests {
         for (threads, io_chunk) in [(1, chunk), (2, chunk), (2, 2 * chunk), (3, 4 * chunk)] {
             let path = std::path::PathBuf::from("image");
             let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
-            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, l)| vec![0xee; l]).collect();
-            let targets: Vec<Target<'_>> = spans
-                .iter()
-                .zip(&mut bufs)
-                .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
-                .collect();
+            let mut bufs = bufs_for(&spans);
             let mut dst = vec![0u8; n];
+            let targets = targets_over(&spans, &mut bufs);
             let got = reader.read_verified_into(&mut dst, threads, io_chunk, targets);
             assert!(got.is_ok(), "{threads} threads, reads of {io_chunk}");
-            for (&(at, l), b) in spans.iter().zip(&bufs) {
-                assert!(b[..] == image[at..at + l], "{at}+{l}, {threads} threads");
-            }
+            assert_spans(&image, &spans, &bufs, &format!("{threads} threads"));
         }
     }
 
@@ -904,17 +919,11 @@ mod tests {
         ] {
             let path = std::path::PathBuf::from("image");
             let mut reader = ChunkReader::new(MemSource::new(&image, &path), &entry).unwrap();
-            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, l)| vec![0xee; l]).collect();
-            let targets: Vec<Target<'_>> = spans
-                .iter()
-                .zip(&mut bufs)
-                .map(|(&(at, _), b)| (at as u64, b.as_mut_slice()))
-                .collect();
+            let mut bufs = bufs_for(&spans);
+            let targets = targets_over(&spans, &mut bufs);
             let got = reader.streamed(threads, io_chunk, window, targets).unwrap();
             assert_eq!(got, crate::format::chunk_digests(&image, chunk));
-            for (&(at, l), b) in spans.iter().zip(&bufs) {
-                assert!(b[..] == image[at..at + l], "{at}+{l}, window {window}");
-            }
+            assert_spans(&image, &spans, &bufs, &format!("window {window}"));
         }
         // A target past the end is refused before anything is read.
         let path = std::path::PathBuf::from("image");
