@@ -54,13 +54,14 @@ impl Engine {
     /// (another rank's own, or a replica kept here), a replica on another
     /// node through the transport ([`Source::Peer`]), then storage (into
     /// a slot whose memory is ready, which becomes resident, else into
-    /// private memory: fresh slot memory costs more than the read). A source that is missing or fails
-    /// verification is logged, naming it, and the next one is used. An
-    /// explicit `step` that is not committed is loaded from RAM only,
-    /// checked against the quick sums or digests recorded with the image
-    /// (by its flush, by the background sums of a RAM snapshot, or at open
-    /// for one a previous process left); without a step, the newest such snapshot of
-    /// this rank (one rank only) is tried before the committed steps.
+    /// private memory: fresh slot memory costs more than the read). A
+    /// source that is missing or fails verification is logged, naming it,
+    /// and the next one is used. An explicit `step` that is not committed
+    /// is loaded from RAM only, checked against the quick sums or digests
+    /// recorded with the image (by its flush, by the background sums of a
+    /// RAM snapshot, or at open for one a previous process left); without
+    /// a step, the newest such snapshot of this rank (one rank only) is
+    /// tried before the committed steps.
     ///
     /// # Errors
     /// [`Error::NotFound`], [`Error::Corrupt`] naming the file and tensor,
@@ -1451,7 +1452,8 @@ fn read_stored(
 /// Where a storage read puts the image.
 #[derive(Clone, Copy)]
 enum Memory<'a> {
-    /// All of it in memory: a ring slot, else private memory.
+    /// All of it in memory: a ring slot whose memory is ready, else
+    /// private memory.
     Image,
     /// The tensors of the given indices of the planned header go to the
     /// caller: a ring slot whose memory is ready holds the image, else
