@@ -357,6 +357,10 @@ def test_compare_pairs_acp_with_its_floors(tmp_path: Path) -> None:
         assert all(p > 0 for p in rows[op]["paired"]), op
     # A warm load has no floor to pair with.
     assert rows["ckpt.load(into=state) from storage, warm"]["paired"] == []
+    # Each storage load's engine time and page faults are noted, in run order.
+    for cache in ("cold", "warm"):
+        note = rows[f"ckpt.load(into=state) from storage, {cache}"]["note"]
+        assert note.count(" faults") == 3, note
     # The floor of a save until committed holds the copy and the write: it is
     # longer than the copy that the stall is paired with.
     for total, stall in zip(

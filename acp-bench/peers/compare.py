@@ -52,6 +52,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -259,7 +260,7 @@ def run_acp(ctx: Ctx) -> None:
     ckpt = _acp_checkpointer(ctx, root, shm)
     pairs = _floor_pairs(ctx, ckpt.wait)
     steps = iter(range(1, 1 << 30))
-    last: dict[str, Any] = {"saves": [], "loads": []}
+    last: dict[str, Any] = {"saves": [], "loads": [], "faults": []}
 
     def save() -> dict[str, float]:
         t0 = time.perf_counter()
@@ -271,7 +272,9 @@ def run_acp(ctx: Ctx) -> None:
         return {"stall": stall, "total": total}
 
     def load(storage_only: bool) -> None:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         stats = ckpt.load(into=ctx.state, storage_only=storage_only)
+        last["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         last["source"] = stats.source
         last["loads"].append(stats)
 
@@ -327,20 +330,41 @@ def run_acp(ctx: Ctx) -> None:
                 f"; find+verify {_ms(last['loads'], 'engine_secs')}, "
                 f"copy {_ms(last['loads'], 'copy_secs')}"
             )
-        for rows in ctx.measure_loads(
-            "acp",
-            "ckpt.load(into=state) from storage",
-            lambda: load(True),
-            root,
-            "acp storage",
-            pair_cold=pairs["cold"],
-        ):
-            _note_source(rows, last, "storage")
+        last["loads"], last["faults"] = [], []
+        _note_each_load(
+            ctx.measure_loads(
+                "acp",
+                "ckpt.load(into=state) from storage",
+                lambda: load(True),
+                root,
+                "acp storage",
+                pair_cold=pairs["cold"],
+            ),
+            last,
+        )
     finally:
         ckpt.close()
         if shm:
             shutil.rmtree(shm, ignore_errors=True)
         rm(root)
+
+
+def _note_each_load(rows_by_cache: list[dict[str, Row]], last: dict[str, Any]) -> None:
+    """Notes the source of ``measure_loads``' storage rows and each load's engine time and
+    minor page faults, in run order (the cold loads ran first, then the warm ones): a slow
+    run with many faults read into memory that was new."""
+    done = 0
+    for rows in rows_by_cache:
+        _note_source(rows, last, "storage")
+        n = max((len(row.runs) for row in rows.values()), default=0)
+        loads = last["loads"][done : done + n]
+        faults = last["faults"][done : done + n]
+        done += n
+        for row in rows.values():
+            row.note += "; per run: " + ", ".join(
+                f"{(s.engine_secs or 0) * 1e3:.0f} ms/{f} faults"
+                for s, f in zip(loads, faults, strict=True)
+            )
 
 
 def _ms(stats: list[Any], attr: str) -> str:
