@@ -350,9 +350,10 @@ def run_acp(ctx: Ctx) -> None:
 
 
 def _note_each_load(rows_by_cache: list[dict[str, Row]], last: dict[str, Any]) -> None:
-    """Notes the source of ``measure_loads``' storage rows and each load's engine time and
-    minor page faults, in run order (the cold loads ran first, then the warm ones): a slow
-    run with many faults read into memory that was new."""
+    """Notes the source of ``measure_loads``' storage rows and, in run order (the cold
+    loads ran first, then the warm ones), each load's times (the engine's open, then the
+    read, check and copy) and minor page faults: a slow run with many faults read into
+    memory that was new."""
     done = 0
     for rows in rows_by_cache:
         _note_source(rows, last, "storage")
@@ -361,8 +362,8 @@ def _note_each_load(rows_by_cache: list[dict[str, Row]], last: dict[str, Any]) -
         faults = last["faults"][done : done + n]
         done += n
         for row in rows.values():
-            row.note += "; per run: " + ", ".join(
-                f"{(s.engine_secs or 0) * 1e3:.0f} ms/{f} faults"
+            row.note += "; per run, open + read and copy: " + ", ".join(
+                f"{(s.engine_secs or 0) * 1e3:.0f}+{(s.copy_secs or 0) * 1e3:.0f} ms/{f} faults"
                 for s, f in zip(loads, faults, strict=True)
             )
 
