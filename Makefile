@@ -125,9 +125,10 @@ COMPARE_ARGS ?= --size-gib 0.25 1 --repeats 5
 SCALING_ARGS ?=
 GOODPUT_ARGS ?=
 
-bench-compare: build-dev ## acp next to torch.save, safetensors, DCP, MindSpore and the raw baselines, with a verdict line per issue-16 target.
+bench-compare: build-dev ## acp next to torch.save, safetensors, DCP, MindSpore and the raw baselines, with a verdict line per issue-16 target (and a replaced node's restore).
 	$(PY) acp-bench/peers/compare.py $(COMPARE_ARGS) --out $(RESULTS)/compare
 	$(PY) acp-bench/peers/per_tensor.py --count 100000 --no-load | tee $(RESULTS)/compare/per_tensor.txt
+	$(PY) acp-bench/peers/restart.py --storage --mib 1024 --saves 1 --gap 0 --rounds 3 --out $(RESULTS)/compare/replaced_node
 
 bench-scaling: build-dev ## Stall and flush against state size and tensor count, with PNG plots.
 	$(PY) acp-bench/peers/scaling.py $(SCALING_ARGS) --out $(RESULTS)/scaling

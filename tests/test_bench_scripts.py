@@ -251,6 +251,9 @@ def test_restart_from_storage_on_a_new_ring(tmp_path: Path, fresh: bool) -> None
     md = (out / "restart.md").read_text()
     assert "load_again" in md
     assert "load / raw read, per round" in md
+    (verdict,) = [line for line in md.splitlines() if line.startswith("- 4c.")]
+    assert "target <= 1.2x" in verdict
+    assert "**met**" in verdict or "**MISSED**" in verdict
     assert not list(tmp_path.glob("acp-restart-*"))  # its roots are removed
 
 
