@@ -493,7 +493,7 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
         let pool = self.helpers(threads);
         let (free_tx, free_rx) = crossbeam_channel::unbounded::<memmap2::MmapMut>();
         for _ in 0..(pool + 2).min(jobs.len()) {
-            let buf = crate::read::image_memory(window, self.src.name())?;
+            let buf = bounce_memory(window, self.src.name())?;
             // Unreachable failure: `free_rx` is alive.
             let _ = free_tx.send(buf);
         }
@@ -604,6 +604,19 @@ fn read_size(chunk: usize, io_chunk: usize) -> Option<usize> {
         return None;
     }
     Some(chunk * (io_chunk / chunk).clamp(1, MAX_READ / chunk))
+}
+
+/// A streamed read's buffer of `len` bytes (a multiple of 4096): huge
+/// pages where the kernel allows, faulted in by the reads that land in
+/// it, not ahead of them, so that making the memory overlaps the reads in
+/// flight (fresh memory costs about as much as the read itself on a host
+/// that backs a guest's memory on first touch).
+fn bounce_memory(len: usize, what: &std::path::Path) -> Result<memmap2::MmapMut> {
+    let map =
+        memmap2::MmapMut::map_anon(len.max(4096)).map_err(|e| Error::io("allocate", what, e))?;
+    // Advice only: without huge pages the memory is the same, in 4 KiB pages.
+    let _ = map.advise(memmap2::Advice::HugePage);
+    Ok(map)
 }
 
 /// Where verified file bytes are copied: `(offset in the file, memory)`.
