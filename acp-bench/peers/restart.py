@@ -106,9 +106,7 @@ def life(a: argparse.Namespace) -> None:
     first = 0
     if a.life == "restart":
         out["cache"] = drop_caches([a.root]) if a.storage else "warm"
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        stats, out["load"] = restore(a, ckpt, None, into, state)
-        out["load_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        stats, out["load"], out["load_faults"] = restore(a, ckpt, None, into, state)
         out["source"] = stats.source
         first = stats.step
         if a.storage:
@@ -131,27 +129,29 @@ def life(a: argparse.Namespace) -> None:
 
 def restore(
     a: argparse.Namespace, ckpt: Any, step: int | None, into: dict[str, Any], state: dict[str, Any]
-) -> tuple[Any, float]:
+) -> tuple[Any, float, int]:
     """Loads ``step`` (the newest: None; else from storage) into ``into``, or with ``--fresh``
-    as a fresh state (``ckpt.load()``); returns the load's stats and seconds. Then, untimed,
-    checks what it restored against ``state`` (a fresh state is dropped after)."""
+    as a fresh state (``ckpt.load()``); returns the load's stats, seconds and minor page
+    faults. Then, neither timed nor counted, checks what it restored against ``state`` (a
+    fresh state is dropped after)."""
     import torch
 
     storage_only = step is not None
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     if a.fresh:
         got = ckpt.load(step, storage_only=storage_only)
-        secs = time.perf_counter() - t0
-        same = all(torch.equal(got[k], state[k]) for k in state)
-        del got
-        stats = ckpt.last_load
     else:
-        stats = ckpt.load(step, into=into, storage_only=storage_only)
-        secs = time.perf_counter() - t0
-        same = all(torch.equal(into[k], state[k]) for k in state)
+        got = into
+        ckpt.load(step, into=into, storage_only=storage_only)
+    secs = time.perf_counter() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    stats = ckpt.last_load
+    same = all(torch.equal(got[k], state[k]) for k in state)
+    del got
     if not same:
         raise SystemExit("restored state differs from the saved one")
-    return stats, secs
+    return stats, secs, faults
 
 
 def storage_again(
@@ -166,9 +166,7 @@ def storage_again(
     installed), as compare.py pairs its cold restores."""
     out: dict[str, Any] = {}
     drop_caches([a.root])
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    _, out["load_again"] = restore(a, ckpt, step, into, state)
-    out["load_again_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    _, out["load_again"], out["load_again_faults"] = restore(a, ckpt, step, into, state)
     raw = direct_read(max(files_under([a.root]), key=os.path.getsize))
     out["raw_read"] = raw.secs
     out["raw_read_tool"] = raw.tool
