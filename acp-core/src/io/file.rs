@@ -258,44 +258,14 @@ where
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let len = meta.len();
     let n = usize::try_from(len).map_err(|_| too_big(path, len, dst.len()))?;
-    read_part(file, path, 0, n, dst, opts, chunks).map(|()| len)
+    read_range(file, path, 0, n, dst, opts, chunks).map(|()| len)
 }
 
-/// The read skeleton of [`read_file`] over the `len` bytes of `file` from
-/// `offset` on (a multiple of [`ALIGN`]), read into the start of `dst`:
-/// the caller knows the file holds them (a shorter file fails the read).
+/// The read skeleton of [`read_file`] over the `n` bytes of `file` from
+/// `base` on (a multiple of [`ALIGN`]), read into the start of `dst`
+/// under the `O_DIRECT` policy, which it leaves as it found it: the caller
+/// knows the file holds them (a shorter file fails the read).
 pub(super) fn read_range<'a, F>(
-    file: &File,
-    path: &Path,
-    offset: u64,
-    len: usize,
-    dst: &'a mut [u8],
-    opts: &IoOpts,
-    chunks: F,
-) -> Result<()>
-where
-    F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
-{
-    check_opts(opts)?;
-    if offset % ALIGN as u64 != 0 {
-        return Err(Error::invalid(
-            format!("read {}", path.display()),
-            format!("offset {offset} is not a multiple of 4096"),
-        ));
-    }
-    read_part(file, path, offset, len, dst, opts, chunks)
-}
-
-fn too_big(path: &Path, len: u64, room: usize) -> Error {
-    Error::invalid(
-        format!("read {}", path.display()),
-        format!("{len} bytes (rounded up to 4096) do not fit in a {room} byte buffer"),
-    )
-}
-
-/// Reads the `n` bytes of `file` at `base` into the start of `dst` with
-/// `chunks`, under the `O_DIRECT` policy, which it leaves as it found it.
-fn read_part<'a, F>(
     file: &File,
     path: &Path,
     base: u64,
@@ -307,6 +277,13 @@ fn read_part<'a, F>(
 where
     F: FnOnce(&File, &'a mut [u8], Geometry) -> Result<()>,
 {
+    check_opts(opts)?;
+    if base % ALIGN as u64 != 0 {
+        return Err(Error::invalid(
+            format!("read {}", path.display()),
+            format!("offset {base} is not a multiple of 4096"),
+        ));
+    }
     let padded = round_up(n)
         .filter(|&p| p <= dst.len())
         .ok_or_else(|| too_big(path, n as u64, dst.len()))?;
@@ -325,6 +302,13 @@ where
         sys::clear_direct(file).map_err(|e| Error::io("fcntl", path, e))?;
     }
     read
+}
+
+fn too_big(path: &Path, len: u64, room: usize) -> Error {
+    Error::invalid(
+        format!("read {}", path.display()),
+        format!("{len} bytes (rounded up to 4096) do not fit in a {room} byte buffer"),
+    )
 }
 
 #[cfg(test)]
