@@ -169,3 +169,28 @@ def test_a_device_or_strided_target_reads_the_image_then_copies(make_ckpt: MakeC
     stats = ckpt.load(3, into=into, storage_only=True)
     assert stats.source == "storage"
     assert same(into, saved)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_restored", "off"])
+def test_a_new_nodes_restore_is_resident_again_for_the_next_restart(
+    make_ckpt: MakeCkpt, tmp_path: Path, keep: bool
+) -> None:
+    # The job saved on another node: this node's ring is empty.
+    (tmp_path / "other-node").mkdir()
+    first = make_ckpt(shm_dir=tmp_path / "other-node", release_on_close=True)
+    first.save(1, state(1)).wait()
+    first.close()
+    # The replaced node restores from storage, streamed into the tensors.
+    node = make_ckpt(keep_restored=keep)
+    into = template()
+    assert node.load(into=into).source == "storage"
+    assert same(into, state(1))
+    node.wait()
+    assert node.snapshots() == ([1] if keep else [])
+    # It dies before its next save; its successor on the node restores
+    # from RAM when the step was kept, else from storage again.
+    node.close()
+    again = make_ckpt()
+    into = template()
+    assert again.load(into=into).source == ("ram" if keep else "storage")
+    assert same(into, state(1))

@@ -176,6 +176,7 @@ pub struct EngineConfig {
     pub(crate) keep_every: Option<u64>,
     pub(crate) persist_on_open: bool,
     pub(crate) release_on_close: bool,
+    pub(crate) keep_restored: bool,
     pub(crate) shm_ttl: Duration,
     pub(crate) stall_timeout: Duration,
     pub(crate) commit_timeout: Duration,
@@ -249,6 +250,7 @@ impl EngineConfig {
             keep_every: None,
             persist_on_open: true,
             release_on_close: false,
+            keep_restored: true,
             shm_ttl: DEFAULT_SHM_TTL,
             stall_timeout: Duration::from_secs(300),
             commit_timeout: Duration::from_secs(600),
@@ -495,6 +497,19 @@ impl EngineConfig {
     #[must_use]
     pub fn with_release_on_close(mut self, release: bool) -> Self {
         self.release_on_close = release;
+        self
+    }
+
+    /// Whether a step this rank restored from storage without a ring slot
+    /// ready for it (a new node's ring: the file was streamed into the
+    /// caller's tensors, or read into private memory) is read again into a
+    /// ring slot in the background, on the flush thread, so that it is
+    /// resident until the next save and a crash before then restores it
+    /// from RAM. Skipped when a newer image is sealed first. Default true;
+    /// false saves that second read of the file.
+    #[must_use]
+    pub fn with_keep_restored(mut self, keep: bool) -> Self {
+        self.keep_restored = keep;
         self
     }
 

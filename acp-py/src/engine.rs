@@ -117,7 +117,7 @@ impl Engine {
         shm_dir=None, mlock=None, copy_threads=None, chunk_bytes=None, queue_depth=None,
         io=None, direct_io=None, on_full=None, full_timeout=None, verify=None,
         keep_last=None, keep_every=None, persist_on_open=None, stall_timeout=None,
-        commit_timeout=None, faults=None, release_on_close=None, shm_ttl=None,
+        commit_timeout=None, faults=None, release_on_close=None, keep_restored=None, shm_ttl=None,
         persist_every=None, persist_interval=None, persist_policy=None, background_nice=None,
         replicas_held=None, compress=None, compress_level=None, incremental=None,
     ))]
@@ -150,6 +150,7 @@ impl Engine {
         commit_timeout: Option<f64>,
         faults: Option<Bound<'_, PyAny>>,
         release_on_close: Option<bool>,
+        keep_restored: Option<bool>,
         shm_ttl: Option<f64>,
         persist_every: Option<u64>,
         persist_interval: Option<f64>,
@@ -257,6 +258,9 @@ impl Engine {
         }
         if let Some(v) = release_on_close {
             c = c.with_release_on_close(v);
+        }
+        if let Some(v) = keep_restored {
+            c = c.with_keep_restored(v);
         }
         if let Some(v) = shm_ttl {
             c = c.with_shm_ttl(seconds("shm_ttl", v)?);

@@ -100,6 +100,7 @@ class Engine:
         commit_timeout: float | None = None,
         faults: FaultInjector | None = None,
         release_on_close: bool | None = None,
+        keep_restored: bool | None = None,
         shm_ttl: float | None = None,
         persist_every: int | None = None,
         persist_interval: float | None = None,

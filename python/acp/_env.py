@@ -180,6 +180,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("stall_timeout", _seconds()),
     Var("commit_timeout", _seconds()),
     Var("release_on_close", _flag),
+    Var("keep_restored", _flag),
     Var("shm_ttl", _seconds(zero=True)),
     Var("persist_every", _integer(1)),
     Var("persist_interval", _seconds()),

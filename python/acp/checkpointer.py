@@ -185,6 +185,12 @@ class Checkpointer:
             ``ACP_RELEASE_ON_CLOSE``: the newest step stays resident for a
             fast restart and for ``acp persist``). A ring holding the only
             copy of a step is kept.
+        keep_restored: after a restore from storage that no ring slot was
+            ready for (a new node: the file was streamed into the tensors),
+            read the step again into a ring slot in the background, so that
+            it is resident and a crash before the next save restores it from
+            RAM (default True, or ``ACP_KEEP_RESTORED``; skipped when a
+            newer step is saved first). False saves that second read.
         shm_ttl: seconds after which opening removes the rings of other
             jobs of this user that no process holds and whose steps are all
             committed (default 24 h; 0 turns it off; see ``acp gc --shm``).
@@ -278,6 +284,7 @@ class Checkpointer:
         replica_group: Sequence[int] | None = None,
         store: Store | None = None,
         release_on_close: bool | None = None,
+        keep_restored: bool | None = None,
         shm_ttl: float | None = None,
         persist_every: int | None = None,
         persist_interval: float | None = None,
@@ -345,6 +352,7 @@ class Checkpointer:
             commit_timeout=commit_timeout,
             faults=faults,
             release_on_close=release_on_close,
+            keep_restored=keep_restored,
             shm_ttl=shm_ttl,
             persist_every=persist_every,
             persist_interval=persist_interval,

@@ -88,6 +88,9 @@ pub(super) enum Work {
     Persist(Job),
     /// Hash the RAM snapshot waiting to be hashed (`hash.rs`), if any.
     Hash,
+    /// Read the restored step waiting to be made resident again into a
+    /// slot (`reside.rs`), if any.
+    Reside,
 }
 
 /// The flush thread's loop: one piece of work at a time, in order, until
@@ -111,6 +114,10 @@ pub(super) fn run(shared: &Shared, rx: &Receiver<Work>) {
             Work::Persist(job) => Some(job),
             Work::Hash => {
                 super::hash::hash_waiting(shared);
+                None
+            }
+            Work::Reside => {
+                super::reside::reside_waiting(shared);
                 None
             }
         };

@@ -63,9 +63,15 @@ pub(super) fn hash_waiting(shared: &Shared) {
 }
 
 impl EngineState {
-    /// Whether no flush and no hash is queued or running.
+    /// Whether no flush, no hash and no re-read of a restored step
+    /// (`reside.rs`) is queued or running.
     pub(super) fn idle(&self) -> bool {
-        self.in_flight == 0 && !self.hash_woken && !self.hashing && !self.unsettled
+        self.in_flight == 0
+            && !self.hash_woken
+            && !self.hashing
+            && !self.reside_woken
+            && !self.residing
+            && !self.unsettled
     }
 }
 

@@ -1088,10 +1088,13 @@ fn load_step(
 /// After a load of this rank's `file` that found no ring slot ready for
 /// it (a new node's ring) and read it elsewhere: the next saves are
 /// likely of its size, so the free slots grow in the background, once the
-/// load is done, rather than in the first saves' stalls.
+/// load is done, rather than in the first saves' stalls; and the step is
+/// read again into one of them, so that it is resident until the next
+/// save (`reside.rs`).
 fn grow_slots_after(engine: &Engine, file: &StoredFile, ck: &Checkpoint) {
     if file.own && matches!(ck.backing, Backing::Heap(..)) {
         engine.inner.warm.saw(file.entry.size);
+        engine.keep_restored(file);
     }
 }
 
@@ -1195,23 +1198,48 @@ fn image_header(
 /// A committed data file, opened and sized, that a load reads from
 /// storage.
 #[derive(Debug)]
-struct StoredFile {
-    step: u64,
+pub(super) struct StoredFile {
+    pub(super) step: u64,
     /// Whether it is this engine's rank's file (which a ring slot may hold).
-    own: bool,
+    pub(super) own: bool,
     /// Its name in the step directory.
     name: String,
-    path: PathBuf,
+    pub(super) path: PathBuf,
     file: File,
-    entry: FileEntry,
+    pub(super) entry: FileEntry,
     expected: Expected,
     /// Why a resident copy was found but not used.
     rejected: Option<String>,
 }
 
+impl StoredFile {
+    /// The same file through another handle of it, for a read after this
+    /// load (`reside.rs`); `None`, logged, when the handle cannot be
+    /// duplicated.
+    pub(super) fn reopened(&self) -> Option<StoredFile> {
+        let file = match self.file.try_clone() {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!(path = %self.path.display(), "acp: not kept resident: {e}");
+                return None;
+            }
+        };
+        Some(StoredFile {
+            step: self.step,
+            own: self.own,
+            name: self.name.clone(),
+            path: self.path.clone(),
+            file,
+            entry: self.entry.clone(),
+            expected: self.expected.clone(),
+            rejected: None,
+        })
+    }
+}
+
 /// Runs `f` on a verified reader of `stored`: through the I/O engine for
 /// a plain file, through its decoded frames for a compressed one.
-fn with_reader<T>(
+pub(super) fn with_reader<T>(
     shared: &Shared,
     stored: &StoredFile,
     f: &mut dyn FnMut(&mut dyn VerifiedRead) -> Result<T>,
@@ -1245,7 +1273,7 @@ fn with_reader<T>(
 }
 
 /// What a load needs of a [`ChunkReader`], whatever its source.
-trait VerifiedRead {
+pub(super) trait VerifiedRead {
     fn header(&mut self) -> Result<ParsedHeader>;
     fn read_verified_streamed(
         &mut self,
@@ -1684,7 +1712,7 @@ pub(super) fn slot_matches_entry(
 }
 
 /// What the index says of one data file, checked against its header.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Expected {
     /// The tensors the index maps to the file, sorted.
     tensors: Vec<String>,

@@ -100,6 +100,7 @@ mod ranks;
 pub(crate) mod reclaim;
 mod release;
 mod replicate;
+mod reside;
 pub(crate) mod retention;
 mod save;
 mod stage;
@@ -183,22 +184,36 @@ impl Engine {
     /// Wakes the flush thread to hash the RAM snapshot waiting to be
     /// hashed ([`Shared::want_hash`]); nothing when the engine is closed.
     fn wake_hasher(&self) {
+        self.wake(flush::Work::Hash, |st| {
+            st.hash_woken = false;
+            st.to_hash = None;
+        });
+    }
+
+    /// Wakes the flush thread to read the restored step waiting to be
+    /// made resident again (`reside.rs`); nothing when the engine is
+    /// closed.
+    fn wake_resider(&self) {
+        self.wake(flush::Work::Reside, |st| {
+            st.reside_woken = false;
+            st.to_reside = None;
+        });
+    }
+
+    /// Sends `work` to the flush thread; when its queue is closed (a
+    /// closed engine: nothing will do the work, and nothing waits for
+    /// it), `forget`s it in the state instead.
+    fn wake(&self, work: flush::Work, forget: impl FnOnce(&mut state::EngineState)) {
         let tx = self
             .inner
             .tx
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let sent = tx
-            .as_ref()
-            .is_some_and(|tx| tx.send(flush::Work::Hash).is_ok());
+        let sent = tx.as_ref().is_some_and(|tx| tx.send(work).is_ok());
+        drop(tx);
         if !sent {
-            // A closed queue means a closed engine: nothing will hash it,
-            // and nothing waits for it.
             let shared = self.shared();
-            let mut st = shared.lock();
-            st.hash_woken = false;
-            st.to_hash = None;
-            drop(st);
+            forget(&mut shared.lock());
             shared.idle.notify_all();
         }
     }

@@ -100,6 +100,14 @@ pub(super) struct EngineState {
     pub(super) hash_woken: bool,
     /// Whether the flush thread is hashing a RAM snapshot now.
     pub(super) hashing: bool,
+    /// A step a load read from storage with no ring slot ready for it,
+    /// waiting for the flush thread to read it again into a slot
+    /// (`reside.rs`); a newer load's takes its place.
+    pub(super) to_reside: Option<super::reside::Reside>,
+    /// Whether a wake-up for `to_reside` is queued to the flush thread.
+    pub(super) reside_woken: bool,
+    /// Whether the flush thread is reading such a step into a slot now.
+    pub(super) residing: bool,
     /// Whether a commit left housekeeping (`Storage::settle`) that the
     /// flush thread has not done yet: it does it when it has no save
     /// queued, so a save that follows at once is not delayed by it.

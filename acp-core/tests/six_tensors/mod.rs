@@ -16,9 +16,13 @@ pub(crate) const CHUNK: usize = 1 << 20;
 pub(crate) const TENSORS: usize = 6;
 pub(crate) const TENSOR_BYTES: usize = 4 << 20;
 
-/// An engine's settings over `root` with its ring in `shm`.
+/// An engine's settings over `root` with its ring in `shm`. A restore
+/// from storage is not read again into a slot afterwards
+/// (`with_keep_restored(false)`): these suites check what the load itself
+/// leaves resident; `keep_restored.rs` turns it on.
 pub(crate) fn config(root: &Path, shm: &Path, io: IoChoice, threads: usize) -> EngineConfig {
     EngineConfig::new(root)
+        .with_keep_restored(false)
         .with_shm_dir(shm)
         .with_job("six-tensors")
         .with_ring_bytes(64 << 20)

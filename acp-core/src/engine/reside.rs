@@ -1,0 +1,151 @@
+//! Making a step restored from storage resident again.
+//!
+//! A load from storage lands in a ring slot only when one is ready for the
+//! image (`load.rs`, `read_stored`): on a new node's ring, fresh slot
+//! memory costs more than the read, so the file is streamed into the
+//! caller's tensors, or read into private memory, and no slot holds the
+//! step. Until the next save, a crash would then restore from storage
+//! again. So, after such a load of this rank's own file, the flush thread
+//! reads the file once more into a slot (growing it if the slot warming
+//! has not yet), checks every chunk against the index as any read does,
+//! takes the chunks' quick sums for the next load from RAM, and marks the
+//! slot `Persisted` with the step's digests: the step is resident again,
+//! as a load from a ready slot would have left it.
+//!
+//! It runs behind any persist already queued, at the flush thread's lower
+//! priority, on one thread, and only while nothing newer is in the ring: a
+//! save sealed before it starts (or before it ends) makes it moot, and the
+//! slot goes back to the ring unsealed. A failed read is logged and leaves
+//! nothing behind: the step is still on storage, which is where the load
+//! found it. [`Engine::wait_idle`](super::Engine::wait_idle) waits for it;
+//! a close skips one that has not started.
+
+use std::time::Instant;
+
+use super::load::StoredFile;
+use super::state::Shared;
+use super::Engine;
+use crate::error::Result;
+use crate::staging::SlotState;
+
+/// A restored step waiting to be read again into a slot.
+#[derive(Debug)]
+pub(super) struct Reside {
+    file: StoredFile,
+    /// When its load finished, for the log.
+    since: Instant,
+}
+
+impl Engine {
+    /// After a load of this rank's `file` from storage that no ring slot
+    /// held: asks the flush thread to read it again into a slot, unless
+    /// `keep_restored` is off, the image cannot fit a slot, its chunks are
+    /// not the ring's, or the ring has a single slot (a save would then
+    /// wait for it).
+    pub(super) fn keep_restored(&self, file: &StoredFile) {
+        let shared = self.shared();
+        if !shared.cfg.keep_restored
+            || !file.own
+            || shared.cfg.ring_slots < 2
+            || file.entry.size > shared.ring.max_image_bytes()
+            // The ring records digests and sums per chunk of its own size.
+            || file.entry.chunk_bytes != shared.cfg.chunk_bytes as u64
+        {
+            return;
+        }
+        let Some(file) = file.reopened() else {
+            return;
+        };
+        let wake = {
+            let mut st = shared.lock();
+            if st.closed {
+                return;
+            }
+            st.to_reside = Some(Reside {
+                file,
+                since: Instant::now(),
+            });
+            !std::mem::replace(&mut st.reside_woken, true)
+        };
+        if wake {
+            self.wake_resider();
+        }
+    }
+}
+
+/// The flush thread's turn at the restored step waiting to be made
+/// resident, if any (a wake-up may find it taken by an earlier one).
+pub(super) fn reside_waiting(shared: &Shared) {
+    let next = {
+        let mut st = shared.lock();
+        st.reside_woken = false;
+        let next = st.to_reside.take().filter(|_| !st.closed);
+        st.residing = next.is_some();
+        next
+    };
+    if let Some(r) = next {
+        let step = r.file.step;
+        match reside(shared, &r) {
+            Ok(true) => tracing::debug!(
+                step,
+                secs = r.since.elapsed().as_secs_f64(),
+                "acp: the restored step is resident again"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                step,
+                "acp: the restored step stays on storage only (reading it again into RAM failed): {e}"
+            ),
+        }
+        let mut st = shared.lock();
+        st.residing = false;
+        st.progress = None;
+        drop(st);
+        shared.idle.notify_all();
+    }
+}
+
+/// Whether an image newer than `step`, or `step` itself, is in the ring
+/// or has been sealed by a save.
+fn superseded(shared: &Shared, step: u64) -> bool {
+    let sealed = shared
+        .lock()
+        .counts
+        .newest_snapshot
+        .is_some_and(|(s, _)| s >= step);
+    sealed || shared.ring.complete().iter().any(|s| s.step >= step)
+}
+
+/// Reads `r`'s file into a slot and seals it there; `Ok(false)` when
+/// that became moot (a newer image) or no slot is free.
+fn reside(shared: &Shared, r: &Reside) -> Result<bool> {
+    let file = &r.file;
+    let (step, size) = (file.step, file.entry.size);
+    if superseded(shared, step) {
+        return Ok(false);
+    }
+    shared.note_progress(format!(
+        "step {step}: reading {} again into a ring slot",
+        file.path.display()
+    ));
+    // A free slot (grown now when the warming has not grown it yet), else
+    // the oldest persisted one: nothing in the ring is newer (above).
+    let Some(mut slot) = shared.ring.acquire(size, None)? else {
+        return Ok(false);
+    };
+    let chunk = super::to_usize(file.entry.chunk_bytes);
+    let io_chunk = shared.io_opts.chunk_bytes;
+    let digests = super::load::with_reader(shared, file, &mut |reader| {
+        reader.read_verified_into(slot.image_mut(), 1, io_chunk, Vec::new())
+    })?;
+    let sums = crate::read::chunk_sums(&slot.image_mut()[..super::to_usize(size)], chunk, 1);
+    if superseded(shared, step) {
+        // A save sealed meanwhile: dropped unsealed, the slot is free.
+        return Ok(false);
+    }
+    let pin = slot.seal(step, size);
+    shared.ring.set_digests(pin.slot(), &digests);
+    shared.ring.record_quick_sums(pin.slot(), &digests, &sums);
+    shared.ring.set_state(pin.slot(), SlotState::Persisted);
+    Ok(true)
+}

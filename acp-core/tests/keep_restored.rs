@@ -1,0 +1,152 @@
+//! A step restored from storage on a ring with no slot ready for it (a new
+//! node's: the file is streamed into the caller's tensors, or read into
+//! private memory) is read again into a ring slot in the background
+//! (`EngineConfig::with_keep_restored`, on by default), plain and
+//! compressed:
+//! - once the engine is idle the step is resident, and a restarted
+//!   process on the node restores it from RAM, verified, bit-exact;
+//! - a save sealed right after the restore is the newest resident step,
+//!   whatever the re-read did;
+//! - a re-read that fails leaves nothing resident and raises nothing: the
+//!   load had succeeded, and the step is still on storage;
+//! - with `keep_restored` off, nothing becomes resident.
+//!
+//! (The fixture's engines have it off; these turn it on.)
+
+#![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use acp_core::storage::faults::FaultInjector;
+use acp_core::{Compress, Engine, IoChoice, LoadRequest, Source};
+
+mod six_tensors;
+use six_tensors::{committed, config, fresh_engine, name, save_six, tensor, TENSORS, TENSOR_BYTES};
+
+fn step1(storage_only: bool) -> LoadRequest {
+    LoadRequest {
+        step: Some(1),
+        storage_only,
+        ..LoadRequest::default()
+    }
+}
+
+/// Loads step 1 per `req` into fresh buffers, checks every byte, and
+/// returns where it came from.
+fn restore_into(engine: &Engine, req: &LoadRequest, what: &str) -> Source {
+    let names: Vec<String> = (0..TENSORS).map(name).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..TENSORS).map(|_| vec![0xee; TENSOR_BYTES]).collect();
+    let mut into: Vec<(&str, &mut [u8])> = names
+        .iter()
+        .map(String::as_str)
+        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+        .collect();
+    let ck = engine.load_into(req, &mut into).unwrap();
+    assert!(ck.report().verified, "{what}");
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(*b == tensor(i), "{what}: w.{i}");
+    }
+    ck.report().source
+}
+
+/// An engine on the ring in `dir/shm-{tag}` (made by [`fresh_engine`]),
+/// as a restarted process on the same node opens it.
+fn reopen(root: &Path, dir: &Path, tag: &str) -> Engine {
+    Engine::open(config(
+        root,
+        &dir.join(format!("shm-{tag}")),
+        IoChoice::Auto,
+        2,
+    ))
+    .unwrap()
+}
+
+#[test]
+fn a_restore_on_a_new_node_is_resident_again_and_a_restart_restores_it_from_ram() {
+    let dir = tempfile::tempdir().unwrap();
+    for compress in [Compress::None, Compress::Zstd] {
+        let (root, _) = committed(dir.path(), compress);
+        for into in [true, false] {
+            let tag = format!("{compress:?}-{into}");
+            let case = format!("{compress:?}, into={into}");
+            let engine = fresh_engine(&root, dir.path(), &tag, |c| c.with_keep_restored(true));
+            if into {
+                assert_eq!(restore_into(&engine, &step1(false), &case), Source::Storage);
+            } else {
+                let ck = engine.load(&step1(false)).unwrap();
+                assert_eq!(ck.report().source, Source::Storage, "{case}");
+                for i in 0..TENSORS {
+                    assert!(ck.tensor(&name(i)).unwrap().data == tensor(i), "{case}");
+                }
+            }
+            engine.wait_idle(None).unwrap();
+            assert_eq!(engine.resident_steps(), vec![1], "{case}");
+            // The process ends before its next save; its successor on
+            // the node restores the step from RAM.
+            engine.close().unwrap();
+            drop(engine);
+            let engine = reopen(&root, dir.path(), &tag);
+            assert_eq!(engine.resident_steps(), vec![1], "{case}");
+            let what = format!("{case}, restarted");
+            assert_eq!(restore_into(&engine, &step1(false), &what), Source::Ram);
+            engine.close().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_save_right_after_the_restore_is_the_newest_resident_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, _) = committed(dir.path(), Compress::None);
+    let engine = fresh_engine(&root, dir.path(), "save", |c| c.with_keep_restored(true));
+    assert_eq!(
+        restore_into(&engine, &step1(false), "restore"),
+        Source::Storage
+    );
+    let data: Vec<Vec<u8>> = (0..TENSORS).map(|i| tensor((i + 1) % TENSORS)).collect();
+    save_six(&engine, 2, &data);
+    engine.wait_idle(None).unwrap();
+    let resident = engine.resident_steps();
+    assert_eq!(resident.first(), Some(&2), "{resident:?}");
+    let ck = engine.load(&LoadRequest::default()).unwrap();
+    assert_eq!((ck.step(), ck.report().source), (2, Source::Ram));
+    assert!(ck.tensor(&name(0)).unwrap().data == data[0]);
+    drop(ck);
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_reread_that_fails_leaves_nothing_resident_and_raises_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, _) = committed(dir.path(), Compress::None);
+    let with_faults = |tag: &str, faults: &Arc<FaultInjector>, keep: bool| {
+        fresh_engine(&root, dir.path(), tag, |c| {
+            c.with_faults(Arc::clone(faults)).with_keep_restored(keep)
+        })
+    };
+    // The storage operations of the restore alone.
+    let counter = Arc::new(FaultInjector::counting());
+    let probe = with_faults("probe", &counter, false);
+    let before = counter.ops();
+    assert_eq!(
+        restore_into(&probe, &step1(false), "probe"),
+        Source::Storage
+    );
+    let ops = counter.ops() - before;
+    probe.wait_idle(None).unwrap();
+    assert!(probe.resident_steps().is_empty(), "keep_restored off");
+    probe.close().unwrap();
+    // Every operation after the restore's fails: the re-read's.
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = with_faults("fail", &faults, true);
+    faults.arm(ops, libc::EIO, true);
+    assert_eq!(
+        restore_into(&engine, &step1(false), "restore"),
+        Source::Storage
+    );
+    engine.wait_idle(None).unwrap();
+    assert!(faults.ops() > ops, "the re-read was tried");
+    assert!(engine.resident_steps().is_empty());
+    engine.close().unwrap();
+}
