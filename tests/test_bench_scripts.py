@@ -257,6 +257,33 @@ def test_restart_from_storage_on_a_new_ring(tmp_path: Path, fresh: bool) -> None
     assert not list(tmp_path.glob("acp-restart-*"))  # its roots are removed
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_restored", "off"])
+def test_restart_after_a_crash_right_after_a_new_nodes_restore(tmp_path: Path, keep: bool) -> None:
+    """restart.py --storage --crash-after-restore: the replaced node restores from storage,
+    waits until idle and dies before any save; a third process restores from RAM when the
+    step was kept resident again (keep_restored, the default), else from storage."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(PEERS / "restart.py"), "--mib", "8", "--rounds", "1"]
+    cmd += ["--saves", "1", "--gap", "0", "--storage", "--crash-after-restore"]
+    cmd += ["--dir", str(tmp_path), "--out", str(out)]
+    cmd += [] if keep else ["--no-keep-restored"]
+    env = {**os.environ, "PYTHONWARNINGS": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (round_,) = json.loads((out / "restart.json").read_text())["rounds"]
+    node, again = round_["restart"], round_["again"]
+    assert node["source"] == "storage"
+    assert node["resident"] is keep
+    assert node["idle_after"] >= 0
+    assert again["source"] == ("ram" if keep else "storage")
+    assert again["load"] > 0
+    assert len(again["stalls"]) == 1
+    md = (out / "restart.md").read_text()
+    assert f"| replaced node | step resident when idle | {int(keep)} of 1 rounds |" in md
+    assert "the next restore took" in md
+    assert not list(tmp_path.glob("acp-restart-*"))
+
+
 def test_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, str(PEERS / "overhead.py"), "--quick", "--out", str(out)]

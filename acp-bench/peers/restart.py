@@ -6,6 +6,7 @@
     python acp-bench/peers/restart.py --python /other/build/.venv/bin/python   # another build
     python acp-bench/peers/restart.py --storage --saves 1 --gap 0   # a replaced node: from storage
     python acp-bench/peers/restart.py --storage --fresh   # the same, restoring a fresh state
+    python acp-bench/peers/restart.py --storage --crash-after-restore   # and a crash after it
 
 Each round runs two processes on a fresh checkpoint root and ring, as a job and its
 restart would. The first opens a ``Checkpointer`` (default settings but the ring: ``--slots``
@@ -32,6 +33,14 @@ issue 16's target 4 (at most 1.2x) in a verdict line.
 With ``--fresh`` the restart's loads return a fresh state (``state = ckpt.load()``, as a
 trainer that then calls ``model.load_state_dict(state)`` does) instead of filling tensors it
 has (``load(into=)``); each is checked against the saved state and dropped, untimed.
+
+With ``--crash-after-restore`` (and ``--storage``) the replaced node's process dies right
+after its restore, before any save: it restores, waits until the engine is idle (the
+restored step read again into a ring slot in the background, unless ``keep_restored`` is
+off: timed from the restore's end, and whether the step is then resident), and exits. A
+third process opens the same ring and restores the newest step as the restart does without
+``--storage`` (from RAM when the step was kept, else from storage again, cache dropped), then
+saves. ``--no-keep-restored`` runs the same with ``keep_restored=False``.
 """
 
 from __future__ import annotations
@@ -58,8 +67,26 @@ GIB = 1 << 30
 TARGET_4 = 1.2
 
 
+def memcpy_floor(state: dict[str, Any]) -> float:
+    """The median of three plain copies of every tensor of ``state`` into buffers written
+    once before (as a warm slot is): the memcpy floor of a save, in seconds."""
+    import torch
+
+    floor_buf = [torch.empty_like(t) for t in state.values()]
+    for b in floor_buf:
+        b.fill_(0)
+    copies = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, s in zip(floor_buf, state.values(), strict=True):
+            d.copy_(s)
+        copies.append(time.perf_counter() - t0)
+    return statistics.median(copies)
+
+
 def life(a: argparse.Namespace) -> None:
-    """One process of a round: ``--life first`` or ``--life restart``; prints one JSON line."""
+    """One process of a round: ``--life first``, ``restart`` or ``again`` (the process after
+    a crash right after a restart's restore); prints one JSON line."""
     import torch
 
     import acp
@@ -69,26 +96,17 @@ def life(a: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(7)
     state = {f"t{i}": torch.randn(numel, generator=gen) for i in range(a.tensors)}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    floor_buf = [torch.empty_like(t) for t in state.values()]
-    for b in floor_buf:
-        b.fill_(0)  # written once: the floor copies into touched memory, as a warm slot is
-    copies = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for d, s in zip(floor_buf, state.values(), strict=True):
-            d.copy_(s)
-        copies.append(time.perf_counter() - t0)
-    del floor_buf
-    out: dict[str, Any] = {"memcpy": statistics.median(copies), "bytes": nbytes}
+    out: dict[str, Any] = {"memcpy": memcpy_floor(state), "bytes": nbytes}
     # Built before the open, as a training script builds its model and optimizer and then
     # opens the checkpointer and restores at once. Written once, so the restore copies into
     # memory the kernel has backed, as into a built model's parameters. (Fresh tensors,
     # from empty_like or even zeros_like, may be pages backed only when first written: a
     # restore into them pays that first touch too, several times its own time on this VM.)
-    into = (
-        {k: torch.empty_like(v).fill_(0.5) for k, v in state.items()} if a.life == "restart" else {}
-    )
-    if a.life == "restart" and a.saves % 2:
+    restarted = a.life in ("restart", "again")
+    # The replaced node's restore (from storage, on a new ring); not the third life's.
+    storage = a.storage and a.life == "restart"
+    into = {k: torch.empty_like(v).fill_(0.5) for k, v in state.items()} if restarted else {}
+    if restarted and a.saves % 2:
         for t in state.values():
             t.neg_()  # as the first life's last save left it
     t0 = time.perf_counter()
@@ -101,15 +119,24 @@ def life(a: argparse.Namespace) -> None:
         # bytes per tensor), and alignment: 8 MiB and 256 bytes per tensor.
         ring_bytes=a.slots * (nbytes + (8 << 20) + 256 * a.tensors),
         keep_last=2,
+        keep_restored=not a.no_keep_restored,
     )
     out["open"] = time.perf_counter() - t0
     first = 0
-    if a.life == "restart":
-        out["cache"] = drop_caches([a.root]) if a.storage else "warm"
+    if restarted:
+        # The third life finds the step in RAM, or reads it from storage again (cold).
+        out["cache"] = drop_caches([a.root]) if storage or a.life == "again" else "warm"
         stats, out["load"], out["load_faults"] = restore(a, ckpt, None, into, state)
         out["source"] = stats.source
         first = stats.step
-        if a.storage:
+        if storage and a.crash_after_restore:
+            t0 = time.perf_counter()
+            ckpt.wait()
+            out["idle_after"] = time.perf_counter() - t0
+            out["resident"] = first in ckpt.snapshots()
+            print(json.dumps(out), flush=True)
+            os._exit(0)  # dies before any save: the ring stays
+        if storage:
             out.update(storage_again(a, ckpt, first, into, state))
     stalls = []
     h = None
@@ -195,6 +222,8 @@ def run_life(a: argparse.Namespace, which: str, root: str, shm: str) -> dict[str
         str(a.gap),
         *(["--storage"] if a.storage else []),
         *(["--fresh"] if a.fresh else []),
+        *(["--crash-after-restore"] if a.crash_after_restore else []),
+        *(["--no-keep-restored"] if a.no_keep_restored else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -207,7 +236,7 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.0f} ms"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--mib", type=int, default=1024, help="state size in MiB (1024)")
     ap.add_argument("--tensors", type=int, default=16, help="tensors in the state (16)")
@@ -226,15 +255,34 @@ def main() -> None:
         action="store_true",
         help="the restart restores a fresh state (ckpt.load()) instead of load(into=)",
     )
-    ap.add_argument("--life", choices=("first", "restart"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--crash-after-restore",
+        action="store_true",
+        help="with --storage: the replaced node dies after its restore; a third process restores",
+    )
+    ap.add_argument(
+        "--no-keep-restored",
+        action="store_true",
+        help="keep_restored=False: a restore from storage is not read again into the ring",
+    )
+    ap.add_argument("--life", choices=("first", "restart", "again"), help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--shm", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.life:
-        life(a)
-        return
+        return a
     if a.rounds < 1 or a.saves < 1 or a.slots < 2:
         ap.error("--rounds and --saves must be positive, --slots at least 2")
+    if a.crash_after_restore and not a.storage:
+        ap.error("--crash-after-restore needs --storage")
+    return a
+
+
+def main() -> None:
+    a = parse_args()
+    if a.life:
+        life(a)
+        return
     rounds = []
     for r in range(a.rounds):
         base = tempfile.mkdtemp(prefix="acp-restart-", dir=a.dir)
@@ -246,10 +294,22 @@ def main() -> None:
                 shutil.rmtree(shm, ignore_errors=True)
                 shm = tempfile.mkdtemp(prefix="acp-restart-", dir="/dev/shm")
             restart = run_life(a, "restart", root, shm)
+            again = run_life(a, "again", root, shm) if a.crash_after_restore else None
         finally:
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(base, ignore_errors=True)
         rounds.append({"first": first, "restart": restart})
+        if again is not None:
+            rounds[-1]["again"] = again
+            print(
+                f"round {r + 1}: replaced node: restore {ms(restart['load'])} from "
+                f"{restart['source']}, idle {ms(restart['idle_after'])} later (resident: "
+                f"{restart['resident']}); it dies; the next restore {ms(again['load'])} from "
+                f"{again['source']} (memcpy {ms(again['memcpy'])}), stalls "
+                f"{', '.join(ms(x) for x in again['stalls'])}",
+                flush=True,
+            )
+            continue
         f, s = first, restart
         print(
             f"round {r + 1}: first life stalls {', '.join(ms(x) for x in f['stalls'])} "
@@ -283,13 +343,17 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
     lines = [
         f"`restart.py --mib {a.mib} --tensors {a.tensors} --slots {a.slots} --saves {a.saves} "
         f"--gap {a.gap} --rounds {a.rounds}{' --storage' if a.storage else ''}"
-        f"{' --fresh' if a.fresh else ''}`, "
+        f"{' --fresh' if a.fresh else ''}"
+        f"{' --crash-after-restore' if a.crash_after_restore else ''}"
+        f"{' --no-keep-restored' if a.no_keep_restored else ''}`, "
         f"{os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f} at the end",
         "",
         "| process | what | median | against memcpy (same process) |",
         "|---|---|---:|---:|",
     ]
+    if a.crash_after_restore:
+        return "\n".join(lines + crash_rows(a, rounds))
     for which in ("first", "restart"):
         lives = [r[which] for r in rounds]
         copy = med([x["memcpy"] for x in lives])
@@ -320,6 +384,37 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> str:
             f"the tensors, which the restore includes): **{verdict}**",
         ]
     return "\n".join(lines)
+
+
+def crash_rows(a: argparse.Namespace, rounds: list[dict[str, Any]]) -> list[str]:
+    """The summary rows of ``--crash-after-restore``: the replaced node's restore and how long
+    until its engine was idle (the step read again into the ring), then the next process's
+    restore and saves."""
+    med = statistics.median
+    node = [r["restart"] for r in rounds]
+    nxt = [r["again"] for r in rounds]
+    node_copy = med([x["memcpy"] for x in node])
+    load = med([x["load"] for x in node])
+    kept = sum(bool(x["resident"]) for x in node)
+    copy = med([x["memcpy"] for x in nxt])
+    again = med([x["load"] for x in nxt])
+    sources = ", ".join(x["source"] for x in nxt)
+    lines = [
+        f"| replaced node | restore from storage | {ms(load)} | {load / node_copy:.2f}x |",
+        f"| replaced node | until idle after it | {ms(med([x['idle_after'] for x in node]))} | |",
+        f"| replaced node | step resident when idle | {kept} of {len(node)} rounds | |",
+        f"| next process | restore ({sources}) | {ms(again)} | {again / copy:.2f}x |",
+    ]
+    for i in range(a.saves):
+        v = med([x["stalls"][i] for x in nxt])
+        lines.append(f"| next process | save {i + 1} stall | {ms(v)} | {v / copy:.2f}x |")
+    lines.append(f"| next process | memcpy | {ms(copy)} | 1.00x |")
+    lines += [
+        "",
+        f"- after a crash right after a replaced node's restore, the next restore took "
+        f"{again / load:.2f}x the replaced node's restore from storage (medians)",
+    ]
+    return lines
 
 
 if __name__ == "__main__":

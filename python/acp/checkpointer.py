@@ -934,8 +934,10 @@ class Checkpointer:
         block at a time, its digest compared at its end; no second pass
         over a full copy); on a node whose ring has no slot ready for the
         image (a replaced node's), the file is streamed through a few
-        16 MiB buffers into the tensors and nothing becomes resident, else
-        it is read into a slot, which does. From RAM, they are filled in the
+        16 MiB buffers into the tensors, then read again into a ring slot
+        in the background (``keep_restored``), which makes it resident
+        once ``wait()`` returns; else it is read into a slot, which stays
+        resident. From RAM, they are filled in the
         pass that checks the resident copy (each chunk copied and checked
         against its recorded sum the same way; a resident copy that fails
         its check is dropped and the step is read from storage instead,
