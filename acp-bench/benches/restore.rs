@@ -533,7 +533,10 @@ fn restore(c: &mut Criterion) {
     // new, empty ring (untimed), the page cache dropped, then
     // `Engine::load_into` from storage; each iteration paired with a cold
     // `raw_read_direct` + scatter right before it. No slot is ready, so
-    // the file is streamed into the tensors through small buffers.
+    // the file is streamed into the tensors through small buffers. The
+    // re-read that would then make the step resident in the background
+    // (`keep_restored`) is off: it follows the timed load, and each
+    // iteration's close would wait for it.
     let mut paired_node = Paired::default();
     let mut node_secs = Vec::new();
     let mut nodes = 0u32;
@@ -545,7 +548,7 @@ fn restore(c: &mut Criterion) {
                 let shm = scratch.shm().join(format!("node-{nodes}"));
                 std::fs::create_dir_all(&shm)
                     .unwrap_or_else(|e| panic!("creating {}: {e}", shm.display()));
-                let e = Engine::open(cfg().with_shm_dir(&shm))
+                let e = Engine::open(cfg().with_shm_dir(&shm).with_keep_restored(false))
                     .unwrap_or_else(|e| panic!("opening the engine on a new ring: {e}"));
                 let _ = drop_caches();
                 let t = Instant::now();

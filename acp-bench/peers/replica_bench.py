@@ -266,6 +266,10 @@ def restore(rank: int, a: argparse.Namespace, port: int, out: Path) -> None:
         replicas=1,
         replica_timeout=600,
         faults=faults,
+        # The storage restores below are timed one after another: a step
+        # read again into the ring after one of them would run beside the
+        # next (and put the next ones into its slot).
+        keep_restored=False,
     )
     dist.barrier()
     t = time.perf_counter()

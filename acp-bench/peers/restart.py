@@ -25,8 +25,9 @@ With ``--storage`` the restart runs on a new, empty ring, as on a node that repl
 one: its ``load(into=)`` reads the newest step from storage, the page cache dropped first
 (`baselines.drop_caches`). It also counts that load's minor page faults and, in the same
 process, loads the step from storage once more (cache dropped again): the first restore of a
-new process against a later one. Its floor, in the same process after the loads: the step's
-data file read cold with ``O_DIRECT`` (`baselines.direct_read`: fio when installed); each
+new process against a later one (which runs beside the background re-read that makes the step
+resident again, unless ``--no-keep-restored``). Its floor, in the same process after the loads:
+the step's data file read cold with ``O_DIRECT`` (`baselines.direct_read`: fio when installed); each
 load's ratio to it is given per round, and the median of the first load's is judged against
 issue 16's target 4 (at most 1.2x) in a verdict line.
 
