@@ -9,6 +9,9 @@
 //!   whatever the re-read did;
 //! - a re-read that fails leaves nothing resident and raises nothing: the
 //!   load had succeeded, and the step is still on storage;
+//! - a re-read that hangs is reported by the watchdog as a stuck flush is,
+//!   naming what it reads, and the engine closes once storage answers; one
+//!   that takes longer than the stall timeout but makes progress is not;
 //! - with `keep_restored` off, nothing becomes resident.
 //!
 //! (The fixture's engines have it off; these turn it on.)
@@ -17,6 +20,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use acp_core::storage::faults::FaultInjector;
 use acp_core::{Compress, Engine, IoChoice, LoadRequest, Source};
@@ -148,5 +152,73 @@ fn a_reread_that_fails_leaves_nothing_resident_and_raises_nothing() {
     engine.wait_idle(None).unwrap();
     assert!(faults.ops() > ops, "the re-read was tried");
     assert!(engine.resident_steps().is_empty());
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_reread_that_hangs_is_reported_by_the_watchdog() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, file) = committed(dir.path(), Compress::None);
+    let counter = Arc::new(FaultInjector::counting());
+    let engine_with = |tag: &str, faults: &Arc<FaultInjector>, keep: bool| {
+        fresh_engine(&root, dir.path(), tag, |c| {
+            c.with_faults(Arc::clone(faults))
+                .with_keep_restored(keep)
+                .with_stall_timeout(Duration::from_millis(500))
+        })
+    };
+    let probe = engine_with("probe", &counter, false);
+    let before = counter.ops();
+    assert_eq!(
+        restore_into(&probe, &step1(false), "probe"),
+        Source::Storage
+    );
+    let ops = counter.ops() - before;
+    probe.close().unwrap();
+    // The re-read's first storage operation hangs until healed.
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = engine_with("hang", &faults, true);
+    faults.arm_stall(ops, Duration::from_secs(600));
+    assert_eq!(
+        restore_into(&engine, &step1(false), "restore"),
+        Source::Storage
+    );
+    let e = engine.wait_idle(None).unwrap_err();
+    assert_eq!(e.kind(), acp_core::ErrorKind::Timeout, "{e}");
+    let text = e.to_string();
+    assert!(text.contains("again into a ring slot"), "{text}");
+    assert!(text.contains(&file.display().to_string()), "{text}");
+    faults.heal();
+    engine.wait_idle(None).unwrap();
+    assert_eq!(engine.resident_steps(), vec![1]);
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_slow_reread_that_makes_progress_is_not_a_stall() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, _) = committed(dir.path(), Compress::None);
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = fresh_engine(&root, dir.path(), "slow", |c| {
+        c.with_faults(Arc::clone(&faults))
+            .with_keep_restored(true)
+            .with_stall_timeout(Duration::from_millis(500))
+    });
+    // The restore, then the re-read of its 24 MiB, at 16 MB/s: about 1.6 s
+    // each, in 1 MiB chunk reads.
+    faults.throttle(16_000_000, 1 << 20);
+    assert_eq!(
+        restore_into(&engine, &step1(false), "restore"),
+        Source::Storage
+    );
+    let t = std::time::Instant::now();
+    engine.wait_idle(None).unwrap();
+    faults.throttle(0, 1 << 20);
+    let waited = t.elapsed();
+    assert!(
+        waited > Duration::from_secs(1),
+        "the re-read took {waited:?}"
+    );
+    assert_eq!(engine.resident_steps(), vec![1]);
     engine.close().unwrap();
 }

@@ -96,7 +96,7 @@ pub(super) enum Work {
 /// The flush thread's loop: one piece of work at a time, in order, until
 /// the queue closes; after each persist, the snapshot deferred behind it
 /// (coalescing), if any.
-pub(super) fn run(shared: &Shared, rx: &Receiver<Work>) {
+pub(super) fn run(shared: &Arc<Shared>, rx: &Receiver<Work>) {
     loop {
         let work = match rx.try_recv() {
             Ok(work) => work,

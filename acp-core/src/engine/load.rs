@@ -19,7 +19,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::Digest;
 use crate::format::{data_file_name, read_header, unhex, Entry, FileEntry, ParsedHeader};
 use crate::read::{
-    check_and_copy, sums_match, ChunkReader, ChunkSource, IoSource, MemSource, StoredSource, Target,
+    check_and_copy, sums_match, ChunkReader, ChunkSource, IoSource, MemSource, OnChecked,
+    StoredSource, Target,
 };
 use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState, WarmDeferral};
 use crate::storage::FileHandle;
@@ -1288,6 +1289,8 @@ pub(super) trait VerifiedRead {
         io_chunk: usize,
         targets: Vec<Target<'_>>,
     ) -> Result<Vec<Digest>>;
+    /// [`ChunkReader::on_checked`].
+    fn on_checked(&mut self, f: OnChecked);
 }
 
 impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
@@ -1315,6 +1318,10 @@ impl<S: ChunkSource + Sync> VerifiedRead for ChunkReader<S> {
             return self.read_verified(dst, threads, io_chunk);
         }
         ChunkReader::read_verified_into(self, dst, threads, io_chunk, targets)
+    }
+
+    fn on_checked(&mut self, f: OnChecked) {
+        ChunkReader::on_checked(self, f);
     }
 }
 

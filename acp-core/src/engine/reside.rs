@@ -20,12 +20,14 @@
 //! found it. [`Engine::wait_idle`](super::Engine::wait_idle) waits for it;
 //! a close skips one that has not started.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::load::StoredFile;
 use super::state::Shared;
 use super::Engine;
 use crate::error::Result;
+use crate::read::OnChecked;
 use crate::staging::SlotState;
 
 /// A restored step waiting to be read again into a slot.
@@ -75,7 +77,7 @@ impl Engine {
 
 /// The flush thread's turn at the restored step waiting to be made
 /// resident, if any (a wake-up may find it taken by an earlier one).
-pub(super) fn reside_waiting(shared: &Shared) {
+pub(super) fn reside_waiting(shared: &Arc<Shared>) {
     let next = {
         let mut st = shared.lock();
         st.reside_woken = false;
@@ -118,16 +120,19 @@ fn superseded(shared: &Shared, step: u64) -> bool {
 
 /// Reads `r`'s file into a slot and seals it there; `Ok(false)` when
 /// that became moot (a newer image) or no slot is free.
-fn reside(shared: &Shared, r: &Reside) -> Result<bool> {
+fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
     let file = &r.file;
     let (step, size) = (file.step, file.entry.size);
     if superseded(shared, step) {
         return Ok(false);
     }
-    shared.note_progress(format!(
+    // The watchdog's note, renewed as each read is checked: a read that
+    // hangs is reported as a stuck flush would be, however long the file.
+    let doing = format!(
         "step {step}: reading {} again into a ring slot",
         file.path.display()
-    ));
+    );
+    shared.note_progress(doing.clone());
     // A free slot (grown now when the warming has not grown it yet), else
     // the oldest persisted one: nothing in the ring is newer (above).
     let Some(mut slot) = shared.ring.acquire(size, None)? else {
@@ -135,7 +140,10 @@ fn reside(shared: &Shared, r: &Reside) -> Result<bool> {
     };
     let chunk = super::to_usize(file.entry.chunk_bytes);
     let io_chunk = shared.io_opts.chunk_bytes;
+    let noted = Arc::clone(shared);
+    let note = OnChecked(Arc::new(move || noted.note_progress(doing.clone())));
     let digests = super::load::with_reader(shared, file, &mut |reader| {
+        reader.on_checked(note.clone());
         reader.read_verified_into(slot.image_mut(), 1, io_chunk, Vec::new())
     })?;
     let sums = crate::read::chunk_sums(&slot.image_mut()[..super::to_usize(size)], chunk, 1);

@@ -106,6 +106,21 @@ pub(crate) struct ChunkReader<S> {
     guess: Option<ParsedHeader>,
     /// The last verified chunk (index, bytes), for ranged reads.
     cache: Option<(u64, Vec<u8>)>,
+    /// Called each time a landed read of a whole-image read has been
+    /// checked ([`ChunkReader::on_checked`]).
+    on_checked: Option<OnChecked>,
+}
+
+/// What a whole-image read calls after each landed read it checked, on
+/// the checking thread: a caller's sign of progress (a background read's
+/// watchdog note).
+#[derive(Clone)]
+pub(crate) struct OnChecked(pub(crate) std::sync::Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for OnChecked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnChecked")
+    }
 }
 
 /// A chunk whose digest differs: where it is and what it holds.
@@ -195,7 +210,14 @@ impl<S: ChunkSource> ChunkReader<S> {
             header: None,
             guess: None,
             cache: None,
+            on_checked: None,
         })
+    }
+
+    /// Has the whole-image reads ([`ChunkReader::read_verified_into`] and
+    /// its kin) call `f` after each landed read they checked.
+    pub(crate) fn on_checked(&mut self, f: OnChecked) {
+        self.on_checked = Some(f);
     }
 
     /// The file the bytes come from.

@@ -727,6 +727,9 @@ impl Job<'_> {
                 return;
             }
         }
+        if let Some(f) = &reader.on_checked {
+            (f.0)();
+        }
     }
 }
 
