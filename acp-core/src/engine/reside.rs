@@ -138,6 +138,7 @@ fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
     let Some(mut slot) = shared.ring.acquire(size, None)? else {
         return Ok(false);
     };
+    shared.note_progress(doing.clone());
     let chunk = super::to_usize(file.entry.chunk_bytes);
     let io_chunk = shared.io_opts.chunk_bytes;
     let noted = Arc::clone(shared);
