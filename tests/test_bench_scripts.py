@@ -191,6 +191,13 @@ def run_json_line(script: str, tmp_path: Path, *args: str) -> dict[str, Any]:
     return got
 
 
+def test_big_state_tiny(tmp_path: Path) -> None:
+    got = run_json_line("big_state.py", tmp_path, "--gib", "0.01", "--saves", "2")
+    assert [s["step"] for s in got["saves"]] == [1, 2]
+    assert all(s["committed_s"] >= s["stall_s"] > 0 for s in got["saves"])
+    assert (got["load_source"], got["load_right"]) == ("ram", True)
+
+
 def test_snapshot_restore_tiny(tmp_path: Path) -> None:
     got = run_json_line("snapshot_restore.py", tmp_path, "--mib", "4", "--saves", "3")
     assert got["mib"] == 4

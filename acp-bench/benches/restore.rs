@@ -164,6 +164,7 @@ fn unmake_sums(scratch: &Scratch, cfg: &acp_core::EngineConfig, step: u64) {
         rank: peek.rank,
         slots: found.iter().map(|f| f.0 + 1).max().unwrap_or(2).max(2),
         budget: cfg.ring_bytes(),
+        shared_budget: false,
         chunk_bytes: acp_core::config::DEFAULT_CHUNK_BYTES as u64,
         mlock: false,
     })

@@ -208,6 +208,7 @@ fn the_flush_sums_reach_the_next_process() {
         rank: peek.rank,
         slots: index.parse::<usize>().unwrap() + 1,
         budget: 128 << 20,
+        shared_budget: false,
         chunk_bytes: 64 << 10,
         mlock: false,
     };

@@ -17,6 +17,7 @@ fn opts(dir: &Path) -> RingOptions {
         rank: 0,
         slots: 2,
         budget: 8 * MIB,
+        shared_budget: false,
         chunk_bytes: MIB,
         mlock: true,
     }

@@ -25,6 +25,7 @@ fn opts(dir: &Path, prefix: &str) -> RingOptions {
         rank: 3,
         slots: 2,
         budget: 8 * MIB,
+        shared_budget: false,
         chunk_bytes: MIB,
         mlock: false,
     }

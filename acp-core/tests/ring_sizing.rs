@@ -1,7 +1,9 @@
 //! A ring without a given budget sizes itself from the room the
-//! shared-memory directory and the machine leave: a checkpoint that does
-//! not fit is refused at save naming the size needed, the room, and the
-//! fix; one past the old fixed default (4 GiB over two slots) saves.
+//! shared-memory directory and the machine leave, and its slots share it:
+//! a checkpoint too large for two slots saves in one (the saves then take
+//! turns in it), one past the whole budget is refused at save naming the
+//! size needed, the room, and the fix; one past the old fixed default
+//! (4 GiB over two slots) saves.
 
 #![allow(clippy::unwrap_used, reason = "a test fails loudly on any error")]
 
@@ -47,7 +49,7 @@ fn a_checkpoint_past_the_room_is_refused_naming_the_size_and_the_fix() {
     let e = Engine::open(config(&root, &shm).sized_by(Ok(room)).unwrap()).unwrap();
     // Two slots of 8 MiB fit the 35 MiB budget.
     save(&e, 1, &vec![7u8; 8 << 20]).unwrap();
-    let err = save(&e, 2, &vec![7u8; 24 << 20]).unwrap_err();
+    let err = save(&e, 2, &vec![7u8; 40 << 20]).unwrap_err();
     let text = err.to_string();
     for want in [
         "does not fit a ring slot",
@@ -62,6 +64,42 @@ fn a_checkpoint_past_the_room_is_refused_naming_the_size_and_the_fix() {
     let ck = e.load(&LoadRequest::default()).unwrap();
     assert_eq!(ck.step(), 1);
     drop(ck);
+    e.close().unwrap();
+}
+
+#[test]
+fn a_checkpoint_too_large_for_two_slots_saves_in_one() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    // 40 MiB free: a budget of 35 MiB, which one slot of 20 MiB fits
+    // beside one of 8 MiB, but not two of 20.
+    let room = ShmRoom {
+        dir: shm.clone(),
+        free: 40 << 20,
+        size: 64 << 20,
+        held: 0,
+        mem_available: Some(16 << 30),
+    };
+    let e = Engine::open(config(&root, &shm).sized_by(Ok(room)).unwrap()).unwrap();
+    save(&e, 1, &vec![1u8; 8 << 20]).unwrap();
+    for step in 2..=4u8 {
+        save(&e, step.into(), &vec![step; 20 << 20]).unwrap();
+        e.wait_idle(None).unwrap();
+        // The ring never holds more than its budget.
+        let held: u64 = std::fs::read_dir(acp_core::staging::user_dir(&shm))
+            .unwrap()
+            .map(|f| f.unwrap().metadata().unwrap().len())
+            .sum();
+        assert!(
+            held <= 35 << 20,
+            "step {step}: {held} bytes in the ring's files"
+        );
+        // The newest step is resident and restores from RAM.
+        let ck = e.load(&LoadRequest::default()).unwrap();
+        assert_eq!((ck.step(), ck.report().source), (step.into(), Source::Ram));
+        assert!(ck.tensor("w").unwrap().data.iter().all(|b| *b == step));
+    }
     e.close().unwrap();
 }
 

@@ -18,6 +18,7 @@ fn opts(dir: &Path, slots: usize, budget: u64) -> RingOptions {
         rank: 0,
         slots,
         budget,
+        shared_budget: false,
         chunk_bytes: MIB,
         mlock: false,
     }
@@ -514,4 +515,66 @@ fn a_release_by_generation_spares_a_slot_acquired_again() {
     assert_eq!(ring.complete()[0].step, 2);
     assert!(ring.release_generation(slot, ring.generation(slot).unwrap()));
     assert!(ring.complete().is_empty());
+}
+
+/// Bytes of the ring's slot files in `dir`.
+fn ring_file_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(acp_core::staging::user_dir(dir))
+        .expect("the ring's directory")
+        .map(|f| f.and_then(|f| f.metadata()).expect("a slot file").len())
+        .sum()
+}
+
+#[test]
+fn a_shared_budget_lets_one_slot_take_it_and_saves_take_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(dir.path(), 2, 24 * MIB);
+    o.shared_budget = true;
+    let (ring, _) = Ring::open(o).unwrap();
+    // 14 MiB: past an even split's 12 MiB, within the budget.
+    let len = 14 << 20;
+    assert!(ring.max_image_bytes() >= len as u64);
+    let first = save(&ring, 1, len).slot();
+    assert!(ring_file_bytes(dir.path()) <= 24 * MIB);
+    // Resident, not persisted: the other slot has no room to grow, and
+    // the only image is not given up.
+    assert!(ring.acquire(len as u64, None).unwrap().is_none());
+    assert!(ring.reserve(len as u64).unwrap() == 0);
+    assert!(!ring.warm_next(Some(len as u64)).unwrap());
+    // A save waiting for a slot gets the first one once it is persisted.
+    let waiter = {
+        let ring = ring.clone();
+        std::thread::Builder::new()
+            .name("ring-waiter".to_owned())
+            .spawn(move || {
+                let mut s = ring
+                    .acquire(len as u64, Some(Duration::from_secs(20)))
+                    .expect("acquire")
+                    .expect("a slot, not None, with a wait");
+                s.image_mut()[..len].copy_from_slice(&pattern(2, len));
+                s.seal(2, len as u64).slot()
+            })
+            .expect("spawn")
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!waiter.is_finished());
+    ring.set_state(first, SlotState::Persisted);
+    assert_eq!(waiter.join().unwrap(), first);
+    let steps: Vec<u64> = ring.complete().iter().map(|i| i.step).collect();
+    assert_eq!(steps, [2]);
+    assert!(ring_file_bytes(dir.path()) <= 24 * MIB);
+    // Small images: both slots fit the budget side by side.
+    ring.set_state(first, SlotState::Persisted);
+    let a = save(&ring, 3, 4 << 20);
+    let b = save(&ring, 4, 4 << 20);
+    assert_ne!(a.slot(), b.slot());
+    assert!(ring_file_bytes(dir.path()) <= 24 * MIB);
+}
+
+#[test]
+fn an_even_split_refuses_an_image_past_its_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ring, _) = Ring::open(opts(dir.path(), 2, 24 * MIB)).unwrap();
+    let e = ring.acquire(14 << 20, None).unwrap_err();
+    assert_eq!(e.kind(), acp_core::ErrorKind::Invalid, "{e}");
 }

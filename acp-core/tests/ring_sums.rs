@@ -24,6 +24,7 @@ fn opts(dir: &Path) -> RingOptions {
         rank: 0,
         slots: 2,
         budget: 8 * MIB,
+        shared_budget: false,
         chunk_bytes: MIB,
         mlock: false,
     }

@@ -20,6 +20,7 @@ fn opts(dir: &Path, slots: usize) -> RingOptions {
         rank: 0,
         slots,
         budget: slots as u64 * 8 * MIB,
+        shared_budget: false,
         chunk_bytes: MIB,
         mlock: true,
     }

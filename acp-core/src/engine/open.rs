@@ -166,6 +166,10 @@ impl Engine {
             rank: config.rank,
             slots: config.ring_slots,
             budget: config.own_ring_bytes(),
+            // Sized from the room found at open, and this rank's alone
+            // (no replica rings beside it): a checkpoint too large for two
+            // slots of it saves in one.
+            shared_budget: config.ring_room.is_some() && config.replicas_held == 0,
             chunk_bytes: config.chunk_bytes as u64,
             mlock: config.mlock,
         })?;

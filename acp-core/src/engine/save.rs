@@ -346,11 +346,12 @@ impl Engine {
                 // Sized from the room at open: the room is what to raise.
                 Some(room) => format!(
                     "checkpoint of {} bytes does not fit a ring slot of {max} bytes: the ring \
-                     ({} slots) was sized from the room at open ({room}) to {} bytes, and needs \
-                     about {need}; give the container a larger /dev/shm (`docker run \
-                     --shm-size`; Kubernetes: an emptyDir with `medium: Memory`), point \
-                     shm_dir (ACP_SHM_DIR) at a larger tmpfs, or set ring_bytes",
-                    total_len, cfg.ring_slots, cfg.ring_bytes
+                     was sized from the room at open ({room}) to {} bytes, which one slot may \
+                     take whole; it needs at least {total_len}, and about {need} for {} slots \
+                     (a save beside the resident step); give the container a larger /dev/shm \
+                     (`docker run --shm-size`; Kubernetes: an emptyDir with `medium: Memory`), \
+                     point shm_dir (ACP_SHM_DIR) at a larger tmpfs, or set ring_bytes",
+                    total_len, cfg.ring_bytes, cfg.ring_slots
                 ),
                 None => format!(
                     "checkpoint of {} bytes does not fit a ring slot of {max} bytes; raise ring_bytes (now {}, about {need} needed) or lower ring_slots (now {})",

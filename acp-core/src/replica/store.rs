@@ -321,6 +321,7 @@ impl Store {
             rank,
             slots: SLOTS_PER_SOURCE,
             budget: o.ring_budget,
+            shared_budget: false,
             chunk_bytes: o.chunk_bytes,
             mlock: o.mlock,
         })?;

@@ -308,12 +308,16 @@ pub(super) struct Layout {
 impl Layout {
     /// The layout for `slots` slots sharing `budget` bytes, with a digest
     /// area that holds one digest and one quick sum per `chunk_bytes` of
-    /// the largest image, and the sums record's fixed part.
+    /// the largest image, and the sums record's fixed part. With `shared`,
+    /// one slot may take the whole budget ([`RingOptions::shared_budget`]);
+    /// else each gets `budget / slots`.
+    ///
+    /// [`RingOptions::shared_budget`]: super::RingOptions::shared_budget
     ///
     /// # Errors
     /// [`Error::Invalid`] when there are no slots, the chunk size is 0, or
     /// the budget leaves a slot no room for one page of image.
-    pub(super) fn new(budget: u64, slots: usize, chunk_bytes: u64) -> Result<Layout> {
+    pub(super) fn new(budget: u64, slots: usize, chunk_bytes: u64, shared: bool) -> Result<Layout> {
         let what = "ring options";
         if slots == 0 {
             return Err(Error::invalid(what, "the ring needs at least one slot"));
@@ -322,7 +326,7 @@ impl Layout {
             return Err(Error::invalid(what, "chunk_bytes must be positive"));
         }
         let n = u64::try_from(slots).map_err(|_| Error::invalid(what, "too many slots"))?;
-        let per_slot = round_down(budget / n, PAGE);
+        let per_slot = round_down(if shared { budget } else { budget / n }, PAGE);
         let digests = per_slot.div_ceil(chunk_bytes);
         let digest_area = digests
             .checked_mul(DIGEST_LEN + SUM_LEN)
@@ -425,7 +429,7 @@ mod tests {
 
     #[test]
     fn layout_from_budget() {
-        let l = Layout::new(8 << 20, 2, 1 << 20).unwrap();
+        let l = Layout::new(8 << 20, 2, 1 << 20, false).unwrap();
         assert_eq!(l.per_slot, 4 << 20);
         assert_eq!(l.ctrl_len, 8192);
         assert_eq!(l.max_image, (4 << 20) - 8192);
@@ -433,10 +437,14 @@ mod tests {
         assert_eq!(l.capacity_for((2 << 20) + 1), l.max_image);
         // 1000 digests of 32 bytes and their 8-byte sums, behind the
         // record's 16 bytes, need 10 pages.
-        let l = Layout::new(1000 * 4096 * 3, 3, 4096).unwrap();
+        let l = Layout::new(1000 * 4096 * 3, 3, 4096, false).unwrap();
         assert_eq!(l.ctrl_len, 4096 + 40016_u64.div_ceil(4096) * 4096);
-        assert!(Layout::new(8192, 1, 4096).is_err());
-        assert!(Layout::new(1 << 30, 0, 4096).is_err());
-        assert!(Layout::new(1 << 30, 1, 0).is_err());
+        assert!(Layout::new(8192, 1, 4096, false).is_err());
+        assert!(Layout::new(1 << 30, 0, 4096, false).is_err());
+        assert!(Layout::new(1 << 30, 1, 0, false).is_err());
+        // Shared: one slot may take all of it.
+        let l = Layout::new(8 << 20, 2, 1 << 20, true).unwrap();
+        assert_eq!(l.per_slot, 8 << 20);
+        assert_eq!(l.max_image, (8 << 20) - 8192);
     }
 }

@@ -247,6 +247,12 @@ pub struct RingOptions {
     pub slots: usize,
     /// Memory budget over all slots (control blocks included), in bytes.
     pub budget: u64,
+    /// Whether the slots share the budget: any slot may grow to all of it,
+    /// while the other slots' files leave room for it. Else each slot gets
+    /// `budget / slots`. A ring sized from the room it found (no
+    /// `ring_bytes` given) shares it, so that a checkpoint too large for
+    /// two slots still saves in one.
+    pub shared_budget: bool,
     /// Digest chunk size, to size each slot's digest area.
     pub chunk_bytes: u64,
     /// Try to `mlock` the slots.

@@ -24,7 +24,12 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
             "must be a non-empty plain file name",
         ));
     }
-    let layout = Layout::new(opts.budget, opts.slots, opts.chunk_bytes)?;
+    let layout = Layout::new(
+        opts.budget,
+        opts.slots,
+        opts.chunk_bytes,
+        opts.shared_budget,
+    )?;
     let mut report = RingReport::default();
     let dir = SlotDir::create(&opts.dir)?;
     // Every lock first, so that a busy ring is left exactly as it is.
@@ -79,6 +84,7 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
             freed: Condvar::new(),
             loads: Mutex::new((0, std::time::Instant::now())),
             warm_stopped: std::sync::atomic::AtomicBool::new(false),
+            short_warned: std::sync::atomic::AtomicBool::new(false),
         },
         report,
     ))
@@ -225,6 +231,7 @@ impl Recovery<'_> {
             free_on_unpin: false,
             has_digests,
             generation: h.generation,
+            reserved: 0,
         })
     }
 
@@ -277,6 +284,7 @@ impl Recovery<'_> {
             free_on_unpin: false,
             has_digests: false,
             generation,
+            reserved: 0,
         })
     }
 }
@@ -312,6 +320,7 @@ mod tests {
             rank: 0,
             slots: 1,
             budget: 1 << 20,
+            shared_budget: false,
             chunk_bytes: 1 << 16,
             mlock: false,
         };

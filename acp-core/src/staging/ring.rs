@@ -12,6 +12,7 @@ use crate::format::Digest;
 
 use super::handles::{PinnedSlot, StagingSlot};
 use super::open;
+use super::slot::SlotMem;
 use super::table::{Inner, Take};
 use super::{RingOptions, RingReport, SlotInfo, SlotState};
 
@@ -241,6 +242,9 @@ impl Ring {
             if let Some(i) = inner.pick(&t, len, take) {
                 break i;
             }
+            if matches!(take, Take::Grow | Take::Save) {
+                inner.note_short(&t, len);
+            }
             if !matches!(take, Take::Grow | Take::Ready) && t.warming.is_some() {
                 // The slot being grown is `Free` again shortly.
                 t = inner.freed.wait(t).unwrap_or_else(PoisonError::into_inner);
@@ -276,6 +280,11 @@ impl Ring {
         e.generation = e.generation.wrapping_add(1);
         let generation = e.generation;
         let old = e.mem.take();
+        // What it counts against a shared budget until its mapping is back.
+        e.reserved = old
+            .as_ref()
+            .map_or(0, SlotMem::file_len)
+            .max(inner.layout.ctrl_len + inner.layout.capacity_for(len));
         if take == Take::Grow {
             t.warming = Some(slot);
         }
@@ -304,6 +313,7 @@ impl Ring {
             Err(err) => {
                 // The file may be left `Staging`; the next open discards it.
                 e.state = SlotState::Free;
+                e.reserved = 0;
                 drop(t);
                 inner.freed.notify_all();
                 Err(err)

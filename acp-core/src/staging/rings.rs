@@ -348,6 +348,7 @@ mod tests {
             rank: 0,
             slots: 1,
             budget: 1 << 20,
+            shared_budget: false,
             chunk_bytes: 1 << 16,
             mlock: false,
         }

@@ -38,6 +38,9 @@ pub(super) struct Inner {
     /// Set once the warming is to stop ([`Ring::stop_warming`](super::Ring::stop_warming)):
     /// a step in progress ends, and no wait for loads holds it longer.
     pub(super) warm_stopped: AtomicBool,
+    /// Whether a shared budget was found too small for another slot of
+    /// the saves' size, and said so (once).
+    pub(super) short_warned: AtomicBool,
 }
 
 /// The in-process truth about the slots.
@@ -83,6 +86,9 @@ pub(super) struct Entry {
     pub(super) free_on_unpin: bool,
     pub(super) has_digests: bool,
     pub(super) generation: u64,
+    /// The file size this slot is readied to while `take` has its mapping
+    /// out (`mem` is `None`): what it counts against a shared budget then.
+    pub(super) reserved: u64,
 }
 
 impl Entry {
@@ -101,6 +107,12 @@ impl Entry {
             m.ctrl.clear_digests();
             m.ctrl.set_state(SlotState::Free);
         }
+    }
+
+    /// The bytes of the budget this slot holds: its file, or the size it
+    /// is being readied to.
+    pub(super) fn footprint(&self) -> u64 {
+        self.mem.as_ref().map_or(self.reserved, SlotMem::file_len)
     }
 
     pub(super) fn info(&self, slot: usize) -> SlotInfo {
@@ -176,6 +188,9 @@ impl Inner {
                 .as_ref()
                 .is_some_and(|m| self.layout.fits(m.image_off(), m.capacity(), len))
         };
+        // A slot that must grow may, within a shared budget, only while
+        // the others leave room for it.
+        let room = |i: usize| self.room_for(t, i, len);
         let slots = t.slots.iter().enumerate();
         if take == Take::Ready {
             let ready = |e: &Entry| fits(e) && e.mem.as_ref().is_some_and(|m| m.warm);
@@ -192,22 +207,69 @@ impl Inner {
         if take == Take::Grow {
             return slots
                 .clone()
-                .find(|(_, e)| free(e) && !fits(e))
+                .find(|(i, e)| free(e) && !fits(e) && room(*i))
                 .map(|(i, _)| i);
         }
         slots
             .clone()
             .find(|(_, e)| free(e) && fits(e))
-            .or_else(|| slots.clone().find(|(_, e)| free(e)))
+            .or_else(|| slots.clone().find(|(i, e)| free(e) && room(*i)))
             .or_else(|| {
                 if take != Take::Save {
                     return None;
                 }
                 slots
-                    .filter(|(_, e)| e.state == SlotState::Persisted && e.pins == 0)
+                    .filter(|(i, e)| {
+                        e.state == SlotState::Persisted && e.pins == 0 && (fits(e) || room(*i))
+                    })
                     .min_by_key(|(i, e)| (e.step, *i))
             })
             .map(|(i, _)| i)
+    }
+
+    /// Whether slot `slot` may be readied for an image of `len` bytes: with
+    /// a budget split per slot, always (the layout caps each slot); with a
+    /// shared one ([`RingOptions::shared_budget`]), while the other slots'
+    /// files leave room for its file.
+    pub(super) fn room_for(&self, t: &Table, slot: usize, len: u64) -> bool {
+        if !self.opts.shared_budget {
+            return true;
+        }
+        let others: u64 = t
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != slot)
+            .map(|(_, e)| e.footprint())
+            .sum();
+        let own = self.layout.ctrl_len + self.layout.capacity_for(len);
+        others.saturating_add(own) <= self.opts.budget
+    }
+
+    /// Says once, when a shared budget has no room for another slot of
+    /// `len`-byte images beside those it holds: the saves then take turns
+    /// in fewer slots.
+    pub(super) fn note_short(&self, t: &Table, len: u64) {
+        let short = self.opts.shared_budget
+            && t.slots
+                .iter()
+                .enumerate()
+                .any(|(i, e)| e.state == SlotState::Free && !self.room_for(t, i, len));
+        if short && !self.short_warned.swap(true, Ordering::Relaxed) {
+            let held = t.slots.iter().filter(|e| e.footprint() > 0).count();
+            tracing::warn!(
+                "acp: {}: its budget of {} (sized from the room at open) holds {held} slot(s) of \
+                 {}-byte checkpoints, not {}: a save waits for a slot whose step is persisted \
+                 and takes it, so fewer steps stay in RAM, and a RAM snapshot that is not \
+                 persisted keeps its slot until then (a save waits for it as `on_full` says); \
+                 give the ring more room (a larger /dev/shm, or ring_bytes) for a slot per save \
+                 in flight",
+                self.what(),
+                crate::error::human_bytes(self.opts.budget),
+                len,
+                self.opts.slots
+            );
+        }
     }
 
     /// Readies slot `slot` (already `Staging` in the table, its mapping
