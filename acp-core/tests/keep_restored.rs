@@ -60,6 +60,24 @@ fn restore_into(engine: &Engine, req: &LoadRequest, what: &str) -> Source {
     ck.report().source
 }
 
+/// The storage operations of step 1's restore alone, counted on a new
+/// node's engine opened by `open(tag, counter, keep_restored = false)`
+/// (nothing then reads the file again).
+fn restore_ops(open: impl Fn(&str, &Arc<FaultInjector>, bool) -> Engine) -> u64 {
+    let counter = Arc::new(FaultInjector::counting());
+    let probe = open("probe", &counter, false);
+    let before = counter.ops();
+    assert_eq!(
+        restore_into(&probe, &step1(false), "probe"),
+        Source::Storage
+    );
+    let ops = counter.ops() - before;
+    probe.wait_idle(None).unwrap();
+    assert!(probe.resident_steps().is_empty(), "keep_restored off");
+    probe.close().unwrap();
+    ops
+}
+
 /// An engine on the ring in `dir/shm-{tag}` (made by [`fresh_engine`]),
 /// as a restarted process on the same node opens it.
 fn reopen(root: &Path, dir: &Path, tag: &str) -> Engine {
@@ -135,18 +153,7 @@ fn a_reread_that_fails_leaves_nothing_resident_and_raises_nothing() {
             c.with_faults(Arc::clone(faults)).with_keep_restored(keep)
         })
     };
-    // The storage operations of the restore alone.
-    let counter = Arc::new(FaultInjector::counting());
-    let probe = with_faults("probe", &counter, false);
-    let before = counter.ops();
-    assert_eq!(
-        restore_into(&probe, &step1(false), "probe"),
-        Source::Storage
-    );
-    let ops = counter.ops() - before;
-    probe.wait_idle(None).unwrap();
-    assert!(probe.resident_steps().is_empty(), "keep_restored off");
-    probe.close().unwrap();
+    let ops = restore_ops(with_faults);
     // Every operation after the restore's fails: the re-read's.
     let faults = Arc::new(FaultInjector::counting());
     let engine = with_faults("fail", &faults, true);
@@ -165,7 +172,6 @@ fn a_reread_that_fails_leaves_nothing_resident_and_raises_nothing() {
 fn a_reread_that_hangs_is_reported_by_the_watchdog() {
     let dir = tempfile::tempdir().unwrap();
     let (root, file) = committed(dir.path(), Compress::None);
-    let counter = Arc::new(FaultInjector::counting());
     let engine_with = |tag: &str, faults: &Arc<FaultInjector>, keep: bool| {
         fresh_engine(&root, dir.path(), tag, |c| {
             c.with_faults(Arc::clone(faults))
@@ -174,14 +180,7 @@ fn a_reread_that_hangs_is_reported_by_the_watchdog() {
                 .with_background_nice(0)
         })
     };
-    let probe = engine_with("probe", &counter, false);
-    let before = counter.ops();
-    assert_eq!(
-        restore_into(&probe, &step1(false), "probe"),
-        Source::Storage
-    );
-    let ops = counter.ops() - before;
-    probe.close().unwrap();
+    let ops = restore_ops(engine_with);
     // The re-read's first storage operation hangs until healed.
     let faults = Arc::new(FaultInjector::counting());
     let engine = engine_with("hang", &faults, true);

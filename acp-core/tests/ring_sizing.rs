@@ -33,12 +33,11 @@ fn config(root: &Path, shm: &Path) -> EngineConfig {
     EngineConfig::new(root).with_shm_dir(shm).with_job("sizing")
 }
 
-#[test]
-fn a_checkpoint_past_the_room_is_refused_naming_the_size_and_the_fix() {
-    let t = tempfile::tempdir().unwrap();
-    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+/// An engine under `dir` whose ring was sized as in a container whose
+/// `/dev/shm` has 40 MiB free (a budget of 35 MiB); and that directory.
+fn in_a_small_container(dir: &Path) -> (Engine, std::path::PathBuf) {
+    let (root, shm) = (dir.join("ckpt"), dir.join("shm"));
     std::fs::create_dir(&shm).unwrap();
-    // A container's /dev/shm: 40 MiB free.
     let room = ShmRoom {
         dir: shm.clone(),
         free: 40 << 20,
@@ -47,6 +46,13 @@ fn a_checkpoint_past_the_room_is_refused_naming_the_size_and_the_fix() {
         mem_available: Some(16 << 30),
     };
     let e = Engine::open(config(&root, &shm).sized_by(Ok(room)).unwrap()).unwrap();
+    (e, shm)
+}
+
+#[test]
+fn a_checkpoint_past_the_room_is_refused_naming_the_size_and_the_fix() {
+    let t = tempfile::tempdir().unwrap();
+    let (e, _) = in_a_small_container(t.path());
     // Two slots of 8 MiB fit the 35 MiB budget.
     save(&e, 1, &vec![7u8; 8 << 20]).unwrap();
     let err = save(&e, 2, &vec![7u8; 40 << 20]).unwrap_err();
@@ -70,18 +76,9 @@ fn a_checkpoint_past_the_room_is_refused_naming_the_size_and_the_fix() {
 #[test]
 fn a_checkpoint_too_large_for_two_slots_saves_in_one() {
     let t = tempfile::tempdir().unwrap();
-    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
-    std::fs::create_dir(&shm).unwrap();
-    // 40 MiB free: a budget of 35 MiB, which one slot of 20 MiB fits
-    // beside one of 8 MiB, but not two of 20.
-    let room = ShmRoom {
-        dir: shm.clone(),
-        free: 40 << 20,
-        size: 64 << 20,
-        held: 0,
-        mem_available: Some(16 << 30),
-    };
-    let e = Engine::open(config(&root, &shm).sized_by(Ok(room)).unwrap()).unwrap();
+    // A budget of 35 MiB, which one slot of 20 MiB fits beside one of
+    // 8 MiB, but not two of 20.
+    let (e, shm) = in_a_small_container(t.path());
     save(&e, 1, &vec![1u8; 8 << 20]).unwrap();
     for step in 2..=4u8 {
         save(&e, step.into(), &vec![step; 20 << 20]).unwrap();
