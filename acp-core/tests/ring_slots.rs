@@ -578,3 +578,31 @@ fn an_even_split_refuses_an_image_past_its_share() {
     let e = ring.acquire(14 << 20, None).unwrap_err();
     assert_eq!(e.kind(), acp_core::ErrorKind::Invalid, "{e}");
 }
+
+#[test]
+fn a_load_never_takes_the_slot_of_a_newer_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let len = 4096;
+    {
+        let (ring, _) = Ring::open(opts(dir.path(), 2, 8 * MIB)).unwrap();
+        for step in [3, 5] {
+            let slot = save(&ring, step, len).slot();
+            ring.set_state(slot, SlotState::Persisted);
+        }
+    }
+    // A restarted process: the slots are mapped, and the warming readies
+    // the newest first; the oldest is still cold.
+    let (ring, _) = Ring::open(opts(dir.path(), 2, 8 * MIB)).unwrap();
+    assert!(ring.warm_next(None).unwrap());
+    // A load of step 4 finds no ready slot it may take: the only one ready
+    // holds step 5, which it must not evict, and step 3's is cold.
+    assert!(ring.acquire_ready(len as u64, 4).unwrap().is_none());
+    assert!(ring.warm_next(None).unwrap());
+    // Both ready: step 4 takes the slot of step 3, the oldest, and step 2
+    // takes none (every step in the ring is newer).
+    assert!(ring.acquire_ready(len as u64, 2).unwrap().is_none());
+    let s = ring.acquire_ready(len as u64, 4).unwrap().unwrap();
+    drop(s);
+    let steps: Vec<u64> = ring.complete().iter().map(|i| i.step).collect();
+    assert_eq!(steps, [5]);
+}

@@ -1428,7 +1428,7 @@ fn read_stored(
         // read itself on some hosts (BENCHMARKS.md, "A replaced node's
         // restore from storage").
         let slot = if fits {
-            shared.ring.acquire_ready(entry.size)?
+            shared.ring.acquire_ready(entry.size, step)?
         } else {
             None
         };

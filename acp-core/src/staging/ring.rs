@@ -87,18 +87,20 @@ impl Ring {
     }
 
     /// [`Ring::acquire`] of a slot whose memory already fits `len` bytes
-    /// and is faulted in (a `Free` one, else the `Persisted` one with the
-    /// oldest step), without waiting: `Ok(None)` when there is none. A
-    /// load that can put its bytes elsewhere takes one so, rather than pay
-    /// for fresh memory.
+    /// and is faulted in, for a load of `step`, without waiting: a `Free`
+    /// one, else the `Persisted` one with the oldest step when that step
+    /// is not newer than `step` (a load never gives up a newer step, nor
+    /// an older one in place of the oldest); `Ok(None)` when there is none.
+    /// A load that can put its bytes elsewhere takes one so, rather than
+    /// pay for fresh memory.
     ///
     /// # Errors
     /// As [`Ring::acquire`].
-    pub fn acquire_ready(&self, len: u64) -> Result<Option<StagingSlot>> {
+    pub fn acquire_ready(&self, len: u64, step: u64) -> Result<Option<StagingSlot>> {
         if len > self.inner.layout.max_image {
             return Ok(None);
         }
-        self.take(len, None, Take::Ready)
+        self.take(len, None, Take::Ready(step))
     }
 
     /// Readies every `Free` slot for images of `len` bytes now (grows,
@@ -245,7 +247,7 @@ impl Ring {
             if matches!(take, Take::Grow | Take::Save) {
                 inner.note_short(&t, len);
             }
-            if !matches!(take, Take::Grow | Take::Ready) && t.warming.is_some() {
+            if !matches!(take, Take::Grow | Take::Ready(_)) && t.warming.is_some() {
                 // The slot being grown is `Free` again shortly.
                 t = inner.freed.wait(t).unwrap_or_else(PoisonError::into_inner);
                 continue;

@@ -66,9 +66,11 @@ pub(super) enum Take {
     Reserve,
     /// Grown in the background: free slots too small for the saves only.
     Grow,
-    /// A load's: only a slot whose memory already holds the image and is
-    /// faulted in (`Free`, else the oldest `Persisted`), none to grow.
-    Ready,
+    /// A load's, of the step it holds: only a slot whose memory already
+    /// holds the image and is faulted in (`Free`, else the oldest
+    /// `Persisted` when its step is not newer than the load's), none to
+    /// grow.
+    Ready(u64),
 }
 
 /// One slot.
@@ -179,8 +181,11 @@ impl Inner {
     /// one (one already big enough first), else the unpinned `Persisted`
     /// one with the oldest step; [`Take::Reserve`]: a `Free` one;
     /// [`Take::Grow`]: a `Free` one too small for `len`; [`Take::Ready`]:
-    /// as [`Take::Save`], among the slots whose memory fits `len` and is
-    /// faulted in.
+    /// a `Free` one whose memory fits `len` and is faulted in, else the
+    /// unpinned `Persisted` one with the oldest step when its memory is so
+    /// and its step is not newer than the load's (never a newer step, nor
+    /// an older one in place of the oldest: a load must not evict the step
+    /// a restart would restore).
     pub(super) fn pick(&self, t: &Table, len: u64, take: Take) -> Option<usize> {
         let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
         let fits = |e: &Entry| {
@@ -192,15 +197,16 @@ impl Inner {
         // the others leave room for it.
         let room = |i: usize| self.room_for(t, i, len);
         let slots = t.slots.iter().enumerate();
-        if take == Take::Ready {
+        if let Take::Ready(step) = take {
             let ready = |e: &Entry| fits(e) && e.mem.as_ref().is_some_and(|m| m.warm);
             return slots
                 .clone()
                 .find(|(_, e)| free(e) && ready(e))
                 .or_else(|| {
                     slots
-                        .filter(|(_, e)| e.state == SlotState::Persisted && e.pins == 0 && ready(e))
+                        .filter(|(_, e)| e.state == SlotState::Persisted && e.pins == 0)
                         .min_by_key(|(i, e)| (e.step, *i))
+                        .filter(|(_, e)| e.step <= step && ready(e))
                 })
                 .map(|(i, _)| i);
         }
