@@ -22,7 +22,7 @@ use crate::read::{
     check_and_copy, sums_match, ChunkReader, ChunkSource, IoSource, MemSource, OnChecked,
     StoredSource, Target,
 };
-use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState, WarmDeferral};
+use crate::staging::{PinnedSlot, Ring, SlotInfo, SlotState, StagingSlot, WarmDeferral};
 use crate::storage::FileHandle;
 
 /// Which step to load, and from where.
@@ -1434,9 +1434,7 @@ fn read_stored(
         };
         if let Some(mut slot) = slot {
             let digests = r.read_verified_into(slot.image_mut(), threads, io_chunk, targets)?;
-            let pin = slot.seal(step, entry.size);
-            shared.ring.set_digests(pin.slot(), &digests);
-            shared.ring.set_state(pin.slot(), SlotState::Persisted);
+            let pin = seal_stored(&shared.ring, slot, step, entry.size, &digests);
             Ok(Backing::Slot(pin))
         } else if let Memory::Given(planned, given) = memory {
             // No slot ready: stream the file through a few small buffers
@@ -1482,6 +1480,22 @@ fn read_stored(
     )?;
     ck.elsewhere = elsewhere;
     Ok(ck.with_rejected(stored.rejected.clone()))
+}
+
+/// Seals `slot`, filled with the `size` bytes of committed `step` by a
+/// read that verified them against `digests`, as a persisted image with
+/// those digests: a restart may restore it from RAM.
+pub(super) fn seal_stored(
+    ring: &Ring,
+    slot: StagingSlot,
+    step: u64,
+    size: u64,
+    digests: &[Digest],
+) -> PinnedSlot {
+    let pin = slot.seal(step, size);
+    ring.set_digests(pin.slot(), digests);
+    ring.set_state(pin.slot(), SlotState::Persisted);
+    pin
 }
 
 /// Where a storage read puts the image.

@@ -28,7 +28,6 @@ use super::state::Shared;
 use super::Engine;
 use crate::error::Result;
 use crate::read::OnChecked;
-use crate::staging::SlotState;
 
 /// A restored step waiting to be read again into a slot.
 #[derive(Debug)]
@@ -152,9 +151,7 @@ fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
         // A save sealed meanwhile: dropped unsealed, the slot is free.
         return Ok(false);
     }
-    let pin = slot.seal(step, size);
-    shared.ring.set_digests(pin.slot(), &digests);
+    let pin = super::load::seal_stored(&shared.ring, slot, step, size, &digests);
     shared.ring.record_quick_sums(pin.slot(), &digests, &sums);
-    shared.ring.set_state(pin.slot(), SlotState::Persisted);
     Ok(true)
 }
