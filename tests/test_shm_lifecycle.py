@@ -154,3 +154,30 @@ def check_beside(pid: int, live_job: str, tmp_path: Path, shm_dir: Path) -> None
     assert rows["lost"]["removed"] is True
     assert rows[live_job]["removed"] is False
     assert f"live process {pid}" in rows[live_job]["reason"]
+
+
+def test_a_checkpointer_let_go_unclosed_persists_and_frees_its_ring(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Dropping a checkpointer without ``close()`` (a script that makes a
+    new one, a notebook cell run again) persists what it had queued and
+    unlocks its ring: the next one on the same ring opens at once."""
+    root = tmp_path / "ckpt"
+    opts: dict[str, Any] = {
+        "job": f"t-{uuid.uuid4().hex[:16]}",
+        "ring_bytes": SMALL_RING,
+        "shm_dir": shm_dir,
+        "mlock": False,
+    }
+    first = acp.Checkpointer(root, **opts)
+    # 12 MiB: its persist is still running when the checkpointer goes.
+    handle = first.save(1, {"w": torch.arange(3 << 20, dtype=torch.float32)})
+    del handle, first
+    again = acp.Checkpointer(root, **opts)
+    try:
+        assert again.steps() == [1]
+        assert again.snapshots() == [1]
+        got = again.load()
+        assert torch.equal(got["w"], torch.arange(3 << 20, dtype=torch.float32))
+    finally:
+        again.close()

@@ -449,3 +449,28 @@ fn odd_entries_under_slot_names_are_passed_over_by_every_ring_tool() {
         );
     }
 }
+
+/// Dropping an engine without `close` persists what it had queued and lets
+/// go of its ring before the drop returns: an engine opened right after
+/// on the same ring, in the same process, is not refused as busy (it was
+/// while the old flush thread finished on its own: a torture case failed
+/// on it, and so would a training script that drops its checkpointer and
+/// makes a new one).
+#[test]
+fn an_engine_dropped_unclosed_persists_and_frees_its_ring_before_returning() {
+    let (_t, root, shm) = dirs();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine =
+        Engine::open(config(&root, &shm, "dropped").with_faults(Arc::clone(&faults))).unwrap();
+    // The flush's first storage operation stalls: it is still running
+    // when the engine is dropped.
+    faults.arm_stall(0, Duration::from_millis(300));
+    drop(save(&engine, 1));
+    drop(engine);
+    let again = Engine::open(config(&root, &shm, "dropped")).unwrap();
+    assert_eq!(again.steps().unwrap(), [1]);
+    assert_eq!(again.resident_steps(), [1]);
+    let ck = again.load(&acp_core::LoadRequest::default()).unwrap();
+    assert_eq!(ck.step(), 1);
+    again.close().unwrap();
+}

@@ -55,6 +55,22 @@ impl Engine {
     }
 }
 
+/// Python lets go of a checkpointer without `close()`: the core engine's
+/// last handle waits for its queued flushes before it frees the ring, and
+/// does so with the GIL released, so the program's other threads run.
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let inner = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(inner) = inner {
+            Python::attach(|py| py.detach(move || drop(inner)));
+        }
+    }
+}
+
 /// The name of an I/O engine, as Python sees it.
 pub(crate) fn io_name(io: IoKind) -> &'static str {
     match io {

@@ -126,8 +126,8 @@ pub struct Engine {
     inner: Arc<Inner>,
 }
 
-/// The engine's owner side: dropping the last clone closes the queue; the
-/// flush thread drains what is queued and exits on its own.
+/// The engine's owner side: dropping the last clone closes the queue and
+/// waits while the flush thread drains it (see the `Drop` below).
 #[derive(Debug)]
 struct Inner {
     shared: Arc<Shared>,
@@ -138,6 +138,46 @@ struct Inner {
     /// After a close with `release_on_close`: the steps whose only copy
     /// kept the ring (empty when it was released).
     kept_on_close: Mutex<Option<Vec<u64>>>,
+}
+
+/// Dropping the last clone without [`Engine::close`] still persists what
+/// was queued, and lets go of the ring before it returns: an engine opened
+/// next on the same ring in this process finds its slot files unlocked
+/// (they used to stay locked until the flush thread had exited on its
+/// own, and such an open failed with [`Error::Busy`] naming this process).
+/// The queued replica sends finish first, as at close, and a restored
+/// step not yet re-read into the ring is skipped.
+/// A flush the watchdog finds stuck is not waited for: its thread exits
+/// on its own when the storage answers.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shared.lock().closed = true;
+        self.shared.replicas.stop();
+        drop(
+            self.tx
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take(),
+        );
+        let worker = self
+            .worker
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(worker) = worker else {
+            return;
+        };
+        // The flush thread holds no engine, but never join oneself.
+        if worker.thread().id() == std::thread::current().id() {
+            return;
+        }
+        match wait::wait_for(&self.shared, None, state::EngineState::idle) {
+            Ok(()) => {
+                let _ = worker.join();
+            }
+            Err(e) => tracing::warn!("acp: engine dropped while its flush is stuck: {e}"),
+        }
+    }
 }
 
 impl Engine {
