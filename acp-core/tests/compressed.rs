@@ -133,6 +133,51 @@ fn load_storage(e: &Engine) -> Result<acp_core::Checkpoint, Error> {
     })
 }
 
+/// The reads of a compressed file's frames go through the engine's probe
+/// like every other storage operation (they did not: an injected fault or
+/// a throttle never reached them): an EIO on the first of them fails the
+/// load with an I/O error naming the data file, and the next load, with
+/// storage healed, gives the tensors.
+#[test]
+fn a_failed_read_of_a_compressed_file_is_an_io_error_naming_it() {
+    use acp_core::storage::faults::FaultInjector;
+    use std::sync::Arc;
+    let s = setup();
+    let e = engine(&s, &s.root, Compress::Zstd);
+    save(&s, &e);
+    e.close().unwrap();
+    let faults = Arc::new(FaultInjector::counting());
+    let e = Engine::open(
+        EngineConfig::new(&s.root)
+            .with_shm_dir(&s.shm)
+            .with_job("compressed-read-fault")
+            .with_ring_bytes(16 << 20)
+            .with_chunk_bytes(CHUNK)
+            .with_keep_restored(false)
+            .with_faults(Arc::clone(&faults)),
+    )
+    .unwrap();
+    // Where the first read of the data file comes in a load.
+    let before = faults.ops();
+    load_storage(&e).unwrap();
+    let log = faults.log();
+    let first = log
+        .iter()
+        .skip(usize::try_from(before).unwrap())
+        .position(|l| l.starts_with("read ") && l.ends_with(FILE))
+        .unwrap_or_else(|| panic!("no read of the data file was probed: {log:?}"));
+    faults.arm(u64::try_from(first).unwrap(), libc::EIO, false);
+    let err = load_storage(&e).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Io, "{err}");
+    assert!(err.to_string().contains(FILE), "{err}");
+    faults.heal();
+    let ck = load_storage(&e).unwrap();
+    for (name, _, _, data) in &s.tensors {
+        assert_eq!(ck.tensor(name).unwrap().data, &data[..], "{name}");
+    }
+    e.close().unwrap();
+}
+
 #[test]
 fn a_compressed_save_round_trips_verifies_and_exports_as_plain() {
     let s = setup();

@@ -1260,6 +1260,7 @@ pub(super) fn with_reader<T>(
             file,
             path.clone(),
             entry,
+            shared.io_opts.faults.as_ref(),
         )?;
         return f(&mut ChunkReader::new(src, entry)?);
     }
@@ -1377,6 +1378,7 @@ fn lead_header(shared: &Shared, stored: &StoredFile) -> Option<ParsedHeader> {
         file,
         stored.path.clone(),
         &stored.entry,
+        shared.io_opts.faults.as_ref(),
     )
     .ok()?;
     let lead = src.lead().ok()??;

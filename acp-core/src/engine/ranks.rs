@@ -33,7 +33,6 @@ use crate::read::{
     read_and_sum, read_check_copy, ChunkCopy, ChunkDst, ChunkReader, ChunkSource, StoredSource,
 };
 use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
-use crate::storage::Storage;
 
 /// The slot files of `rank` of this engine's job in this user's directory
 /// under the shm directory, whatever the number of slots that rank
@@ -159,9 +158,18 @@ fn open_peer_slot(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> O
 /// `entry` ([`Storage::open_listed`]: refused when its real size differs,
 /// so no memory is sized by an index that disagrees with the file); a
 /// compressed file is decoded as it is read.
-fn storage(root: &dyn Storage, step: u64, name: &str, entry: &FileEntry) -> Result<StoredSource> {
+fn storage(shared: &Shared, step: u64, name: &str, entry: &FileEntry) -> Result<StoredSource> {
+    let root = &*shared.root;
     let (file, path) = root.open_listed(step, name, entry.file_len())?.into_parts();
-    StoredSource::open(root, step, name, file, path, entry)
+    StoredSource::open(
+        root,
+        step,
+        name,
+        file,
+        path,
+        entry,
+        shared.io_opts.faults.as_ref(),
+    )
 }
 
 /// An image read chunk by chunk into memory of its full size (untouched
@@ -290,7 +298,7 @@ impl<S: ChunkSource + Sync> Partial<S> {
 /// that hold it, each checked against the index's digests.
 pub(super) fn read_header(shared: &Shared, step: u64, rank: u32) -> Result<ParsedHeader> {
     let (name, entry) = file_of(shared, step, rank)?;
-    Partial::new(&entry, storage(&*shared.root, step, &name, &entry)?)?.header()
+    Partial::new(&entry, storage(shared, step, &name, &entry)?)?.header()
 }
 
 fn file_of(shared: &Shared, step: u64, rank: u32) -> Result<(String, FileEntry)> {
@@ -348,7 +356,7 @@ pub(super) fn load_tensors(
             }
         }
     }
-    let source = storage(&*shared.root, step, &name, &entry)?;
+    let source = storage(shared, step, &name, &entry)?;
     let (p, h) = read_tensors(source, &entry, names, step, None)?;
     Ok(checkpoint(
         shared,

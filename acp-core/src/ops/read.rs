@@ -27,7 +27,7 @@ pub(crate) fn open(
     validate_file_name(&root.describe(step, INDEX_FILE_NAME), name)?;
     let (file, path) = root.open_listed(step, name, entry.file_len())?.into_parts();
     ChunkReader::new(
-        StoredSource::open(root, step, name, file, path, entry)?,
+        StoredSource::open(root, step, name, file, path, entry, None)?,
         entry,
     )
 }

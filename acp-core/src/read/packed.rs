@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::source::{ChunkSource, FileSource};
 use crate::error::{Error, ErrorKind, Result};
@@ -12,7 +13,7 @@ use crate::format::{
     chunk_span, decode_frame, decode_frame_lead, read_header, read_packed_table,
     validate_file_name, ChunkRef, Digest, FileEntry, FrameCodec, PackedTable, INDEX_FILE_NAME,
 };
-use crate::storage::Storage;
+use crate::storage::{Probe, Storage};
 
 /// At most this much of the decoded header is read to name the tensors of
 /// a bad frame: it is an error path.
@@ -330,12 +331,19 @@ pub(crate) enum StoredSource {
 impl StoredSource {
     /// The source of `file` (opened at `path`, its length on storage
     /// already checked against [`FileEntry::file_len`]) as `entry`
-    /// describes it.
+    /// describes it; its reads of a compressed file are first shown to
+    /// `probe` (a plain file is read through the I/O engine, which has its
+    /// own).
     ///
     /// # Errors
     /// For a compressed file, as [`PackedSource::new`].
-    pub(crate) fn new(file: File, path: PathBuf, entry: &FileEntry) -> Result<StoredSource> {
-        let raw = FileSource::new(file, path, entry.file_len());
+    pub(crate) fn new(
+        file: File,
+        path: PathBuf,
+        entry: &FileEntry,
+        probe: Option<Arc<dyn Probe>>,
+    ) -> Result<StoredSource> {
+        let raw = FileSource::new(file, path, entry.file_len(), probe);
         if entry.stored_size.is_some() {
             Ok(StoredSource::Packed(PackedSource::new(raw, entry)?))
         } else {
@@ -364,11 +372,14 @@ impl StoredSource {
         file: File,
         path: PathBuf,
         entry: &FileEntry,
+        probe: Option<&Arc<dyn Probe>>,
     ) -> Result<StoredSource> {
-        let mut src = StoredSource::new(file, path, entry)?;
+        let mut src = StoredSource::new(file, path, entry, probe.cloned())?;
         if let StoredSource::Packed(p) = &mut src {
             let index_path = root.describe(step, INDEX_FILE_NAME);
-            p.resolve(entry, &mut |r| held_file(root, &index_path, name, entry, r))?;
+            p.resolve(entry, &mut |r| {
+                held_file(root, &index_path, name, entry, r, probe)
+            })?;
         }
         Ok(src)
     }
@@ -450,6 +461,7 @@ fn held_file(
     name: &str,
     entry: &FileEntry,
     r: &ChunkRef,
+    probe: Option<&Arc<dyn Probe>>,
 ) -> Result<StoredSource> {
     let bad = |reason: String| {
         Error::corrupt(
@@ -497,7 +509,7 @@ fn held_file(
     let (file, path) = root
         .open_listed(r.step, &r.file, held.file_len())?
         .into_parts();
-    StoredSource::new(file, path, held)
+    StoredSource::new(file, path, held, probe.cloned())
 }
 
 /// Whether a read of `dst` at file offset `offset` meets `O_DIRECT`'s

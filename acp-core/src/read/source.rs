@@ -5,11 +5,13 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::format::Digest;
 use crate::io::{IoEngine, IoOpts};
 use crate::staging::PeerSlot;
+use crate::storage::{probe_io, Probe};
 
 /// The bytes of one data file image, wherever they are. Nothing a source
 /// hands out is trusted: [`ChunkReader`](super::ChunkReader) checks it.
@@ -122,13 +124,26 @@ pub(crate) struct FileSource {
     file: File,
     path: PathBuf,
     len: u64,
+    /// Called before each read (the engine's fault injection, which
+    /// reaches its other reads through the I/O engine).
+    probe: Option<Arc<dyn Probe>>,
 }
 
 impl FileSource {
     /// `file`, opened by the caller at `path`, whose index says it holds
-    /// `len` bytes.
-    pub(crate) fn new(file: File, path: PathBuf, len: u64) -> FileSource {
-        FileSource { file, path, len }
+    /// `len` bytes; each read is first shown to `probe`.
+    pub(crate) fn new(
+        file: File,
+        path: PathBuf,
+        len: u64,
+        probe: Option<Arc<dyn Probe>>,
+    ) -> FileSource {
+        FileSource {
+            file,
+            path,
+            len,
+            probe,
+        }
     }
 }
 
@@ -150,6 +165,8 @@ impl FileSource {
 
 impl ChunkSource for FileSource {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        probe_io(self.probe.as_deref(), "read", &self.path, buf.len())
+            .map_err(|e| Error::io("read", &self.path, e))?;
         self.file
             .read_exact_at(buf, offset)
             .map_err(|e| Error::io("read", &self.path, e))
