@@ -3,6 +3,7 @@ target 4), and its failure rules."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,33 @@ def test_a_new_nodes_restore_is_resident_again_for_the_next_restart(
     into = template()
     assert again.load(into=into).source == ("ram" if keep else "storage")
     assert same(into, state(1))
+
+
+def test_the_dying_checkpoint_gives_up_a_slow_reread_of_the_restored_step(
+    make_ckpt: MakeCkpt, tmp_path: Path
+) -> None:
+    """A SIGTERM (or an exception in ``guard()``) right after a new node's
+    restore: the dying checkpoint has nothing to persist, and does not wait
+    out the re-read that would make the restored step resident again
+    (``keep_restored``): the step is on storage."""
+    big = {"w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MiB
+    (tmp_path / "other-node").mkdir()
+    first = make_ckpt(
+        shm_dir=tmp_path / "other-node", release_on_close=True, chunk_bytes=1 << 20
+    )
+    first.save(1, big).wait()
+    first.close()
+    slow = acp._acp.FaultInjector()
+    node = make_ckpt(ring_bytes=64 << 20, chunk_bytes=1 << 20, faults=slow)
+    into = {"w": torch.zeros(4 << 20, dtype=torch.float32)}
+    assert node.load(into=into).source == "storage"
+    assert torch.equal(into["w"], big["w"])
+    # The re-read now reads 1 MiB a second: 16 s for the whole file.
+    slow.throttle(1 << 20, 1 << 20)
+    time.sleep(0.3)
+    report = node.dying_checkpoint()
+    assert report.ok, report.error
+    assert report.committed_step == 1
+    assert report.secs < 8, report
+    slow.throttle(0, 1 << 20)
+    assert node.snapshots() == []

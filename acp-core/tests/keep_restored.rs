@@ -12,6 +12,8 @@
 //! - a re-read that hangs is reported by the watchdog as a stuck flush is,
 //!   naming what it reads, and the engine closes once storage answers; one
 //!   that takes longer than the stall timeout but makes progress is not;
+//! - a close, or `Engine::stop_keeping_restored` (the dying checkpoint's),
+//!   stops a running re-read within its reads in flight and seals nothing;
 //! - with `keep_restored` off, nothing becomes resident.
 //!
 //! (The fixture's engines have it off; these turn it on.)
@@ -230,6 +232,82 @@ fn a_slow_reread_that_makes_progress_is_not_a_stall() {
     faults.throttle(0, 1 << 20);
     let waited = t.elapsed();
     assert!(waited > STALL, "the re-read took {waited:?}");
+    assert_eq!(engine.resident_steps(), vec![1]);
+    engine.close().unwrap();
+}
+
+/// Opens a new node's engine, restores step 1 (stored in `file`) from
+/// storage at full speed, then slows storage so that the re-read that
+/// follows would take about 12 s.
+fn restored_then_slowed(
+    root: &Path,
+    file: &Path,
+    dir: &Path,
+    tag: &str,
+) -> (Engine, Arc<FaultInjector>) {
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = fresh_engine(root, dir, tag, |c| {
+        c.with_faults(Arc::clone(&faults))
+            .with_keep_restored(true)
+            .with_background_nice(0)
+    });
+    assert_eq!(
+        restore_into(&engine, &step1(false), "restore"),
+        Source::Storage
+    );
+    let stored = std::fs::metadata(file).unwrap().len();
+    faults.throttle((stored / 12).max(1000), 1 << 20);
+    // Let the re-read start.
+    std::thread::sleep(Duration::from_millis(300));
+    (engine, faults)
+}
+
+/// The most a stopped re-read may take to give up: the reads it has in
+/// flight, slowed, and a loaded machine's delays; far below the 12 s of
+/// the whole re-read.
+const GIVE_UP: Duration = Duration::from_secs(4);
+
+#[test]
+fn a_close_stops_a_running_reread_and_leaves_nothing_resident() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, file) = committed(dir.path(), Compress::None);
+    let (engine, faults) = restored_then_slowed(&root, &file, dir.path(), "close");
+    let t = std::time::Instant::now();
+    engine.close().unwrap();
+    let took = t.elapsed();
+    faults.throttle(0, 1 << 20);
+    assert!(took < GIVE_UP, "close waited {took:?} for the re-read");
+    assert!(engine.resident_steps().is_empty());
+    drop(engine);
+    // The next process on the node restores from storage: nothing half
+    // read was sealed.
+    let again = reopen(&root, dir.path(), "close");
+    assert!(again.resident_steps().is_empty());
+    assert_eq!(
+        restore_into(&again, &step1(false), "after close"),
+        Source::Storage
+    );
+    again.close().unwrap();
+}
+
+#[test]
+fn stop_keeping_restored_stops_a_running_reread_and_a_later_restore_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, file) = committed(dir.path(), Compress::Zstd);
+    let (engine, faults) = restored_then_slowed(&root, &file, dir.path(), "stop");
+    let t = std::time::Instant::now();
+    engine.stop_keeping_restored();
+    engine.wait_idle(None).unwrap();
+    let took = t.elapsed();
+    faults.throttle(0, 1 << 20);
+    assert!(took < GIVE_UP, "the re-read went on for {took:?}");
+    assert!(engine.resident_steps().is_empty());
+    // Not sticky: the next restore from storage is read again into RAM.
+    assert_eq!(
+        restore_into(&engine, &step1(false), "again"),
+        Source::Storage
+    );
+    engine.wait_idle(None).unwrap();
     assert_eq!(engine.resident_steps(), vec![1]);
     engine.close().unwrap();
 }

@@ -775,6 +775,14 @@ impl Engine {
             .map_err(err)
     }
 
+    /// Gives up making a step restored from storage resident again
+    /// (`keep_restored`): a waiting re-read is dropped, a running one stops
+    /// at its next checked read. The dying checkpoint calls it.
+    fn stop_keeping_restored(&self) -> PyResult<()> {
+        self.get()?.stop_keeping_restored();
+        Ok(())
+    }
+
     /// What became of the saves so far: `staged`, `persisted`, `resident`,
     /// `superseded` and `skipped` counts, `bytes_written` to storage (plain
     /// image bytes) and `bytes_stored` (what the files take there,

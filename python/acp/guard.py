@@ -15,7 +15,9 @@ What is persisted is what ``save()`` finished staging: the flushes already
 queued, and the newest staged step whatever the persist policy chose for it
 (a RAM snapshot, ``persist=False`` included, is queued now); the dying
 checkpoint waits for the queue to drain (bounded by ``timeout`` and by the
-engine's watchdog, ``stall_timeout``). Older RAM snapshots are not written. A save that
+engine's watchdog, ``stall_timeout``). Older RAM snapshots are not written, and
+a restored step still being read again into RAM (``keep_restored``) is given
+up: it is on storage already. A save that
 was interrupted while staging (an exception inside ``save`` itself, or a
 SIGTERM that arrives while tensors are being copied) is aborted, never
 finished: its slot is freed and the checkpoint before it is the one that
@@ -168,6 +170,9 @@ def dying_checkpoint(
     else:
         newest = None
         try:
+            # A restored step being read again into RAM (keep_restored)
+            # would hold the flush thread for seconds; it is on storage.
+            engine.stop_keeping_restored()
             # The newest snapshot is committed whatever the persist policy
             # chose for it at its save (a RAM-only step is queued now).
             newest = engine.persist_newest()

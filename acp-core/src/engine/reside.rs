@@ -18,7 +18,8 @@
 //! slot goes back to the ring unsealed. A failed read is logged and leaves
 //! nothing behind: the step is still on storage, which is where the load
 //! found it. [`Engine::wait_idle`](super::Engine::wait_idle) waits for it;
-//! a close skips one that has not started.
+//! a close skips one that has not started and stops one that has at its
+//! next checked read (as does the drop of the engine's last handle).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -74,6 +75,26 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Gives up making a restored step resident again (`keep_restored`):
+    /// one waiting is dropped, and one being read stops at its next
+    /// checked read, its slot going back to the ring unsealed. Nothing is
+    /// lost: the step is on storage, where its load found it. The dying
+    /// checkpoint calls it: a process about to exit spends its last
+    /// seconds on what protects data, and a re-read only saves the next
+    /// restart on this node a read from storage. A later restore from
+    /// storage is kept resident again as before.
+    pub fn stop_keeping_restored(&self) {
+        let mut st = self.shared().lock();
+        st.to_reside = None;
+        if st.residing {
+            st.reside_stop = true;
+        }
+        drop(st);
+        self.shared().idle.notify_all();
+    }
+}
+
 /// The flush thread's turn at the restored step waiting to be made
 /// resident, if any (a wake-up may find it taken by an earlier one).
 pub(super) fn reside_waiting(shared: &Arc<Shared>) {
@@ -93,6 +114,10 @@ pub(super) fn reside_waiting(shared: &Arc<Shared>) {
                 "acp: the restored step is resident again"
             ),
             Ok(false) => {}
+            Err(e) if stopped(shared) => tracing::debug!(
+                step,
+                "acp: reading the restored step again into RAM stopped: {e}"
+            ),
             Err(e) => tracing::warn!(
                 step,
                 "acp: the restored step stays on storage only (reading it again into RAM failed): {e}"
@@ -100,10 +125,18 @@ pub(super) fn reside_waiting(shared: &Arc<Shared>) {
         }
         let mut st = shared.lock();
         st.residing = false;
+        st.reside_stop = false;
         st.progress = None;
         drop(st);
         shared.idle.notify_all();
     }
+}
+
+/// Whether the running re-read was asked to stop (a close, the drop of
+/// the last handle, [`Engine::stop_keeping_restored`]).
+fn stopped(shared: &Shared) -> bool {
+    let st = shared.lock();
+    st.closed || st.reside_stop
 }
 
 /// Whether an image newer than `step`, or `step` itself, is in the ring
@@ -141,7 +174,12 @@ fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
     let chunk = super::to_usize(file.entry.chunk_bytes);
     let io_chunk = shared.io_opts.chunk_bytes;
     let noted = Arc::clone(shared);
-    let note = OnChecked(Arc::new(move || noted.note_progress(doing.clone())));
+    // A close (or the last handle's drop) stops the read at its next
+    // check: nobody is left to load what it would make resident.
+    let note = OnChecked(Arc::new(move || {
+        noted.note_progress(doing.clone());
+        !stopped(&noted)
+    }));
     let digests = super::load::with_reader(shared, file, &mut |reader| {
         reader.on_checked(note.clone());
         reader.read_verified_into(slot.image_mut(), 1, io_chunk, Vec::new())

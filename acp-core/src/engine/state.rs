@@ -108,6 +108,9 @@ pub(super) struct EngineState {
     pub(super) reside_woken: bool,
     /// Whether the flush thread is reading such a step into a slot now.
     pub(super) residing: bool,
+    /// Set by [`Engine::stop_keeping_restored`](super::Engine::stop_keeping_restored)
+    /// while a re-read runs: it stops at its next checked read.
+    pub(super) reside_stop: bool,
     /// Whether a commit left housekeeping (`Storage::settle`) that the
     /// flush thread has not done yet: it does it when it has no save
     /// queued, so a save that follows at once is not delayed by it.

@@ -109,13 +109,17 @@ pub(crate) struct ChunkReader<S> {
     /// Called each time a landed read of a whole-image read has been
     /// checked ([`ChunkReader::on_checked`]).
     on_checked: Option<OnChecked>,
+    /// Set when `on_checked` asked the read to stop.
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 /// What a whole-image read calls after each landed read it checked, on
 /// the checking thread: a caller's sign of progress (a background read's
-/// watchdog note).
+/// watchdog note). It returns whether the read goes on: `false` stops it
+/// (no further read is started or checked) and the read fails with the
+/// error of [`ChunkReader::stopped_error`].
 #[derive(Clone)]
-pub(crate) struct OnChecked(pub(crate) std::sync::Arc<dyn Fn() + Send + Sync>);
+pub(crate) struct OnChecked(pub(crate) std::sync::Arc<dyn Fn() -> bool + Send + Sync>);
 
 impl std::fmt::Debug for OnChecked {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -211,6 +215,7 @@ impl<S: ChunkSource> ChunkReader<S> {
             guess: None,
             cache: None,
             on_checked: None,
+            stopped: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -218,6 +223,20 @@ impl<S: ChunkSource> ChunkReader<S> {
     /// its kin) call `f` after each landed read they checked.
     pub(crate) fn on_checked(&mut self, f: OnChecked) {
         self.on_checked = Some(f);
+    }
+
+    /// Whether `on_checked` asked the read to stop.
+    pub(crate) fn stop_asked(&self) -> bool {
+        self.stopped.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The error of a read its `on_checked` stopped.
+    pub(crate) fn stopped_error(&self) -> Error {
+        Error::io(
+            "read",
+            self.src.name(),
+            std::io::Error::new(std::io::ErrorKind::Interrupted, "stopped by its caller"),
+        )
     }
 
     /// The file the bytes come from.

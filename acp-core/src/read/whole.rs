@@ -255,6 +255,9 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             }
             let path = self.src.name();
             let mut on_piece = |i: usize, bytes| -> Result<()> {
+                if self.stop_asked() {
+                    return Err(self.stopped_error());
+                }
                 if found.any() {
                     // Reported by the caller as the mismatch it is.
                     return Err(Error::corrupt(path, None, "digest mismatch"));
@@ -321,6 +324,12 @@ impl<S: ChunkSource + Sync> ChunkReader<S> {
             let (mut scratch, mut own) = (Vec::new(), Vec::new());
             for (i, fill) in &rx {
                 if stop.load(Ordering::Acquire) || found.any() {
+                    return;
+                }
+                if self.stop_asked() {
+                    let mut first = failed.lock().unwrap_or_else(PoisonError::into_inner);
+                    first.get_or_insert((i, self.stopped_error()));
+                    stop.store(true, Ordering::Release);
                     return;
                 }
                 let offset = i * read_bytes;
@@ -728,7 +737,9 @@ impl Job<'_> {
             }
         }
         if let Some(f) = &reader.on_checked {
-            (f.0)();
+            if !(f.0)() {
+                reader.stopped.store(true, Ordering::Release);
+            }
         }
     }
 }
