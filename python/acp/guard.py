@@ -69,6 +69,8 @@ from acp import checkpointer, cover
 from acp._acp import AcpError
 
 if TYPE_CHECKING:
+    from acp import _acp
+    from acp._stats import SaveHandle
     from acp.checkpointer import Checkpointer
 
 __all__ = [
@@ -187,16 +189,8 @@ def dying_checkpoint(
             engine.wait_idle(timeout)
         except AcpError as e:
             error = error or str(e)
-        if last is not None and error is None:
-            try:
-                last.wait(0)
-            except AcpError as e:
-                error = str(e)
-        if newest is not None and error is None:
-            try:
-                newest.wait(0)
-            except AcpError as e:
-                error = str(e)
+        if error is None:
+            error = _outcome(last, newest)
         try:
             committed = engine.latest()
         except AcpError as e:
@@ -229,6 +223,17 @@ def dying_checkpoint(
             f"in shared memory: restart on this node or run `{persist}`",
         )
     return report
+
+
+def _outcome(*handles: SaveHandle | _acp.SaveHandle | None) -> str | None:
+    """The error of the first of the drained saves ``handles`` that failed."""
+    for h in handles:
+        if h is not None:
+            try:
+                h.wait(0)
+            except AcpError as e:
+                return str(e)
+    return None
 
 
 def _cover(
