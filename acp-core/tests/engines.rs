@@ -466,6 +466,42 @@ fn handles_are_futures() {
     assert!(rep.total_secs >= rep.stall_secs);
 }
 
+/// An awaited save whose storage hangs ends with the watchdog's timeout,
+/// as a blocking wait does (the future used to stay pending until the
+/// storage answered); once it answers, a clone of the handle gives the
+/// save's result.
+#[test]
+fn an_awaited_save_on_hung_storage_ends_with_the_watchdogs_timeout() {
+    use acp_core::storage::faults::FaultInjector;
+    use std::sync::Arc;
+    let f = fixture();
+    let faults = Arc::new(FaultInjector::counting());
+    let engine = Engine::open(
+        config(&f, IoChoice::Auto, DirectIo::Auto)
+            .with_faults(Arc::clone(&faults))
+            .with_stall_timeout(Duration::from_millis(500))
+            .with_background_nice(0),
+    )
+    .unwrap();
+    // The flush's first storage operation hangs for 4 s.
+    faults.arm_stall(0, Duration::from_secs(4));
+    let handle = save(&engine, 3, 3);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let t = std::time::Instant::now();
+    let err = rt.block_on(handle.clone()).unwrap_err();
+    let took = t.elapsed();
+    assert_eq!(err.kind(), acp_core::ErrorKind::Timeout, "{err}");
+    assert!(took < Duration::from_secs(3), "the await took {took:?}");
+    // Once the storage has answered, the save completes.
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(t.elapsed()));
+    let rep = rt.block_on(handle).unwrap();
+    assert_eq!(rep.step, 3);
+    engine.close().unwrap();
+}
+
 #[test]
 fn closed_engine_refuses_saves() {
     let f = fixture();

@@ -15,14 +15,22 @@ use crate::io::IoKind;
 
 /// The completion handle of a save. Also a [`Future`].
 ///
-/// Its blocking waits watch the flush: when it makes no progress for the
-/// engine's stall timeout, they fail with [`Error::Timeout`] naming what is
-/// stuck (the save may still finish later; wait again to see it).
+/// Its waits watch the flush: when it makes no progress for the engine's
+/// stall timeout, they fail with [`Error::Timeout`] naming what is stuck
+/// (the save may still finish later; wait again, or await a clone of the
+/// handle, to see it). An awaited handle is polled again every 100 ms
+/// while it is pending (a thread of this crate wakes it) to look, so an
+/// `.await` on a save whose storage hangs ends as a blocking wait does
+/// instead of pending forever.
 #[derive(Debug, Clone)]
 pub struct SaveHandle {
     done: Arc<Completion>,
     /// The engine whose flush to watch, while it lives.
     watch: Option<Weak<Shared>>,
+    /// Whether this handle was polled as a future and found pending: the
+    /// watchdog is consulted from the next poll on (a flush that just got
+    /// going again gets a tick to say so, as in the blocking waits).
+    polled: bool,
 }
 
 /// The shared completion cell of one save.
@@ -116,6 +124,7 @@ impl SaveHandle {
         SaveHandle {
             done: c,
             watch: None,
+            polled: false,
         }
     }
 
@@ -124,6 +133,7 @@ impl SaveHandle {
         SaveHandle {
             done: c,
             watch: Some(engine),
+            polled: false,
         }
     }
 
@@ -218,14 +228,109 @@ impl SaveHandle {
 impl Future for SaveHandle {
     type Output = Result<SaveReport>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut st = self.done.lock();
-        if let Some(r) = &st.result {
-            return Poll::Ready(clone_result(r));
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        {
+            let mut st = self.done.lock();
+            if let Some(r) = &st.result {
+                return Poll::Ready(clone_result(r));
+            }
+            if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                st.wakers.push(cx.waker().clone());
+            }
         }
-        if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            st.wakers.push(cx.waker().clone());
+        if self.watch.is_some() {
+            if std::mem::replace(&mut self.polled, true) {
+                if let Some(e) = self.stuck() {
+                    return Poll::Ready(Err(e));
+                }
+            }
+            ticker::wake_later(&self.done, cx.waker());
         }
         Poll::Pending
+    }
+}
+
+/// The thread that wakes pending save futures every [`WATCH_TICK`], so
+/// that each is polled again and consults the watchdog (a stuck flush
+/// never completes them). One for the process, started by the first
+/// future that waits on a watched save; it sleeps while none waits.
+mod ticker {
+    use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError, Weak};
+    use std::task::Waker;
+
+    use super::{Completion, WATCH_TICK};
+
+    type Waiting = Vec<(Weak<Completion>, Waker)>;
+
+    #[derive(Default)]
+    struct Ticker {
+        waiting: Mutex<Waiting>,
+        added: Condvar,
+    }
+
+    /// The ticker, its thread started on first use; `None` when the
+    /// thread cannot start (logged once): the futures then wait for their
+    /// completion alone, as before.
+    fn ticker() -> Option<&'static Ticker> {
+        static TICKER: OnceLock<Option<Arc<Ticker>>> = OnceLock::new();
+        TICKER
+            .get_or_init(|| {
+                let t = Arc::new(Ticker::default());
+                let run = Arc::clone(&t);
+                let spawned = std::thread::Builder::new()
+                    .name("acp-await-watch".into())
+                    .spawn(move || {
+                        crate::io::block_async_signals();
+                        run.run();
+                    });
+                match spawned {
+                    Ok(_) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(
+                            "acp: awaited saves will not see the watchdog (thread not started: {e})"
+                        );
+                        None
+                    }
+                }
+            })
+            .as_deref()
+    }
+
+    impl Ticker {
+        fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+            self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
+        }
+
+        fn run(&self) {
+            loop {
+                {
+                    let mut w = self.lock();
+                    while w.is_empty() {
+                        w = self.added.wait(w).unwrap_or_else(PoisonError::into_inner);
+                    }
+                }
+                std::thread::sleep(WATCH_TICK);
+                // Each one still pending registers again when it is polled.
+                let due = std::mem::take(&mut *self.lock());
+                for (done, waker) in due {
+                    if done.upgrade().is_some_and(|d| d.lock().result.is_none()) {
+                        waker.wake();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Has `waker` woken after a tick while `done` has no result.
+    pub(super) fn wake_later(done: &Arc<Completion>, waker: &Waker) {
+        let Some(t) = ticker() else { return };
+        let mut w = t.lock();
+        let known = w
+            .iter()
+            .any(|(d, k)| std::ptr::eq(d.as_ptr(), Arc::as_ptr(done)) && k.will_wake(waker));
+        if !known {
+            w.push((Arc::downgrade(done), waker.clone()));
+            t.added.notify_one();
+        }
     }
 }
