@@ -12,8 +12,9 @@
 //! - a re-read that hangs is reported by the watchdog as a stuck flush is,
 //!   naming what it reads, and the engine closes once storage answers; one
 //!   that takes longer than the stall timeout but makes progress is not;
-//! - a close, or `Engine::stop_keeping_restored` (the dying checkpoint's),
-//!   stops a running re-read within its reads in flight and seals nothing;
+//! - a close, `Engine::stop_keeping_restored` (the dying checkpoint's) or
+//!   a save that begins stops a running re-read within its reads in
+//!   flight and seals nothing;
 //! - with `keep_restored` off, nothing becomes resident.
 //!
 //! (The fixture's engines have it off; these turn it on.)
@@ -309,5 +310,44 @@ fn stop_keeping_restored_stops_a_running_reread_and_a_later_restore_is_kept() {
     );
     engine.wait_idle(None).unwrap();
     assert_eq!(engine.resident_steps(), vec![1]);
+    engine.close().unwrap();
+}
+
+#[test]
+fn a_save_that_begins_stops_the_reread_it_makes_moot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, file) = committed(dir.path(), Compress::None);
+    let (engine, faults) = restored_then_slowed(&root, &file, dir.path(), "moot");
+    // A RAM snapshot of step 2 (nothing to write on the slowed storage):
+    // the re-read of step 1 would be dropped unsealed when it ends; it
+    // stops instead of taking the disk and a core for 12 s.
+    let data: Vec<Vec<u8>> = (0..TENSORS).map(|i| tensor((i + 1) % TENSORS)).collect();
+    let names: Vec<String> = (0..TENSORS).map(name).collect();
+    let shape = [TENSOR_BYTES as u64];
+    let host: Vec<acp_core::HostTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .map(|(n, d)| acp_core::HostTensor {
+            name: n,
+            dtype: acp_core::Dtype::U8,
+            shape: &shape,
+            data: d,
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    let opts = acp_core::SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..acp_core::SaveOptions::default()
+    };
+    engine
+        .save(2, &host, &serde_json::json!({"step": 2}), &opts)
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.wait_idle(None).unwrap();
+    let took = t.elapsed();
+    faults.throttle(0, 1 << 20);
+    assert!(took < GIVE_UP, "the re-read went on for {took:?}");
+    assert_eq!(engine.resident_steps(), vec![2]);
     engine.close().unwrap();
 }

@@ -70,7 +70,7 @@ impl EngineState {
             && !self.hash_woken
             && !self.hashing
             && !self.reside_woken
-            && !self.residing
+            && self.residing.is_none()
             && !self.unsettled
     }
 }

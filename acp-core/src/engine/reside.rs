@@ -15,7 +15,9 @@
 //! It runs behind any persist already queued, at the flush thread's lower
 //! priority, on one thread, and only while nothing newer is in the ring: a
 //! save sealed before it starts (or before it ends) makes it moot, and the
-//! slot goes back to the ring unsealed. A failed read is logged and leaves
+//! slot goes back to the ring unsealed; a save of a step not older that
+//! begins meanwhile drops it, or stops it at its next checked read. A
+//! failed read is logged and leaves
 //! nothing behind: the step is still on storage, which is where the load
 //! found it. [`Engine::wait_idle`](super::Engine::wait_idle) waits for it;
 //! a close skips one that has not started and stops one that has at its
@@ -87,11 +89,26 @@ impl Engine {
     pub fn stop_keeping_restored(&self) {
         let mut st = self.shared().lock();
         st.to_reside = None;
-        if st.residing {
+        if st.residing.is_some() {
             st.reside_stop = true;
         }
         drop(st);
         self.shared().idle.notify_all();
+    }
+}
+
+/// A save of `step` begins: the re-read of a restored step not newer than
+/// it is moot (the save's image will be the newest resident one, and a
+/// re-read that ends after the save's seal is dropped unsealed anyway).
+/// One waiting is dropped and one running stops at its next checked read,
+/// so it neither holds a slot the save waits for (a ring whose budget
+/// fits one image) nor takes the disk and a core from the save's flush.
+pub(super) fn save_begins(st: &mut super::state::EngineState, step: u64) {
+    if st.to_reside.as_ref().is_some_and(|r| r.file.step <= step) {
+        st.to_reside = None;
+    }
+    if st.residing.is_some_and(|s| s <= step) {
+        st.reside_stop = true;
     }
 }
 
@@ -102,7 +119,7 @@ pub(super) fn reside_waiting(shared: &Arc<Shared>) {
         let mut st = shared.lock();
         st.reside_woken = false;
         let next = st.to_reside.take().filter(|_| !st.closed);
-        st.residing = next.is_some();
+        st.residing = next.as_ref().map(|r| r.file.step);
         next
     };
     if let Some(r) = next {
@@ -124,7 +141,7 @@ pub(super) fn reside_waiting(shared: &Arc<Shared>) {
             ),
         }
         let mut st = shared.lock();
-        st.residing = false;
+        st.residing = None;
         st.reside_stop = false;
         st.progress = None;
         drop(st);

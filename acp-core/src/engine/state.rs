@@ -106,8 +106,8 @@ pub(super) struct EngineState {
     pub(super) to_reside: Option<super::reside::Reside>,
     /// Whether a wake-up for `to_reside` is queued to the flush thread.
     pub(super) reside_woken: bool,
-    /// Whether the flush thread is reading such a step into a slot now.
-    pub(super) residing: bool,
+    /// The step the flush thread is reading into a slot now, if any.
+    pub(super) residing: Option<u64>,
     /// Set by [`Engine::stop_keeping_restored`](super::Engine::stop_keeping_restored)
     /// while a re-read runs: it stops at its next checked read.
     pub(super) reside_stop: bool,
