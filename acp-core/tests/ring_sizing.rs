@@ -100,6 +100,38 @@ fn a_checkpoint_too_large_for_two_slots_saves_in_one() {
     e.close().unwrap();
 }
 
+/// A replaced node's restore from storage is read again into RAM
+/// (`keep_restored`) only when the ring holds two such images: in a
+/// budget that fits one, the re-read would hold the slot the next save
+/// needs (a save with `on_full` = skip was dropped). Both sizes restore,
+/// and a save right after is resident.
+#[test]
+fn a_restore_is_kept_resident_only_when_the_budget_holds_two() {
+    let t = tempfile::tempdir().unwrap();
+    for (mib, kept) in [(8u8, true), (20, false)] {
+        let at = t.path().join(format!("{mib}"));
+        std::fs::create_dir(&at).unwrap();
+        let (e, _) = in_a_small_container(&at);
+        save(&e, 1, &vec![mib; usize::from(mib) << 20]).unwrap();
+        e.close().unwrap();
+        drop(e);
+        // The replaced node: the same root, another (empty) ring.
+        let node = at.join("node");
+        std::fs::create_dir(&node).unwrap();
+        std::fs::rename(at.join("ckpt"), node.join("ckpt")).unwrap();
+        let (e, _) = in_a_small_container(&node);
+        let ck = e.load(&LoadRequest::default()).unwrap();
+        assert_eq!((ck.step(), ck.report().source), (1, Source::Storage));
+        drop(ck);
+        e.wait_idle(None).unwrap();
+        let resident = e.resident_steps();
+        assert_eq!(resident, if kept { vec![1] } else { vec![] }, "{mib} MiB");
+        save(&e, 2, &vec![2u8; usize::from(mib) << 20]).unwrap();
+        assert_eq!(e.resident_steps().first(), Some(&2), "{mib} MiB");
+        e.close().unwrap();
+    }
+}
+
 #[test]
 fn a_default_engine_sizes_its_ring_from_the_room() {
     let t = tempfile::tempdir().unwrap();

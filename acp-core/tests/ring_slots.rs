@@ -571,6 +571,56 @@ fn a_shared_budget_lets_one_slot_take_it_and_saves_take_turns() {
     assert!(ring_file_bytes(dir.path()) <= 24 * MIB);
 }
 
+/// Slots sized for smaller images do not keep a shared budget from a
+/// larger one: a save empties the others it may give up (free slots
+/// first, then persisted ones, oldest step first), their memory given
+/// back, and takes a slot. It used to wait forever: every slot's file
+/// counted against the budget, whatever its state.
+#[test]
+fn a_shared_budget_empties_smaller_slots_for_a_larger_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(dir.path(), 2, 24 * MIB);
+    o.shared_budget = true;
+    let (ring, _) = Ring::open(o).unwrap();
+    let small = 10 << 20;
+    let large = 14 << 20;
+    let wait = Some(Duration::from_millis(500));
+    // Both slots persisted at 10 MiB: the save takes the older step's
+    // slot and empties the other.
+    for step in [1, 2] {
+        let slot = save(&ring, step, small).slot();
+        ring.set_state(slot, SlotState::Persisted);
+    }
+    let mut s = ring.acquire(large as u64, wait).unwrap().expect("a slot");
+    s.image_mut()[..large].copy_from_slice(&pattern(3, large));
+    let slot = s.seal(3, large as u64).slot();
+    let steps: Vec<u64> = ring.complete().iter().map(|i| i.step).collect();
+    assert_eq!(steps, [3]);
+    assert!(ring_file_bytes(dir.path()) <= 24 * MIB);
+    assert_eq!(ring.pin(slot).unwrap().image(), &pattern(3, large)[..]);
+    // Both slots free at 10 MiB (two smaller images staged side by side,
+    // then dropped unsealed): a larger one gets a slot at once.
+    drop(ring);
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = opts(dir.path(), 2, 24 * MIB);
+    o.shared_budget = true;
+    let (ring, _) = Ring::open(o).unwrap();
+    let a = ring.acquire(small as u64, wait).unwrap().expect("a slot");
+    let b = ring.acquire(small as u64, wait).unwrap().expect("a slot");
+    drop((a, b));
+    assert!(ring.complete().is_empty());
+    let grown = ring.acquire(large as u64, wait).unwrap().expect("a slot");
+    assert!(ring_file_bytes(dir.path()) <= 24 * MIB);
+    drop(grown);
+    // A resident step that is not persisted is never emptied: no room.
+    let mut s = ring.acquire(large as u64, wait).unwrap().expect("a slot");
+    s.image_mut()[..large].copy_from_slice(&pattern(5, large));
+    let five = s.seal(5, large as u64);
+    let e = ring.acquire(large as u64, wait).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert_eq!(five.image(), &pattern(5, large)[..]);
+}
+
 #[test]
 fn an_even_split_refuses_an_image_past_its_share() {
     let dir = tempfile::tempdir().unwrap();

@@ -55,9 +55,14 @@ impl Engine {
     }
 }
 
-/// Python lets go of a checkpointer without `close()`: the core engine's
-/// last handle waits for its queued flushes before it frees the ring, and
-/// does so with the GIL released, so the program's other threads run.
+/// Drops `v` with the GIL released. For what may hold the core engine's
+/// last handle: that drop waits for the engine's queued flushes before it
+/// frees the ring, and the program's other threads run meanwhile.
+pub(crate) fn drop_detached<T: Send>(v: T) {
+    Python::attach(|py| py.detach(move || drop(v)));
+}
+
+/// Python lets go of a checkpointer without `close()`.
 impl Drop for Engine {
     fn drop(&mut self) {
         let inner = self
@@ -66,7 +71,7 @@ impl Drop for Engine {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(inner) = inner {
-            Python::attach(|py| py.detach(move || drop(inner)));
+            drop_detached(inner);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! `Loaded`: a loaded checkpoint, its values and its tensors' bytes.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use acp_core::format::ParsedHeader;
 use acp_core::{Checkpoint, Error, Opened, PendingLoad, Source};
@@ -105,6 +105,21 @@ enum Pending {
     Read(Box<PendingLoad>),
     /// The read failed with this message; the load failed.
     Failed(String),
+}
+
+/// A storage read not done holds an engine handle, maybe its last.
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let pending = std::mem::replace(
+            self.pending
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+            Pending::None,
+        );
+        if let Pending::Read(load) = pending {
+            crate::engine::drop_detached(load);
+        }
+    }
 }
 
 fn source_name(s: Source) -> &'static str {

@@ -175,6 +175,19 @@ pub(crate) struct Staging {
     views: Mutex<Vec<(usize, Py<PyAny>)>>,
 }
 
+/// An open or aborting staging holds an engine handle, maybe its last.
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let state = std::mem::replace(
+            self.state.get_mut().unwrap_or_else(PoisonError::into_inner),
+            State::Done,
+        );
+        if !matches!(state, State::Done) {
+            crate::engine::drop_detached(state);
+        }
+    }
+}
+
 impl std::fmt::Debug for Staging {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Staging")

@@ -171,7 +171,10 @@ impl Drop for Inner {
         if worker.thread().id() == std::thread::current().id() {
             return;
         }
-        match wait::wait_for(&self.shared, None, state::EngineState::idle) {
+        // A flush thread that ended (a panic) leaves the state busy: the
+        // wait ends with it.
+        let done = |st: &state::EngineState| st.idle() || worker.is_finished();
+        match wait::wait_for(&self.shared, None, done) {
             Ok(()) => {
                 let _ = worker.join();
             }

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::load::StoredFile;
-use super::state::Shared;
+use super::state::{EngineState, Shared};
 use super::Engine;
 use crate::error::Result;
 use crate::read::OnChecked;
@@ -43,15 +43,15 @@ pub(super) struct Reside {
 impl Engine {
     /// After a load of this rank's `file` from storage that no ring slot
     /// held: asks the flush thread to read it again into a slot, unless
-    /// `keep_restored` is off, the image cannot fit a slot, its chunks are
-    /// not the ring's, or the ring has a single slot (a save would then
-    /// wait for it).
+    /// `keep_restored` is off, its chunks are not the ring's, or the ring
+    /// cannot hold two such images (a single slot, or a budget shared by
+    /// slots that fits one: the next save would wait for the re-read's
+    /// slot, or be skipped with `on_full` = skip).
     pub(super) fn keep_restored(&self, file: &StoredFile) {
         let shared = self.shared();
         if !shared.cfg.keep_restored
             || !file.own
-            || shared.cfg.ring_slots < 2
-            || file.entry.size > shared.ring.max_image_bytes()
+            || !shared.ring.holds_two(file.entry.size)
             // The ring records digests and sums per chunk of its own size.
             || file.entry.chunk_bytes != shared.cfg.chunk_bytes as u64
         {
@@ -159,12 +159,14 @@ fn stopped(shared: &Shared) -> bool {
 /// Whether an image newer than `step`, or `step` itself, is in the ring
 /// or has been sealed by a save.
 fn superseded(shared: &Shared, step: u64) -> bool {
-    let sealed = shared
-        .lock()
-        .counts
-        .newest_snapshot
-        .is_some_and(|(s, _)| s >= step);
-    sealed || shared.ring.complete().iter().any(|s| s.step >= step)
+    superseded_in(shared, &shared.lock(), step)
+}
+
+/// [`superseded`] with the state's lock held (the ring's is taken after
+/// it, the order used throughout).
+fn superseded_in(shared: &Shared, st: &EngineState, step: u64) -> bool {
+    st.counts.newest_snapshot.is_some_and(|(s, _)| s >= step)
+        || shared.ring.complete().iter().any(|s| s.step >= step)
 }
 
 /// Reads `r`'s file into a slot and seals it there; `Ok(false)` when
@@ -183,8 +185,9 @@ fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
     );
     shared.note_progress(doing.clone());
     // A free slot (grown now when the warming has not grown it yet), else
-    // the oldest persisted one: nothing in the ring is newer (above).
-    let Some(mut slot) = shared.ring.acquire(size, None)? else {
+    // the oldest persisted one, never one of a newer step (a load may have
+    // sealed one since the check above).
+    let Some(mut slot) = shared.ring.acquire_upto(size, step)? else {
         return Ok(false);
     };
     shared.note_progress(doing.clone());
@@ -202,11 +205,16 @@ fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
         reader.read_verified_into(slot.image_mut(), 1, io_chunk, Vec::new())
     })?;
     let sums = crate::read::chunk_sums(&slot.image_mut()[..super::to_usize(size)], chunk, 1);
-    if superseded(shared, step) {
-        // A save sealed meanwhile: dropped unsealed, the slot is free.
+    // Sealed under the state's lock, after a last look: a save that began
+    // (or sealed), a close or a stop since the last checked read makes it
+    // moot, and none can come between the look and the seal.
+    let st = shared.lock();
+    if st.closed || st.reside_stop || superseded_in(shared, &st, step) {
+        // Dropped unsealed: the slot is free.
         return Ok(false);
     }
     let pin = super::load::seal_stored(&shared.ring, slot, step, size, &digests);
     shared.ring.record_quick_sums(pin.slot(), &digests, &sums);
+    drop(st);
     Ok(true)
 }

@@ -90,6 +90,43 @@ pub(super) fn open(opts: RingOptions) -> Result<(Inner, RingReport)> {
     ))
 }
 
+/// Cuts slot file `file` (at `path`) to its header page and writes there
+/// the control block of a `Free` slot with no memory, of `generation`.
+pub(super) fn write_free_page(
+    file: &File,
+    path: &Path,
+    opts: &RingOptions,
+    layout: &Layout,
+    generation: u64,
+) -> Result<()> {
+    let header = Header {
+        state: SlotState::Free.code(),
+        step: 0,
+        image_len: 0,
+        capacity: 0,
+        job_tag: opts.job_tag,
+        rank: opts.rank,
+        pid: std::process::id(),
+        generation,
+        chunk_bytes: opts.chunk_bytes,
+        digest_count: 0,
+        digests_valid: 0,
+        image_offset: layout.ctrl_len,
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io("stat", path, e))?
+        .len();
+    if len != HEADER_PAGE {
+        file.set_len(HEADER_PAGE)
+            .map_err(|e| Error::io("ftruncate", path, e))?;
+    }
+    let mut page = [0u8; HEADER_BYTES];
+    page[..off::END].copy_from_slice(&header.encode());
+    file.write_all_at(&page, 0)
+        .map_err(|e| Error::io("write", path, e))
+}
+
 /// Opens (creating) slot file `name` of `dir` with mode 0600 (a regular
 /// file of this user, else refused) and takes its `flock`.
 ///
@@ -263,16 +300,7 @@ impl Recovery<'_> {
             mem.ctrl.write_header(&header);
             Some(mem)
         } else {
-            if file_len != HEADER_PAGE {
-                self.file
-                    .set_len(HEADER_PAGE)
-                    .map_err(|e| Error::io("ftruncate", self.path, e))?;
-            }
-            let mut page = [0u8; HEADER_BYTES];
-            page[..off::END].copy_from_slice(&header.encode());
-            self.file
-                .write_all_at(&page, 0)
-                .map_err(|e| Error::io("write", self.path, e))?;
+            write_free_page(self.file, self.path, self.opts, l, generation)?;
             None
         };
         Ok(Entry {

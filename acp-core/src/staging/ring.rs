@@ -70,6 +70,19 @@ impl Ring {
         self.inner.layout.max_image
     }
 
+    /// Whether two images of `len` bytes fit the budget side by side: with
+    /// a budget split per slot, whenever one fits a slot; with a shared
+    /// one ([`RingOptions::shared_budget`]), when two slots of them do.
+    #[must_use]
+    pub fn holds_two(&self, len: u64) -> bool {
+        let inner = &self.inner;
+        let l = &inner.layout;
+        len <= l.max_image
+            && inner.opts.slots >= 2
+            && (!inner.opts.shared_budget
+                || (l.ctrl_len + l.capacity_for(len)).saturating_mul(2) <= inner.opts.budget)
+    }
+
     /// Takes a slot for an image of `len` bytes and marks it `Staging`.
     /// Chooses a `Free` slot, else the `Persisted` one with the oldest step;
     /// never a slot that is pinned, `Staging`, `Resident` or `Flushing`.
@@ -84,6 +97,16 @@ impl Ring {
     /// [`Error::NoSpace`] when the directory (tmpfs) has no room for it.
     pub fn acquire(&self, len: u64, wait: Option<Duration>) -> Result<Option<StagingSlot>> {
         self.take(len, wait, Take::Save)
+    }
+
+    /// [`Ring::acquire`] without waiting, for an image of `step` read
+    /// again from storage: a `Persisted` slot is evicted (or emptied to
+    /// make room) only when its step is not newer than `step`.
+    ///
+    /// # Errors
+    /// As [`Ring::acquire`].
+    pub fn acquire_upto(&self, len: u64, step: u64) -> Result<Option<StagingSlot>> {
+        self.take(len, None, Take::SaveUpTo(step))
     }
 
     /// [`Ring::acquire`] of a slot whose memory already fits `len` bytes
@@ -240,11 +263,26 @@ impl Ring {
         let start = Instant::now();
         let deadline = wait.and_then(|d| start.checked_add(d));
         let mut t = inner.lock();
+        // Slots emptied to make room for this one (a shared budget).
+        let mut emptied = Vec::new();
         let slot = loop {
             if let Some(i) = inner.pick(&t, len, take) {
                 break i;
             }
-            if matches!(take, Take::Grow | Take::Save) {
+            if let Some((i, empty)) = inner.room_by_emptying(&t, len, take) {
+                for j in empty {
+                    if let Some(e) = t.slots.get_mut(j) {
+                        e.free();
+                        // Held while its file is cut, outside the lock.
+                        e.state = SlotState::Staging;
+                        e.generation = e.generation.wrapping_add(1);
+                        e.reserved = 0;
+                        emptied.push((j, e.mem.take(), e.generation));
+                    }
+                }
+                break i;
+            }
+            if matches!(take, Take::Grow | Take::Save | Take::SaveUpTo(_)) {
                 inner.note_short(&t, len);
             }
             if !matches!(take, Take::Grow | Take::Ready(_)) && t.warming.is_some() {
@@ -291,6 +329,9 @@ impl Ring {
             t.warming = Some(slot);
         }
         drop(t);
+        if !emptied.is_empty() {
+            inner.empty(emptied);
+        }
 
         let mut mlock_error = None;
         let prepared = inner.prepare(slot, len, old, generation, &mut mlock_error);

@@ -62,6 +62,9 @@ pub(super) struct Table {
 pub(super) enum Take {
     /// A save: a free slot, else the oldest persisted one is evicted.
     Save,
+    /// A restored step read again into RAM, of this step: as a save, but
+    /// a persisted slot is evicted only when its step is not newer.
+    SaveUpTo(u64),
     /// Readied for later saves: free slots only.
     Reserve,
     /// Grown in the background: free slots too small for the saves only.
@@ -91,6 +94,24 @@ pub(super) struct Entry {
     /// The file size this slot is readied to while `take` has its mapping
     /// out (`mem` is `None`): what it counts against a shared budget then.
     pub(super) reserved: u64,
+}
+
+impl Take {
+    /// The newest step whose `Persisted` slot this take may evict, if it
+    /// may evict any.
+    fn evicts_upto(self) -> Option<u64> {
+        match self {
+            Take::Save => Some(u64::MAX),
+            Take::SaveUpTo(step) => Some(step),
+            Take::Reserve | Take::Grow | Take::Ready(_) => None,
+        }
+    }
+}
+
+/// Whether `e` is a `Persisted` slot nobody pins, of a step not newer than
+/// `upto`: a save may evict it.
+fn evictable(e: &Entry, upto: u64) -> bool {
+    e.state == SlotState::Persisted && e.pins == 0 && e.step <= upto
 }
 
 impl Entry {
@@ -221,16 +242,102 @@ impl Inner {
             .find(|(_, e)| free(e) && fits(e))
             .or_else(|| slots.clone().find(|(i, e)| free(e) && room(*i)))
             .or_else(|| {
-                if take != Take::Save {
-                    return None;
-                }
+                let upto = take.evicts_upto()?;
                 slots
-                    .filter(|(i, e)| {
-                        e.state == SlotState::Persisted && e.pins == 0 && (fits(e) || room(*i))
-                    })
+                    .filter(|(i, e)| evictable(e, upto) && (fits(e) || room(*i)))
                     .min_by_key(|(i, e)| (e.step, *i))
             })
             .map(|(i, _)| i)
+    }
+
+    /// For a save that [`Inner::pick`] found no slot for within a shared
+    /// budget: a slot to take (a `Free` one, else the oldest evictable
+    /// `Persisted` one) and the other slots to empty so that it may grow
+    /// to `len` — `Free` ones first (nothing is lost), then `Persisted`
+    /// ones, oldest step first, as few as make room; `None` when emptying
+    /// every such slot would not. A slot is emptied only when nothing else
+    /// maps it (its memory is handed back: the file cut to its header
+    /// page). Without this, slots sized for smaller images kept the budget
+    /// for good and a larger image waited forever.
+    pub(super) fn room_by_emptying(
+        &self,
+        t: &Table,
+        len: u64,
+        take: Take,
+    ) -> Option<(usize, Vec<usize>)> {
+        let upto = take.evicts_upto()?;
+        if !self.opts.shared_budget {
+            return None;
+        }
+        let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
+        let slots = t.slots.iter().enumerate();
+        let target = slots
+            .clone()
+            .find(|(_, e)| free(e))
+            .or_else(|| {
+                slots
+                    .clone()
+                    .filter(|(_, e)| evictable(e, upto))
+                    .min_by_key(|(i, e)| (e.step, *i))
+            })
+            .map(|(i, _)| i)?;
+        let emptiable = |e: &Entry| {
+            (free(e) || evictable(e, upto)) && e.mem.as_ref().is_some_and(SlotMem::is_unique)
+        };
+        let mut order: Vec<(usize, &Entry)> = slots
+            .clone()
+            .filter(|(i, e)| *i != target && emptiable(e))
+            .collect();
+        order.sort_by_key(|(i, e)| (e.state != SlotState::Free, e.step, *i));
+        let own = self.layout.ctrl_len + self.layout.capacity_for(len);
+        let mut others: u64 = slots
+            .filter(|(i, _)| *i != target)
+            .map(|(_, e)| e.footprint())
+            .sum();
+        let mut empty = Vec::new();
+        for (i, e) in order {
+            if others.saturating_add(own) <= self.opts.budget {
+                break;
+            }
+            others -= e.footprint();
+            empty.push(i);
+        }
+        (others.saturating_add(own) <= self.opts.budget).then_some((target, empty))
+    }
+
+    /// Empties the slots [`Inner::room_by_emptying`] chose, each already
+    /// `Staging` in the table with its mapping `mem` taken out (the only
+    /// one: nothing else maps it) and its `generation` bumped: drops the
+    /// mapping, cuts the file to its header page (a `Free` control block)
+    /// so its memory goes back to the system, and marks it `Free` without
+    /// memory. Called without the table's lock. A file that cannot be cut
+    /// is logged; its slot is `Free` all the same, its mapping gone.
+    pub(super) fn empty(&self, emptied: Vec<(usize, Option<SlotMem>, u64)>) {
+        let mut done = Vec::with_capacity(emptied.len());
+        for (slot, mem, generation) in emptied {
+            let path = self.path(slot);
+            drop(mem);
+            let cut = self.files.get(slot).map_or_else(
+                || Err(Error::invalid(self.what(), format!("no slot {slot}"))),
+                |file| {
+                    super::open::write_free_page(file, &path, &self.opts, &self.layout, generation)
+                },
+            );
+            if let Err(e) = cut {
+                tracing::warn!("acp: emptying a ring slot to make room: {e}");
+            }
+            done.push((slot, generation));
+        }
+        let mut t = self.lock();
+        for (slot, generation) in done {
+            if let Some(e) = t.slots.get_mut(slot) {
+                if e.generation == generation && e.state == SlotState::Staging && e.mem.is_none() {
+                    e.state = SlotState::Free;
+                }
+            }
+        }
+        drop(t);
+        self.freed.notify_all();
     }
 
     /// Whether slot `slot` may be readied for an image of `len` bytes: with
