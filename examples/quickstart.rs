@@ -24,7 +24,7 @@ fn main() -> acp_core::Result<()> {
         &serde_json::json!({"epoch": 1}),
         &SaveOptions::default(),
     )?;
-    handle.wait()?; // committed (the handle is also a Future)
+    handle.wait()?; // committed (the handle is also a Future; both watch for a stuck flush)
     let ckpt = engine.load(&LoadRequest::default())?;
     assert_eq!(ckpt.tensor("w").map(|t| t.data), Some(&bytes[..]));
     drop(ckpt);
