@@ -393,8 +393,69 @@ pub(crate) fn copy_block(
         // The piece's bytes in this block.
         let (s, e) = ((*at).max(from), (*at + dst.len()).min(to));
         if s < e {
-            dst[s - *at..e - *at].copy_from_slice(&block[s - from..e - from]);
+            stream_copy(&mut dst[s - *at..e - *at], &block[s - from..e - from]);
         }
+    }
+}
+
+/// Copies `src` into `dst` (of the same length) bypassing the cache where
+/// it can: the caller's tensors are written once and not read back soon,
+/// and a plain copy of a block this size (which `memcpy` makes with
+/// ordinary stores) first reads each destination line into the cache,
+/// a third pass over memory beside the read and the write that a
+/// whole-buffer `memcpy` (non-temporal past a few MiB) does not pay.
+/// Small pieces, and the edges of large ones, are copied plainly.
+pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if dst.len() >= STREAM_MIN && dst.len() == src.len() {
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        let body = (dst.len() - head) / 64 * 64;
+        let (d_head, rest) = dst.split_at_mut(head);
+        let (d_body, d_tail) = rest.split_at_mut(body);
+        let (s_head, rest) = src.split_at(head);
+        let (s_body, s_tail) = rest.split_at(body);
+        d_head.copy_from_slice(s_head);
+        stream::copy64(d_body, s_body);
+        d_tail.copy_from_slice(s_tail);
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
+/// The smallest piece [`stream_copy`] writes with non-temporal stores.
+const STREAM_MIN: usize = 16 << 10;
+
+/// Non-temporal stores with SSE2 (part of every x86-64 CPU).
+#[cfg(target_arch = "x86_64")]
+mod stream {
+    /// Copies `src` into `dst`: both a multiple of 64 bytes long and of
+    /// the same length, `dst` 16-byte aligned; then fences, so the
+    /// weakly ordered stores are done before anything this thread does
+    /// next (a join, a flag another thread reads) can be seen.
+    #[expect(unsafe_code, reason = "SSE2 intrinsics over checked ranges")]
+    pub(super) fn copy64(dst: &mut [u8], src: &[u8]) {
+        use std::arch::x86_64::{_mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        assert!(
+            dst.len() == src.len() && dst.len() % 64 == 0 && dst.as_ptr().align_offset(16) == 0,
+            "stream::copy64: lengths or alignment"
+        );
+        for (d, s) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
+            // SAFETY: SSE2 is part of x86-64, so the intrinsics exist on
+            // every CPU this runs on. `d` and `s` are 64 bytes each
+            // (`chunks_exact`); `d` is 16-byte aligned (asserted above for
+            // `dst`, whose 64-byte chunks keep it), as `_mm_stream_si128`
+            // needs; the unaligned loads read exactly `s`'s bytes and the
+            // stores write exactly `d`'s.
+            unsafe {
+                let (sp, dp) = (s.as_ptr(), d.as_mut_ptr());
+                for k in 0..4 {
+                    let v = _mm_loadu_si128(sp.add(16 * k).cast());
+                    _mm_stream_si128(dp.add(16 * k).cast(), v);
+                }
+            }
+        }
+        // SAFETY: a store fence, no memory operand.
+        unsafe { _mm_sfence() };
     }
 }
 
@@ -496,7 +557,7 @@ pub(crate) fn check_and_copy(
             for (j, from) in (start..end).step_by(block).enumerate() {
                 let id = k * blocks + j;
                 while let Some((_, at, dst)) = pieces.next_if(|p| p.0 == id) {
-                    dst.copy_from_slice(&image[at..at + dst.len()]);
+                    stream_copy(dst, &image[at..at + dst.len()]);
                 }
                 sum.write(&image[from..(from + block).min(end)]);
             }
@@ -519,6 +580,41 @@ pub(crate) fn check_and_copy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_streamed_copy_is_a_copy_at_every_offset_and_length() {
+        let src: Vec<u8> = (0..(3 * STREAM_MIN + 200))
+            .map(|i| (i * 7 + 3) as u8)
+            .collect();
+        for len in [
+            0,
+            1,
+            63,
+            64,
+            STREAM_MIN - 1,
+            STREAM_MIN,
+            STREAM_MIN + 65,
+            3 * STREAM_MIN,
+        ] {
+            for (s_off, d_off) in [(0, 0), (1, 0), (0, 1), (5, 13), (16, 3), (63, 64)] {
+                let mut dst = vec![0xAAu8; len + d_off + 100];
+                stream_copy(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
+                assert_eq!(
+                    &dst[d_off..d_off + len],
+                    &src[s_off..s_off + len],
+                    "{len} {s_off} {d_off}"
+                );
+                assert!(
+                    dst[..d_off].iter().all(|&b| b == 0xAA),
+                    "before {len} {s_off} {d_off}"
+                );
+                assert!(
+                    dst[d_off + len..].iter().all(|&b| b == 0xAA),
+                    "after {len} {s_off} {d_off}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_sum_and_digest_in_one_read_are_the_ones_taken_apart() {
