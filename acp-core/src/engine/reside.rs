@@ -75,9 +75,7 @@ impl Engine {
             self.wake_resider();
         }
     }
-}
 
-impl Engine {
     /// Gives up making a restored step resident again (`keep_restored`):
     /// one waiting is dropped, and one being read stops at its next
     /// checked read, its slot going back to the ring unsealed. Nothing is
@@ -87,23 +85,17 @@ impl Engine {
     /// restart on this node a read from storage. A later restore from
     /// storage is kept resident again as before.
     pub fn stop_keeping_restored(&self) {
-        let mut st = self.shared().lock();
-        st.to_reside = None;
-        if st.residing.is_some() {
-            st.reside_stop = true;
-        }
-        drop(st);
-        self.shared().idle.notify_all();
+        give_up_upto(&mut self.shared().lock(), u64::MAX);
     }
 }
 
-/// A save of `step` begins: the re-read of a restored step not newer than
-/// it is moot (the save's image will be the newest resident one, and a
-/// re-read that ends after the save's seal is dropped unsealed anyway).
-/// One waiting is dropped and one running stops at its next checked read,
-/// so it neither holds a slot the save waits for (a ring whose budget
-/// fits one image) nor takes the disk and a core from the save's flush.
-pub(super) fn save_begins(st: &mut super::state::EngineState, step: u64) {
+/// Gives up the re-read of a restored step not newer than `step`: one
+/// waiting is dropped, one running stops at its next checked read. A save
+/// of `step` that begins calls it: the re-read is moot (the save's image
+/// will be the newest resident one, and a re-read that ends after the
+/// save's seal is dropped unsealed anyway), and it would hold a slot the
+/// save waits for, or take the disk and a core from the save's flush.
+pub(super) fn give_up_upto(st: &mut EngineState, step: u64) {
     if st.to_reside.as_ref().is_some_and(|r| r.file.step <= step) {
         st.to_reside = None;
     }

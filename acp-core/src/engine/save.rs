@@ -392,7 +392,7 @@ impl Engine {
         }
         let image = image(self.meta(step, opts.extra_metadata.clone()))?;
         self.fit(&format!("step {step}"), image.total_len)?;
-        super::reside::save_begins(&mut shared.lock(), step);
+        super::reside::give_up_upto(&mut shared.lock(), step);
         let Some(mut slot) = self.acquire_slot(step, image.total_len, opts.on_wait.as_ref())?
         else {
             tracing::warn!(
