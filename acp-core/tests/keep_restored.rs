@@ -29,7 +29,9 @@ use acp_core::storage::faults::FaultInjector;
 use acp_core::{Compress, Engine, IoChoice, LoadRequest, Source};
 
 mod six_tensors;
-use six_tensors::{committed, config, fresh_engine, name, save_six, tensor, TENSORS, TENSOR_BYTES};
+use six_tensors::{
+    committed, config, fresh_engine, name, save_six, save_six_with, tensor, TENSORS, TENSOR_BYTES,
+};
 
 /// The watchdog's stall timeout in the tests of a re-read that hangs or
 /// is slow. Their flush threads run at the default priority
@@ -322,28 +324,12 @@ fn a_save_that_begins_stops_the_reread_it_makes_moot() {
     // the re-read of step 1 would be dropped unsealed when it ends; it
     // stops instead of taking the disk and a core for 12 s.
     let data: Vec<Vec<u8>> = (0..TENSORS).map(|i| tensor((i + 1) % TENSORS)).collect();
-    let names: Vec<String> = (0..TENSORS).map(name).collect();
-    let shape = [TENSOR_BYTES as u64];
-    let host: Vec<acp_core::HostTensor<'_>> = names
-        .iter()
-        .zip(&data)
-        .map(|(n, d)| acp_core::HostTensor {
-            name: n,
-            dtype: acp_core::Dtype::U8,
-            shape: &shape,
-            data: d,
-        })
-        .collect();
     let t = std::time::Instant::now();
     let opts = acp_core::SaveOptions {
         persist: acp_core::Persist::Never,
         ..acp_core::SaveOptions::default()
     };
-    engine
-        .save(2, &host, &serde_json::json!({"step": 2}), &opts)
-        .unwrap()
-        .wait()
-        .unwrap();
+    save_six_with(&engine, 2, &data, &opts);
     engine.wait_idle(None).unwrap();
     let took = t.elapsed();
     faults.throttle(0, 1 << 20);

@@ -153,18 +153,7 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.shared.lock().closed = true;
         self.shared.replicas.stop();
-        drop(
-            self.tx
-                .get_mut()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take(),
-        );
-        let worker = self
-            .worker
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        let Some(worker) = worker else {
+        let Some(worker) = self.close_queue() else {
             return;
         };
         // The flush thread holds no engine, but never join oneself.
@@ -180,6 +169,23 @@ impl Drop for Inner {
             }
             Err(e) => tracing::warn!("acp: engine dropped while its flush is stuck: {e}"),
         }
+    }
+}
+
+impl Inner {
+    /// Closes the flush queue (the thread drains what is queued, then
+    /// exits) and hands out the thread to be joined, once.
+    fn close_queue(&self) -> Option<std::thread::JoinHandle<()>> {
+        drop(
+            self.tx
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take(),
+        );
+        self.worker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
     }
 }
 
@@ -376,19 +382,7 @@ impl Engine {
             newest
         };
         let drained = self.wait_idle(None);
-        drop(
-            self.inner
-                .tx
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take(),
-        );
-        let worker = self
-            .inner
-            .worker
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
+        let worker = self.inner.close_queue();
         if drained.is_ok() {
             if let Some(w) = worker {
                 let _ = w.join();

@@ -144,7 +144,11 @@ pub(super) fn reside_waiting(shared: &Arc<Shared>) {
 /// Whether the running re-read was asked to stop (a close, the drop of
 /// the last handle, [`Engine::stop_keeping_restored`]).
 fn stopped(shared: &Shared) -> bool {
-    let st = shared.lock();
+    given_up(&shared.lock())
+}
+
+/// [`stopped`] with the state's lock held.
+fn given_up(st: &EngineState) -> bool {
     st.closed || st.reside_stop
 }
 
@@ -201,7 +205,7 @@ fn reside(shared: &Arc<Shared>, r: &Reside) -> Result<bool> {
     // (or sealed), a close or a stop since the last checked read makes it
     // moot, and none can come between the look and the seal.
     let st = shared.lock();
-    if st.closed || st.reside_stop || superseded_in(shared, &st, step) {
+    if given_up(&st) || superseded_in(shared, &st, step) {
         // Dropped unsealed: the slot is free.
         return Ok(false);
     }

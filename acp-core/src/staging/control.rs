@@ -357,6 +357,12 @@ impl Layout {
         round_up(len.max(1), GROW_STEP).map_or(self.max_image, |c| c.min(self.max_image))
     }
 
+    /// The size of a slot file readied for an image of `len` bytes: its
+    /// control block and [`Layout::capacity_for`].
+    pub(super) fn file_for(&self, len: u64) -> u64 {
+        self.ctrl_len + self.capacity_for(len)
+    }
+
     /// Whether a mapping with its image at `image_off` and `capacity` bytes
     /// of image area fits this layout and can take an image of `len` bytes.
     pub(super) fn fits(&self, image_off: u64, capacity: u64, len: u64) -> bool {

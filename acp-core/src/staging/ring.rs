@@ -79,8 +79,7 @@ impl Ring {
         let l = &inner.layout;
         len <= l.max_image
             && inner.opts.slots >= 2
-            && (!inner.opts.shared_budget
-                || (l.ctrl_len + l.capacity_for(len)).saturating_mul(2) <= inner.opts.budget)
+            && (!inner.opts.shared_budget || l.file_for(len).saturating_mul(2) <= inner.opts.budget)
     }
 
     /// Takes a slot for an image of `len` bytes and marks it `Staging`.
@@ -270,16 +269,7 @@ impl Ring {
                 break i;
             }
             if let Some((i, empty)) = inner.room_by_emptying(&t, len, take) {
-                for j in empty {
-                    if let Some(e) = t.slots.get_mut(j) {
-                        e.free();
-                        // Held while its file is cut, outside the lock.
-                        e.state = SlotState::Staging;
-                        e.generation = e.generation.wrapping_add(1);
-                        e.reserved = 0;
-                        emptied.push((j, e.mem.take(), e.generation));
-                    }
-                }
+                emptied = Inner::set_aside(&mut t, empty);
                 break i;
             }
             if matches!(take, Take::Grow | Take::Save | Take::SaveUpTo(_)) {
@@ -324,7 +314,7 @@ impl Ring {
         e.reserved = old
             .as_ref()
             .map_or(0, SlotMem::file_len)
-            .max(inner.layout.ctrl_len + inner.layout.capacity_for(len));
+            .max(inner.layout.file_for(len));
         if take == Take::Grow {
             t.warming = Some(slot);
         }

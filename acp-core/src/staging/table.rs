@@ -108,6 +108,11 @@ impl Take {
     }
 }
 
+/// Whether `e` is a `Free` slot nobody pins.
+fn free(e: &Entry) -> bool {
+    e.state == SlotState::Free && e.pins == 0
+}
+
 /// Whether `e` is a `Persisted` slot nobody pins, of a step not newer than
 /// `upto`: a save may evict it.
 fn evictable(e: &Entry, upto: u64) -> bool {
@@ -208,7 +213,6 @@ impl Inner {
     /// an older one in place of the oldest: a load must not evict the step
     /// a restart would restore).
     pub(super) fn pick(&self, t: &Table, len: u64, take: Take) -> Option<usize> {
-        let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
         let fits = |e: &Entry| {
             e.mem
                 .as_ref()
@@ -269,7 +273,6 @@ impl Inner {
         if !self.opts.shared_budget {
             return None;
         }
-        let free = |e: &Entry| e.state == SlotState::Free && e.pins == 0;
         let slots = t.slots.iter().enumerate();
         let target = slots
             .clone()
@@ -289,7 +292,7 @@ impl Inner {
             .filter(|(i, e)| *i != target && emptiable(e))
             .collect();
         order.sort_by_key(|(i, e)| (e.state != SlotState::Free, e.step, *i));
-        let own = self.layout.ctrl_len + self.layout.capacity_for(len);
+        let own = self.layout.file_for(len);
         let mut others: u64 = slots
             .filter(|(i, _)| *i != target)
             .map(|(_, e)| e.footprint())
@@ -303,6 +306,27 @@ impl Inner {
             empty.push(i);
         }
         (others.saturating_add(own) <= self.opts.budget).then_some((target, empty))
+    }
+
+    /// Sets aside the slots [`Inner::room_by_emptying`] chose: each is freed
+    /// (its digests cleared), held `Staging` with its mapping taken out and
+    /// its generation bumped, and handed to [`Inner::empty`], which cuts
+    /// its file outside the lock.
+    pub(super) fn set_aside(
+        t: &mut Table,
+        empty: Vec<usize>,
+    ) -> Vec<(usize, Option<SlotMem>, u64)> {
+        let mut out = Vec::with_capacity(empty.len());
+        for j in empty {
+            if let Some(e) = t.slots.get_mut(j) {
+                e.free();
+                e.state = SlotState::Staging;
+                e.generation = e.generation.wrapping_add(1);
+                e.reserved = 0;
+                out.push((j, e.mem.take(), e.generation));
+            }
+        }
+        out
     }
 
     /// Empties the slots [`Inner::room_by_emptying`] chose, each already
@@ -355,7 +379,7 @@ impl Inner {
             .filter(|(i, _)| *i != slot)
             .map(|(_, e)| e.footprint())
             .sum();
-        let own = self.layout.ctrl_len + self.layout.capacity_for(len);
+        let own = self.layout.file_for(len);
         others.saturating_add(own) <= self.opts.budget
     }
 
@@ -424,11 +448,7 @@ impl Inner {
                             + round_up(m.file_len().saturating_sub(l.ctrl_len), PAGE).unwrap_or(0);
                     }
                 }
-                self.grow(
-                    slot,
-                    (l.ctrl_len + l.capacity_for(len)).max(floor),
-                    mlock_error,
-                )?
+                self.grow(slot, l.file_for(len).max(floor), mlock_error)?
             }
         };
         mem.ctrl.write_header(&Header {

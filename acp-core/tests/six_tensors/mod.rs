@@ -115,6 +115,11 @@ pub(crate) fn committed(dir: &Path, compress: Compress) -> (PathBuf, PathBuf) {
 /// Saves `data` (one buffer per tensor, named [`name`]) as `step` with
 /// `engine` and waits for its commit.
 pub(crate) fn save_six(engine: &Engine, step: u64, data: &[Vec<u8>]) {
+    save_six_with(engine, step, data, &SaveOptions::default());
+}
+
+/// [`save_six`] with `opts`.
+pub(crate) fn save_six_with(engine: &Engine, step: u64, data: &[Vec<u8>], opts: &SaveOptions) {
     let names: Vec<String> = (0..data.len()).map(name).collect();
     let shape = [TENSOR_BYTES as u64];
     let host: Vec<HostTensor<'_>> = names
@@ -128,7 +133,7 @@ pub(crate) fn save_six(engine: &Engine, step: u64, data: &[Vec<u8>]) {
         })
         .collect();
     engine
-        .save(step, &host, &json!({"step": step}), &SaveOptions::default())
+        .save(step, &host, &json!({"step": step}), opts)
         .unwrap()
         .wait()
         .unwrap();
