@@ -125,6 +125,49 @@ def test_a_write_through_a_view_is_refused(tmp_path: Path, shm_dir: Path) -> Non
         assert torch.equal(ckpt.load(1)["w"], torch.ones(1024))
 
 
+def test_a_view_given_as_into_is_refused_not_written(tmp_path: Path, shm_dir: Path) -> None:
+    """Zero-copy views passed back as ``into=`` (from RAM or from storage)
+    are refused with an error naming the tensor, where the load wrote into
+    their read-only pages and the process died of SIGSEGV; the views keep
+    the saved bytes, and their clones take the load. In a child process, so
+    that a regression fails this test, not the whole run."""
+    script = textwrap.dedent(
+        f"""
+        import torch, acp
+        ckpt = acp.Checkpointer({str(tmp_path / "ckpt")!r}, shm_dir={str(shm_dir)!r},
+                                job="zi", ring_bytes=32 << 20, mlock=False)
+        saved = {{"w": torch.arange(1024, dtype=torch.float32), "b": torch.ones(16)}}
+        ckpt.save(1, saved).wait()
+        views = ckpt.load(1, zero_copy=True)
+        for storage_only in (False, True):
+            try:
+                ckpt.load(1, into=views, storage_only=storage_only)
+            except acp.InvalidInput as e:
+                print("refused:", e, flush=True)
+        assert all(torch.equal(views[k], saved[k]) for k in saved)
+        copies = {{k: torch.zeros_like(v) for k, v in views.items()}}
+        ckpt.load(1, into=copies)
+        assert all(torch.equal(copies[k], saved[k]) for k in saved)
+        print("intact", flush=True)
+        del views
+        ckpt.close()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    refusals = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2, proc.stdout
+    assert all("tensor `" in r and "read-only view" in r for r in refusals), refusals
+    assert "intact" in proc.stdout
+
+
 def test_a_fresh_load_of_private_memory_hands_it_to_the_tensors(
     tmp_path: Path, shm_dir: Path
 ) -> None:

@@ -452,11 +452,17 @@ impl Loaded {
         self.not_given()?;
         let what = self.what();
         let mut ranges = host_ranges(&what, &self.info.entries, &items)?;
+        let entries = &self.info.entries;
+        let name_of = |i: usize| {
+            entries
+                .get(i)
+                .map_or_else(|| i.to_string(), |e| e.name.clone())
+        };
         py.detach(|| -> Result<(), Error> {
             if self.ready.get().is_none() {
                 let read = self.with_pending(|p| match p {
                     Some(p) => {
-                        let mut dsts = host_slices_mut(&what, &mut ranges, &[])?;
+                        let mut dsts = host_slices_mut(&what, &mut ranges, &[], &name_of)?;
                         Ok((Some(p.read_into(&mut dsts)?), true))
                     }
                     // Read by another call meanwhile: copied below.
@@ -476,7 +482,7 @@ impl Loaded {
                 .enumerate()
                 .map(|(i, e)| slice_span(i, ck.data(e)))
                 .collect();
-            let mut dsts = host_slices_mut(&what, &mut ranges, &sources)?;
+            let mut dsts = host_slices_mut(&what, &mut ranges, &sources, &name_of)?;
             ck.copy_into(&mut dsts)
         })
         .map_err(err)

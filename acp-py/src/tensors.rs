@@ -106,14 +106,27 @@ pub(crate) fn host_slices<'a>(
 /// writable, contiguous tensors that nothing else reads or writes until the
 /// call returns.
 ///
+/// A range that lies on pages a zero-copy load made read-only
+/// ([`ReadOnly`]) is refused: it is a view of a loaded checkpoint, and a
+/// write into it would kill the process with SIGSEGV.
+///
 /// # Errors
-/// [`Error::Invalid`] when two ranges overlap.
+/// [`Error::Invalid`] when two ranges overlap, or a range is read-only
+/// (naming its tensor by `name_of(index)`).
 pub(crate) fn host_slices_mut<'a>(
     what: &str,
     ranges: &'a mut [HostRange],
     read: &[(usize, usize, usize)],
+    name_of: &dyn Fn(usize) -> String,
 ) -> Result<Vec<(usize, &'a mut [u8])>, Error> {
     require_disjoint(what, &spans(ranges), read)?;
+    if let Some(i) = read_only_among(&spans(ranges)) {
+        return Err(Error::invalid(
+            format!("{what}: tensor `{}`", name_of(i)),
+            "its memory is a read-only view of a loaded checkpoint (`load(zero_copy=True)`); \
+             clone() it, or load without into=, to get tensors that can be written",
+        ));
+    }
     Ok(ranges
         .iter_mut()
         .map(|r| {
@@ -355,6 +368,22 @@ impl ReadOnly {
         table.push((start, len, 1));
         Some(ReadOnly { start, len })
     }
+}
+
+/// The index of the first of `spans` (`(index, start, end)`) that lies
+/// on pages made read-only by a [`ReadOnly`], if any.
+fn read_only_among(spans: &[(usize, usize, usize)]) -> Option<usize> {
+    let table = PROTECTED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if table.is_empty() {
+        return None;
+    }
+    spans
+        .iter()
+        .filter(|&&(_, s, e)| e > s)
+        .find(|&&(_, s, e)| table.iter().any(|&(p, n, _)| s < p + n && p < e))
+        .map(|&(i, _, _)| i)
 }
 
 impl Drop for ReadOnly {

@@ -963,7 +963,8 @@ class Checkpointer:
         it was read into. The views are read-only: their pages are mapped
         read-only while they live, so a write through one (an in-place
         op, an optimizer step) kills the process with SIGSEGV rather than
-        change the checkpoint; ``clone()`` a tensor to change it. Tensors
+        change the checkpoint; ``clone()`` a tensor to change it (given
+        back as ``into=``, they are refused with ``InvalidInput``). Tensors
         for another device (``map_location``) are copied there, as are all
         tensors of frameworks other than torch; without ``zero_copy`` every
         tensor owns a copy.

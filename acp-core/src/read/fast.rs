@@ -450,7 +450,10 @@ mod stream {
             // (`chunks_exact`); `d` is 16-byte aligned (asserted above for
             // `dst`, whose 64-byte chunks keep it), as `_mm_stream_si128`
             // needs; the unaligned loads read exactly `s`'s bytes and the
-            // stores write exactly `d`'s.
+            // stores write exactly `d`'s. Non-temporal stores are weakly
+            // ordered: the `_mm_sfence` below, which every call reaches
+            // after the loop (there is no other way out), orders them
+            // before anything else this thread does to `dst` or publishes.
             unsafe {
                 let (sp, dp) = (s.as_ptr(), d.as_mut_ptr());
                 for k in 0..4 {
@@ -459,7 +462,9 @@ mod stream {
                 }
             }
         }
-        // SAFETY: a store fence, no memory operand.
+        // SAFETY: a store fence, no memory operand. It is what makes the
+        // streamed stores above safe to follow with ordinary accesses:
+        // keep it the last thing this function does.
         unsafe { _mm_sfence() };
     }
 }
@@ -588,8 +593,11 @@ mod tests {
 
     #[test]
     fn a_streamed_copy_is_a_copy_at_every_offset_and_length() {
-        // The pieces `stream_copy` streams start at 16 KiB.
+        // The pieces `stream_copy` streams start at 16 KiB: the lengths
+        // below must reach past it, or nothing here streams.
         const MIN: usize = 16 << 10;
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(MIN, STREAM_MIN, "the lengths tested must follow STREAM_MIN");
         let src: Vec<u8> = (0..(3 * MIN + 200)).map(|i| (i * 7 + 3) as u8).collect();
         for len in [0, 1, 63, 64, MIN - 1, MIN, MIN + 65, 3 * MIN] {
             for (s_off, d_off) in [(0, 0), (1, 0), (0, 1), (5, 13), (16, 3), (63, 64)] {
