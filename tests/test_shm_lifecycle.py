@@ -181,3 +181,56 @@ def test_a_checkpointer_let_go_unclosed_persists_and_frees_its_ring(
         assert torch.equal(got["w"], torch.arange(3 << 20, dtype=torch.float32))
     finally:
         again.close()
+
+
+def test_a_forked_child_refuses_the_checkpointer_and_exits_cleanly(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A child forked after the open holds a copy of the checkpointer but
+    none of its threads: a save or load there fails with an error naming
+    both processes (it waited forever), close() lets go without touching
+    the parent's ring, and the child's normal exit (which drops the copy)
+    is clean (it aborted in the engine's drop, joining a thread the child
+    does not have). The parent goes on saving and loading."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, torch, acp
+        ckpt = acp.Checkpointer({str(tmp_path / "ckpt")!r}, shm_dir={str(shm_dir)!r},
+                                job="fk", ring_bytes=32 << 20, mlock=False)
+        ckpt.save(1, {{"w": torch.ones(16)}}).wait()
+        pid = os.fork()
+        if pid == 0:
+            for what, call in (("save", lambda: ckpt.save(2, {{"w": torch.ones(16)}})),
+                               ("load", lambda: ckpt.load(1))):
+                try:
+                    call()
+                    print("child", what, "ran", flush=True)
+                except acp.InvalidInput as e:
+                    print("child", what, "refused:", e, flush=True)
+            ckpt.close()
+            print("child closed", flush=True)
+            sys.exit(0)  # a normal exit: the checkpointer is dropped here
+        _, status = os.waitpid(pid, 0)
+        print("child status", status, flush=True)
+        ckpt.save(3, {{"w": torch.full((16,), 3.0)}}).wait()
+        assert float(ckpt.load()["w"][0]) == 3.0
+        ckpt.close()
+        print("parent done", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    out = proc.stdout
+    assert out.count("refused:") == 2, out
+    assert "forked" in out, out
+    assert "ran" not in out
+    assert "child closed" in out, out
+    assert "child status 0" in out, out
+    assert "parent done" in out

@@ -298,6 +298,9 @@ class Checkpointer:
         overlap: bool | None = None,
     ) -> None:
         self._closed = True  # until the engine is open
+        # A child this process forks holds a copy of this object but none
+        # of the engine's threads: it must neither use nor close it.
+        self._pid = os.getpid()
         # ACP_* variables filled in what the keywords left out (acp._env).
         shm_dir = None if shm_dir is None else os.fspath(shm_dir)
         self._replicas = _torch_replicas(replicas, replica_timeout)
@@ -1264,6 +1267,10 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
+        if os.getpid() != self._pid:
+            # A forked child's copy: the parent's threads, locks and queued
+            # work are not its to finish; the engine's drop leaves them be.
+            return
         try:
             self._settle()  # sealed (or dropped) before the newest is committed
         except AcpError as e:
@@ -1315,6 +1322,12 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"engine for {os.fspath(self.root)}: closed")
+        if os.getpid() != self._pid:
+            raise InvalidInput(
+                f"engine for {os.fspath(self.root)}: opened by process {self._pid}; process "
+                f"{os.getpid()} is a child it forked, which cannot use it (the engine's threads "
+                "were not copied): open a Checkpointer of its own"
+            )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -706,6 +706,7 @@ fn load(engine: &Engine, req: &LoadRequest) -> Result<Checkpoint> {
 /// Loads per `req`; with `defer`, a step read from storage is returned
 /// [`Opened::Pending`] (its header verified, its data not read).
 fn load_with(engine: &Engine, req: &LoadRequest, defer: bool) -> Result<Opened> {
+    engine.check_process()?;
     let shared = engine.shared();
     let t0 = Instant::now();
     let _warm = shared.ring.defer_warming();

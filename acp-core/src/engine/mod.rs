@@ -138,6 +138,9 @@ struct Inner {
     /// After a close with `release_on_close`: the steps whose only copy
     /// kept the ring (empty when it was released).
     kept_on_close: Mutex<Option<Vec<u64>>>,
+    /// The process that opened the engine: a child it forks holds a copy
+    /// of this memory but none of its threads.
+    pid: u32,
 }
 
 /// Dropping the last clone without [`Engine::close`] still persists what
@@ -149,8 +152,24 @@ struct Inner {
 /// step not yet re-read into the ring is skipped.
 /// A flush the watchdog finds stuck is not waited for: its thread exits
 /// on its own when the storage answers.
+///
+/// In a child the opening process forked, the drop touches nothing: the
+/// flush, warming and replica threads are the parent's (the child has
+/// none to stop or join), and so are the ring's locks and the queued
+/// work. What the engine holds is left to the child's exit.
 impl Drop for Inner {
     fn drop(&mut self) {
+        if self.forked() {
+            let worker = self
+                .worker
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            std::mem::forget(worker);
+            self.warm.forget_thread();
+            std::mem::forget(Arc::clone(&self.shared));
+            return;
+        }
         self.shared.lock().closed = true;
         self.shared.replicas.stop();
         let Some(worker) = self.close_queue() else {
@@ -173,6 +192,12 @@ impl Drop for Inner {
 }
 
 impl Inner {
+    /// Whether this is a copy of the engine in a child that the opening
+    /// process forked.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
     /// Closes the flush queue (the thread drains what is queued, then
     /// exits) and hands out the thread to be joined, once.
     fn close_queue(&self) -> Option<std::thread::JoinHandle<()>> {
@@ -192,6 +217,27 @@ impl Inner {
 impl Engine {
     fn shared(&self) -> &Shared {
         &self.inner.shared
+    }
+
+    /// Refuses the engine's use in a child that the opening process
+    /// forked: the child has a copy of the engine's memory but none of its
+    /// threads, so a save would wait forever for a flush thread that is
+    /// not there.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming both processes.
+    pub(crate) fn check_process(&self) -> Result<()> {
+        if !self.inner.forked() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            format!("engine for {}", self.shared().root.location().display()),
+            format!(
+                "opened by process {}; process {} is a child it forked, which cannot use it (the engine's threads were not copied): open an engine of its own",
+                self.inner.pid,
+                std::process::id()
+            ),
+        ))
     }
 
     fn enqueue(&self, job: flush::Job) -> Result<()> {
@@ -363,6 +409,7 @@ impl Engine {
     /// # Errors
     /// A flush error that no handle reported, or the watchdog's timeout.
     pub fn close(&self) -> Result<()> {
+        self.check_process()?;
         let shared = self.shared();
         // Nothing protected is lost: the newest snapshot is committed
         // whatever the policy chose for it. A failure is its flush's, raised

@@ -283,6 +283,7 @@ impl Engine {
                 worker: Mutex::new(Some(worker)),
                 warm,
                 kept_on_close: Mutex::new(None),
+                pid: std::process::id(),
             }),
         })
     }

@@ -373,6 +373,7 @@ impl Engine {
         image: impl FnOnce(ImageMeta) -> Result<Image>,
     ) -> Result<Option<Staging>> {
         let started = Instant::now();
+        self.check_process()?;
         let shared = self.shared();
         let (closed, known) = {
             let st = shared.lock();

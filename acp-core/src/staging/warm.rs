@@ -127,6 +127,25 @@ impl Warm {
     }
 }
 
+impl Warm {
+    /// Lets go of the thread without stopping or joining it: in a forked
+    /// child, where it does not run (the parent's thread was not copied).
+    pub(crate) fn forget_thread(&self) {
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        std::mem::forget(thread);
+        std::mem::forget(
+            self.tx
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+    }
+}
+
 impl Drop for Warm {
     fn drop(&mut self) {
         self.stop();
