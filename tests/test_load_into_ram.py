@@ -5,6 +5,9 @@ at the next one (the tensors are then read from storage)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +92,50 @@ def test_load_into_from_ram_straddling_chunks_and_a_changed_byte(
     assert stats.rejected is not None
     assert "`model.w2`" in stats.rejected
     assert_same(s, into)
+
+
+def test_a_kept_plan_keeps_the_targets_memory_while_it_copies(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A load through the kept plan copies into the addresses the plan
+    recorded, with the GIL released: a target that another thread rebinds
+    right after the plan was found must stay alive until the copy is done,
+    or its freed memory (then another tensor's) takes the checkpoint's
+    bytes. Here the rebind and a same-size allocation run right after the
+    plan lookup; the new tensor must keep its own bytes. In a child process:
+    a regression can write into unmapped memory."""
+    script = textwrap.dedent(
+        f"""
+        import torch, acp
+        n = 8 << 20
+        ckpt = acp.Checkpointer({str(tmp_path / "ckpt")!r}, shm_dir={str(shm_dir)!r},
+                                job="kp", ring_bytes=160 << 20, mlock=False)
+        ckpt.save(1, {{"w": torch.ones(n)}}).wait()
+        d = {{"w": torch.zeros(n)}}
+        ckpt.load(1, into=d)
+        assert ckpt._plans.load is not None
+        plans, found, junk = ckpt._plans, ckpt._plans.for_load, []
+
+        def for_load(*args):
+            plan = found(*args)
+            assert plan is not None, "the kept plan was not reused"
+            d["w"] = None  # another thread rebinds the target
+            junk.append(torch.full((n,), 7.0))  # and the memory is reused
+            return plan
+
+        plans.for_load = for_load
+        ckpt.load(1, into=d)
+        print("overwritten", int((junk[0] != 7.0).sum()), flush=True)
+        ckpt.close()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert "overwritten 0" in proc.stdout, proc.stdout

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -126,8 +127,9 @@ def test_a_write_through_a_view_is_refused(tmp_path: Path, shm_dir: Path) -> Non
 
 
 def test_a_view_given_as_into_is_refused_not_written(tmp_path: Path, shm_dir: Path) -> None:
-    """Zero-copy views passed back as ``into=`` (from RAM or from storage)
-    are refused with an error naming the tensor, where the load wrote into
+    """Zero-copy views passed back as ``into=`` (from RAM or from storage;
+    contiguous, or strided views that torch fills) are refused with an
+    error naming the tensor, where the load wrote into
     their read-only pages and the process died of SIGSEGV; the views keep
     the saved bytes, and their clones take the load. In a child process, so
     that a regression fails this test, not the whole run."""
@@ -136,12 +138,14 @@ def test_a_view_given_as_into_is_refused_not_written(tmp_path: Path, shm_dir: Pa
         import torch, acp
         ckpt = acp.Checkpointer({str(tmp_path / "ckpt")!r}, shm_dir={str(shm_dir)!r},
                                 job="zi", ring_bytes=32 << 20, mlock=False)
-        saved = {{"w": torch.arange(1024, dtype=torch.float32), "b": torch.ones(16)}}
+        saved = {{"w": torch.arange(1024, dtype=torch.float32), "b": torch.ones(16),
+                  "m": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}}
         ckpt.save(1, saved).wait()
         views = ckpt.load(1, zero_copy=True)
-        for storage_only in (False, True):
+        strided = {{"m": views["m"].t()}}  # torch fills a strided target itself
+        for into, storage_only in ((views, False), (views, True), (strided, False)):
             try:
-                ckpt.load(1, into=views, storage_only=storage_only)
+                ckpt.load(1, into=into, storage_only=storage_only)
             except acp.InvalidInput as e:
                 print("refused:", e, flush=True)
         assert all(torch.equal(views[k], saved[k]) for k in saved)
@@ -163,9 +167,36 @@ def test_a_view_given_as_into_is_refused_not_written(tmp_path: Path, shm_dir: Pa
     )
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     refusals = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
-    assert len(refusals) == 2, proc.stdout
-    assert all("tensor `" in r and "read-only view" in r for r in refusals), refusals
+    assert len(refusals) == 3, proc.stdout
+    assert all("read-only view" in r for r in refusals), refusals
+    assert "tensor `w`" in refusals[0], refusals
+    assert "`m`" in refusals[2], refusals
     assert "intact" in proc.stdout
+
+
+def test_dropped_views_free_their_slot_without_a_garbage_collection(
+    make_ckpt: MakeCkpt,
+) -> None:
+    """An evaluation loop: each step saved, loaded zero-copy, evaluated,
+    dropped. The views must go (and unpin their slot) when the caller
+    drops them: a reference cycle of the load kept them until the garbage
+    collector ran, and a save waiting for a slot pauses the collector, so
+    the third save waited out `full_timeout` and failed."""
+    ckpt = make_ckpt(ring_slots=2, full_timeout=5.0)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for s in range(1, 5):
+            ckpt.save(s, {"w": torch.full((1 << 16,), float(s))}).wait()
+            views = ckpt.load(zero_copy=True)
+            assert float(views["w"][0]) == s
+            gone = weakref.ref(views["w"])
+            del views
+            assert gone() is None, f"step {s}: the view outlived the caller's reference"
+    finally:
+        if enabled:
+            gc.enable()
+    assert ckpt.snapshots() == [4, 3]
 
 
 def test_a_fresh_load_of_private_memory_hands_it_to_the_tensors(

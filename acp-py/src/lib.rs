@@ -32,6 +32,7 @@ fn _acp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<replica::Receipt>()?;
     #[cfg(feature = "test-util")]
     m.add_class::<faults::FaultInjector>()?;
+    m.add_function(wrap_pyfunction!(tensors::read_only_target, m)?)?;
     ops::register(m)?;
     cli::register(m)?;
     for (name, class) in errors::classes(m.py())?.named() {

@@ -386,6 +386,15 @@ fn read_only_among(spans: &[(usize, usize, usize)]) -> Option<usize> {
         .map(|&(i, _, _)| i)
 }
 
+/// Of `spans` (`(index, start, end)` of memory a load is about to write),
+/// the index of the first that lies on pages a zero-copy load made
+/// read-only, if any: for the targets torch fills itself (strided views),
+/// which the engine's own check never sees.
+#[pyfunction]
+pub(crate) fn read_only_target(spans: Vec<(usize, usize, usize)>) -> Option<usize> {
+    read_only_among(&spans)
+}
+
 impl Drop for ReadOnly {
     fn drop(&mut self) {
         let Ok(mut table) = PROTECTED.lock() else {

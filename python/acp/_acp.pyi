@@ -40,6 +40,7 @@ __all__ = [
     "ops_export",
     "ops_inspect",
     "plain_values",
+    "read_only_target",
 ]
 
 __version__: str
@@ -282,6 +283,11 @@ def plain_values(values_json: str, describe: bool = True) -> str:
     """The plain-values view of a values tree, as JSON text: leaves plain
     JSON cannot hold (tensors, bytes, non-finite floats, big ints, framework
     values) described for people, or ``null`` when ``describe`` is false."""
+
+def read_only_target(spans: list[tuple[int, int, int]]) -> int | None:
+    """Of ``spans`` (``(index, start, end)`` of memory a load is about to
+    write), the index of the first on pages a zero-copy load made
+    read-only (a view of a loaded checkpoint), if any."""
 
 @final
 class CliProgress:

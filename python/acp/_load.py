@@ -175,9 +175,12 @@ def load_state(loaded: Any, adapters: Adapters, map_location: Any, zero_copy: bo
         return fresh.decoder.value(node, "")
     finally:
         # `fresh` is in a reference cycle (its decoder calls back into it):
-        # it must not keep the checkpoint, whose ring slot stays pinned until
-        # the garbage collector runs otherwise (and `save` pauses it).
+        # it must keep neither the checkpoint nor the tensors made of it
+        # (zero-copy views own the image, and pin its ring slot), which
+        # would otherwise live until the garbage collector runs, after the
+        # caller dropped them (and `save`, waiting for a slot, pauses it).
         fresh.loaded = None
+        fresh.tensors.clear()
 
 
 _NAME = operator.itemgetter("name")
@@ -417,10 +420,12 @@ def _load_into_planned(
     if keep:
         assert plans is not None
         entries = loaded.entries()
-        plan = plans.for_load(loaded.values_json, entries, into)
-        if plan is not None:
+        found = plans.for_load(loaded.values_json, entries, into)
+        if found is not None:
+            plan, alive = found
             # Also with no tensors: a pending load's read is this call.
             loaded.copy_into(plan.host)
+            del alive  # the copy is done: the tensors may go
             for container, k, build in plan.assigns:
                 container[k] = build()
             return plan.copied

@@ -528,11 +528,17 @@ class Plans:
             plan.sig, _, plan.containers = walked
             self.load = plan
 
-    def for_load(self, values_json: str, entries: list[Any], into: object) -> LoadPlan | None:
+    def for_load(
+        self, values_json: str, entries: list[Any], into: object
+    ) -> tuple[LoadPlan, list[object]] | None:
+        """The kept plan when ``into`` has its signature, with what keeps
+        the memory of ``into``'s tensors alive while the copy writes it
+        without the GIL (another thread may rebind a tensor meanwhile: its
+        memory, freed, would be another object's by then)."""
         plan = self.load
         if plan is None or values_json != plan.values_json or entries != plan.entries:
             return None
         walked = self.walker.walk(into, values=False, targets=plan.targets, limit=len(plan.sig))
         if walked is None or walked[0] != plan.sig:
             return None
-        return plan
+        return plan, self.walker.keep_alive(walked[1])

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 
-from acp._acp import CheckpointCorrupt, InvalidInput
+from acp._acp import CheckpointCorrupt, InvalidInput, read_only_target
 from acp._codec import (
     Entry,
     TensorInfo,
@@ -718,6 +718,17 @@ def _check_no_overlap(
     if not strided:
         check_host_disjoint(host, keys)
         return
+    # Torch fills these itself: a view of a zero-copy load's read-only
+    # image among them would kill the process with SIGSEGV (the engine
+    # refuses such contiguous targets itself).
+    ro = read_only_target([(k, a, _extent(t, a)) for k, (_, t, a) in enumerate(strided)])
+    if ro is not None:
+        index, _, address = strided[ro]
+        raise InvalidInput(
+            f"into=: {_where(keys[index, address])}: its memory is a read-only view of a loaded "
+            "checkpoint (`load(zero_copy=True)`); clone() it, or load without into=, to get "
+            "tensors that can be written"
+        )
     spans = sorted(
         [(addr, addr + n, index, -1) for index, addr, n in host if n]
         + [(addr, _extent(t, addr), index, k) for k, (index, t, addr) in enumerate(strided)]
