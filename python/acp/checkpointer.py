@@ -18,6 +18,7 @@ from acp._acp import (
     AcpTimeout,
     CheckpointCorrupt,
     CheckpointNotFound,
+    ConfigError,
     EngineClosed,
     InvalidInput,
 )
@@ -331,6 +332,18 @@ class Checkpointer:
             # and so does the one being replicated (Engine.hold_replicating),
             # beside the newest one and the one being staged.
             ring_slots = 4
+        _unsigned_config(
+            ("rank", self.rank, 32),
+            ("world_size", self.world_size, 32),
+            ("ring_bytes", ring_bytes, 64),
+            ("ring_slots", ring_slots, 64),
+            ("copy_threads", copy_threads, 64),
+            ("chunk_bytes", chunk_bytes, 64),
+            ("queue_depth", queue_depth, 64),
+            ("keep_last", keep_last, 64),
+            ("keep_every", keep_every, 64),
+            ("persist_every", persist_every, 64),
+        )
         self._engine = _acp.Engine(
             os.fspath(root),
             job=job,
@@ -985,6 +998,8 @@ class Checkpointer:
         self._settle()  # a pending overlapped copy reads what into= writes
         if step is not None:
             step = _step(step)
+        if rank is not None:
+            rank = _unsigned("rank", rank, 32)
         if zero_copy and into is not None:
             raise InvalidInput("load(zero_copy=True) returns a fresh state: give no into=")
         self._reap_recovery()
@@ -1375,13 +1390,29 @@ def _persist_mode(
 
 
 def _step(step: object) -> int:
+    return _unsigned("step", step, 64)
+
+
+def _unsigned(name: str, value: object, bits: int) -> int:
+    """``value`` as an integer from 0 to ``2**bits - 1``, else
+    ``InvalidInput`` naming ``name`` (the engine's conversion raised a bare
+    ``OverflowError``)."""
     try:
-        value = operator.index(step)  # type: ignore[arg-type]
+        got = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise InvalidInput(f"step: {step!r} is not an integer") from None
-    if not 0 <= value < 2**64:
-        raise InvalidInput(f"step: {value} is not between 0 and 2**64 - 1")
-    return value
+        raise InvalidInput(f"{name}: {value!r} is not an integer") from None
+    if not 0 <= got < 2**bits:
+        raise InvalidInput(f"{name}: {got} is not between 0 and 2**{bits} - 1")
+    return got
+
+
+def _unsigned_config(*fields: tuple[str, int | None, int]) -> None:
+    """Refuses each ``(name, value, bits)`` whose value is not an integer
+    from 0 to ``2**bits - 1`` (the engine's conversion raised a bare
+    ``OverflowError``) with ``ConfigError`` naming it; None is a default."""
+    for name, value, bits in fields:
+        if value is not None and not 0 <= value < 2**bits:
+            raise ConfigError(f"`{name}`: {value} is not between 0 and 2**{bits} - 1")
 
 
 def _host_plan(tensors: list[FlatTensor]) -> list[tuple[int, int, int]] | None:
