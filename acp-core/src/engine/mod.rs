@@ -121,6 +121,12 @@ use state::Shared;
 
 /// A checkpoint engine for one job and rank. Cheap to clone: clones share
 /// the ring, the flush thread and the state.
+///
+/// An engine belongs to the process that opened it. A child that process
+/// forks holds a copy without the engine's threads: there,
+/// [`Engine::save`], the loads and [`Engine::close`] fail with
+/// [`Error::Invalid`] naming both processes, and dropping it touches
+/// nothing of the parent's (its threads, ring locks and queued work).
 #[derive(Debug, Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
