@@ -140,6 +140,30 @@ def test_a_tensor_changed_before_staged_drops_the_save_and_is_copied_eagerly_nex
     assert ckpt.stats()["figures"]["saves_failed"] == 1
 
 
+def test_a_storage_freed_before_staged_drops_the_save(make_ckpt: MakeCkpt) -> None:
+    """A storage freed under its tensor after save() returned
+    (``untyped_storage().resize_(0)``, as FSDP frees parameters) does not
+    change the tensor's version counter; the save is dropped all the same,
+    not sealed with whatever the freed memory held. (The background copy
+    is let finish first here, so that it never reads freed memory.)"""
+    ckpt = make_ckpt(overlap=True)
+    w, b = torch.ones(BIG), torch.full((BIG,), 2.0)
+    ckpt.save(1, {"w": w, "b": b}).wait()
+    h = ckpt.save(2, {"w": w, "b": b})
+    assert h._pending is not None
+    pending = ckpt._overlaps.pending
+    assert pending is not None
+    pending.copy.result(timeout=60)  # the copy is done: nothing reads w any more
+    version = w._version
+    w.untyped_storage().resize_(0)
+    assert w._version == version  # unseen by the version counter
+    assert ckpt.staged() is False
+    with pytest.raises(acp.InvalidInput, match=r"`w` changed \(or its storage was freed"):
+        h.wait()
+    ckpt.wait()
+    assert ckpt.steps() == [1]
+
+
 def test_running_statistics_changed_by_the_forward_pass_are_saved_as_they_were(
     make_ckpt: MakeCkpt,
 ) -> None:

@@ -123,6 +123,18 @@ class Split:
         """The version counters of the lazy tensors, in ``watch`` order."""
         return [leaves[p]._version for p, _ in self.watch]  # type: ignore[attr-defined]
 
+    def memory(self, leaves: list[object]) -> list[tuple[int, int]]:
+        """The address and size of the lazy tensors' storages, in ``watch``
+        order: a storage freed or resized under its tensor (``resize_(0)``,
+        as FSDP frees parameters) changes them, and its version counter
+        does not."""
+        return [_memory_of(leaves[p]) for p, _ in self.watch]
+
+
+def _memory_of(t: Any) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
 
 class Copier:
     """The thread that waits on the background copies (the copy itself runs
@@ -168,6 +180,7 @@ class Pending:
         self.leaves = leaves
         self.alive = alive  # the memory the copy reads, until it is done
         self.versions = split.versions(leaves)
+        self.memory = split.memory(leaves)
         self.watch = list(split.watch)
         self.copy = copy
         self.started = perf_counter()
@@ -189,8 +202,9 @@ class Pending:
         if error is None:
             changed = [
                 index
-                for (p, index), v in zip(self.watch, self.versions, strict=True)
+                for (p, index), v, m in zip(self.watch, self.versions, self.memory, strict=True)
                 if self.leaves[p]._version != v  # type: ignore[attr-defined]
+                or _memory_of(self.leaves[p]) != m
             ]
             if changed:
                 self.split.copy_eagerly(set(changed))
@@ -198,7 +212,8 @@ class Pending:
                 more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
                 error = InvalidInput(
                     f"save of step {self.step} (overlap): tensor {names}{more} changed "
-                    "while it was being copied, after save() returned; the step was not "
+                    "(or its storage was freed or resized) while it was being copied, "
+                    "after save() returned; the step was not "
                     "saved (the previous checkpoint stays the newest). Call ckpt.staged() "
                     "(or register ckpt.staged_before(optimizer)) before changing the "
                     "state; from now on this tensor is copied in the stall"
