@@ -1,8 +1,11 @@
-"""Comparison helpers for the tests."""
+"""Comparison helpers for the tests, and a child interpreter to run in."""
 
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,3 +45,17 @@ def assert_same(a: Any, b: Any, key: str = "") -> None:
         assert a.dtype == b.dtype, key
     else:
         assert a == b, f"{key}: {a!r} != {b!r}"
+
+
+def run_child(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` (Python source) in a child interpreter in ``cwd``
+    (where a core dump would go), its output captured: for a test whose
+    regression would kill or hang the process it runs in."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=cwd,
+    )

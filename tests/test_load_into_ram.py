@@ -5,8 +5,6 @@ at the next one (the tensors are then read from storage)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 import torch
 
 from .conftest import MakeCkpt, slot_dir
+from .helpers import run_child
 
 CHUNK = 64 << 10
 
@@ -129,13 +128,6 @@ def test_a_kept_plan_keeps_the_targets_memory_while_it_copies(
         ckpt.close()
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tmp_path,
-    )
+    proc = run_child(script, tmp_path)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     assert "overwritten 0" in proc.stdout, proc.stdout

@@ -19,6 +19,7 @@ import torch
 import acp
 
 from .conftest import SMALL_RING, MakeCkpt, slot_dir
+from .helpers import run_child
 
 
 def ring_files(shm_dir: Path) -> list[str]:
@@ -218,14 +219,7 @@ def test_a_forked_child_refuses_the_checkpointer_and_exits_cleanly(
         print("parent done", flush=True)
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tmp_path,
-    )
+    proc = run_child(script, tmp_path)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     out = proc.stdout
     assert out.count("refused:") == 2, out

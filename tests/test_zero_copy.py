@@ -22,6 +22,7 @@ import acp
 from acp import _acp
 
 from .conftest import MakeCkpt, save_raw, two_ranks
+from .helpers import run_child
 
 
 def state(seed: int) -> dict[str, object]:
@@ -157,14 +158,7 @@ def test_a_view_given_as_into_is_refused_not_written(tmp_path: Path, shm_dir: Pa
         ckpt.close()
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tmp_path,
-    )
+    proc = run_child(script, tmp_path)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     refusals = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
     assert len(refusals) == 3, proc.stdout
