@@ -413,6 +413,48 @@ fn retention_removes_a_referring_step_and_keeps_the_referred_one() {
     e.close().unwrap();
 }
 
+/// Three tensors of several chunks each; `a`, `b` and `c` pick each one's
+/// bytes (a seed), so a save that changes one references the others'
+/// chunks in the steps that hold them.
+fn abc(a: u64, b: u64, c: u64) -> Tensors {
+    [("a", a), ("b", b), ("c", c)]
+        .into_iter()
+        .map(|(name, seed)| {
+            let n = 4 * CHUNK;
+            (name.to_owned(), Dtype::U8, vec![n as u64], noise(seed, n))
+        })
+        .collect()
+}
+
+#[test]
+fn retention_keeps_what_a_step_kept_for_its_references_references_in_turn() {
+    // Step 2 changes `a`, 3 changes `b`, 4 changes `a` again: step 4
+    // references step 3 (for `b`) and step 1 (for `c`); step 3 references
+    // step 2 (for `a`). Keeping step 4 alone keeps 3, so 2 as well: it was
+    // removed, and step 3, listed as kept, failed to load.
+    let s = setup();
+    let e = engine(&s, &s.root, Compress::None, true);
+    let states = [abc(1, 1, 1), abc(2, 1, 1), abc(2, 3, 1), abc(4, 3, 1)];
+    for (step, ts) in (1..).zip(&states) {
+        save(&e, step, ts);
+    }
+    assert!(ref_steps(&s.root, 3).contains(&2), "{}", entry(&s.root, 3));
+    assert!(ref_steps(&s.root, 4).contains(&3), "{}", entry(&s.root, 4));
+    assert!(!ref_steps(&s.root, 4).contains(&2), "{}", entry(&s.root, 4));
+    assert_eq!(e.retain(1, None).unwrap(), Vec::<u64>::new());
+    for (step, ts) in (1..).zip(&states) {
+        assert_loads(&e, step, ts);
+    }
+    e.close().unwrap();
+    let opts = GcOptions {
+        keep_last: Some(1),
+        ..GcOptions::default()
+    };
+    let r = gc(&s.root, &opts).unwrap();
+    assert_eq!(r.removed_steps, Vec::<u64>::new());
+    assert!(verify(&s.root, None, true, &Quiet).unwrap().ok);
+}
+
 #[test]
 fn gc_keeps_a_referenced_step_and_says_so() {
     let s = setup();

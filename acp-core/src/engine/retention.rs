@@ -10,7 +10,9 @@
 //! and the commit protocol need no second kind of directory, at the cost
 //! of the chunks of it that nothing references. A reference names the
 //! file that holds the bytes (one hop), so a step in the middle of a run
-//! of incremental steps goes as soon as retention drops it.
+//! of incremental steps goes as soon as retention drops it, unless a
+//! kept step references it; and a step kept so keeps, in turn, the steps
+//! that its own references name.
 
 use super::state::Shared;
 use super::Engine;
@@ -27,7 +29,9 @@ pub fn retention_plan(steps: &[u64], keep_last: usize, keep_every: Option<u64>) 
         .iter()
         .enumerate()
         .filter(|&(i, &step)| {
-            let recent = i + keep_last >= n;
+            // Not `i + keep_last >= n`: a `keep_last` near `usize::MAX`
+            // wrapped around, and the newest steps went.
+            let recent = n - i <= keep_last;
             let milestone = keep_every.is_some_and(|m| m > 0 && step % m == 0);
             !recent && !milestone
         })
@@ -50,21 +54,24 @@ pub(crate) fn check_keep_last(keep_last: usize) -> Result<()> {
 }
 
 /// The steps of `plan` (those [`retention_plan`] drops from `steps`) that
-/// a kept step references: they stay. Read from the kept steps' indexes.
+/// a kept step references: they stay. Read from the kept steps' indexes,
+/// and from those of the steps kept so, in turn: a step kept because a
+/// newer one references some of its chunks is kept whole, loadable, so
+/// the steps its own other chunks reference stay too.
 ///
 /// # Errors
 /// The error of reading a kept step's index, which names it: a step whose
 /// references are unknown keeps retention from removing anything.
 pub(crate) fn referenced(root: &dyn Storage, steps: &[u64], plan: &[u64]) -> Result<Vec<u64>> {
     let mut held = std::collections::BTreeSet::new();
-    for &kept in steps.iter().filter(|s| !plan.contains(s)) {
+    let mut todo: Vec<u64> = steps.iter().copied().filter(|s| !plan.contains(s)).collect();
+    while let Some(kept) = todo.pop() {
         let index = root.read_index(kept)?;
-        held.extend(
-            index
-                .files
-                .values()
-                .flat_map(|f| f.refs.iter().map(|r| r.step)),
-        );
+        for step in index.files.values().flat_map(|f| f.refs.iter().map(|r| r.step)) {
+            if plan.contains(&step) && held.insert(step) {
+                todo.push(step);
+            }
+        }
     }
     Ok(plan.iter().copied().filter(|s| held.contains(s)).collect())
 }
@@ -163,6 +170,10 @@ mod tests {
         assert_eq!(retention_plan(&steps, 2, Some(200)), vec![100, 300]);
         assert_eq!(retention_plan(&steps, 9, None), Vec::<u64>::new());
         assert_eq!(retention_plan(&steps, 1, Some(0)), vec![100, 200, 300, 400]);
+        // Near usize::MAX it wrapped around and dropped the newest steps.
+        for huge in [usize::MAX, usize::MAX - 2] {
+            assert_eq!(retention_plan(&steps, huge, None), Vec::<u64>::new());
+        }
     }
 
     #[test]
