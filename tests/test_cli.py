@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import re
 import shutil
 import signal
@@ -246,6 +247,17 @@ def test_export_of_a_corrupt_step_refuses(root: Root, tmp_path: Path, fmt: str) 
     assert "model.w" in proc.stderr
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch", "mindspore"])
+def test_export_never_replaces_a_fifo_or_device(root: Root, tmp_path: Path, fmt: str) -> None:
+    """``--force`` replaces a file or a link, never a FIFO or a device: an
+    export aimed at ``/dev/null`` made it a regular file."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = run("export", root.path, fifo, "--to", fmt, "--force", check_rc=2)
+    assert "not a regular file" in proc.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def test_export_torch_gives_back_the_saved_state(root: Root, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -41,6 +42,7 @@ def export(
     (a corrupt step is refused and nothing is written)."""
     if format not in ("torch", "mindspore"):
         raise InvalidInput(f"export: format {format!r}: convert writes 'torch' or 'mindspore'")
+    _refuse_special(out)
     t0 = time.monotonic()
     info = json.loads(_acp.ops_inspect(root, step).json)
     step = int(info["step"])
@@ -257,8 +259,25 @@ def write_mindspore(
 def _publish(scratch: Path, out: str | os.PathLike[str]) -> None:
     """Renames ``scratch`` (beside ``out``) to ``out``: a symlink or file at
     ``out`` is replaced, never followed (a link to a directory would have
-    put the file inside it), as the safetensors export does."""
+    put the file inside it), as the safetensors export does; anything else
+    there (a device such as ``/dev/null``, a FIFO) is refused, not
+    replaced."""
+    _refuse_special(out)
     os.replace(scratch, out)
+
+
+def _refuse_special(out: str | os.PathLike[str]) -> None:
+    """``InvalidInput`` when ``out`` exists and is neither a regular file
+    nor a symlink (the safetensors export's rule)."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise InvalidInput(
+            f"{os.fspath(out)}: is not a regular file (a directory, device, FIFO or socket): "
+            "export writes a new file; name a path for it"
+        )
 
 
 def plain_scalars(values_json: str) -> list[tuple[str, Any]]:

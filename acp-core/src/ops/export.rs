@@ -66,11 +66,23 @@ pub fn export_safetensors(
     let root = open_root(root)?;
     let step = pick_step(&root, step)?;
     let index = root.read_index(step)?;
-    if !overwrite && std::fs::symlink_metadata(out).is_ok() {
-        return Err(Error::invalid(
-            out.display(),
-            "exists; pass --force to replace it",
-        ));
+    if let Ok(m) = std::fs::symlink_metadata(out) {
+        // A regular file or a link is replaced, never written through; a
+        // device or FIFO (`/dev/null` given with --force) was replaced by
+        // a regular file.
+        let kind = m.file_type();
+        if !kind.is_file() && !kind.is_symlink() {
+            return Err(Error::invalid(
+                out.display(),
+                "is not a regular file (a directory, device, FIFO or socket): export writes a new file; name a path for it",
+            ));
+        }
+        if !overwrite {
+            return Err(Error::invalid(
+                out.display(),
+                "exists; pass --force to replace it",
+            ));
+        }
     }
     let mut files = Vec::new();
     for (name, entry) in &index.files {
