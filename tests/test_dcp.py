@@ -374,3 +374,22 @@ def test_reader_refuses_a_checkpoint_not_saved_through_dcp(make_ckpt: MakeCkpt) 
     # How DCP reports it depends on torch's version: 2.11 says "metadata is None".
     with pytest.raises(CheckpointException):
         dcp.load({"w": torch.zeros(2)}, storage_reader=acp.dcp.StorageReader(ckpt), no_dist=True)
+    # The refused load is not kept alive by the exception's frames: after
+    # close() the ring is free for the next checkpointer at once (it was
+    # `BusyError`, naming this process, until a garbage collection).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        caught: list[BaseException] = []
+        try:
+            dcp.load(
+                {"w": torch.zeros(2)}, storage_reader=acp.dcp.StorageReader(ckpt), no_dist=True
+            )
+        except CheckpointException as e:
+            caught.append(e)  # held, as a caller logging it later would
+        assert caught
+        ckpt.close()
+        make_ckpt().close()
+    finally:
+        if enabled:
+            gc.enable()

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+import traceback
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -110,20 +111,28 @@ class StorageReader(_storage.StorageReader):
         if ranks != [self._ref.rank]:
             return self._read_rank_metadata(step, ranks, started)
         loaded = engine.load(step=step, storage_only=self._storage_only)
-        values = json.loads(loaded.values_json)
-        if not isinstance(values, dict) or METADATA_KEY not in values:
-            raise ValueError(
-                f"acp.dcp: step {loaded.step} in {self._ref.root} was not saved through "
-                "torch.distributed.checkpoint (no DCP metadata); load it with acp.Checkpointer"
-            )
-        metadata = metadata_from_json(values[METADATA_KEY], step=loaded.step)
-        names = {e[0]: i for i, e in enumerate(loaded.entries())}
-        for idx, name in (metadata.storage_data or {}).items():
-            if name not in names:
-                raise _acp.CheckpointCorrupt(
-                    f"step {loaded.step}: DCP metadata: key `{idx.fqn}`: field "
-                    f"`storage_data`: names tensor `{name}`, which the file does not hold"
+        try:
+            values = json.loads(loaded.values_json)
+            if not isinstance(values, dict) or METADATA_KEY not in values:
+                raise ValueError(
+                    f"acp.dcp: step {step} in {self._ref.root} was not saved through "
+                    "torch.distributed.checkpoint (no DCP metadata); load it with "
+                    "acp.Checkpointer"
                 )
+            metadata = metadata_from_json(values[METADATA_KEY], step=step)
+            names = {e[0]: i for i, e in enumerate(loaded.entries())}
+            for idx, name in (metadata.storage_data or {}).items():
+                if name not in names:
+                    raise _acp.CheckpointCorrupt(
+                        f"step {step}: DCP metadata: key `{idx.fqn}`: field "
+                        f"`storage_data`: names tensor `{name}`, which the file does not hold"
+                    )
+        except BaseException:
+            # The exception's traceback keeps this frame and its locals: the
+            # load would live on (its engine handle keeping the ring locked
+            # after close()) until a garbage collection.
+            del loaded
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self._load_id
@@ -240,6 +249,12 @@ class StorageReader(_storage.StorageReader):
                 self._read_all(loaded, dataclasses.replace(plan, items=groups[r]), planner)
                 sources[r] = loaded.source
                 nbytes += loaded.report()["bytes"]
+            except BaseException as e:
+                # The frames the exception's traceback keeps hold the load
+                # too (`_read_all`'s): freed, so that it does not keep the
+                # ring locked after close() until a garbage collection.
+                traceback.clear_frames(e.__traceback__)
+                raise
             finally:
                 del loaded
         kinds = set(sources.values())
