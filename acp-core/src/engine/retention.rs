@@ -64,10 +64,18 @@ pub(crate) fn check_keep_last(keep_last: usize) -> Result<()> {
 /// references are unknown keeps retention from removing anything.
 pub(crate) fn referenced(root: &dyn Storage, steps: &[u64], plan: &[u64]) -> Result<Vec<u64>> {
     let mut held = std::collections::BTreeSet::new();
-    let mut todo: Vec<u64> = steps.iter().copied().filter(|s| !plan.contains(s)).collect();
+    let mut todo: Vec<u64> = steps
+        .iter()
+        .copied()
+        .filter(|s| !plan.contains(s))
+        .collect();
     while let Some(kept) = todo.pop() {
         let index = root.read_index(kept)?;
-        for step in index.files.values().flat_map(|f| f.refs.iter().map(|r| r.step)) {
+        for step in index
+            .files
+            .values()
+            .flat_map(|f| f.refs.iter().map(|r| r.step))
+        {
             if plan.contains(&step) && held.insert(step) {
                 todo.push(step);
             }

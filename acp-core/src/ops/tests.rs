@@ -232,13 +232,19 @@ fn export_copies_and_refuses_a_corrupt_step() {
     // A FIFO (as a device like /dev/null) is refused even with overwrite,
     // and stays what it was: it was replaced by a regular file.
     let fifo = f.root.parent().unwrap().join("fifo");
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
     assert!(made.success());
     let e = export_safetensors(&f.root, Some(2), None, &fifo, true, &Quiet).unwrap_err();
     assert_eq!(exit_code(&e), 2);
     assert!(e.to_string().contains("not a regular file"), "{e}");
     use std::os::unix::fs::FileTypeExt;
-    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+    assert!(std::fs::symlink_metadata(&fifo)
+        .unwrap()
+        .file_type()
+        .is_fifo());
     flip(&f.root, 1);
     let bad = f.root.parent().unwrap().join("bad.safetensors");
     let e = export_safetensors(&f.root, Some(1), None, &bad, false, &Quiet).unwrap_err();
