@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import stat
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
