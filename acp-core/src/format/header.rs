@@ -774,7 +774,7 @@ fn tensor(path: &Path, name: String, raw: &RawValue) -> Result<Stated> {
     };
     let len = byte_len(dtype, &shape).ok_or_else(|| {
         bad(format!(
-            "shape {shape:?} of {} overflows a u64 byte size",
+            "shape {shape:?} of {} overflows a u64 byte size, or has a dimension past 2**63 - 1",
             dtype.name()
         ))
     })?;

@@ -394,6 +394,17 @@ fn size_must_match_shape_and_dtype() {
         t,
         "overflows",
     );
+    // No elements, but a dimension no framework can make (torch's sizes
+    // are signed): it was accepted, and torch failed on it with an error
+    // of its own.
+    refused(
+        &one(
+            r#"{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]}"#,
+            0,
+        ),
+        t,
+        "past 2**63 - 1",
+    );
     refused(
         &one(
             r#"{"dtype":"U8","shape":[18446744073709551616],"data_offsets":[0,0]}"#,
@@ -442,8 +453,10 @@ fn offsets_must_tile_the_data() {
         Some("b"),
         "past the end of the file",
     );
+    // (u64::MAX - 4 bytes, in dimensions a framework can make.)
+    let far = r#""b":{"dtype":"U8","shape":[11,1676976733973595601],"data_offsets":[4,18446744073709551615]}"#;
     refused(
-        &two(u8s("a", 0, 4), u8s("b", 4, u64::MAX), 8),
+        &two(u8s("a", 0, 4), far.to_owned(), 8),
         Some("b"),
         "past the end of the file",
     );

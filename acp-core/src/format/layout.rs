@@ -59,7 +59,7 @@ impl TensorSpec {
             Error::invalid(
                 tensor_label(&self.name),
                 format!(
-                    "shape {:?} of {} overflows a u64 byte size",
+                    "shape {:?} of {} overflows a u64 byte size, or has a dimension past 2**63 - 1",
                     self.shape,
                     self.dtype.name()
                 ),
@@ -69,12 +69,22 @@ impl TensorSpec {
 }
 
 /// Elements × element size, `None` on overflow. An empty shape is one element.
+/// A dimension past [`MAX_DIM`] is an overflow too, even in a shape of no
+/// elements: no framework can make that tensor.
 pub(super) fn byte_len(dtype: Dtype, shape: &[u64]) -> Option<u64> {
+    if shape.iter().any(|&d| d > MAX_DIM) {
+        return None;
+    }
     shape
         .iter()
         .try_fold(1u64, |n, &d| n.checked_mul(d))?
         .checked_mul(dtype.size_u64())
 }
+
+/// The largest dimension a shape may have: torch's and numpy's sizes are
+/// signed 64-bit integers (a shape `[0, 2**63]` was accepted here, and
+/// torch then failed to make it with an overflow error of its own).
+const MAX_DIM: u64 = i64::MAX as u64;
 
 /// What goes into the header's `__metadata__` beside the tensors.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -866,14 +876,21 @@ mod tests {
         let e = Layout::plan(&[s], &ImageMeta::default()).unwrap_err();
         assert_eq!(invalid_what(&e), "tensor `huge`");
 
-        // Each fits, the sum does not.
-        let half = spec("half", Dtype::U8, &[u64::MAX / 2 + 1]);
-        let other = spec("other", Dtype::U8, &[u64::MAX / 2 + 1]);
+        // Each fits, the sum does not (2**63 bytes each).
+        let half = spec("half", Dtype::U8, &[2, 1 << 62]);
+        let other = spec("other", Dtype::U8, &[2, 1 << 62]);
         let e = Layout::plan(&[half, other], &ImageMeta::default()).unwrap_err();
         assert_eq!(invalid_what(&e), "tensor `other`");
 
-        // Data that fits in u64 but not once the header is added.
-        let near = spec("near", Dtype::U8, &[u64::MAX - 100]);
+        // A dimension past 2**63 - 1, even with no elements.
+        let e = spec("wide", Dtype::U8, &[0, 1 << 63])
+            .byte_len()
+            .unwrap_err();
+        assert_eq!(invalid_what(&e), "tensor `wide`");
+
+        // Data that fits in u64 but not once the header is added
+        // (u64::MAX - 100 bytes).
+        let near = spec("near", Dtype::U8, &[5, 3_689_348_814_741_910_303]);
         let e = Layout::plan(&[near], &ImageMeta::default()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Invalid);
     }
