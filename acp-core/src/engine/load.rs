@@ -902,16 +902,7 @@ fn load_step(
         });
     };
     let threads = shared.cfg.copy_threads;
-    let expected = Expected {
-        tensors: index
-            .weight_map
-            .iter()
-            .filter(|(_, f)| **f == file_name)
-            .map(|(t, _)| t.clone())
-            .collect(),
-        rank,
-        world_size: index.world_size,
-    };
+    let expected = Expected::of(&index, &file_name, rank);
     let mut rejected = None;
     if !storage_only && rank != own && defer {
         // Another rank's image resident in its slot on this node, checked
@@ -1742,6 +1733,41 @@ struct Expected {
     tensors: Vec<String>,
     rank: u32,
     world_size: u32,
+}
+
+impl Expected {
+    /// What `index` says of its file `file`, written by `rank`.
+    fn of(index: &crate::format::Index, file: &str, rank: u32) -> Expected {
+        Expected {
+            tensors: index
+                .weight_map
+                .iter()
+                .filter(|(_, f)| *f == file)
+                .map(|(t, _)| t.clone())
+                .collect(),
+            rank,
+            world_size: index.world_size,
+        }
+    }
+}
+
+/// The checks a load makes of file `file`'s header (the file at `path`)
+/// against the index of `step`: the same step, tensors, rank and world
+/// size. For `acp verify` and `acp export`, which refuse what a load
+/// refuses.
+///
+/// # Errors
+/// [`Error::Corrupt`] naming `path` (and the tensor, for a tensor list
+/// that differs).
+pub(crate) fn check_file_header(
+    path: &Path,
+    header: &ParsedHeader,
+    step: u64,
+    index: &crate::format::Index,
+    file: &str,
+) -> Result<()> {
+    let rank = index.files.get(file).map_or(0, |f| f.rank);
+    check_header(path, header, step, &Expected::of(index, file, rank))
 }
 
 /// Checks that `opened`, the data file named `path` (opened by

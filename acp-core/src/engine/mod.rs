@@ -109,6 +109,7 @@ mod wait;
 
 pub use checkpoint::{Checkpoint, LoadReport, Source, TensorView};
 pub use handle::SaveHandle;
+pub(crate) use load::check_file_header;
 pub use load::{LoadRequest, Opened, PendingLoad};
 pub use open::OpenReport;
 pub use policy::{Outcome, Persist, PersistStats};

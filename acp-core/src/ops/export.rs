@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use super::read::{self, DataFile};
 use super::{open_root, pick_step, scratch_beside, shown, Progress, CODEC_KEY};
+use crate::engine::check_file_header;
 use crate::error::{Error, Result};
 use crate::format::{read_header, Entry, ImageMeta, Layout, TensorSpec, MAX_HEADER_BYTES};
 use crate::storage::Storage;
@@ -87,7 +88,12 @@ pub fn export_safetensors(
     let mut files = Vec::new();
     for (name, entry) in &index.files {
         if rank.is_none_or(|r| entry.rank == r) {
-            files.push(read::open(&root, step, name, entry)?);
+            let mut f = read::open(&root, step, name, entry)?;
+            // What a load (and `acp verify`) refuses, export refuses: a
+            // header that tells another story than the index.
+            let path = f.path().to_path_buf();
+            check_file_header(&path, f.header()?, step, &index, name)?;
+            files.push(f);
         }
     }
     if files.is_empty() {

@@ -199,20 +199,68 @@ fn verify_reports_a_truncated_or_missing_file() {
 fn verify_names_a_mapped_tensor_the_header_lacks() {
     let f = fixture();
     with_steps(&f, &[1]);
-    let index = f
-        .root
-        .join(crate::storage::local::step_dir_name(1))
-        .join(crate::format::INDEX_FILE_NAME);
-    let mut doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&index).unwrap()).unwrap();
-    doc["weight_map"]["ghost"] = json!(crate::format::data_file_name(0));
-    std::fs::write(&index, serde_json::to_vec(&doc).unwrap()).unwrap();
+    edit_index(&f.root, 1, |doc| {
+        doc["weight_map"]["ghost"] = json!(crate::format::data_file_name(0));
+    });
     let r = verify(&f.root, Some(1), false, &Quiet).unwrap();
     assert!(!r.ok, "{r:?}");
     let p = &r.steps[0].problems;
     assert_eq!(p.len(), 1, "{p:?}");
     assert_eq!(p[0].tensors, ["ghost"]);
     assert!(p[0].reason.contains("header lacks it"), "{p:?}");
+    // Export refuses what verify flags (it wrote the file).
+    let out = f.root.parent().unwrap().join("out.safetensors");
+    let e = export_safetensors(&f.root, Some(1), None, &out, false, &Quiet).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{e}");
+    assert!(!out.exists());
+}
+
+/// Rewrites the index of `step` through `edit` (its digests cover the data
+/// files, not the index).
+fn edit_index(root: &Path, step: u64, edit: impl FnOnce(&mut serde_json::Value)) {
+    let index = root
+        .join(crate::storage::local::step_dir_name(step))
+        .join(crate::format::INDEX_FILE_NAME);
+    let mut doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&index).unwrap()).unwrap();
+    edit(&mut doc);
+    std::fs::write(&index, serde_json::to_vec(&doc).unwrap()).unwrap();
+}
+
+#[test]
+fn verify_and_export_refuse_a_header_tensor_the_index_does_not_map() {
+    // A load refuses it ("the index and the file's header list different
+    // tensors"); verify said intact and export wrote the file.
+    let f = fixture();
+    with_steps(&f, &[1]);
+    edit_index(&f.root, 1, |doc| {
+        doc["weight_map"].as_object_mut().unwrap().remove("w");
+    });
+    let r = verify(&f.root, Some(1), false, &Quiet).unwrap();
+    assert!(!r.ok, "{r:?}");
+    let p = &r.steps[0].problems;
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!(p[0].tensors, ["w"]);
+    assert!(p[0].reason.contains("list different tensors"), "{p:?}");
+    let out = f.root.parent().unwrap().join("out.safetensors");
+    let e = export_safetensors(&f.root, Some(1), None, &out, false, &Quiet).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Corrupt, "{e}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn verify_says_a_newer_format_is_unsupported_not_corrupt() {
+    let f = fixture();
+    with_steps(&f, &[1]);
+    edit_index(&f.root, 1, |doc| {
+        doc["metadata"]["acp"]["format_version"] = json!(99);
+    });
+    let e = verify(&f.root, Some(1), false, &Quiet).unwrap_err();
+    assert_eq!(e.kind(), crate::ErrorKind::Unsupported, "{e}");
+    assert_eq!(
+        exit_code(&e),
+        exit_code(&inspect(&f.root, Some(1)).unwrap_err())
+    );
 }
 
 #[test]

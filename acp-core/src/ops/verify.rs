@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::read;
 use super::{open_root, pick_step, shown, Progress};
+use crate::engine::check_file_header;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::INDEX_FILE_NAME;
 use crate::storage::{LocalStorage, Storage};
@@ -118,10 +119,12 @@ fn verify_step(root: &LocalStorage, step: u64, progress: &dyn Progress) -> Resul
     };
     let index = match root.read_index(step) {
         Ok(i) => i,
-        Err(e) if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::Unsupported) => {
+        Err(e) if e.kind() == ErrorKind::Corrupt => {
             report.problems.push(problem(&e, &index_path));
             return Ok(report);
         }
+        // A newer format is not a corruption: `Unsupported`, as `inspect`,
+        // `export` and `gc` say (it was reported as CORRUPT, exit 1).
         Err(e) => return Err(e),
     };
     let total = index.files.values().map(|f| f.size).sum();
@@ -147,7 +150,7 @@ fn verify_step(root: &LocalStorage, step: u64, progress: &dyn Progress) -> Resul
                 return Err(e);
             }
         };
-        let header = f.header().map(|h| (h.step, h.entries.clone()));
+        let header = f.header().cloned();
         let bad = match f.check_all(&mut |n| progress.advance(n)) {
             Ok(b) => b,
             Err(e) => {
@@ -164,15 +167,8 @@ fn verify_step(root: &LocalStorage, step: u64, progress: &dyn Progress) -> Resul
             });
         }
         match header {
-            Ok((hstep, entries)) => {
-                if hstep.is_some_and(|s| s != step) {
-                    report.problems.push(Problem {
-                        file: shown(f.path()),
-                        tensors: Vec::new(),
-                        reason: format!("header says step {hstep:?}, the index {step}"),
-                    });
-                }
-                let held: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+            Ok(header) => {
+                let held: HashSet<&str> = header.entries.iter().map(|e| e.name.as_str()).collect();
                 for &t in mapped.get(name.as_str()).map_or(&[][..], Vec::as_slice) {
                     if !held.contains(t) {
                         report.problems.push(Problem {
@@ -181,6 +177,13 @@ fn verify_step(root: &LocalStorage, step: u64, progress: &dyn Progress) -> Resul
                             reason: "the index maps the tensor to this file, whose header lacks it"
                                 .to_owned(),
                         });
+                    }
+                }
+                // The rest of what a load refuses: another step, a tensor
+                // the index does not map here, another rank or world size.
+                if let Err(e) = check_file_header(f.path(), &header, step, &index, name) {
+                    if report.problems.iter().all(|p| p.file != shown(f.path())) {
+                        report.problems.push(problem(&e, f.path()));
                     }
                 }
             }
