@@ -132,15 +132,27 @@ pub fn persist(opts: &PersistOptions) -> Result<PersistReport> {
     let slots = resident(&opts.shm_dir, &job, None)?;
     let held = super::resident::replicas(&opts.shm_dir, &job)?;
     let own = super::resident::ranks(&slots);
-    let world_size = opts.world_size.unwrap_or_else(|| {
+    let known = opts.world_size.or_else(|| {
         slots
             .iter()
             .chain(&held)
             .filter(|s| s.complete)
             .max_by_key(|s| s.step)
             .and_then(|s| s.world_size)
-            .unwrap_or(1)
     });
+    let world_size = known.unwrap_or(1);
+    // A usage error, not a corrupt slot ("header says acp.world_size 2")
+    // or "nothing to persist".
+    if world_size == 0 {
+        return Err(Error::invalid("--world-size", "must be at least 1"));
+    }
+    let beyond = known.and_then(|w| opts.ranks.iter().flatten().find(|&&r| r >= w));
+    if let Some(r) = beyond {
+        return Err(Error::invalid(
+            "--rank",
+            format!("rank {r} is not below the world size {world_size}"),
+        ));
+    }
     let mut incomplete = Vec::new();
     let work: Vec<(u32, Work)> = match &opts.ranks {
         Some(r) => {

@@ -529,6 +529,22 @@ fn persist_commits_what_a_dead_saver_left() {
     assert_eq!(exit_code(&e), 5, "{e}");
     let _ = engine.close();
     drop(engine);
+    // Bad rank or world size: usage errors (they were "corrupt" and
+    // "nothing to persist").
+    for (ranks, world_size, field) in [
+        (Some(vec![0]), Some(0), "--world-size"),
+        (Some(vec![7]), Some(2), "--rank"),
+        (Some(vec![u32::MAX]), None, "--rank"),
+    ] {
+        let bad = PersistOptions {
+            ranks,
+            world_size,
+            ..opts.clone()
+        };
+        let e = persist(&bad).unwrap_err();
+        assert_eq!(exit_code(&e), 2, "{e}");
+        assert!(e.to_string().contains(field), "{e}");
+    }
     let before = list(&f.root, Some("ops-test"), &f.shm).unwrap();
     assert_eq!(before.resident_only.len(), 1, "{before:?}");
     assert_eq!(before.resident_only[0].step, Some(2));
