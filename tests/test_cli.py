@@ -162,6 +162,20 @@ def test_ls(root: Root) -> None:
     assert re.search(r"300 .* latest", text), text
 
 
+def test_a_failure_with_json_is_reported_in_json_too(root: Root, tmp_path: Path) -> None:
+    """A reader of ``--json`` got nothing on stdout when the command failed
+    (the message went to stderr only)."""
+    for args, code in (
+        (("inspect", root.path, "--step", 999), 3),
+        (("export", root.path, tmp_path / "x.pt", "--to", "torch", "--rank", 9), 3),
+        (("verify", tmp_path / "nope"), 3),
+    ):
+        r = run_json(*args, check_rc=code)
+        assert r["error"]["exit_code"] == code, r
+        assert r["error"]["command"] == args[0], r
+        assert r["error"]["message"], r
+
+
 def test_ls_missing_root_is_not_found(tmp_path: Path) -> None:
     proc = run("ls", tmp_path / "nope", check_rc=3)
     assert "not found" in proc.stderr

@@ -392,6 +392,21 @@ impl Command {
             Command::Bench { .. } => "bench",
         }
     }
+
+    /// Whether the report was asked for as JSON (`--json`).
+    pub fn json(&self) -> bool {
+        match self {
+            Command::Ls { out, .. }
+            | Command::Inspect { out, .. }
+            | Command::Verify { out, .. }
+            | Command::Export { out, .. }
+            | Command::Import { out, .. }
+            | Command::Diff { out, .. }
+            | Command::Gc { out, .. }
+            | Command::Persist { out, .. }
+            | Command::Bench { out, .. } => out.json,
+        }
+    }
 }
 
 #[cfg(test)]

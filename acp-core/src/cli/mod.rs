@@ -182,11 +182,20 @@ where
             return u8::try_from(e.exit_code()).unwrap_or(2);
         }
     };
-    let name = cli.command.name();
+    let (name, json) = (cli.command.name(), cli.command.json());
     let code = match execute(cli.command, front) {
         Ok(code) => code,
         Err(f) => {
             eprintln!("acp {name}: error: {}", f.message);
+            if json {
+                // A reader of the JSON report gets the failure in JSON too.
+                let error = serde_json::json!({"error": {
+                    "command": name,
+                    "message": f.message,
+                    "exit_code": f.exit_code,
+                }});
+                println!("{error:#}");
+            }
             f.exit_code
         }
     };
