@@ -446,13 +446,18 @@ fn retention_keeps_what_a_step_kept_for_its_references_references_in_turn() {
         assert_loads(&e, step, ts);
     }
     e.close().unwrap();
+    let r = gc_keeping_one(&s.root);
+    assert_eq!(r.removed_steps, Vec::<u64>::new());
+    assert!(verify(&s.root, None, true, &Quiet).unwrap().ok);
+}
+
+/// `acp gc --keep 1` of `root`.
+fn gc_keeping_one(root: &Path) -> acp_core::ops::GcReport {
     let opts = GcOptions {
         keep_last: Some(1),
         ..GcOptions::default()
     };
-    let r = gc(&s.root, &opts).unwrap();
-    assert_eq!(r.removed_steps, Vec::<u64>::new());
-    assert!(verify(&s.root, None, true, &Quiet).unwrap().ok);
+    gc(root, &opts).unwrap()
 }
 
 #[test]
@@ -462,11 +467,7 @@ fn gc_keeps_a_referenced_step_and_says_so() {
     save(&e, 1, &tensors(1));
     save(&e, 2, &tensors(2));
     e.close().unwrap();
-    let opts = GcOptions {
-        keep_last: Some(1),
-        ..GcOptions::default()
-    };
-    let r = gc(&s.root, &opts).unwrap();
+    let r = gc_keeping_one(&s.root);
     assert_eq!(r.removed_steps, Vec::<u64>::new());
     assert_eq!(r.referenced_steps, vec![1]);
     assert_eq!(r.kept_steps, vec![1, 2]);
