@@ -454,6 +454,33 @@ def test_callback_saves_every_n_keeps_k_and_resumes(make_ckpt: MakeCkpt) -> None
     assert (r2.step, r2.epoch, r2.step_in_epoch, r2.initial_epoch) == (8, 3, 2, 2)
 
 
+def test_a_mid_epoch_resume_replays_its_epoch_without_saving_the_saved_steps_again(
+    make_ckpt: MakeCkpt,
+) -> None:
+    """README's resume recipe with a checkpoint taken mid-epoch: Model.train
+    resumes at the start of that epoch and replays the steps up to it. The
+    callback saved the replayed step again and the run failed with
+    CheckpointExists; now it goes on, and the saved step stays the one the
+    run resumed from."""
+    ckpt = make_ckpt(persist_every=1)
+    net, opt = fresh(3)
+    cb = am.AcpCheckpoint(ckpt, every_n_steps=3, save_at_end=False)
+    Model(net, nn.MSELoss(), opt).train(2, small_dataset(4), callbacks=[cb])  # steps 1..8
+    assert ckpt.steps() == [3, 6]
+    net2, opt2 = fresh(4)
+    r = am.resume(ckpt, net2, opt2)
+    assert r is not None
+    assert (r.step, r.epoch, r.step_in_epoch, r.initial_epoch) == (6, 2, 2, 1)
+    before = ckpt.load(6)
+    cb2 = am.AcpCheckpoint(ckpt, every_n_steps=3, save_at_end=False)
+    # Epochs 2 and 3 again: steps 5..12, of which 5 and 6 are replayed.
+    Model(net2, nn.MSELoss(), opt2).train(3, small_dataset(4), callbacks=[cb2], initial_epoch=1)
+    assert ckpt.steps() == [3, 6, 9, 12]
+    assert cb2.last_saved == 12
+    after = ckpt.load(6)
+    same_params(before["params"], after["params"])
+
+
 def test_resume_without_checkpoint_and_with_missing_parameters(
     make_ckpt: MakeCkpt,
 ) -> None:

@@ -60,7 +60,9 @@ class Internals:
       engine even once closed (``Checkpointer.engine`` raises then);
     - ``acp.dcp``: the engine, to write DCP's layout through the same ring;
     - ``acp.mindspore``: the codec adapters, a raw engine load (``load``),
-      and the metrics its own loads report to.
+      the metrics its own loads report to, and the step ``resume()``
+      restored (``resumed_step``), whose epoch ``Model.train`` replays from
+      its start: the callback does not save the replayed steps again.
 
     One object instead of private attributes read from other modules: every
     use is typed and found under one name, and the ``Checkpointer``'s own
@@ -74,6 +76,7 @@ class Internals:
         self.adapters = adapters
         self.metrics = metrics
         self.last_staged: SaveHandle | None = None
+        self.resumed_step: int | None = None
         self.main_guards = 0
         self.sigterm: SigtermHandler | None = None
         # The dying checkpoint's cover of dead ranks (acp.cover): the

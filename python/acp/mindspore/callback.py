@@ -15,7 +15,7 @@ from mindspore.train import Callback
 
 from acp._acp import AcpError, ConfigError
 from acp._mindspore_codec import type_name
-from acp.checkpointer import Checkpointer, SaveHandle
+from acp.checkpointer import Checkpointer, SaveHandle, internals
 from acp.guard import ChainedSigterm
 from acp.mindspore.params import state_dict
 
@@ -151,6 +151,20 @@ class AcpCheckpoint(Callback):  # type: ignore[misc]
         return (int(cb.cur_epoch_num) - 1) * batch + (int(cb.cur_step_num) - 1) % batch + 1
 
     def _save(self, cb: Any) -> None:
+        inner = internals(self.ckpt)
+        resumed = inner.resumed_step
+        if resumed is not None and self._step <= resumed:
+            # Model.train resumed a mid-epoch step at the start of its epoch
+            # (``initial_epoch``) and replays the steps up to it: they are
+            # saved already (step `resumed` is what this run restored), and
+            # saving one again failed the run with CheckpointExists.
+            log.info(
+                "acp: step %d replayed after the resume of step %d: not saved again",
+                self._step,
+                resumed,
+            )
+            return
+        inner.resumed_step = None
         network = self.network if self.network is not None else cb.train_network
         batch = int(cb.batch_num)
         values: dict[str, Any] = {

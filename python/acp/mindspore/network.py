@@ -350,6 +350,7 @@ def resume(
             f"{' ...' if len(report.param_not_load) > 10 else ''}; they were not restored "
             "(pass allow_missing=True to go on)"
         )
+    internals(ckpt).resumed_step = report.step
     values = report.values
     epoch = _int_or_none(values.get("epoch"))
     in_epoch = _int_or_none(values.get("step_in_epoch"))
