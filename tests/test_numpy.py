@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import acp
 from acp import _codec
@@ -105,3 +106,11 @@ def test_into_numpy_arrays_sharing_memory(ckpt: acp.Checkpointer) -> None:
     tied = np.zeros(4)
     ckpt.load(1, into={"a": base[:4], "b": np.zeros(4), "t1": tied, "t2": tied})
     np.testing.assert_array_equal(tied, w)
+    # A NumPy array and a torch tensor over the same memory: each framework
+    # checks its own targets, the engine both, and names them (it said
+    # "tensors 0 and 1").
+    ckpt.save(2, {"a": np.zeros(4), "t": torch.ones(4)}).wait()
+    buf = np.full(6, -1.0)  # float64: `a` takes bytes 0..32, `t` bytes 24..40
+    with pytest.raises(acp.InvalidInput, match=r"tensors `(a` and `t|t` and `a)` overlaps"):
+        ckpt.load(2, into={"a": buf[:4], "t": torch.from_numpy(buf.view(np.float32)[6:10])})
+    np.testing.assert_array_equal(buf, np.full(6, -1.0))

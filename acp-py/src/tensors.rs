@@ -119,7 +119,16 @@ pub(crate) fn host_slices_mut<'a>(
     read: &[(usize, usize, usize)],
     name_of: &dyn Fn(usize) -> String,
 ) -> Result<Vec<(usize, &'a mut [u8])>, Error> {
-    require_disjoint(what, &spans(ranges), read)?;
+    check_disjoint(&spans(ranges), read).map_err(|(a, b)| {
+        Error::invalid(
+            what,
+            format!(
+                "the memory of tensors `{}` and `{}` overlaps",
+                name_of(a),
+                name_of(b)
+            ),
+        )
+    })?;
     if let Some(i) = read_only_among(&spans(ranges)) {
         return Err(Error::invalid(
             format!("{what}: tensor `{}`", name_of(i)),
