@@ -1396,26 +1396,26 @@ def _step(step: object) -> int:
     return _unsigned("step", step, 64)
 
 
-def _unsigned(name: str, value: object, bits: int) -> int:
-    """``value`` as an integer from 0 to ``2**bits - 1``, else
-    ``InvalidInput`` naming ``name`` (the engine's conversion raised a bare
+def _unsigned(name: str, value: object, bits: int, error: type[AcpError] = InvalidInput) -> int:
+    """``value`` as an integer from 0 to ``2**bits - 1``, else ``error``
+    naming ``name`` (the engine's conversion raised a bare
     ``OverflowError``)."""
     try:
         got = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise InvalidInput(f"{name}: {value!r} is not an integer") from None
+        raise error(f"{name}: {value!r} is not an integer") from None
     if not 0 <= got < 2**bits:
-        raise InvalidInput(f"{name}: {got} is not between 0 and 2**{bits} - 1")
+        raise error(f"{name}: {got} is not between 0 and 2**{bits} - 1")
     return got
 
 
 def _unsigned_config(*fields: tuple[str, int | None, int]) -> None:
-    """Refuses each ``(name, value, bits)`` whose value is not an integer
-    from 0 to ``2**bits - 1`` (the engine's conversion raised a bare
-    ``OverflowError``) with ``ConfigError`` naming it; None is a default."""
+    """:func:`_unsigned` of each integer ``(name, value, bits)`` as
+    ``ConfigError`` naming the field; None is a default, and a value of
+    another type is left to the engine's conversion."""
     for name, value, bits in fields:
-        if value is not None and not 0 <= value < 2**bits:
-            raise ConfigError(f"`{name}`: {value} is not between 0 and 2**{bits} - 1")
+        if isinstance(value, int):
+            _unsigned(f"`{name}`", value, bits, ConfigError)
 
 
 def _host_plan(tensors: list[FlatTensor]) -> list[tuple[int, int, int]] | None:
