@@ -124,10 +124,10 @@ def test_a_peer_image_received_for_a_replaced_node_is_verified_before_use(
 
 def test_a_peer_image_claim_is_checked_before_memory_is_sized(tmp_path: Path) -> None:
     """The header a peer sends (rank, length, chunk size) is a claim: memory
-    for a restore is sized by it only once it describes an image of this
-    rank that a slot of its ring could have held (a stale or buggy peer's
-    64 MiB claim for a 16 MiB ring, another rank's image, another chunk
-    size are refused, naming the replica)."""
+    for a restore is sized by it only once it describes an image of a rank
+    of the job that a slot of its ring could have held (a stale or buggy
+    peer's 64 MiB claim for a 16 MiB ring, the image of a rank outside the
+    job, another chunk size are refused, naming the replica)."""
     ckpt, image, _ = saved(tmp_path)
     r, s, n, chunk, _ = image.meta()
     e = ckpt._engine

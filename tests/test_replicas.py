@@ -101,6 +101,45 @@ def lose_node_b(shm: list[Path]) -> None:
     shm[1].mkdir()
 
 
+@pytest.mark.parametrize("node_lost", [False, True])
+def test_a_data_parallel_ram_snapshot_resumes_after_a_crash_and_a_node_loss(
+    tmp_path: Path, node_lost: bool
+) -> None:
+    """A ``replicated=True`` state whose newest step is a RAM snapshot
+    (never committed, so no index says which rank wrote which tensor):
+    after every process crashed, and after node B is lost as well, every
+    rank resumes from that step bit-exact; the tensors other ranks wrote
+    come from their slots or replica slots on its node, or from a peer."""
+    root, out, shm = job_dirs(tmp_path)
+    run(root, out, shm, "train-dp")
+    assert not (root / "step-000000000003").exists()
+    if node_lost:
+        lose_node_b(shm)
+    run(root, out, shm, "resume-dp")
+    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
+    for r in range(4):
+        assert got[r]["step"] == 3, got
+        assert got[r]["exact"], got
+        assert got[r]["rejected"] is None, got
+    if node_lost:
+        # Step 3 is not committed: A's ranks read every file from RAM on
+        # their node (the slots of the ranks beside them, B's images in
+        # replica slots); B's ranks take every file from A's ranks.
+        for r in range(4):
+            where = "ram" if r < 2 else "peer"
+            assert got[r]["source"] == where, got
+            assert got[r]["ranks"] == {str(k): where for k in range(4)}, got
+    else:
+        # Every rank held step 3 after the crash: the collective open
+        # committed it, and the files of the other node's ranks come from
+        # storage, those beside a rank from their slots.
+        assert (root / "step-000000000003").exists()
+        for r in range(4):
+            node = range(2) if r < 2 else range(2, 4)
+            want = {str(k): "ram" if k in node else "storage" for k in range(4)}
+            assert got[r]["ranks"] == want, got
+
+
 def test_a_replica_that_fails_verification_is_skipped_for_storage(tmp_path: Path) -> None:
     root, out, shm = job_dirs(tmp_path)
     run(root, out, shm, "train")

@@ -464,8 +464,10 @@ impl Engine {
     /// Memory for rank `rank`'s image of `step` (`nbytes`) fetched from
     /// rank `peer`: receive into its `buffer()`, then `finish(digests)`
     /// keeps it for the next load, which verifies it and reports it as
-    /// from a peer. The claim is checked first (this rank's image, the
-    /// engine's chunk size, no longer than a slot of its ring).
+    /// from a peer: this rank's image, or another rank's whose file holds
+    /// tensors of a `replicated` state this rank did not write. The claim
+    /// is checked first (a rank of the job, the engine's chunk size, no
+    /// longer than a slot of its ring).
     fn begin_peer_image(
         &self,
         py: Python<'_>,

@@ -1009,7 +1009,7 @@ class Checkpointer:
         if self._replicas is not None and step is None and rank is None:
             # Collective: the newest step every rank has somewhere, replicas
             # sent to the ranks that need them.
-            step = self._replicas.restore()
+            step = self._replicas.restore(self.replica_group)
             if step is None:
                 raise CheckpointNotFound(f"no step restorable on every rank of {self.root}")
             agree = False
@@ -1071,7 +1071,12 @@ class Checkpointer:
         from_ram = getattr(own, "source", None) == "ram"
         # Replicated tensors other ranks wrote are in their files.
         loaded = with_other_ranks(
-            self._engine, own, self.rank if rank is None else rank, storage_only, defer_other
+            self._engine,
+            own,
+            self.rank if rank is None else rank,
+            storage_only,
+            defer_other,
+            group=self.replica_group,
         )
         ranks = loaded.sources() if isinstance(loaded, Sources) else None
         if ranks:  # other ranks' files, loaded by with_other_ranks

@@ -273,14 +273,22 @@ class Sources:
 
 
 def with_other_ranks(
-    engine: Any, loaded: Any, rank: int, storage_only: bool, defer: bool = False
+    engine: Any,
+    loaded: Any,
+    rank: int,
+    storage_only: bool,
+    defer: bool = False,
+    *,
+    group: Sequence[int] = (),
 ) -> Any:
     """``loaded`` (``rank``'s file) itself when its tree refers only to its
     own tensors; else a :class:`Sources` that adds the files holding the
     others (replicated tensors other ranks wrote), per the step's index.
     With ``defer`` (a load ``into=``), another rank's tensors resident in
     its slot on this node are read by the first ``copy_into``, each chunk
-    checked on its way into the caller's tensors."""
+    checked on its way into the caller's tensors. A step not committed
+    (restored from RAM: no index) takes the files of the other ranks of
+    ``group`` from RAM, whole, until every tensor is found."""
     # The tree's names are kept from the last load of the same values: a
     # restore of the same structure again walks it once.
     missing = ref_names_cached(loaded.values_json, loaded.step).difference(
@@ -288,7 +296,12 @@ def with_other_ranks(
     )
     if not missing:
         return loaded
-    index = json.loads(engine.index_json(loaded.step))
+    try:
+        index = json.loads(engine.index_json(loaded.step))
+    except CheckpointNotFound:
+        if storage_only:
+            raise
+        return _with_uncommitted(engine, loaded, rank, set(missing), group)
     weight_map: dict[str, str] = index.get("weight_map", {})
     files: dict[str, Any] = index.get("metadata", {}).get("acp", {}).get("files", {})
     wanted: dict[int, list[str]] = {}
@@ -305,6 +318,35 @@ def with_other_ranks(
         )
         parts.append((r, other))
     return Sources(parts)
+
+
+def _with_uncommitted(
+    engine: Any, loaded: Any, rank: int, missing: set[str], group: Sequence[int]
+) -> Any:
+    """``loaded`` and the files of the other ranks of ``group`` holding the
+    tensors in ``missing``, for a step that is not committed: each rank's
+    whole image from RAM (its slot on this node, a replica slot here, or
+    one a restore fetched from a peer), verified against the sums or
+    digests recorded with it. Which rank wrote which tensor is in no index
+    yet: each file is read in turn, in rank order, until none is missing;
+    what is still missing then is named by the state codec."""
+    parts: list[tuple[int, Any]] = [(rank, loaded)]
+    for r in sorted(set(group) - {rank}):
+        if not missing:
+            break
+        try:
+            other = engine.load(step=loaded.step, rank=r)
+        except CheckpointNotFound as e:
+            raise CheckpointNotFound(
+                f"step {loaded.step} is not committed and rank {r}'s file of it, which holds "
+                f"tensors rank {rank}'s state refers to (e.g. `{min(missing)}`), is not in "
+                f"RAM on this node nor fetched from a peer: {e}"
+            ) from None
+        held = missing.intersection(map(_FIRST, other.entries()))
+        if held:
+            parts.append((r, other))
+            missing -= held
+    return Sources(parts) if len(parts) > 1 else loaded
 
 
 # --------------------------------------------------------------------------- coordination

@@ -50,6 +50,7 @@ import queue
 import socket
 import threading
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from . import _acp
+from ._plan import ref_names_cached
 
 __all__ = ["DEFAULT_TIMEOUT", "TorchReplicas", "node_id", "placement"]
 
@@ -462,12 +464,17 @@ class TorchReplicas:
 
     # --- restore
 
-    def restore(self) -> int | None:
+    def restore(self, group: Sequence[int] | None = None) -> int | None:
         """Collective: agrees on the newest step every rank can restore
         (from its own RAM, storage, or a replica), has each replica a rank
         needs sent to it (offered to its engine, verified by the load), and
         returns the step; None when there is none. Call ``load(step)`` on
-        every rank next."""
+        every rank next.
+
+        A step that is not committed has no index to find the tensors of a
+        ``replicated`` state that other ranks wrote: each rank of this
+        rank's replica ``group`` (default: every rank) whose image of the
+        step is not readable on this node is then sent to it as well."""
         assert self._engine is not None
         self.close()  # no exchange may interleave with the restore's messages
         e = self._engine
@@ -497,31 +504,108 @@ class TorchReplicas:
         if step is None:
             self.attach(e)
             return None
+        # (holder, to, rank): ``holder`` sends ``rank``'s image to ``to``.
         transfers = [
-            (held[(r, step)][0], r)
+            (held[(r, step)][0], r, r)
             for r in range(self.world_size)
             if step not in all_inv[r]["local"] and (r, step) in held
         ]
+        if step not in committed:
+            transfers += self._shares(step, group, all_inv, held)
         works: list[Any] = []
-        for h, r in transfers:
-            if self.rank == h:
-                held_image = e.pin_replica(r, step)
-                works += self._isend(r, held_image, r, step)
-                if held_image is not None:
-                    # As held: sums, and digests when they came.
-                    n = _chunks(held_image)
-                    got = e.digests_to_send(held_image)
-                    works += self._isend_sums(r, e.resident_sums(held_image), n)
-                    works += self._isend_digests(r, None if got is None else got[0], n)
-        incoming = []
-        for h, r in transfers:
-            if self.rank == r:
-                # Received into the buffer the load verifies and reads.
-                incoming.append(self._irecv(h, functools.partial(e.begin_peer_image, h), r, step))
-        for inc in incoming:
-            if inc is not None:
-                self._finish_whole(inc)
+        for h, to, r in transfers:
+            if self.rank != h:
+                continue
+            image = self._own_image(step) if r == h else e.pin_replica(r, step)
+            works += self._isend(to, image, r, step)
+            if image is not None:
+                # As held: sums, and digests when they came (a rank's own
+                # image of a step not committed: its sums alone).
+                n = _chunks(image)
+                got = None if r == h else e.digests_to_send(image, 0.0)
+                works += self._isend_sums(to, e.resident_sums(image), n)
+                works += self._isend_digests(to, None if got is None else got[0], n)
+        for h, to, r in transfers:
+            if self.rank == to:
+                # Received into the buffer the load verifies and reads, one
+                # image at a time: two from the same holder arrive in order.
+                inc = self._irecv(h, functools.partial(e.begin_peer_image, h), r, step)
+                if inc is not None:
+                    self._finish_whole(inc)
         # This rank's sends complete on the replica thread (which waits for
         # them before any exchange), so its own load overlaps them.
         self.attach(e, sends=works)
         return step
+
+    def _own_image(self, step: int) -> _acp.ReplicaImage | None:
+        """This rank's resident image of ``step``, pinned; None when it is
+        gone (sent as "nothing": the load then names what is missing)."""
+        assert self._engine is not None
+        try:
+            image: _acp.ReplicaImage = self._engine.pin_resident(step)
+        except _acp.CheckpointNotFound:
+            return None
+        return image
+
+    def _refers_elsewhere(self, step: int) -> bool | None:
+        """Whether this rank's resident image of ``step`` refers to tensors
+        it does not hold (other ranks wrote them: a ``replicated`` save);
+        None when this rank has no such image to tell by."""
+        assert self._engine is not None
+        try:
+            loaded = self._engine.load(step=step, defer=True)
+        except _acp.AcpError:
+            return None
+        names = {name for name, *_ in loaded.entries()}
+        return bool(ref_names_cached(loaded.values_json, step) - names)
+
+    def _shares(
+        self,
+        step: int,
+        group: Sequence[int] | None,
+        all_inv: list[dict[str, list[int]]],
+        held: dict[tuple[int, int], list[int]],
+    ) -> list[tuple[int, int, int]]:
+        """Collective, for ``step``, which is not committed: the transfers
+        ``(holder, to, rank)`` that bring each rank the images of the ranks
+        of its replica group whose files hold tensors it refers to, when
+        they are not readable on its node (the rank's own slot there, or a
+        replica slot there). Each rank says whether its own resident image
+        refers to tensors it does not hold, and names its group; a rank
+        without an image (on a replaced node) follows its group."""
+        mine = {
+            "refers": self._refers_elsewhere(step) if step in all_inv[self.rank]["local"] else None,
+            "group": sorted(set(group)) if group is not None else list(range(self.world_size)),
+        }
+        said = all_gather_json(mine, self.group)
+        groups: list[list[int]] = []
+        refers: list[bool | None] = []
+        for i in said:
+            g = _ints(i.get("group") if isinstance(i, dict) else None, "group")
+            if any(not 0 <= r < self.world_size for r in g):
+                raise RuntimeError(f"a replica group names ranks outside the job: {g}")
+            groups.append(g)
+            v = i.get("refers") if isinstance(i, dict) else None
+            refers.append(v if isinstance(v, bool) else None)
+
+        def readable(to: int, r: int) -> bool:
+            node = self.nodes[to]
+            if self.nodes[r] == node and step in all_inv[r]["local"]:
+                return True
+            return any(self.nodes[h] == node for h in held.get((r, step), []))
+
+        out: list[tuple[int, int, int]] = []
+        for to in range(self.world_size):
+            needs = refers[to]
+            if needs is None:
+                needs = any(refers[m] for m in groups[to])
+            if not needs:
+                continue
+            for r in groups[to]:
+                if r == to or readable(to, r):
+                    continue
+                if step in all_inv[r]["local"]:
+                    out.append((r, to, r))
+                elif (r, step) in held:
+                    out.append((held[(r, step)][0], to, r))
+        return out

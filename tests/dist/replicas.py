@@ -22,6 +22,12 @@ node's id and directory.
   the state is bit-exact, why a copy was rejected and the ``acp`` logger's
   warnings to OUT/resume-RANK.json, then saves the next two steps as a
   resumed trainer would, each replicated.
+- ``train-dp`` / ``resume-dp``: the same with a data-parallel state, one
+  state on every rank saved ``replicated=True`` (each rank's file holds
+  about a quarter of its tensors): steps 1 and 2 persisted, then step 3 a
+  RAM snapshot (``persist=False``), replicated, and every process ends
+  without closing (a crash). ``resume-dp`` loads, checks every tensor
+  against step 3's and saves two more steps the same way.
 """
 
 from __future__ import annotations
@@ -86,6 +92,50 @@ def train(ckpt: acp.Checkpointer, rank: int) -> None:
     assert len(digests[1]) > 0 and len(digests[1]) % 32 == 0, digests
 
 
+def dp_state(step: int) -> dict[str, object]:
+    """A data-parallel state: the same on every rank."""
+    g = torch.Generator().manual_seed(7000 + step)
+    w = {f"layer{i}": torch.randn(16 * (i + 1), 256, generator=g) for i in range(8)}
+    return {"model": w, "step": step}
+
+
+def dp_equal(got: Any, want: Any) -> bool:
+    return got["step"] == want["step"] and all(
+        torch.equal(got["model"][k], v) for k, v in want["model"].items()
+    )
+
+
+def train_dp(ckpt: acp.Checkpointer, rank: int) -> None:
+    for step in (1, 2):
+        h = ckpt.save(step, dp_state(step), replicated=True)
+        h.wait()
+        assert h.wait_replicated(120) == [(rank + 2) % 4]
+    h = ckpt.save(3, dp_state(3), replicated=True, persist=False)
+    assert h.wait_replicated(120) == [(rank + 2) % 4]
+    # This rank's file holds its share of the tensors only.
+    assert len(ckpt._engine.load(step=3).entries()) < 8
+    os._exit(0)  # a crash: nothing closed, the RAM snapshot stays
+
+
+def resume_dp(ckpt: acp.Checkpointer, rank: int, out: str, warned: Warnings) -> None:
+    got = ckpt.load()
+    stats = ckpt.last_load
+    assert stats is not None
+    result = {
+        "step": got["step"],
+        "source": stats.source,
+        "exact": dp_equal(got, dp_state(int(got["step"]))),
+        "ranks": {str(r): v for r, v in (stats.ranks or {}).items()},
+        "rejected": stats.rejected,
+        "warnings": warned.lines,
+    }
+    Path(out, f"resume-{rank}.json").write_text(json.dumps(result))
+    for nxt in (int(got["step"]) + 1, int(got["step"]) + 2):
+        h = ckpt.save(nxt, dp_state(nxt), replicated=True)
+        h.wait()
+        h.wait_replicated(120)
+
+
 def outcome(h: acp.SaveHandle) -> Any:
     """The holders of ``h``'s step, or the error of its replication."""
     try:
@@ -110,6 +160,10 @@ def main(rank: int, root: str, out: str, shms: list[str], port: int, phase: str)
     )
     if phase == "train":
         train(ckpt, rank)
+    elif phase == "train-dp":
+        train_dp(ckpt, rank)
+    elif phase == "resume-dp":
+        resume_dp(ckpt, rank, out, warned)
     elif phase == "inflight":
         train(ckpt, rank)
         if node == 1:

@@ -1599,16 +1599,18 @@ fn snapshot_expected(shared: &Shared, header: &ParsedHeader, rank: u32) -> Expec
 }
 
 /// Loads `rank`'s image of `step`, which is not committed, from RAM: this
-/// rank's own slot, another slot on this node, then a peer's replica,
-/// each verified against the digests recorded with it. The tensors and
-/// rank the verified header lists are what it is checked against.
+/// rank's own slot (or, for another rank's, that rank's slot on this
+/// node), a replica slot on this node, then a peer's replica, each
+/// verified against the digests or quick sums recorded with it. The
+/// tensors and rank the verified header lists are what it is checked
+/// against.
 fn load_uncommitted(shared: &Shared, step: u64, rank: u32, t0: Instant) -> Result<Checkpoint> {
     let own = shared.cfg.rank;
     let mut rejected = None;
     let found = (if rank == own {
         replicate::own_uncommitted(shared, step, &mut rejected)
     } else {
-        None
+        replicate::node_slot(shared, step, rank, &mut rejected)
     })
     .or_else(|| replicate::node_replica(shared, step, rank, None, &mut rejected))
     .or_else(|| replicate::from_peers(shared, step, rank, None, &mut rejected));

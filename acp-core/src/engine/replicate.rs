@@ -17,7 +17,7 @@ use crate::format::{unhex, Digest, FileEntry};
 use crate::read::{sums_match, ChunkReader, MemSource};
 use crate::replica::{ImageBuf, ReplicaHandle, ReplicaMeta, ReplicaWriter};
 use crate::staging::{
-    peek_file, replica_files, PeerImage, PeerSlot, PinnedSlot, Ring, SlotFile, SlotInfo,
+    peek_file, replica_files, slot_files, PeerImage, PeerSlot, PinnedSlot, Ring, SlotFile, SlotInfo,
 };
 
 /// The longest a flush pauses for its own step's replica exchange
@@ -500,12 +500,14 @@ impl Engine {
         self.persist_resident(step)
     }
 
-    /// Private memory for this rank's image described by `meta` (the
+    /// Private memory for an image of this job described by `meta` (the
     /// rank, step, length and chunk size a peer's message claims; digests
     /// come after the bytes), which a transport fetches from a peer for a
-    /// restore and hands to the next load: sized only once the claim
-    /// describes an image a slot of this rank's ring could have held (this
-    /// rank's, in this engine's digest chunks, no longer than
+    /// restore and hands to the next load: this rank's own image, or
+    /// another rank's whose file holds tensors of a `replicated` state this
+    /// rank did not write. Sized only once the claim describes an image a
+    /// slot of this rank's ring could have held (a rank of the job, this
+    /// engine's digest chunks, no longer than
     /// [`Ring::max_image_bytes`](crate::staging::Ring::max_image_bytes)).
     ///
     /// # Errors
@@ -515,10 +517,13 @@ impl Engine {
         let shared = self.shared();
         let chunk = shared.cfg.chunk_bytes as u64;
         let max = shared.ring.max_image_bytes();
-        if meta.rank != shared.cfg.rank {
+        if meta.rank >= shared.cfg.world_size {
             return Err(Error::invalid(
                 meta.what(),
-                format!("offered to rank {} for its restore", shared.cfg.rank),
+                format!(
+                    "offered to rank {} of a job of {} ranks",
+                    shared.cfg.rank, shared.cfg.world_size
+                ),
             ));
         }
         if meta.chunk_bytes != chunk {
@@ -869,6 +874,29 @@ pub(super) fn node_replica(
     files
         .iter()
         .find_map(|f| copy_node_replica(shared, f, job_tag, step, committed, rejected))
+}
+
+/// Another rank's image of `step`, which is not committed, from that
+/// rank's own ring slot on this node: what a rank of a `replicated` state
+/// needs of the ranks beside it, whose files hold the tensors it did not
+/// write. Read as a replica slot on this node is (never mapped: its owner
+/// may reuse it), and checked against the digests or the quick sums the
+/// slot recorded with the image; a slot with neither is not used.
+pub(super) fn node_slot(
+    shared: &Shared,
+    step: u64,
+    rank: u32,
+    rejected: &mut Option<String>,
+) -> Option<Found> {
+    let job = super::open::job_id(&shared.cfg, &*shared.root);
+    let files = slot_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
+        tracing::debug!("acp: rank {rank}'s slots: {e}");
+        Vec::new()
+    });
+    let (_, job_tag) = super::open::job_names(&shared.cfg, &*shared.root, rank);
+    files
+        .iter()
+        .find_map(|f| copy_node_replica(shared, f, job_tag, step, None, rejected))
 }
 
 fn copy_node_replica(
