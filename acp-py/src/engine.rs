@@ -821,6 +821,25 @@ impl Engine {
         Ok(d)
     }
 
+    /// Queues the persist of this rank's resident image of `step` when it
+    /// is newer than every committed step and not being persisted,
+    /// whatever the policy chose at its save; returns its handle, or None
+    /// when there is nothing to persist.
+    fn persist_step(&self, py: Python<'_>, step: u64) -> PyResult<Option<SaveHandle>> {
+        let engine = self.get()?;
+        py.detach(|| engine.persist_step(step))
+            .map(|h| h.map(SaveHandle::new))
+            .map_err(err)
+    }
+
+    /// Makes every commit of step `first` or a newer one fail at its next
+    /// look instead of waiting out `commit_timeout` (the dying checkpoint:
+    /// no such step has every rank's file).
+    fn give_up_commits_from(&self, first: u64) -> PyResult<()> {
+        self.get()?.give_up_commits_from(first);
+        Ok(())
+    }
+
     /// Queues the flush and commit of the unflushed resident image of
     /// `step` a previous process of this rank left; returns its handle.
     fn persist_resident(&self, py: Python<'_>, step: u64) -> PyResult<SaveHandle> {

@@ -1,5 +1,19 @@
 """A dying checkpoint that dead ranks cannot block: the survivors of a
-replica group write the dead ranks' shares of the newest staged step.
+replica group write the dead ranks' shares of the newest staged step. And
+one whose ranks staged different steps (SIGTERM reached them a save
+apart) commits the newest step they all hold.
+
+**Which step.** After SIGTERM, each rank of a job with a store posts the
+steps it holds resident (:func:`roll_call_held`) and waits for the
+others' answers, at most :data:`ROLL_CALL` seconds. When every rank
+answered, each persists the newest step they all hold that is newer than
+every committed one (:func:`newest_held_by_all`), not its own newest: a
+rank a save ahead of another would otherwise persist a step the other
+never staged, and rank 0 would wait ``commit_timeout`` for a file that
+never comes. Commits of newer steps (a rank's own persists queued by the
+policy) are given up at once (``Engine.give_up_commits_from``). When a
+rank did not answer, it is taken as dead, and each rank persists its own
+newest staged step, covering dead ranks as below.
 
 With ``save(step, state, replicated=True)`` every rank of a replica group
 holds the same tensors and writes a share of them (``acp.distributed``).
@@ -41,6 +55,7 @@ uncovered.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -56,7 +71,15 @@ if TYPE_CHECKING:
     from acp._codec import Adapters, Flat
     from acp.distributed import Coordinator
 
-__all__ = ["ROLL_CALL", "Saved", "Setup", "cover_dead_ranks", "record"]
+__all__ = [
+    "ROLL_CALL",
+    "Saved",
+    "Setup",
+    "cover_dead_ranks",
+    "newest_held_by_all",
+    "record",
+    "roll_call_held",
+]
 
 log = logging.getLogger("acp")
 
@@ -149,6 +172,41 @@ def roll_call(
         time.sleep(_POLL)
 
 
+def roll_call_held(coord: Coordinator, held: list[int], wait: float) -> dict[int, list[int]]:
+    """Posts the steps this rank holds resident (``held``) for the dying
+    checkpoint; returns every rank's answer that arrived within ``wait``
+    seconds, by rank (a rank missing from it is taken as dead). An answer
+    that is not a list of steps counts as none. Raises what the store
+    raises (its host gone)."""
+    store = coord.store
+    keys = [coord.key(f"dying/held/{r}") for r in range(coord.world_size)]
+    store.set(keys[coord.rank], json.dumps(sorted(held)))
+    deadline = time.monotonic() + wait
+    while True:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL)
+    answers: dict[int, list[int]] = {}
+    for r, k in enumerate(keys):
+        if r in missing:
+            continue
+        try:
+            got = json.loads(store.get(k))
+        except ValueError:
+            got = None
+        ok = isinstance(got, list) and all(type(s) is int and s >= 0 for s in got)
+        answers[r] = got if ok else []
+    return answers
+
+
+def newest_held_by_all(answers: dict[int, list[int]]) -> int | None:
+    """The newest step that every rank's answer holds, or None. (Every rank
+    holds a step being committed: each flush keeps its slot until then.)"""
+    common = set.intersection(*(set(a) for a in answers.values())) if answers else set()
+    return max(common, default=None)
+
+
 def cover_dead_ranks(
     setup: Setup,
     coord: Coordinator,
@@ -157,17 +215,20 @@ def cover_dead_ranks(
     *,
     timeout: float | None,
     committed: Callable[[], bool],
+    dead: list[int] | None = None,
 ) -> tuple[list[int], list[int], str | None]:
     """The dying checkpoint's part for dead ranks (module docs): returns
     the dead ranks, those this rank wrote the share of, and an error naming
     the dead ranks of this rank's group that it could not cover (None when
-    none, or when the step got ``committed()`` meanwhile). Never raises an
-    ``AcpError`` or an ``OSError``."""
-    try:
-        wait = ROLL_CALL if timeout is None else min(ROLL_CALL, timeout)
-        dead = roll_call(coord, saved.step, wait, committed)
-    except Exception as e:  # the store is gone with its host
-        return [], [], f"step {saved.step}: the roll call of the dying checkpoint failed: {e}"
+    none, or when the step got ``committed()`` meanwhile). ``dead``: the
+    ranks that did not answer a roll call already taken (none is taken
+    again). Never raises an ``AcpError`` or an ``OSError``."""
+    if dead is None:
+        try:
+            wait = ROLL_CALL if timeout is None else min(ROLL_CALL, timeout)
+            dead = roll_call(coord, saved.step, wait, committed)
+        except Exception as e:  # the store is gone with its host
+            return [], [], f"step {saved.step}: the roll call of the dying checkpoint failed: {e}"
     if not dead:
         return [], [], None
     group = setup.group

@@ -33,7 +33,10 @@ escaping ``guard()``:
 status                meaning
 ====================  ====================================================
 143 (128 + SIGTERM)   SIGTERM; every completely staged checkpoint is
-                      committed (``EXIT_TERMINATED``)
+                      committed (``EXIT_TERMINATED``); with several ranks
+                      and a store, the newest step every rank holds (a
+                      rank a save ahead of another gives up its newest:
+                      ``acp.cover``)
 1                     an exception escaped ``guard()``; every completely
                       staged checkpoint is committed; the exception is
                       re-raised unchanged, so Python prints it and exits 1
@@ -119,7 +122,9 @@ class DyingReport:
     committed_step: int | None
     """The newest committed step once the flushes drained."""
     ok: bool
-    """Every completely staged checkpoint is committed."""
+    """Every completely staged checkpoint is committed (with several ranks
+    after SIGTERM: the newest step every rank holds, which may be older
+    than ``staged_step``)."""
     error: str | None
     """Why not, naming the path and cause (or what the watchdog found stuck)."""
     secs: float
@@ -170,27 +175,7 @@ def dying_checkpoint(
         elif last is not None:
             error = f"step {staged}: engine closed before the flush finished"
     else:
-        newest = None
-        try:
-            # A restored step being read again into RAM (keep_restored)
-            # would hold the flush thread for seconds; it is on storage.
-            engine.stop_keeping_restored()
-            # The newest snapshot is committed whatever the persist policy
-            # chose for it at its save (a RAM-only step is queued now).
-            newest = engine.persist_newest()
-        except AcpError as e:
-            error = str(e)
-        if cause == "signal" and last is not None:
-            # The job is being stopped: dead ranks' shares of the staged
-            # step are written by their groups' survivors (acp.cover).
-            dead, covered, error_cover = _cover(ckpt, last.step, timeout)
-            error = error or error_cover
-        try:
-            engine.wait_idle(timeout)
-        except AcpError as e:
-            error = error or str(e)
-        if error is None:
-            error = _outcome(last, newest)
+        error, dead, covered = _drain(ckpt, engine, last, cause, timeout)
         try:
             committed = engine.latest()
         except AcpError as e:
@@ -225,6 +210,113 @@ def dying_checkpoint(
     return report
 
 
+def _drain(
+    ckpt: Checkpointer,
+    engine: _acp.Engine,
+    last: SaveHandle | None,
+    cause: str,
+    timeout: float | None,
+) -> tuple[str | None, list[int], list[int]]:
+    """The dying checkpoint's work on an open engine: persists what is
+    to be committed and waits for the flushes; returns the error (None
+    when every completely staged step that can be committed is), the
+    dead ranks and those whose share this rank wrote."""
+    newest = None
+    error: str | None = None
+    dead: list[int] = []
+    covered: list[int] = []
+    # The job is being stopped: every rank is in its dying checkpoint,
+    # and they agree on the step to commit (acp.cover).
+    agreed = _agree(ckpt, timeout) if cause == "signal" else None
+    everyone = agreed is not None and not agreed.missing
+    try:
+        # A restored step being read again into RAM (keep_restored)
+        # would hold the flush thread for seconds; it is on storage.
+        engine.stop_keeping_restored()
+        if agreed is not None and everyone:
+            newest = _persist_agreed(engine, agreed)
+        else:
+            # The newest snapshot is committed whatever the persist policy
+            # chose for it at its save (a RAM-only step is queued now).
+            newest = engine.persist_newest()
+    except AcpError as e:
+        error = str(e)
+    if cause == "signal" and last is not None and not everyone:
+        # Dead ranks' shares of the staged step are written by their
+        # groups' survivors (acp.cover).
+        dead, covered, error_cover = _cover(
+            ckpt, last.step, timeout, None if agreed is None else agreed.missing
+        )
+        error = error or error_cover
+    try:
+        engine.wait_idle(timeout)
+    except AcpError as e:
+        error = error or str(e)
+    if error is not None:
+        return error, dead, covered
+    if agreed is None or not everyone:
+        return _outcome(last, newest), dead, covered
+    # Newer steps' commits were given up: only the agreed one's outcome
+    # counts (this rank's save of it, or its persist now).
+    same = last is not None and last.step == agreed.step
+    if last is not None and agreed.step != last.step:
+        _say(logging.WARNING, agreed.note(ckpt.rank, last.step))
+    return _outcome(newest, last if same else None), dead, covered
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """The ranks' answers to the dying checkpoint's roll call of held steps."""
+
+    answers: dict[int, list[int]]
+    missing: list[int]
+    """Ranks that did not answer: taken as dead."""
+    step: int | None
+    """The newest step every rank holds (when none is missing)."""
+
+    def note(self, rank: int, staged: int) -> str:
+        newest = {r: max(a, default=None) for r, a in sorted(self.answers.items())}
+        held = "no step" if self.step is None else f"step {self.step}"
+        return (
+            f"acp: dying checkpoint: rank {rank}'s newest staged step {staged} is not held by "
+            f"every rank (each rank's newest: {newest}); {held} is the newest they all hold"
+        )
+
+
+def _agree(ckpt: Checkpointer, timeout: float | None) -> _Agreed | None:
+    """Every rank's resident steps, by a roll call through the job's store
+    (``acp.cover``); None with one rank, without a store, or when the
+    store is gone (each rank then persists its own newest step)."""
+    inner = checkpointer.internals(ckpt)
+    coord = inner.coordinator
+    if coord is None or coord.world_size < 2:
+        return None
+    wait = cover.ROLL_CALL if timeout is None else min(cover.ROLL_CALL, timeout)
+    try:
+        answers = cover.roll_call_held(coord, inner.engine.resident_steps(), wait)
+    except Exception as e:  # the store is gone with its host
+        _say(logging.WARNING, f"acp: dying checkpoint: the roll call failed: {e}")
+        return None
+    missing = [r for r in range(coord.world_size) if r not in answers]
+    step = None if missing else cover.newest_held_by_all(answers)
+    return _Agreed(answers, missing, step)
+
+
+def _persist_agreed(engine: _acp.Engine, agreed: _Agreed) -> _acp.SaveHandle | None:
+    """Gives up the commits of steps newer than the agreed one (no rank
+    can commit a step another does not hold), then persists the agreed
+    step when it is not persisted already."""
+    if agreed.step is None:
+        try:
+            latest = engine.latest()
+        except AcpError:
+            latest = None
+        engine.give_up_commits_from(0 if latest is None else latest + 1)
+        return None
+    engine.give_up_commits_from(agreed.step + 1)
+    return engine.persist_step(agreed.step)
+
+
 def _outcome(*handles: SaveHandle | _acp.SaveHandle | None) -> str | None:
     """The error of the first of the drained saves ``handles`` that failed."""
     for h in handles:
@@ -237,7 +329,7 @@ def _outcome(*handles: SaveHandle | _acp.SaveHandle | None) -> str | None:
 
 
 def _cover(
-    ckpt: Checkpointer, step: int, timeout: float | None
+    ckpt: Checkpointer, step: int, timeout: float | None, dead: list[int] | None
 ) -> tuple[list[int], list[int], str | None]:
     """The dead ranks, those whose share of ``step`` this rank wrote, and
     an error naming the ones it could not (``acp.cover``); nothing to do
@@ -258,7 +350,7 @@ def _cover(
     # Every rank posts to the roll call, even one that sees the step
     # committed already: the others would take it for dead.
     return cover.cover_dead_ranks(
-        setup, coord, saved, inner.adapters, timeout=timeout, committed=committed
+        setup, coord, saved, inner.adapters, timeout=timeout, committed=committed, dead=dead
     )
 
 

@@ -531,16 +531,29 @@ fn version_of<'a>(files: impl IntoIterator<Item = &'a FileEntry>) -> u32 {
 /// How often the ranks look for each other's progress on storage.
 const POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// One look of a commit waiting on other ranks: notes `waiting` as the
-/// flush's progress, fails with `late()` once `deadline` (the commit
-/// timeout) has passed, else sleeps one poll.
+/// One look of a commit of `step` waiting on other ranks: notes `waiting`
+/// as the flush's progress, fails with `late()` once `deadline` (the
+/// commit timeout) has passed, or at once when the step was given up
+/// ([`Engine::give_up_commits_from`](super::Engine::give_up_commits_from)),
+/// else sleeps one poll.
 fn poll_ranks(
     shared: &Shared,
+    step: u64,
     deadline: Instant,
     waiting: String,
     late: impl FnOnce() -> String,
 ) -> Result<()> {
     shared.note_progress(waiting);
+    if shared
+        .lock()
+        .given_up_from
+        .is_some_and(|first| step >= first)
+    {
+        return Err(Error::invalid(
+            format!("step {step}"),
+            "given up by the dying checkpoint: not every rank holds it",
+        ));
+    }
     if Instant::now() >= deadline {
         return Err(Error::Timeout {
             what: late(),
@@ -567,6 +580,7 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
         let missing: Vec<u32> = (0..world).filter(|r| !reported.contains_key(r)).collect();
         poll_ranks(
             shared,
+            step,
             deadline,
             format!("step {step}: waiting for ranks {missing:?}"),
             || format!("step {step}: ranks {missing:?} did not report their files durable"),
@@ -664,6 +678,7 @@ fn wait_for_commit(shared: &Shared, step: u64, our_root: &str, pending: &Pending
         }
         poll_ranks(
             shared,
+            step,
             deadline,
             format!("step {step}: waiting for rank 0 to commit"),
             || format!("step {step}: rank 0 did not commit (ranks [0] did not answer)"),

@@ -407,6 +407,42 @@ impl Engine {
         self.persist_newest_of(true)
     }
 
+    /// Queues the persist of this rank's resident image of `step`, as
+    /// [`Engine::persist_newest`] does for the newest: when no persist of
+    /// it is queued or running and it is newer than every committed step,
+    /// whatever the policy chose for it at its save. With several ranks,
+    /// the dying checkpoint persists the newest step that every rank
+    /// holds, which may be older than this rank's newest. Returns its
+    /// handle, or `None` when there is nothing to persist (no complete
+    /// image of `step` is resident, or see [`Engine::persist_newest`]).
+    ///
+    /// # Errors
+    /// [`Error::Closed`].
+    pub fn persist_step(&self, step: u64) -> Result<Option<SaveHandle>> {
+        self.shared().replicas.hurry();
+        let info = self
+            .shared()
+            .ring
+            .complete()
+            .into_iter()
+            .find(|i| i.step == step);
+        match info {
+            Some(info) => self.persist_slot_info(info, true),
+            None => Ok(None),
+        }
+    }
+
+    /// Makes every commit of step `first` or a newer one fail at its next
+    /// look instead of waiting out `commit_timeout`: rank 0's wait for
+    /// the other ranks' files, and the other ranks' wait for rank 0. The
+    /// dying checkpoint calls it with the step after the newest one every
+    /// rank holds: no newer step can have every rank's file. For good: the
+    /// engine is about to close.
+    pub fn give_up_commits_from(&self, first: u64) {
+        let mut st = self.shared().lock();
+        st.given_up_from = Some(st.given_up_from.map_or(first, |g| g.min(first)));
+    }
+
     /// [`Engine::persist_newest`]; with `held` false, `None` when the
     /// newest resident step is held (a full ring: only its caller decides
     /// a held save).
@@ -415,6 +451,12 @@ impl Engine {
         let Some(info) = shared.ring.complete().into_iter().next() else {
             return Ok(None);
         };
+        self.persist_slot_info(info, held)
+    }
+
+    /// [`Engine::persist_newest_of`] for the resident image `info`.
+    fn persist_slot_info(&self, info: SlotInfo, held: bool) -> Result<Option<SaveHandle>> {
+        let shared = self.shared();
         if info.state != SlotState::Resident {
             return Ok(None);
         }
@@ -440,10 +482,7 @@ impl Engine {
                 if let Some(job) = Shared::take_held(&mut st, info.step) {
                     st.counts.last_queued = Some(Instant::now());
                     drop(st);
-                    tracing::info!(
-                        step = info.step,
-                        "acp: persisting the newest resident step (held)"
-                    );
+                    tracing::info!(step = info.step, "acp: persisting a resident step (held)");
                     let done = Arc::clone(&job.done);
                     self.enqueue(job)?;
                     return Ok(Some(SaveHandle::watched(
@@ -455,7 +494,7 @@ impl Engine {
         }
         // Being persisted, it is no longer a kept snapshot to release.
         shared.lock().snapshots.retain(|s| s.slot != info.slot);
-        tracing::info!(step = info.step, "acp: persisting the newest resident step");
+        tracing::info!(step = info.step, "acp: persisting a resident step");
         let done = self.enqueue_resident(&info, false)?;
         Ok(Some(SaveHandle::watched(
             done,

@@ -121,6 +121,13 @@ pub(super) struct EngineState {
     /// `snapshots`, so `release_superseded` never frees it; not counted in
     /// `in_flight` (nothing is queued until it is decided).
     pub(super) held: Vec<super::flush::Job>,
+    /// Steps from this one on cannot be committed: the dying checkpoint
+    /// found that not every rank holds them
+    /// ([`Engine::give_up_commits_from`](super::Engine::give_up_commits_from)).
+    /// A commit of one (rank 0 waiting for the other ranks' files, or
+    /// another rank waiting for rank 0) fails at its next look instead of
+    /// waiting out the commit timeout.
+    pub(super) given_up_from: Option<u64>,
 }
 
 /// A RAM snapshot kept resident: its slot, the slot's generation, its step.
