@@ -269,6 +269,51 @@ fn a_rank_that_never_reports_is_named_and_nothing_is_committed() {
     assert!(r0.steps().unwrap().is_empty());
 }
 
+#[test]
+fn commits_given_up_fail_at_once_and_an_older_step_is_persisted_on_request() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let (r0, r1) = (engine(&root, &shm, 0, 2), engine(&root, &shm, 1, 2));
+    // Both ranks hold step 1 as a RAM snapshot; rank 1 also persists step
+    // 2, which rank 0 never saves: its commit could only time out (20 s).
+    let snapshot = SaveOptions {
+        persist: acp_core::Persist::Never,
+        ..SaveOptions::default()
+    };
+    for (r, e) in [(0u32, &r0), (1, &r1)] {
+        let data = shard(r, 1);
+        let name = format!("layer.{r}.w");
+        let tensor = HostTensor {
+            name: &name,
+            dtype: Dtype::U8,
+            shape: &[data.len() as u64],
+            data: &data,
+        };
+        e.save(1, &[tensor], &json!({"rank": r}), &snapshot)
+            .unwrap();
+    }
+    let h2 = save(&r1, 1, 2);
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = std::time::Instant::now();
+    r1.give_up_commits_from(2);
+    let e = h2.wait().unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(
+        e.to_string().contains("given up by the dying checkpoint"),
+        "{e}"
+    );
+    // Rank 1's snapshot of step 1 was released when step 2 sealed; with
+    // nothing of step 1 resident, persist_step has nothing to do.
+    assert!(r1.persist_step(1).unwrap().is_none());
+    // Rank 0 still holds step 1: persisted on request, it then waits for
+    // rank 1's file, which never comes, and gives up at once too.
+    r0.give_up_commits_from(1);
+    let h1 = r0.persist_step(1).unwrap().unwrap();
+    assert!(h1.wait().is_err());
+    assert!(r0.steps().unwrap().is_empty());
+}
+
 /// Rank `rank` of two in job `job`, in chunks of 64 KiB.
 fn two_rank_config(root: &Path, shm: &Path, job: &str, rank: u32) -> EngineConfig {
     EngineConfig::new(root)
