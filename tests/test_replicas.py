@@ -131,13 +131,13 @@ def test_a_data_parallel_ram_snapshot_resumes_after_a_crash_and_a_node_loss(
             assert got[r]["ranks"] == {str(k): where for k in range(4)}, got
     else:
         # Every rank held step 3 after the crash: the collective open
-        # committed it, and the files of the other node's ranks come from
-        # storage, those beside a rank from their slots.
+        # committed it. The files of the ranks beside a rank come from
+        # their slots, those of the other node's ranks from the replica
+        # slots on this node (verified against the committed digests).
         assert (root / "step-000000000003").exists()
         for r in range(4):
-            node = range(2) if r < 2 else range(2, 4)
-            want = {str(k): "ram" if k in node else "storage" for k in range(4)}
-            assert got[r]["ranks"] == want, got
+            assert got[r]["source"] == "ram", got
+            assert got[r]["ranks"] == {str(k): "ram" for k in range(4)}, got
 
 
 def test_a_replica_that_fails_verification_is_skipped_for_storage(tmp_path: Path) -> None:

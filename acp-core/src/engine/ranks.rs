@@ -32,17 +32,26 @@ use crate::format::{data_file_name, FileEntry, ParsedHeader};
 use crate::read::{
     read_and_sum, read_check_copy, ChunkCopy, ChunkDst, ChunkReader, ChunkSource, StoredSource,
 };
-use crate::staging::{slot_files, PeerImage, PeerSlot, SlotFile};
+use crate::staging::{replica_files, slot_files, PeerImage, PeerSlot, SlotFile};
 
 /// The slot files of `rank` of this engine's job in this user's directory
 /// under the shm directory, whatever the number of slots that rank
-/// configured.
+/// configured; then the replica slots kept on this node of `rank`'s
+/// images (peer replicas: `rank` on another node), which hold the same
+/// images and are read and checked the same way.
 fn peer_slots(shared: &Shared, rank: u32) -> Vec<SlotFile> {
     let job = job_id(&shared.cfg, &*shared.root);
-    slot_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
+    let mut files = slot_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
         tracing::debug!("acp: rank {rank}'s slots: {e}");
         Vec::new()
-    })
+    });
+    files.extend(
+        replica_files(&shared.cfg.shm_dir, &job, Some(rank)).unwrap_or_else(|e| {
+            tracing::debug!("acp: replica slots of rank {rank}: {e}");
+            Vec::new()
+        }),
+    );
+    files
 }
 
 fn peer_image(shared: &Shared, step: u64, rank: u32, entry: &FileEntry) -> PeerImage {
