@@ -752,3 +752,112 @@ fn ranks_commit_incremental_files_and_read_each_others() {
         e.close().unwrap();
     }
 }
+
+/// A hostile pair of steps: step 1's index lists `r` files of `r` chunks
+/// each (sparse, the same digests), and step 2 is a container of `r`
+/// reference frames, chunk i referencing step 1's file i. Every check of
+/// a reference passes; only the bytes (zeros) then differ from the digests.
+fn many_referenced_files(root: &Path, r: usize) {
+    use acp_core::format::{packed_head_of, ChunkRef, FileEntry, FrameCodec, FrameEntry, Index};
+    const CB: u64 = 4096;
+    let digests: Vec<[u8; 32]> = (0..r)
+        .map(|i| *blake3::hash(i.to_string().as_bytes()).as_bytes())
+        .collect();
+    let chunks: Vec<String> = digests.iter().map(|d| hex(d)).collect();
+    let size = r as u64 * CB;
+    let entry = |refs: Vec<ChunkRef>, stored_size: Option<u64>| FileEntry {
+        rank: 0,
+        size,
+        chunk_bytes: CB,
+        chunks: chunks.clone(),
+        root: hex(&root_digest(&digests)),
+        stored_size,
+        refs,
+    };
+    let (s1, s2) = (
+        root.join("step-000000000001"),
+        root.join("step-000000000002"),
+    );
+    std::fs::create_dir_all(&s1).unwrap();
+    std::fs::create_dir_all(&s2).unwrap();
+    let mut one = Index {
+        step: 1,
+        world_size: 1,
+        format_version: QUICK_FRAME_VERSION,
+        files: Default::default(),
+        weight_map: Default::default(),
+    };
+    for k in 0..r {
+        let name = format!("f{k:05}.safetensors");
+        std::fs::File::create(s1.join(&name))
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+        one.files.insert(name, entry(Vec::new(), None));
+    }
+    one.weight_map
+        .insert("w".into(), "f00000.safetensors".into());
+    std::fs::write(s1.join("model.safetensors.index.json"), one.to_json()).unwrap();
+    let frames: Vec<FrameEntry> = digests
+        .iter()
+        .map(|d| FrameEntry {
+            stored: 0,
+            check: *d,
+            codec: FrameCodec::Reference,
+        })
+        .collect();
+    let container = packed_head_of(size, CB, &frames);
+    std::fs::write(s2.join("rank-00000.safetensors"), &container).unwrap();
+    let refs = (0..r as u64)
+        .map(|i| ChunkRef {
+            first: i,
+            count: 1,
+            step: 1,
+            file: format!("f{i:05}.safetensors"),
+        })
+        .collect();
+    let mut two = Index { step: 2, ..one };
+    two.files = [(
+        "rank-00000.safetensors".to_owned(),
+        entry(refs, Some(container.len() as u64)),
+    )]
+    .into();
+    two.weight_map = [("w".to_owned(), "rank-00000.safetensors".to_owned())].into();
+    std::fs::write(s2.join("model.safetensors.index.json"), two.to_json()).unwrap();
+}
+
+#[test]
+fn references_to_many_files_of_a_step_read_its_index_once() {
+    // Each of the 400 referenced files made the load read and parse step
+    // 1's index again (10 MB here): minutes of CPU, in effect a hang. Read
+    // once, the load fails in well under a second; 60 s is the bound.
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir_all(&shm).unwrap();
+    many_referenced_files(&root, 400);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (r2, s2) = (root.clone(), shm.clone());
+    std::thread::spawn(move || {
+        let engine = Engine::open(
+            EngineConfig::new(&r2)
+                .with_shm_dir(&s2)
+                .with_job("many-refs")
+                .with_ring_bytes(4 << 20)
+                .with_chunk_bytes(4096)
+                .with_mlock(false),
+        )
+        .unwrap();
+        let got = engine.load(&LoadRequest {
+            step: Some(2),
+            storage_only: true,
+            ..LoadRequest::default()
+        });
+        let _ = tx.send(got.map(|c| c.step()).map_err(|e| e.to_string()));
+    });
+    let err = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the load of step 2 still runs after 60 s")
+        .unwrap_err();
+    assert!(err.contains("digest mismatch"), "{err}");
+    assert!(err.contains("f00000.safetensors"), "{err}");
+}

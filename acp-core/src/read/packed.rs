@@ -2,6 +2,7 @@
 //! decodes frames, so the [`ChunkReader`](super::ChunkReader) checks the
 //! decoded chunks against the index as it checks a plain file's.
 
+use std::collections::{btree_map, BTreeMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -11,7 +12,8 @@ use super::source::{ChunkSource, FileSource};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     chunk_span, decode_frame, decode_frame_lead, read_header, read_packed_table,
-    validate_file_name, ChunkRef, Digest, FileEntry, FrameCodec, PackedTable, INDEX_FILE_NAME,
+    validate_file_name, ChunkRef, Digest, FileEntry, FrameCodec, Index, PackedTable,
+    INDEX_FILE_NAME,
 };
 use crate::storage::{Probe, Storage};
 
@@ -96,20 +98,18 @@ impl<S: ChunkSource> PackedSource<S> {
                 ));
             }
         }
-        let mut opened: Vec<(u64, String)> = Vec::new();
+        let mut opened: BTreeMap<(u64, &str), usize> = BTreeMap::new();
         for r in &entry.refs {
-            let key = (r.step, r.file.clone());
-            let at = match opened.iter().position(|k| *k == key) {
-                Some(at) => at,
-                None => {
+            let at = match opened.entry((r.step, r.file.as_str())) {
+                btree_map::Entry::Occupied(o) => *o.get(),
+                btree_map::Entry::Vacant(v) => {
                     let src = held(r)?;
                     self.direct.push(match &src {
                         StoredSource::Plain(f) => f.reopen_direct(),
                         StoredSource::Packed(_) => None,
                     });
                     self.held.push(src);
-                    opened.push(key);
-                    opened.len() - 1
+                    *v.insert(self.held.len() - 1)
                 }
             };
             self.refs.push((r.clone(), at));
@@ -377,8 +377,27 @@ impl StoredSource {
         let mut src = StoredSource::new(file, path, entry, probe.cloned())?;
         if let StoredSource::Packed(p) = &mut src {
             let index_path = root.describe(step, INDEX_FILE_NAME);
+            // Each referenced step's index is read once, however many of
+            // its files the references name: a hostile index naming R
+            // files of a step whose index lists them all cost R reads of
+            // an index of R² bytes (minutes of CPU at R = 1,000).
+            let mut indexes: BTreeMap<u64, Index> = BTreeMap::new();
             p.resolve(entry, &mut |r| {
-                held_file(root, &index_path, name, entry, r, probe)
+                let index = match indexes.entry(r.step) {
+                    btree_map::Entry::Occupied(o) => o.into_mut(),
+                    btree_map::Entry::Vacant(v) => {
+                        v.insert(root.read_index(r.step).map_err(|e| match e.kind() {
+                            ErrorKind::Io => e,
+                            _ => bad_ref(
+                                &index_path,
+                                name,
+                                r,
+                                format!("that step cannot be read ({e})"),
+                            ),
+                        })?)
+                    }
+                };
+                held_file(root, &index_path, name, entry, r, index, probe)
             })?;
         }
         Ok(src)
@@ -452,32 +471,33 @@ impl ChunkSource for StoredSource {
     }
 }
 
+/// The error for reference `r` of file `name` (index at `index_path`)
+/// that does not resolve, for `reason`.
+fn bad_ref(index_path: &Path, name: &str, r: &ChunkRef, reason: String) -> Error {
+    Error::corrupt(
+        index_path,
+        None,
+        format!(
+            "`metadata.acp.files.{name}`: chunks {}+{} reference step {} file {}: {reason}",
+            r.first, r.count, r.step, r.file
+        ),
+    )
+}
+
 /// Opens the file that reference `r` of file `name` (index entry `entry`,
 /// index at `index_path`) names, after checking it against its own step's
-/// index as [`StoredSource::open`] says.
+/// index (`index`) as [`StoredSource::open`] says.
 fn held_file(
     root: &dyn Storage,
     index_path: &Path,
     name: &str,
     entry: &FileEntry,
     r: &ChunkRef,
+    index: &Index,
     probe: Option<&Arc<dyn Probe>>,
 ) -> Result<StoredSource> {
-    let bad = |reason: String| {
-        Error::corrupt(
-            index_path,
-            None,
-            format!(
-                "`metadata.acp.files.{name}`: chunks {}+{} reference step {} file {}: {reason}",
-                r.first, r.count, r.step, r.file
-            ),
-        )
-    };
+    let bad = |reason: String| bad_ref(index_path, name, r, reason);
     validate_file_name(index_path, &r.file)?;
-    let index = root.read_index(r.step).map_err(|e| match e.kind() {
-        ErrorKind::Io => e,
-        _ => bad(format!("that step cannot be read ({e})")),
-    })?;
     let held = index
         .files
         .get(&r.file)
