@@ -763,7 +763,7 @@ fn many_referenced_files(root: &Path, r: usize) {
     let digests: Vec<[u8; 32]> = (0..r)
         .map(|i| *blake3::hash(i.to_string().as_bytes()).as_bytes())
         .collect();
-    let chunks: Vec<String> = digests.iter().map(|d| hex(d)).collect();
+    let chunks: Vec<String> = digests.iter().map(hex).collect();
     let size = r as u64 * CB;
     let entry = |refs: Vec<ChunkRef>, stored_size: Option<u64>| FileEntry {
         rank: 0,
@@ -837,23 +837,26 @@ fn references_to_many_files_of_a_step_read_its_index_once() {
     many_referenced_files(&root, 400);
     let (tx, rx) = std::sync::mpsc::channel();
     let (r2, s2) = (root.clone(), shm.clone());
-    std::thread::spawn(move || {
-        let engine = Engine::open(
-            EngineConfig::new(&r2)
-                .with_shm_dir(&s2)
-                .with_job("many-refs")
-                .with_ring_bytes(4 << 20)
-                .with_chunk_bytes(4096)
-                .with_mlock(false),
-        )
-        .unwrap();
-        let got = engine.load(&LoadRequest {
-            step: Some(2),
-            storage_only: true,
-            ..LoadRequest::default()
+    let spawned = std::thread::Builder::new()
+        .name("many-refs".into())
+        .spawn(move || {
+            let engine = Engine::open(
+                EngineConfig::new(&r2)
+                    .with_shm_dir(&s2)
+                    .with_job("many-refs")
+                    .with_ring_bytes(4 << 20)
+                    .with_chunk_bytes(4096)
+                    .with_mlock(false),
+            )
+            .unwrap();
+            let got = engine.load(&LoadRequest {
+                step: Some(2),
+                storage_only: true,
+                ..LoadRequest::default()
+            });
+            let _ = tx.send(got.map(|c| c.step()).map_err(|e| e.to_string()));
         });
-        let _ = tx.send(got.map(|c| c.step()).map_err(|e| e.to_string()));
-    });
+    spawned.unwrap();
     let err = rx
         .recv_timeout(std::time::Duration::from_secs(60))
         .expect("the load of step 2 still runs after 60 s")
