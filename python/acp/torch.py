@@ -538,6 +538,12 @@ class Adapter:
 
     def decode_value(self, kind: str, value: Any, key: str) -> object:
         if kind == "size":
+            # torch.Size takes dimensions past 64 bits, and fails only once
+            # the size is used: check them here.
+            if not isinstance(value, list) or not all(
+                type(d) is int and -(2**63) <= d < 2**63 for d in value
+            ):
+                raise ValueError("a size is a list of 64-bit signed integers")
             return torch.Size(value)
         if kind == "dtype":
             dtype = getattr(torch, str(value), None)

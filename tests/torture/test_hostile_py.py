@@ -202,6 +202,14 @@ HOSTILE_VALUES: list[tuple[str, Any, str]] = [
     ("value-device-dict", {"t": "value", "fw": "torch", "kind": "device", "v": {}}, "x"),
     ("value-size-strings", {"t": "value", "fw": "torch", "kind": "size", "v": ["a"]}, "x"),
     ("value-size-number", {"t": "value", "fw": "torch", "kind": "size", "v": 3}, "x"),
+    # torch.Size takes these, and failed only once the size was used.
+    ("value-size-past-i64", {"t": "value", "fw": "torch", "kind": "size", "v": [2**63]}, "x"),
+    (
+        "value-size-below-i64",
+        {"t": "value", "fw": "torch", "kind": "size", "v": [-(2**63) - 1]},
+        "x",
+    ),
+    ("value-size-bool", {"t": "value", "fw": "torch", "kind": "size", "v": [True]}, "x"),
     ("value-numpy-dtype", {"t": "value", "fw": "numpy", "kind": "dtype", "v": "nope"}, "x"),
     ("value-numpy-dtype-list", {"t": "value", "fw": "numpy", "kind": "dtype", "v": [1]}, "x"),
 ]
