@@ -52,6 +52,10 @@ pub struct ResidentSlot {
     pub world_size: Option<u32>,
     /// Tensors in the image, from its header.
     pub tensors: Option<usize>,
+    /// Why the header of a complete image cannot be read (a changed or
+    /// torn slot): `acp persist` cannot commit it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header_error: Option<String>,
     /// The pid recorded as the slot's last owner.
     pub owner_pid: u32,
     /// Whether a live process holds the slot's lock (from `/proc/locks`).
@@ -132,12 +136,14 @@ fn described(files: Vec<crate::staging::SlotFile>, job: &str) -> Result<Vec<Resi
             && peek
                 .as_ref()
                 .is_some_and(crate::staging::SlotPeek::is_complete);
-        let (world_size, tensors) = if complete {
-            peek.as_ref()
-                .and_then(|p| image_header(&file, &path, p.image_offset, p.image_len))
-                .map_or((None, None), |(w, t)| (w, Some(t)))
-        } else {
-            (None, None)
+        let header = match peek.as_ref().filter(|_| complete) {
+            Some(p) => Some(image_header(&file, &path, p.image_offset, p.image_len)),
+            None => None,
+        };
+        let (world_size, tensors, header_error) = match header {
+            Some(Ok((w, t))) => (w, Some(t), None),
+            Some(Err(e)) => (None, None, Some(e)),
+            None => (None, None, None),
         };
         out.push(ResidentSlot {
             path: path.display().to_string(),
@@ -153,6 +159,7 @@ fn described(files: Vec<crate::staging::SlotFile>, job: &str) -> Result<Vec<Resi
             bytes: peek.as_ref().filter(|_| complete).map(|p| p.image_len),
             world_size,
             tensors,
+            header_error,
             owner_pid: peek.as_ref().map_or(0, |p| p.owner_pid),
             locked: locks.contains(&(meta.dev(), meta.ino())),
             file_bytes: meta.len(),
@@ -162,23 +169,23 @@ fn described(files: Vec<crate::staging::SlotFile>, job: &str) -> Result<Vec<Resi
 }
 
 /// The world size and tensor count in the safetensors header of a slot's
-/// image, best effort.
+/// image; why it cannot be read, when it cannot.
 fn image_header(
     f: &std::fs::File,
     path: &Path,
     image_offset: u64,
     image_len: u64,
-) -> Option<(Option<u32>, usize)> {
+) -> std::result::Result<(Option<u32>, usize), String> {
     let h = read_header(path, image_len, MAX_HEADER_BYTES, |buf, at| {
         f.read_exact_at(buf, image_offset + at)
             .map_err(|e| crate::Error::io("read", path, e))
     })
-    .ok()?;
+    .map_err(|e| e.to_string())?;
     let world = h
         .metadata
         .get("acp.world_size")
         .and_then(|w| w.parse().ok());
-    Some((world, h.entries.len()))
+    Ok((world, h.entries.len()))
 }
 
 /// The (device, inode) of every file with an `flock` held, from

@@ -560,6 +560,54 @@ fn persist_commits_what_a_dead_saver_left() {
 }
 
 #[test]
+fn ls_says_when_a_resident_image_cannot_be_persisted() {
+    let f = fixture();
+    with_steps(&f, &[1]);
+    // A saver whose storage is dead leaves step 2 resident; then a byte of
+    // its image's header changes in the slot.
+    let faults = Arc::new(FaultInjector::fail_at(0, libc::EIO, true));
+    let engine = Engine::open(config(&f).with_faults(faults)).unwrap();
+    let w = f32s(&[2.0; 16]);
+    let tensor = HostTensor {
+        name: "w",
+        dtype: Dtype::F32,
+        shape: &[16],
+        data: &w,
+    };
+    let h = engine
+        .save(2, &[tensor], &json!(null), &SaveOptions::default())
+        .unwrap();
+    assert!(h.wait().is_err());
+    let _ = engine.close();
+    drop(engine);
+    let listed = list(&f.root, Some("ops-test"), &f.shm).unwrap();
+    assert_eq!(listed.resident_only.len(), 1, "{listed:?}");
+    assert!(listed.resident_only[0].header_error.is_none());
+    let path = std::path::PathBuf::from(&listed.resident_only[0].path);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes
+        .windows(2)
+        .position(|w| w == b"{\"")
+        .expect("the image's header");
+    bytes[at] = b'X';
+    std::fs::write(&path, &bytes).unwrap();
+    let listed = list(&f.root, Some("ops-test"), &f.shm).unwrap();
+    let why = listed.resident_only[0].header_error.as_deref().unwrap();
+    assert!(why.contains("header"), "{why}");
+    let shown = text::list(&listed);
+    assert!(shown.contains("`acp persist` cannot commit it"), "{shown}");
+    let opts = PersistOptions {
+        root: f.root.clone(),
+        job: Some("ops-test".into()),
+        ranks: None,
+        shm_dir: f.shm.clone(),
+        world_size: None,
+        commit_timeout: std::time::Duration::from_secs(30),
+    };
+    assert!(persist(&opts).is_err());
+}
+
+#[test]
 fn bench_runs_small() {
     let f = fixture();
     let r = bench(

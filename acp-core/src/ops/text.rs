@@ -98,9 +98,15 @@ pub fn list(r: &ListReport) -> String {
         }
     }
     for slot in &r.resident_only {
+        let what = match &slot.header_error {
+            Some(e) => format!(
+                "its image's header cannot be read, so `acp persist` cannot commit it ({e})"
+            ),
+            None => "`acp persist` commits it if it is newer than the latest step".to_owned(),
+        };
         let _ = writeln!(
             s,
-            "  step {} of rank {} is resident in {} but not committed ({}): `acp persist` commits it if it is newer than the latest step",
+            "  step {} of rank {} is resident in {} but not committed ({}): {what}",
             slot.step.unwrap_or(0),
             slot.rank,
             slot.path,
