@@ -136,10 +136,10 @@ fn described(files: Vec<crate::staging::SlotFile>, job: &str) -> Result<Vec<Resi
             && peek
                 .as_ref()
                 .is_some_and(crate::staging::SlotPeek::is_complete);
-        let header = match peek.as_ref().filter(|_| complete) {
-            Some(p) => Some(image_header(&file, &path, p.image_offset, p.image_len)),
-            None => None,
-        };
+        let header = peek
+            .as_ref()
+            .filter(|_| complete)
+            .map(|p| image_header(&file, &path, p.image_offset, p.image_len));
         let (world_size, tensors, header_error) = match header {
             Some(Ok((w, t))) => (w, Some(t), None),
             Some(Err(e)) => (None, None, Some(e)),
