@@ -50,7 +50,9 @@ status                meaning
 The previous SIGTERM handler is chained: a Python handler installed before
 acp's is called after the dying checkpoint (and may exit as it likes); if it
 returns, the process exits with the status above. A second SIGTERM while
-the dying checkpoint runs is ignored. SIGKILL cannot be caught: the staged
+the dying checkpoint runs is ignored, and so is one after it finished
+while nothing was staged since (the process is exiting). SIGKILL cannot be
+caught: the staged
 slot stays in shared memory and the next ``Checkpointer`` opened on this
 node for the same job commits it.
 """
@@ -413,6 +415,9 @@ class SigtermHandler(ChainedSigterm):
         self._ckpt = weakref.ref(ckpt)
         self.timeout = timeout
         self._busy = False
+        # The newest staged save when a dying checkpoint last finished (a
+        # list, so that "none staged" is told from "never finished").
+        self._done_for: list[object] = []
         super().__init__()
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
@@ -420,6 +425,13 @@ class SigtermHandler(ChainedSigterm):
             log.warning("acp: SIGTERM again while the dying checkpoint runs; ignored")
             return
         ckpt = self._ckpt()
+        if self._done_for and (ckpt is None or self.done_already(ckpt)):
+            # The process is exiting after its dying checkpoint (the
+            # scheduler repeats SIGTERM): nothing new to commit.
+            log.warning(
+                "acp: SIGTERM again after the dying checkpoint, nothing staged since; ignored"
+            )
+            return
         if ckpt is not None and checkpointer.internals(ckpt).main_guards > 0:
             # The guard unwinds the block (aborting a half-staged save) and
             # does the rest in its __exit__.
@@ -429,9 +441,23 @@ class SigtermHandler(ChainedSigterm):
             ok = True
             if ckpt is not None:
                 ok = dying_checkpoint(ckpt, cause="signal", timeout=self.timeout).ok
+                self.finished(ckpt)
             self.exit(signum, frame, ok)
         finally:
             self._busy = False
+
+    def finished(self, ckpt: Checkpointer) -> None:
+        """Records that a dying checkpoint of ``ckpt`` has just finished."""
+        self._done_for = [checkpointer.internals(ckpt).last_staged]
+
+    def done_already(self, ckpt: Checkpointer) -> bool:
+        """Whether a dying checkpoint finished with nothing staged since
+        (a save staged after it, by code that caught the exit and went on,
+        makes the next SIGTERM run one again). A checkpointer already
+        collected (the interpreter exiting) has nothing staged since."""
+        return (
+            bool(self._done_for) and self._done_for[0] is checkpointer.internals(ckpt).last_staged
+        )
 
     def exit(self, signum: int, frame: FrameType | None, ok: bool) -> None:
         """Chains the previous handler, then exits with the status for ``ok``."""
@@ -496,6 +522,7 @@ class Guard:
                 handler._busy = True
                 try:
                     report = dying_checkpoint(ckpt, cause="signal", timeout=handler.timeout)
+                    handler.finished(ckpt)
                     handler.exit(exc.signum, exc.frame, report.ok)
                 finally:
                     handler._busy = False

@@ -136,6 +136,25 @@ def main() -> None:
         ready()
         train_forever()
 
+    elif mode == "sigterm-twice":
+        # The scheduler sends SIGTERM again while the process exits: here
+        # at exit, once the dying checkpoint is done.
+        def again(signum: int, frame: object) -> None:
+            import atexit
+
+            def kill_again() -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)  # handled meanwhile, between bytecodes
+
+            atexit.register(kill_again)
+
+        signal.signal(signal.SIGTERM, again)
+        ckpt.install_sigterm_handler()
+        ckpt.save(1, state(1)).wait()
+        ckpt.save(2, state(2), persist=False)
+        ready()
+        train_forever()
+
     elif mode == "sigterm-dead-disk":
         ckpt.install_sigterm_handler()
         ckpt.save(1, state(1)).wait()

@@ -77,6 +77,25 @@ def test_sigterm_chains_the_previous_handler(tmp_path: Path, shm_dir: Path) -> N
     assert (tmp_path / "previous-handler-ran").read_text() == str(int(signal.SIGTERM))
 
 
+def test_a_sigterm_after_the_dying_checkpoint_does_not_run_it_again(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A second SIGTERM once the dying checkpoint is done (the process
+    exiting) ran it again while the interpreter unwound the first exit,
+    and printed a SystemExit traceback. With nothing staged since, it is
+    ignored: one dying checkpoint, a clean exit with its status."""
+    root, j = tmp_path / "ckpt", job()
+    p = run_trainer("sigterm-twice", root, shm_dir, j)
+    wait_line(p, "READY")
+    p.send_signal(signal.SIGTERM)
+    code, _, err = finish(p)
+    assert code == 143, err
+    assert err.count("dying checkpoint (signal)") == 1, err
+    assert "Traceback" not in err, err
+    with reopen(root, shm_dir, j) as ckpt:
+        assert ckpt.steps() == [1, 2]
+
+
 @pytest.mark.parametrize("mode", ["sigterm-dead-disk", "sigterm-hung-disk"])
 def test_a_failed_dying_checkpoint_exits_74_and_the_restart_commits_it(
     tmp_path: Path, shm_dir: Path, mode: str
@@ -232,3 +251,22 @@ def test_sigkill_with_ram_only_snapshots_commits_the_newest_on_restart(
         assert_state(ckpt.load(), 3)
         ckpt.wait()  # the load served RAM while the restart commits it
         assert ckpt.steps() == [1, 3]
+
+
+def test_a_save_after_the_dying_checkpoint_makes_the_next_sigterm_run_one(
+    make_ckpt: MakeCkpt,
+) -> None:
+    """Code that caught the exit and saved again is not left unprotected:
+    only a SIGTERM with nothing staged since the last dying checkpoint is
+    ignored."""
+    ckpt = make_ckpt()
+    handler = ckpt.install_sigterm_handler()
+    try:
+        ckpt.save(1, state(1)).wait()
+        assert not handler.done_already(ckpt)
+        handler.finished(ckpt)
+        assert handler.done_already(ckpt)
+        ckpt.save(2, state(2)).wait()
+        assert not handler.done_already(ckpt)
+    finally:
+        handler.uninstall()
