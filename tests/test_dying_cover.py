@@ -24,8 +24,10 @@ from tests.test_replicas import free_port
 SCRIPT = Path(__file__).parent / "dist" / "dying_cover.py"
 
 
-def start(tmp_path: Path, timeout: float) -> tuple[Path, Path, list[subprocess.Popen[bytes]]]:
-    """Starts the 4 ranks; returns once every one staged step 2."""
+def start(
+    tmp_path: Path, timeout: float, mode: str = "default"
+) -> tuple[Path, Path, list[subprocess.Popen[bytes]]]:
+    """Starts the 4 ranks; returns once every one staged (tests/dist/dying_cover.py)."""
     root, out, shm = tmp_path / "ckpt", tmp_path / "out", tmp_path / "shm"
     out.mkdir()
     shm.mkdir()
@@ -33,7 +35,7 @@ def start(tmp_path: Path, timeout: float) -> tuple[Path, Path, list[subprocess.P
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     procs = []
     for r in range(4):
-        args = [str(r), str(root), str(out), str(shm), str(port), str(timeout)]
+        args = [str(r), str(root), str(out), str(shm), str(port), str(timeout), mode]
         with (tmp_path / f"stderr-{r}").open("wb") as err:
             procs.append(
                 subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, stderr=err)
@@ -134,3 +136,41 @@ def test_a_dead_group_leaves_the_step_uncommitted(tmp_path: Path) -> None:
         assert pick(report) == (False, 1, [2, 3], []), report
     assert not (root / "step-000000000002").exists()
     assert (root / "step-000000000001").exists()
+
+
+def test_an_older_commit_waiting_for_the_dead_rank_is_given_up(tmp_path: Path) -> None:
+    """Step 2 (persisted) waits for rank 3's file, which never comes: the
+    dying checkpoint gives it up at once instead of waiting out
+    ``commit_timeout`` (60 s) behind it, and commits step 3 with rank 3's
+    share written by rank 2."""
+    _, out, procs = start(tmp_path, 60, "inflight")
+    root = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    codes = stop(tmp_path, procs, dead=[3])
+    secs = time.monotonic() - t0
+    stderr = {r: (tmp_path / f"stderr-{r}").read_text() for r in range(3)}
+    assert codes == {0: 143, 1: 143, 2: 143}, stderr
+    assert secs < 40, (secs, stderr)
+    for r in range(3):
+        report = dying(out, r)
+        assert report["ok"] is True, report
+        assert report["committed_step"] == 3, report
+        assert report["dead"] == [3], report
+    assert dying(out, 2)["covered"] == [3]
+    assert not (root / "step-000000000002").exists()
+    ckpt = acp.Checkpointer(
+        root,
+        job="check",
+        rank=3,
+        world_size=4,
+        shm_dir=tmp_path / "shm",
+        mlock=False,
+        replica_group=[2, 3],
+    )
+    try:
+        got = ckpt.load(step=3, agree=False)
+    finally:
+        ckpt.close()
+    want = state(2, 3)
+    for k in ("w", "b", "n"):
+        assert torch.equal(got[k], want[k]), k  # type: ignore[arg-type]

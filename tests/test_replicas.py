@@ -140,6 +140,24 @@ def test_a_data_parallel_ram_snapshot_resumes_after_a_crash_and_a_node_loss(
             assert got[r]["ranks"] == {str(k): "ram" for k in range(4)}, got
 
 
+def test_a_replica_group_lost_with_its_node_resumes_from_the_peers(tmp_path: Path) -> None:
+    """HSDP: replica groups {0, 1} and {2, 3}, one per node; node B is
+    lost, with the whole of group {2, 3} and every slot of its RAM-only
+    step 3. B's ranks take their own files and each other's from A's
+    replicas, and every rank resumes from step 3, bit-exact."""
+    root, out, shm = job_dirs(tmp_path)
+    run(root, out, shm, "train-hsdp")
+    lose_node_b(shm)
+    run(root, out, shm, "resume-hsdp")
+    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
+    for r in range(4):
+        assert got[r]["step"] == 3, got
+        assert got[r]["exact"], got
+        assert got[r]["rejected"] is None, got
+    assert got[0]["ranks"] == got[1]["ranks"] == {"0": "ram", "1": "ram"}, got
+    assert got[2]["ranks"] == got[3]["ranks"] == {"2": "peer", "3": "peer"}, got
+
+
 def test_a_replica_that_fails_verification_is_skipped_for_storage(tmp_path: Path) -> None:
     root, out, shm = job_dirs(tmp_path)
     run(root, out, shm, "train")

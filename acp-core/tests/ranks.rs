@@ -314,6 +314,34 @@ fn commits_given_up_fail_at_once_and_an_older_step_is_persisted_on_request() {
     assert!(r0.steps().unwrap().is_empty());
 }
 
+#[test]
+fn commits_waiting_for_a_dead_rank_fail_at_once_but_the_covered_step_commits() {
+    let t = tempfile::tempdir().unwrap();
+    let (root, shm) = (t.path().join("ckpt"), t.path().join("shm"));
+    std::fs::create_dir(&shm).unwrap();
+    let (r0, r1) = (engine(&root, &shm, 0, 3), engine(&root, &shm, 1, 3));
+    // Rank 2 never writes step 3: its commit could only time out (20 s).
+    let (h0, h1) = (save(&r0, 0, 3), save(&r1, 1, 3));
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = std::time::Instant::now();
+    // Rank 2 is taken as dead; step 4 is the one its file is written of.
+    r0.give_up_commits_waiting_for(&[2], Some(4));
+    let e0 = h0.wait().unwrap_err();
+    assert!(e0.to_string().contains("ranks [2], taken as dead"), "{e0}");
+    // Rank 1 waited for rank 0's commit: rank 0 refused it when it gave up.
+    assert!(h1.wait().is_err());
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // Step 4 still commits once rank 2's file of it arrives (as acp.cover
+    // writes it, here an engine opened as rank 2).
+    let (h0, h1) = (save(&r0, 0, 4), save(&r1, 1, 4));
+    let r2 = engine(&root, &shm, 2, 3);
+    let h2 = save(&r2, 2, 4);
+    for h in [h0, h1, h2] {
+        h.wait().unwrap();
+    }
+    assert_eq!(r0.steps().unwrap(), [4]);
+}
+
 /// Rank `rank` of two in job `job`, in chunks of 64 KiB.
 fn two_rank_config(root: &Path, shm: &Path, job: &str, rank: u32) -> EngineConfig {
     EngineConfig::new(root)

@@ -840,6 +840,15 @@ impl Engine {
         Ok(())
     }
 
+    /// Makes every commit that waits for one of the ranks `dead` fail at
+    /// its next look, except that of step `keep` (the dying checkpoint:
+    /// the survivors write the dead ranks' files of that step).
+    #[pyo3(signature = (dead, keep=None))]
+    fn give_up_commits_waiting_for(&self, dead: Vec<u32>, keep: Option<u64>) -> PyResult<()> {
+        self.get()?.give_up_commits_waiting_for(&dead, keep);
+        Ok(())
+    }
+
     /// Queues the flush and commit of the unflushed resident image of
     /// `step` a previous process of this rank left; returns its handle.
     fn persist_resident(&self, py: Python<'_>, step: u64) -> PyResult<SaveHandle> {

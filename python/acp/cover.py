@@ -6,23 +6,23 @@ apart) commits the newest step they all hold.
 **Which step.** After SIGTERM, each rank of a job with a store posts the
 steps it holds resident (:func:`roll_call_held`) and waits for the
 others' answers, at most :data:`ROLL_CALL` seconds. When every rank
-answered, each persists the newest step they all hold that is newer than
-every committed one (:func:`newest_held_by_all`), not its own newest: a
-rank a save ahead of another would otherwise persist a step the other
-never staged, and rank 0 would wait ``commit_timeout`` for a file that
-never comes. Commits of newer steps (a rank's own persists queued by the
-policy) are given up at once (``Engine.give_up_commits_from``). When a
-rank did not answer, it is taken as dead, and each rank persists its own
-newest staged step, covering dead ranks as below.
+answered, each persists the newest step they all hold (:func:`newest_held_by_all`), not its own
+newest: a rank a save ahead of another would otherwise persist a step the
+other never staged, and rank 0 would wait ``commit_timeout`` for a file
+that never comes. Commits of newer steps (a rank's own persists queued by
+the policy) are given up at once (``Engine.give_up_commits_from``). A rank
+that did not answer is taken as dead: the others agree among themselves,
+cover its share of the agreed step as below, and give up the commits of
+other steps that wait for it (``Engine.give_up_commits_waiting_for``).
 
 With ``save(step, state, replicated=True)`` every rank of a replica group
 holds the same tensors and writes a share of them (``acp.distributed``).
 When the job is stopped (SIGTERM) after some ranks died (SIGKILL, a lost
-node), their shares of the newest staged step would be missing and the
-step could never commit. Here, in the dying checkpoint:
+node), their shares of the agreed step would be missing and the step
+could never commit. Here, in the dying checkpoint:
 
-1. **Roll call.** Each rank posts ``alive`` for the step in the job's
-   store, then waits until every rank has, at most :data:`ROLL_CALL`
+1. **Roll call.** Each rank posts the steps it holds in the job's store
+   (above), then waits until every rank has, at most :data:`ROLL_CALL`
    seconds: a rank that has not answered by then is taken as dead. A
    rank alive but late is harmless (below).
 2. **Cover.** In each replica group, the lowest rank that answered writes

@@ -227,27 +227,25 @@ def _drain(
     error: str | None = None
     dead: list[int] = []
     covered: list[int] = []
-    # The job is being stopped: every rank is in its dying checkpoint,
-    # and they agree on the step to commit (acp.cover).
+    # The job is being stopped: every rank is in its dying checkpoint, and
+    # the ranks that answer agree on the step to commit (acp.cover).
     agreed = _agree(ckpt, timeout) if cause == "signal" else None
-    everyone = agreed is not None and not agreed.missing
     try:
         # A restored step being read again into RAM (keep_restored)
         # would hold the flush thread for seconds; it is on storage.
         engine.stop_keeping_restored()
-        if agreed is not None and everyone:
-            newest = _persist_agreed(engine, agreed)
-        else:
-            # The newest snapshot is committed whatever the persist policy
-            # chose for it at its save (a RAM-only step is queued now).
-            newest = engine.persist_newest()
+        # Without an agreement, the newest snapshot is committed whatever
+        # the persist policy chose for it at its save (a RAM-only step is
+        # queued now).
+        newest = engine.persist_newest() if agreed is None else _persist_agreed(engine, agreed)
     except AcpError as e:
         error = str(e)
-    if cause == "signal" and last is not None and not everyone:
-        # Dead ranks' shares of the staged step are written by their
-        # groups' survivors (acp.cover).
+    step = agreed.step if agreed is not None else None if last is None else last.step
+    if cause == "signal" and step is not None and (agreed is None or agreed.missing):
+        # Dead ranks' shares of the step are written by their groups'
+        # survivors (acp.cover).
         dead, covered, error_cover = _cover(
-            ckpt, last.step, timeout, None if agreed is None else agreed.missing
+            ckpt, step, timeout, None if agreed is None else agreed.missing
         )
         error = error or error_cover
     try:
@@ -256,9 +254,9 @@ def _drain(
         error = error or str(e)
     if error is not None:
         return error, dead, covered
-    if agreed is None or not everyone:
+    if agreed is None:
         return _outcome(last, newest), dead, covered
-    # Newer steps' commits were given up: only the agreed one's outcome
+    # Other steps' commits were given up: only the agreed one's outcome
     # counts (this rank's save of it, or its persist now).
     same = last is not None and last.step == agreed.step
     if last is not None and agreed.step != last.step:
@@ -271,17 +269,19 @@ class _Agreed:
     """The ranks' answers to the dying checkpoint's roll call of held steps."""
 
     answers: dict[int, list[int]]
+    """The steps each rank that answered holds: resident, or committed."""
     missing: list[int]
     """Ranks that did not answer: taken as dead."""
     step: int | None
-    """The newest step every rank holds (when none is missing)."""
+    """The newest step every rank that answered holds."""
 
     def note(self, rank: int, staged: int) -> str:
         newest = {r: max(a, default=None) for r, a in sorted(self.answers.items())}
         held = "no step" if self.step is None else f"step {self.step}"
+        who = "every rank" if not self.missing else f"every live rank (dead: {self.missing})"
         return (
             f"acp: dying checkpoint: rank {rank}'s newest staged step {staged} is not held by "
-            f"every rank (each rank's newest: {newest}); {held} is the newest they all hold"
+            f"{who} (each rank's newest: {newest}); {held} is the newest they all hold"
         )
 
 
@@ -294,20 +294,27 @@ def _agree(ckpt: Checkpointer, timeout: float | None) -> _Agreed | None:
     if coord is None or coord.world_size < 2:
         return None
     wait = cover.ROLL_CALL if timeout is None else min(cover.ROLL_CALL, timeout)
+    engine = inner.engine
     try:
-        answers = cover.roll_call_held(coord, inner.engine.resident_steps(), wait)
+        # The newest committed step counts as held: a rank may have
+        # released it from its ring once committed.
+        latest = engine.latest()
+        held = engine.resident_steps() + ([] if latest is None else [latest])
+        answers = cover.roll_call_held(coord, held, wait)
     except Exception as e:  # the store is gone with its host
         _say(logging.WARNING, f"acp: dying checkpoint: the roll call failed: {e}")
         return None
     missing = [r for r in range(coord.world_size) if r not in answers]
-    step = None if missing else cover.newest_held_by_all(answers)
-    return _Agreed(answers, missing, step)
+    return _Agreed(answers, missing, cover.newest_held_by_all(answers))
 
 
 def _persist_agreed(engine: _acp.Engine, agreed: _Agreed) -> _acp.SaveHandle | None:
     """Gives up the commits of steps newer than the agreed one (no rank
-    can commit a step another does not hold), then persists the agreed
-    step when it is not persisted already."""
+    can commit a step another does not hold), and those of other steps
+    that wait for a dead rank, then persists the agreed step when it is
+    not persisted already."""
+    if agreed.missing:
+        engine.give_up_commits_waiting_for(agreed.missing, agreed.step)
     if agreed.step is None:
         try:
             latest = engine.latest()

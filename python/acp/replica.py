@@ -126,6 +126,30 @@ def _ints(values: Any, what: str) -> list[int]:
     return values
 
 
+MAX_HEADER = 100 << 20
+"""The largest safetensors header :func:`_image_refers_elsewhere` reads."""
+
+
+def _image_refers_elsewhere(image: memoryview, step: int) -> bool | None:
+    """Whether the safetensors image ``image`` (of ``step``) has a values
+    tree that refers to tensors its header does not list; None when its
+    header cannot be read."""
+    try:
+        if len(image) < 8:
+            return None
+        n = int.from_bytes(image[:8], "little")
+        if n > min(len(image) - 8, MAX_HEADER):
+            return None
+        header = json.loads(bytes(image[8 : 8 + n]))
+        values = header.get("__metadata__", {}).get("acp.values")
+        if not isinstance(values, str):
+            return False
+        names = {k for k in header if k != "__metadata__"}
+        return bool(ref_names_cached(values, step) - names)
+    except (ValueError, AttributeError, _acp.AcpError):
+        return None
+
+
 def _frombuffer(view: memoryview) -> torch.Tensor:
     # A read-only slot view: gloo only reads what it sends.
     with warnings.catch_warnings():
@@ -547,17 +571,33 @@ class TorchReplicas:
             return None
         return image
 
-    def _refers_elsewhere(self, step: int) -> bool | None:
-        """Whether this rank's resident image of ``step`` refers to tensors
-        it does not hold (other ranks wrote them: a ``replicated`` save);
-        None when this rank has no such image to tell by."""
+    def _refers_elsewhere(self, step: int) -> dict[int, bool]:
+        """For each image of ``step`` this rank has (its own, resident, and
+        the replicas it keeps of other ranks), whether it refers to tensors
+        it does not hold (other ranks wrote them: a ``replicated`` save),
+        by the rank whose image it is. Read from each image's header,
+        unverified: it only decides which images travel, and the load
+        verifies every byte it uses."""
         assert self._engine is not None
-        try:
-            loaded = self._engine.load(step=step, defer=True)
-        except _acp.AcpError:
-            return None
-        names = {name for name, *_ in loaded.entries()}
-        return bool(ref_names_cached(loaded.values_json, step) - names)
+        e = self._engine
+        out: dict[int, bool] = {}
+        images: list[tuple[int, Any]] = []
+        own = self._own_image(step)
+        if own is not None:
+            images.append((self.rank, own))
+        for r, s, *_ in e.replicas():
+            if s == step and r != self.rank:
+                try:
+                    images.append((r, e.pin_replica(r, step)))
+                except _acp.AcpError:
+                    continue
+        for r, image in images:
+            if image is None:
+                continue
+            refers = _image_refers_elsewhere(image.buffer(), step)
+            if refers is not None:
+                out[r] = out.get(r, False) or refers
+        return out
 
     def _shares(
         self,
@@ -570,23 +610,25 @@ class TorchReplicas:
         ``(holder, to, rank)`` that bring each rank the images of the ranks
         of its replica group whose files hold tensors it refers to, when
         they are not readable on its node (the rank's own slot there, or a
-        replica slot there). Each rank says whether its own resident image
-        refers to tensors it does not hold, and names its group; a rank
-        without an image (on a replaced node) follows its group."""
+        replica slot there). Each rank says, for each image of the step it
+        has (its own, the replicas it keeps), whether that image refers to
+        tensors it does not hold, and names its group."""
+        told = self._refers_elsewhere(step)
         mine = {
-            "refers": self._refers_elsewhere(step) if step in all_inv[self.rank]["local"] else None,
+            "refers": [r for r, v in sorted(told.items()) if v],
+            "told": sorted(told),
             "group": sorted(set(group)) if group is not None else list(range(self.world_size)),
         }
         said = all_gather_json(mine, self.group)
         groups: list[list[int]] = []
-        refers: list[bool | None] = []
+        refers: list[bool | None] = [None] * self.world_size
         for i in said:
-            g = _ints(i.get("group") if isinstance(i, dict) else None, "group")
-            if any(not 0 <= r < self.world_size for r in g):
-                raise RuntimeError(f"a replica group names ranks outside the job: {g}")
-            groups.append(g)
-            v = i.get("refers") if isinstance(i, dict) else None
-            refers.append(v if isinstance(v, bool) else None)
+            got = {k: _ints(i.get(k) if isinstance(i, dict) else None, k) for k in mine}
+            if any(not 0 <= r < self.world_size for k in got for r in got[k]):
+                raise RuntimeError(f"a rank's answer names ranks outside the job: {got}")
+            groups.append(got["group"])
+            for r in got["told"]:
+                refers[r] = bool(refers[r]) or r in got["refers"]
 
         def readable(to: int, r: int) -> bool:
             node = self.nodes[to]
@@ -596,10 +638,8 @@ class TorchReplicas:
 
         out: list[tuple[int, int, int]] = []
         for to in range(self.world_size):
-            needs = refers[to]
-            if needs is None:
-                needs = any(refers[m] for m in groups[to])
-            if not needs:
+            # Nobody could tell (no image of it read): it may need them.
+            if refers[to] is False:
                 continue
             for r in groups[to]:
                 if r == to or readable(to, r):

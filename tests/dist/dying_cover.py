@@ -1,6 +1,11 @@
 """One rank of a 4-rank job whose replica groups are {0, 1} and {2, 3},
 saving ``replicated=True``: ``python dying_cover.py RANK ROOT OUT SHM PORT
-TIMEOUT`` (TIMEOUT bounds the dying checkpoint, in seconds).
+TIMEOUT [MODE]`` (TIMEOUT bounds the dying checkpoint, in seconds).
+
+MODE ``inflight``: after step 1, ranks 0 to 2 save step 2 persisted
+(without waiting: its commit waits for rank 3's file) and step 3 as a RAM
+snapshot; rank 3 saves neither (the test kills it), so step 2 can never
+commit, and step 3 only once its group's survivor covers it.
 
 Joins a gloo group rendezvousing on 127.0.0.1:PORT (rank 0 hosts the
 store), installs acp's SIGTERM handler, commits step 1, then saves step 2
@@ -38,6 +43,7 @@ def state(group: int, step: int) -> dict[str, object]:
 
 def main(argv: list[str]) -> None:
     rank, port, timeout = int(argv[0]), int(argv[4]), float(argv[5])
+    mode = argv[6] if len(argv) > 6 else "default"
     root, out, shm = argv[1:4]
     dist.init_process_group(
         "gloo",
@@ -69,11 +75,16 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, report)
     ckpt.install_sigterm_handler(timeout=timeout)
     ckpt.save(1, state(group[0], 1), replicated=True).wait()
-    ckpt.save(2, state(group[0], 2), replicated=True, persist=False)
+    if mode == "inflight":
+        if rank != 3:
+            ckpt.save(2, state(group[0], 2), replicated=True)
+            ckpt.save(3, state(group[0], 3), replicated=True, persist=False)
+    else:
+        ckpt.save(2, state(group[0], 2), replicated=True, persist=False)
     Path(out, f"staged-{rank}").touch()
     while True:
         signal.pause()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:7])
+    main(sys.argv[1:8])

@@ -28,6 +28,9 @@ node's id and directory.
   RAM snapshot (``persist=False``), replicated, and every process ends
   without closing (a crash). ``resume-dp`` loads, checks every tensor
   against step 3's and saves two more steps the same way.
+- ``train-hsdp`` / ``resume-hsdp``: the same with replica groups {0, 1}
+  and {2, 3}, one per node (HSDP's replicated dimension within a node):
+  each rank's file holds about half of its group's tensors.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def train_dp(ckpt: acp.Checkpointer, rank: int) -> None:
     h = ckpt.save(3, dp_state(3), replicated=True, persist=False)
     assert h.wait_replicated(120) == [(rank + 2) % 4]
     # This rank's file holds its share of the tensors only.
-    assert len(ckpt._engine.load(step=3).entries()) < 8
+    assert 0 < len(ckpt._engine.load(step=3).entries()) < 8
     os._exit(0)  # a crash: nothing closed, the RAM snapshot stays
 
 
@@ -157,12 +160,13 @@ def main(rank: int, root: str, out: str, shms: list[str], port: int, phase: str)
         ring_bytes=64 << 20,
         replicas=1,
         replica_timeout=3 if phase == "silent" else 30,
+        replica_group=[2 * node, 2 * node + 1] if phase.endswith("hsdp") else None,
     )
     if phase == "train":
         train(ckpt, rank)
-    elif phase == "train-dp":
+    elif phase in ("train-dp", "train-hsdp"):
         train_dp(ckpt, rank)
-    elif phase == "resume-dp":
+    elif phase in ("resume-dp", "resume-hsdp"):
         resume_dp(ckpt, rank, out, warned)
     elif phase == "inflight":
         train(ckpt, rank)

@@ -531,27 +531,25 @@ fn version_of<'a>(files: impl IntoIterator<Item = &'a FileEntry>) -> u32 {
 /// How often the ranks look for each other's progress on storage.
 const POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// One look of a commit of `step` waiting on other ranks: notes `waiting`
-/// as the flush's progress, fails with `late()` once `deadline` (the
-/// commit timeout) has passed, or at once when the step was given up
-/// ([`Engine::give_up_commits_from`](super::Engine::give_up_commits_from)),
+/// One look of a commit of `step` waiting on ranks `waiting_for`: notes
+/// `waiting` as the flush's progress, fails with `late()` once `deadline`
+/// (the commit timeout) has passed, or at once when the step was given up
+/// ([`Engine::give_up_commits_from`](super::Engine::give_up_commits_from),
+/// [`Engine::give_up_commits_waiting_for`](super::Engine::give_up_commits_waiting_for)),
 /// else sleeps one poll.
 fn poll_ranks(
     shared: &Shared,
     step: u64,
+    waiting_for: &[u32],
     deadline: Instant,
     waiting: String,
     late: impl FnOnce() -> String,
 ) -> Result<()> {
     shared.note_progress(waiting);
-    if shared
-        .lock()
-        .given_up_from
-        .is_some_and(|first| step >= first)
-    {
+    if let Some(why) = given_up(shared, step, waiting_for) {
         return Err(Error::invalid(
             format!("step {step}"),
-            "given up by the dying checkpoint: not every rank holds it",
+            format!("given up by the dying checkpoint: {why}"),
         ));
     }
     if Instant::now() >= deadline {
@@ -562,6 +560,24 @@ fn poll_ranks(
     }
     std::thread::sleep(POLL);
     Ok(())
+}
+
+/// Why the dying checkpoint gave up the commit of `step` that waits for
+/// ranks `waiting_for`, if it did.
+fn given_up(shared: &Shared, step: u64, waiting_for: &[u32]) -> Option<String> {
+    let st = shared.lock();
+    if st.given_up_from.is_some_and(|first| step >= first) {
+        return Some("not every rank holds it".to_owned());
+    }
+    if st.given_up_except == Some(step) {
+        return None;
+    }
+    let dead: Vec<u32> = waiting_for
+        .iter()
+        .copied()
+        .filter(|r| st.given_up_ranks.contains(r))
+        .collect();
+    (!dead.is_empty()).then(|| format!("it waits for ranks {dead:?}, taken as dead"))
 }
 
 /// Rank 0 of a multi-rank save: waits until every rank has reported its file
@@ -581,6 +597,7 @@ fn commit_ranks(shared: &Shared, step: u64, overwrite: bool) -> Result<()> {
         poll_ranks(
             shared,
             step,
+            &missing,
             deadline,
             format!("step {step}: waiting for ranks {missing:?}"),
             || format!("step {step}: ranks {missing:?} did not report their files durable"),
@@ -679,6 +696,7 @@ fn wait_for_commit(shared: &Shared, step: u64, our_root: &str, pending: &Pending
         poll_ranks(
             shared,
             step,
+            &[0],
             deadline,
             format!("step {step}: waiting for rank 0 to commit"),
             || format!("step {step}: rank 0 did not commit (ranks [0] did not answer)"),

@@ -443,6 +443,18 @@ impl Engine {
         st.given_up_from = Some(st.given_up_from.map_or(first, |g| g.min(first)));
     }
 
+    /// Makes every commit that waits for one of `dead` (rank 0 waiting
+    /// for their files, another rank waiting for rank 0) fail at its next
+    /// look instead of waiting out `commit_timeout`, except the commit of
+    /// step `except`: the dying checkpoint took them as dead, and the
+    /// survivors write their files of that step (`acp.cover`); no other
+    /// step can get them. For good: the engine is about to close.
+    pub fn give_up_commits_waiting_for(&self, dead: &[u32], except: Option<u64>) {
+        let mut st = self.shared().lock();
+        st.given_up_ranks.extend_from_slice(dead);
+        st.given_up_except = except;
+    }
+
     /// [`Engine::persist_newest`]; with `held` false, `None` when the
     /// newest resident step is held (a full ring: only its caller decides
     /// a held save).

@@ -128,6 +128,13 @@ pub(super) struct EngineState {
     /// another rank waiting for rank 0) fails at its next look instead of
     /// waiting out the commit timeout.
     pub(super) given_up_from: Option<u64>,
+    /// Ranks the dying checkpoint took as dead, and the step that is not
+    /// given up for them (its dead ranks' files are being written by the
+    /// survivors: `acp.cover`): a commit of any other step that waits for
+    /// one of them fails at its next look
+    /// ([`Engine::give_up_commits_waiting_for`](super::Engine::give_up_commits_waiting_for)).
+    pub(super) given_up_ranks: Vec<u32>,
+    pub(super) given_up_except: Option<u64>,
 }
 
 /// A RAM snapshot kept resident: its slot, the slot's generation, its step.
