@@ -864,3 +864,65 @@ fn references_to_many_files_of_a_step_read_its_index_once() {
     assert!(err.contains("digest mismatch"), "{err}");
     assert!(err.contains("f00000.safetensors"), "{err}");
 }
+
+#[test]
+fn retention_removes_a_referencing_step_before_the_step_it_references() {
+    // Steps 2 and 3 reference step 1's chunks; step 4 shares nothing, so
+    // keep_last = 1 retires 1, 2 and 3 together. Removed oldest first, a
+    // reader (or a crash) between two removals found step 2 or 3 listed
+    // with step 1 gone: a good step reported corrupt (a hunt running
+    // `acp gc --keep 1` beside loads and `acp verify`).
+    let s = setup();
+    let faults = Arc::new(FaultInjector::counting());
+    let snaps = s.dir.path().join("snaps");
+    let e = Engine::open(
+        config(&s, &s.root, Compress::None, true)
+            .with_keep_last(1)
+            .with_faults(Arc::clone(&faults)),
+    )
+    .unwrap();
+    let t = tensors(1);
+    for step in 1..=3 {
+        save(&e, step, &t);
+    }
+    let fresh: Tensors = vec![("x".to_owned(), Dtype::U8, vec![300_000], noise(4, 300_000))];
+    let taken = Arc::new(Mutex::new(Vec::new()));
+    {
+        let (root, snaps, taken) = (s.root.clone(), snaps.clone(), Arc::clone(&taken));
+        faults.set_hook(move |n, op, path| {
+            if op.contains("rename") || op.contains("remove") {
+                let to = snaps.join(format!("{n:04}"));
+                copy_tree(&root, &to);
+                taken
+                    .lock()
+                    .unwrap()
+                    .push((to, format!("{op} {}", path.display())));
+            }
+        });
+    }
+    save(&e, 4, &fresh);
+    e.close().unwrap();
+    faults.set_hook(|_, _, _| {});
+    let taken = taken.lock().unwrap().clone();
+    let mut retiring = 0;
+    for (snap, op) in &taken {
+        let v = verify(snap, None, true, &Quiet).unwrap();
+        assert!(v.ok, "before {op} ({}): {v:?}", snap.display());
+        let steps: Vec<u64> = v.steps.iter().map(|s| s.step).collect();
+        if steps.contains(&4) && steps.len() > 1 {
+            retiring += 1;
+        }
+    }
+    assert!(
+        retiring >= 2,
+        "snapshots while retiring: {retiring} of {taken:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&s.root)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+            .count(),
+        1
+    );
+}

@@ -108,7 +108,9 @@ pub(crate) fn removable(
 fn retire(root: &dyn Storage, keep_last: usize, keep_every: Option<u64>) -> Result<Vec<u64>> {
     check_keep_last(keep_last)?;
     let (retired, _) = removable(root, keep_last, keep_every)?;
-    for &step in &retired {
+    // Newest first, as `acp gc` removes them: a step leaves the listing
+    // before the steps it references.
+    for &step in retired.iter().rev() {
         root.retire_step(step)?;
     }
     Ok(retired)

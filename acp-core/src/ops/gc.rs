@@ -69,7 +69,10 @@ pub fn gc(root: &Path, opts: &GcOptions) -> Result<GcReport> {
         None => (Vec::new(), Vec::new()),
     };
     let mut freed = 0;
-    for &step in &remove {
+    // Newest first: a step goes before the steps it references (all in
+    // the plan with it), so a reader never finds a listed step whose
+    // referenced step is already gone, and reports a good step corrupt.
+    for &step in remove.iter().rev() {
         freed += root.step_bytes(step);
         if !opts.dry_run {
             root.remove_step(step)?;
