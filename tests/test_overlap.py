@@ -312,3 +312,68 @@ def test_one_thread_seals_a_pending_save_the_others_find_nothing(make_ckpt: Make
     assert h.staged
     ckpt.wait()
     assert same(ckpt.load(2)["model"], ref)
+
+
+def test_an_interrupt_while_staged_waits_leaves_the_save_pending(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt (Ctrl-C) inside ``staged()`` or ``wait()`` while
+    the copy ran took the save out of ``pending`` for good: it was never
+    sealed, and its handle's ``wait()`` raised a bare AssertionError."""
+    from acp import _overlap
+
+    m, opt = model()
+    ckpt = make_ckpt(overlap=True)
+    h, ref = pending_second_save(ckpt, m, opt)
+    done = _overlap._done
+
+    def interrupted(fut: object, timeout: float | None) -> bool:
+        monkeypatch.setattr(_overlap, "_done", done)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_overlap, "_done", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.staged()
+    assert not h.done()
+    assert h.wait().outcome == "resident"  # sealed now
+    assert h.staged
+    ckpt.wait()
+    assert same(ckpt.load(2)["model"], ref)
+
+
+def test_a_save_that_close_overtakes_is_dropped_and_frees_the_ring(
+    make_ckpt: MakeCkpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` from another thread while an overlapped ``save()`` was
+    between starting its copy and handing it over: the save outlived the
+    close, its staging kept the ring locked (a reopen in this process was
+    BusyError) and its handle failed while the next open committed it.
+    Now the save is dropped (``EngineClosed``) and the ring is free."""
+    from acp import _overlap
+
+    m, opt = model()
+    ckpt = make_ckpt(overlap=True)
+    train_step(m, opt)
+    ckpt.save(1, state_of(m, opt), persist=True).wait()
+    submit = _overlap.Copier.submit
+    closer: list[threading.Thread] = []
+
+    def close_meanwhile(self: _overlap.Copier, *args: object, **kwargs: object) -> object:
+        fut = submit(self, *args, **kwargs)  # type: ignore[arg-type]
+        t = threading.Thread(target=ckpt.close)
+        t.start()
+        closer.append(t)
+        while not ckpt._closed:  # close() has begun: it settled nothing
+            pass
+        return fut
+
+    monkeypatch.setattr(_overlap.Copier, "submit", close_meanwhile)
+    train_step(m, opt)
+    h = ckpt.save(2, state_of(m, opt), persist=False)
+    closer[0].join(60)
+    assert not closer[0].is_alive()
+    with pytest.raises(acp.EngineClosed, match="closed during the save"):
+        h.wait()
+    again = make_ckpt()  # no BusyError: the ring was let go
+    assert again.steps() == [1]
+    assert again.snapshots() == [1] or 2 not in again.snapshots()

@@ -143,11 +143,14 @@ class Copier:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(
         self, fn: Callable[..., None], ranges: list[HostRange], **kwargs: Any
     ) -> Future[None]:
         with self._lock:
+            if self._closed:
+                raise _acp.EngineClosed("overlapped save: the checkpointer is closed")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="acp-overlap")
             return self._pool.submit(fn, ranges, **kwargs)
@@ -155,6 +158,7 @@ class Copier:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            self._closed = True
         if pool is not None:
             pool.shutdown(wait=True)
 
@@ -185,6 +189,25 @@ class Pending:
         self.copy = copy
         self.started = perf_counter()
         self.seal = seal
+        self.sealed = False  # set once ``seal`` is called, by settle or cancel
+
+    def _seal(
+        self, handle: _acp.SaveHandle | None, error: BaseException | None, waited: float
+    ) -> None:
+        self.sealed = True
+        self.leaves = self.alive = []
+        self.seal(handle, error, waited, perf_counter() - self.started)
+
+    def cancel(self, error: BaseException) -> None:
+        """Drops the save with ``error`` once its copy has ended (the copy
+        writes into the slot until then): a save that lost a race with
+        ``close()``."""
+        if self.sealed:
+            return
+        t0 = perf_counter()
+        _done(self.copy, None)
+        self.staging.abort()
+        self._seal(None, error, perf_counter() - t0)
 
     def settle(self, timeout: float | None = None) -> bool:
         """Waits for the copy, compares the version counters, then seals the
@@ -218,19 +241,18 @@ class Pending:
                     "(or register ckpt.staged_before(optimizer)) before changing the "
                     "state; from now on this tensor is copied in the stall"
                 )
-        self.leaves = self.alive = []
         if error is not None:
             # Logged as the save's failure (acp._metrics), once.
             self.staging.abort()
-            self.seal(None, error, waited, perf_counter() - self.started)
+            self._seal(None, error, waited)
             return False
         try:
             handle = self.staging.finish()
         except BaseException as e:
             self.staging.abort()
-            self.seal(None, e, waited, perf_counter() - self.started)
+            self._seal(None, e, waited)
             raise
-        self.seal(handle, None, waited, perf_counter() - self.started)
+        self._seal(handle, None, waited)
         return True
 
 
@@ -266,8 +288,11 @@ class Overlaps:
                 return None
             try:
                 return pending.settle(timeout)
-            except _acp.AcpTimeout:
-                self.pending = pending
+            except BaseException:
+                # Not sealed (a timeout, or KeyboardInterrupt while the
+                # copy ran): still pending, for the next staged() or wait().
+                if not pending.sealed:
+                    self.pending = pending
                 raise
 
     def close(self) -> None:

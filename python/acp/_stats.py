@@ -222,7 +222,8 @@ class SaveHandle:
         dropped raises its error."""
         handle = self._settled()
         if handle is None:
-            assert self._error is not None
+            if self._error is None:
+                raise AcpError(f"save of step {self.step}: neither sealed nor dropped")
             raise self._error
         return self._with(handle.wait(timeout))
 

@@ -907,8 +907,21 @@ class Checkpointer:
             self._queued(result, handle, coalescer)
 
         pending.seal = seal
-        self._overlaps.pending = pending
-        self._count(result, staged=True)
+        # A close() from another thread since this save began has settled
+        # what was pending already: this save must not outlive it (its
+        # staging would keep the engine's ring locked).
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._overlaps.pending = pending
+        if closed:
+            # Dropped as a failed save, without the coalescing decision and
+            # the replica exchange: both are closed.
+            pending.seal = result._sealed
+            pending.cancel(
+                EngineClosed(f"save of step {step}: the checkpointer was closed during the save")
+            )
+        self._count(result, staged=not closed)
         return result, None
 
     # --- loading ----------------------------------------------------------
