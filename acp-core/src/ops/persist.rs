@@ -358,8 +358,21 @@ fn persist_rank(
         .max()
         .unwrap_or(0);
     let budget = (largest + (8 << 20)) * n as u64;
+    let mut config = EngineConfig::new(root);
+    // The trainer's chunk size, as its slots recorded it: the committed
+    // step's digests then match the slots', and the restarted trainer
+    // restores it from RAM (in chunks of the default size, from storage).
+    if let Some(chunk) = on
+        .own
+        .iter()
+        .chain(on.replicas)
+        .find_map(|s| s.chunk_bytes)
+        .filter(|c| *c > 0 && c % 4096 == 0 && *c <= 1 << 30)
+    {
+        config = config.with_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
+    }
     let engine = Engine::open(
-        EngineConfig::new(root)
+        config
             .with_job(job)
             .with_rank(rank)
             .with_world_size(world_size.max(rank + 1))

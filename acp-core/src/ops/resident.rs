@@ -56,6 +56,10 @@ pub struct ResidentSlot {
     /// torn slot): `acp persist` cannot commit it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header_error: Option<String>,
+    /// The chunk size of the digests or sums recorded for the image (its
+    /// writer's `chunk_bytes`), when some are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_bytes: Option<u64>,
     /// The pid recorded as the slot's last owner.
     pub owner_pid: u32,
     /// Whether a live process holds the slot's lock (from `/proc/locks`).
@@ -160,6 +164,10 @@ fn described(files: Vec<crate::staging::SlotFile>, job: &str) -> Result<Vec<Resi
             world_size,
             tensors,
             header_error,
+            chunk_bytes: peek
+                .as_ref()
+                .filter(|p| complete && p.chunk_bytes > 0)
+                .map(|p| p.chunk_bytes),
             owner_pid: peek.as_ref().map_or(0, |p| p.owner_pid),
             locked: locks.contains(&(meta.dev(), meta.ino())),
             file_bytes: meta.len(),

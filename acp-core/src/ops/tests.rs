@@ -553,6 +553,14 @@ fn persist_commits_what_a_dead_saver_left() {
     assert_eq!(r.ranks[0].persisted_steps, [2]);
     assert_eq!(r.latest, Some(2));
     assert!(verify(&f.root, Some(2), false, &Quiet).unwrap().ok);
+    // In the saver's chunks (4 KiB here), not the default 4 MiB: the
+    // restarted saver then restores the step from its slot.
+    let index = crate::storage::open_root(&f.root)
+        .unwrap()
+        .read_index(2)
+        .unwrap();
+    let chunk = index.files.values().next().unwrap().chunk_bytes;
+    assert_eq!(chunk, 4096);
     // Again: nothing left to do.
     let again = persist(&opts).unwrap();
     assert!(again.ranks[0].persisted_steps.is_empty());

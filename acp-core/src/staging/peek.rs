@@ -36,6 +36,9 @@ pub struct SlotPeek {
     pub generation: u64,
     /// Whether chunk digests are recorded.
     pub digests_valid: bool,
+    /// The chunk size of the digests or quick sums recorded for the image
+    /// (its writer's `chunk_bytes`); 0 when none are.
+    pub chunk_bytes: u64,
     /// The file's size.
     pub file_len: u64,
 }
@@ -109,6 +112,7 @@ pub fn peek_file(file: &File, path: &Path) -> Result<Option<SlotPeek>> {
         owner_pid: h.pid,
         generation: h.generation,
         digests_valid: h.digests_valid == 1,
+        chunk_bytes: h.chunk_bytes,
         file_len,
     }))
 }
