@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,39 @@ def run_child(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         check=False,
         cwd=cwd,
     )
+
+
+def start_staged_ranks(
+    tmp_path: Path, script: Path, world: int, args: list[str]
+) -> tuple[Path, Path, list[subprocess.Popen[bytes]]]:
+    """Starts ``world`` ranks of ``script`` (``python script RANK ROOT OUT
+    SHM PORT *args``, their stderr in ``tmp_path/stderr-RANK``); returns
+    the root, the report directory and the processes once every rank has
+    touched ``OUT/staged-RANK``."""
+    from tests.test_replicas import free_port
+
+    root, out, shm = tmp_path / "ckpt", tmp_path / "out", tmp_path / "shm"
+    out.mkdir()
+    shm.mkdir()
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = []
+    for r in range(world):
+        argv = [str(r), str(root), str(out), str(shm), str(port), *args]
+        with (tmp_path / f"stderr-{r}").open("wb") as err:
+            procs.append(
+                subprocess.Popen([sys.executable, str(script), *argv], env=env, stderr=err)
+            )
+    deadline = time.monotonic() + 180
+    while not all((out / f"staged-{r}").exists() for r in range(world)):
+        for r, p in enumerate(procs):
+            if p.poll() is not None:
+                for q in procs:
+                    q.kill()
+                raise AssertionError((tmp_path / f"stderr-{r}").read_text()[-3000:])
+        if time.monotonic() >= deadline:
+            for q in procs:
+                q.kill()
+            raise AssertionError("the ranks did not stage")
+        time.sleep(0.05)
+    return root, out, procs

@@ -8,10 +8,7 @@ it, give up the newer ones at once and exit 143."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import pytest
 
 import acp
 from tests.dist.dying_apart import state
-from tests.test_replicas import free_port
+from tests.helpers import start_staged_ranks
 
 SCRIPT = Path(__file__).parent / "dist" / "dying_apart.py"
 
@@ -28,25 +25,8 @@ def run(tmp_path: Path, mode: str) -> tuple[dict[int, int], float, dict[int, str
     """Starts both ranks, SIGTERMs them once both staged; returns their exit
     statuses, the seconds from the SIGTERM to the last exit and their
     stderr."""
-    root, out, shm = tmp_path / "ckpt", tmp_path / "out", tmp_path / "shm"
-    out.mkdir()
-    shm.mkdir()
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    procs = []
-    for r in range(2):
-        args = [str(r), str(root), str(out), str(shm), str(port), mode]
-        with (tmp_path / f"stderr-{r}").open("wb") as err:
-            procs.append(
-                subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, stderr=err)
-            )
+    _, _, procs = start_staged_ranks(tmp_path, SCRIPT, 2, [mode])
     try:
-        deadline = time.monotonic() + 120
-        while not all((out / f"staged-{r}").exists() for r in range(2)):
-            for r, p in enumerate(procs):
-                assert p.poll() is None, (tmp_path / f"stderr-{r}").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the ranks did not stage"
-            time.sleep(0.05)
         t0 = time.monotonic()
         for p in procs:
             p.send_signal(signal.SIGTERM)

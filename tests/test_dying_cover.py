@@ -8,10 +8,8 @@ committed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 
 import acp
 from tests.dist.dying_cover import state
-from tests.test_replicas import free_port
+from tests.helpers import start_staged_ranks
 
 SCRIPT = Path(__file__).parent / "dist" / "dying_cover.py"
 
@@ -28,25 +26,7 @@ def start(
     tmp_path: Path, timeout: float, mode: str = "default"
 ) -> tuple[Path, Path, list[subprocess.Popen[bytes]]]:
     """Starts the 4 ranks; returns once every one staged (tests/dist/dying_cover.py)."""
-    root, out, shm = tmp_path / "ckpt", tmp_path / "out", tmp_path / "shm"
-    out.mkdir()
-    shm.mkdir()
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    procs = []
-    for r in range(4):
-        args = [str(r), str(root), str(out), str(shm), str(port), str(timeout), mode]
-        with (tmp_path / f"stderr-{r}").open("wb") as err:
-            procs.append(
-                subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, stderr=err)
-            )
-    deadline = time.monotonic() + 180
-    while not all((out / f"staged-{r}").exists() for r in range(4)):
-        for r, p in enumerate(procs):
-            assert p.poll() is None, (tmp_path / f"stderr-{r}").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the ranks did not stage step 2"
-        time.sleep(0.05)
-    return root, out, procs
+    return start_staged_ranks(tmp_path, SCRIPT, 4, [str(timeout), mode])
 
 
 def stop(tmp_path: Path, procs: list[subprocess.Popen[bytes]], dead: list[int]) -> dict[int, int]:

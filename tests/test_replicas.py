@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,17 @@ def lose_node_b(shm: list[Path]) -> None:
     shm[1].mkdir()
 
 
+def resumed_exact(out: Path, step: int) -> dict[int, dict[str, Any]]:
+    """Each rank's report of its ``resume`` phase, checked: it resumed
+    from ``step``, bit-exact, no copy rejected."""
+    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
+    for r in range(4):
+        assert got[r]["step"] == step, got
+        assert got[r]["exact"], got
+        assert got[r]["rejected"] is None, got
+    return got
+
+
 @pytest.mark.parametrize("node_lost", [False, True])
 def test_a_data_parallel_ram_snapshot_resumes_after_a_crash_and_a_node_loss(
     tmp_path: Path, node_lost: bool
@@ -116,11 +128,7 @@ def test_a_data_parallel_ram_snapshot_resumes_after_a_crash_and_a_node_loss(
     if node_lost:
         lose_node_b(shm)
     run(root, out, shm, "resume-dp")
-    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
-    for r in range(4):
-        assert got[r]["step"] == 3, got
-        assert got[r]["exact"], got
-        assert got[r]["rejected"] is None, got
+    got = resumed_exact(out, 3)
     if node_lost:
         # Step 3 is not committed: A's ranks read every file from RAM on
         # their node (the slots of the ranks beside them, B's images in
@@ -149,11 +157,7 @@ def test_a_replica_group_lost_with_its_node_resumes_from_the_peers(tmp_path: Pat
     run(root, out, shm, "train-hsdp")
     lose_node_b(shm)
     run(root, out, shm, "resume-hsdp")
-    got = {r: json.loads((out / f"resume-{r}.json").read_text()) for r in range(4)}
-    for r in range(4):
-        assert got[r]["step"] == 3, got
-        assert got[r]["exact"], got
-        assert got[r]["rejected"] is None, got
+    got = resumed_exact(out, 3)
     assert got[0]["ranks"] == got[1]["ranks"] == {"0": "ram", "1": "ram"}, got
     assert got[2]["ranks"] == got[3]["ranks"] == {"2": "peer", "3": "peer"}, got
 

@@ -69,3 +69,25 @@ def write_result(out: str, name: str, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
+
+
+def report_dying_checkpoint(
+    ckpt: acp.Checkpointer, out: str, rank: int, timeout: float | None = None
+) -> None:
+    """Installs acp's SIGTERM handler (dying checkpoint bounded by
+    ``timeout``), chaining one that writes its report to
+    OUT/dying-RANK.json: it runs after the dying checkpoint, before the
+    exit."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def report(signum: int, frame: object) -> None:
+        dying = ckpt.last_dying
+        assert dying is not None
+        Path(out, f"dying-{rank}.json").write_text(json.dumps(dying.as_dict()))
+        if callable(previous):
+            previous(signum, frame)  # type: ignore[arg-type]
+
+    signal.signal(signal.SIGTERM, report)
+    ckpt.install_sigterm_handler(timeout=timeout)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import acp
+from tests.dist._common import report_dying_checkpoint
 
 
 def state(rank: int, step: int) -> dict[str, object]:
@@ -43,18 +44,7 @@ def main(argv: list[str]) -> None:
     ckpt = acp.Checkpointer(
         root, job="apart", shm_dir=shm, ring_bytes=16 << 20, mlock=False, commit_timeout=60
     )
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def report(signum: int, frame: object) -> None:
-        dying = ckpt.last_dying
-        assert dying is not None
-        Path(out, f"dying-{rank}.json").write_text(json.dumps(dying.as_dict()))
-        if callable(previous):
-            previous(signum, frame)  # type: ignore[arg-type]
-
-    # acp's handler chains this one after the dying checkpoint.
-    signal.signal(signal.SIGTERM, report)
-    ckpt.install_sigterm_handler()
+    report_dying_checkpoint(ckpt, out, rank)
     for step in (1, 2):
         ckpt.save(step, state(rank, step)).wait()
     for step in (3, 4) if rank == 1 else (3,):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import acp
+from tests.dist._common import report_dying_checkpoint
 
 
 def state(group: int, step: int) -> dict[str, object]:
@@ -62,18 +63,7 @@ def main(argv: list[str]) -> None:
         replica_group=group,
         commit_timeout=60,
     )
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def report(signum: int, frame: object) -> None:
-        dying = ckpt.last_dying
-        assert dying is not None
-        Path(out, f"dying-{rank}.json").write_text(json.dumps(dying.as_dict()))
-        if callable(previous):
-            previous(signum, frame)  # type: ignore[arg-type]
-
-    # acp's handler chains this one after the dying checkpoint.
-    signal.signal(signal.SIGTERM, report)
-    ckpt.install_sigterm_handler(timeout=timeout)
+    report_dying_checkpoint(ckpt, out, rank, timeout)
     ckpt.save(1, state(group[0], 1), replicated=True).wait()
     if mode == "inflight":
         if rank != 3:

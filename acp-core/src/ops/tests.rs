@@ -494,37 +494,43 @@ fn gc_keeps_what_it_should() {
     );
 }
 
-#[test]
-fn persist_commits_what_a_dead_saver_left() {
-    let f = fixture();
-    with_steps(&f, &[1]);
-    // A saver whose storage is dead: step 2 stays resident, uncommitted.
+/// Step 1 committed, then a saver whose storage is dead: step 2 stays
+/// resident, uncommitted. Returns the saver, still open.
+fn dead_saver_left_step_2(f: &Fixture) -> Engine {
+    with_steps(f, &[1]);
     let faults = Arc::new(FaultInjector::fail_at(0, libc::EIO, true));
-    let engine = Engine::open(config(&f).with_faults(faults)).unwrap();
+    let engine = Engine::open(config(f).with_faults(faults)).unwrap();
     let w = f32s(&[2.0; 16]);
+    let tensor = HostTensor {
+        name: "w",
+        dtype: Dtype::F32,
+        shape: &[16],
+        data: &w,
+    };
     let h = engine
-        .save(
-            2,
-            &[HostTensor {
-                name: "w",
-                dtype: Dtype::F32,
-                shape: &[16],
-                data: &w,
-            }],
-            &json!(null),
-            &SaveOptions::default(),
-        )
+        .save(2, &[tensor], &json!(null), &SaveOptions::default())
         .unwrap();
     assert!(h.wait().is_err());
-    // While the saver lives, persist refuses.
-    let opts = PersistOptions {
+    engine
+}
+
+fn persist_options(f: &Fixture) -> PersistOptions {
+    PersistOptions {
         root: f.root.clone(),
         job: Some("ops-test".into()),
         ranks: None,
         shm_dir: f.shm.clone(),
         world_size: None,
         commit_timeout: std::time::Duration::from_secs(30),
-    };
+    }
+}
+
+#[test]
+fn persist_commits_what_a_dead_saver_left() {
+    let f = fixture();
+    let engine = dead_saver_left_step_2(&f);
+    // While the saver lives, persist refuses.
+    let opts = persist_options(&f);
     let e = persist(&opts).unwrap_err();
     assert_eq!(exit_code(&e), 5, "{e}");
     let _ = engine.close();
@@ -570,22 +576,9 @@ fn persist_commits_what_a_dead_saver_left() {
 #[test]
 fn ls_says_when_a_resident_image_cannot_be_persisted() {
     let f = fixture();
-    with_steps(&f, &[1]);
-    // A saver whose storage is dead leaves step 2 resident; then a byte of
-    // its image's header changes in the slot.
-    let faults = Arc::new(FaultInjector::fail_at(0, libc::EIO, true));
-    let engine = Engine::open(config(&f).with_faults(faults)).unwrap();
-    let w = f32s(&[2.0; 16]);
-    let tensor = HostTensor {
-        name: "w",
-        dtype: Dtype::F32,
-        shape: &[16],
-        data: &w,
-    };
-    let h = engine
-        .save(2, &[tensor], &json!(null), &SaveOptions::default())
-        .unwrap();
-    assert!(h.wait().is_err());
+    // Step 2 left resident by a dead saver; then a byte of its image's
+    // header changes in the slot.
+    let engine = dead_saver_left_step_2(&f);
     let _ = engine.close();
     drop(engine);
     let listed = list(&f.root, Some("ops-test"), &f.shm).unwrap();
@@ -604,15 +597,7 @@ fn ls_says_when_a_resident_image_cannot_be_persisted() {
     assert!(why.contains("header"), "{why}");
     let shown = text::list(&listed);
     assert!(shown.contains("`acp persist` cannot commit it"), "{shown}");
-    let opts = PersistOptions {
-        root: f.root.clone(),
-        job: Some("ops-test".into()),
-        ranks: None,
-        shm_dir: f.shm.clone(),
-        world_size: None,
-        commit_timeout: std::time::Duration::from_secs(30),
-    };
-    assert!(persist(&opts).is_err());
+    assert!(persist(&persist_options(&f)).is_err());
 }
 
 #[test]
