@@ -377,3 +377,30 @@ def test_a_save_that_close_overtakes_is_dropped_and_frees_the_ring(
     again = make_ckpt()  # no BusyError: the ring was let go
     assert again.steps() == [1]
     assert again.snapshots() == [1] or 2 not in again.snapshots()
+
+
+def test_an_interrupt_while_close_waits_still_closes_the_engine(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt while ``close()`` waited for an overlapped copy
+    left the engine open for good (a second close() returned at once): the
+    save is dropped, the engine closed, and then the interrupt goes on."""
+    from acp import _overlap
+
+    m, opt = model()
+    ckpt = make_ckpt(overlap=True)
+    h, _ = pending_second_save(ckpt, m, opt)
+    done = _overlap._done
+
+    def interrupted(fut: object, timeout: float | None) -> bool:
+        monkeypatch.setattr(_overlap, "_done", done)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_overlap, "_done", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.close()
+    assert ckpt._engine.closed
+    with pytest.raises(acp.EngineClosed, match="close\\(\\) interrupted"):
+        h.wait()
+    again = make_ckpt()  # the ring was let go
+    assert again.steps() == [1]

@@ -840,6 +840,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Ends the give-ups below and above (the dying checkpoint, once
+    /// drained).
+    fn clear_given_up(&self) -> PyResult<()> {
+        self.get()?.clear_given_up();
+        Ok(())
+    }
+
     /// Makes every commit that waits for one of the ranks `dead` fail at
     /// its next look, except that of step `keep` (the dying checkpoint:
     /// the survivors write the dead ranks' files of that step).

@@ -1307,10 +1307,18 @@ class Checkpointer:
             # A forked child's copy: the parent's threads, locks and queued
             # work are not its to finish; the engine's drop leaves them be.
             return
+        interrupted: BaseException | None = None
         try:
             self._settle()  # sealed (or dropped) before the newest is committed
         except AcpError as e:
             logger.warning("acp: overlapped save not sealed at close: %s", e)
+        except BaseException as e:
+            # Interrupted while the copy ran: the save is dropped, the
+            # engine still closed, then the interrupt goes on.
+            interrupted = e
+            pending, self._overlaps.pending = self._overlaps.pending, None
+            if pending is not None:
+                pending.cancel(EngineClosed(f"save of step {pending.step}: close() interrupted"))
         self._overlaps.close()
         self._plans.clear()
         if self._in.sigterm is not None:
@@ -1337,6 +1345,8 @@ class Checkpointer:
                     )
             finally:
                 self._metrics.close()
+        if interrupted is not None:
+            raise interrupted
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -73,12 +73,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ROLL_CALL",
+    "Decision",
     "Saved",
     "Setup",
+    "agree_held",
     "cover_dead_ranks",
     "newest_held_by_all",
     "record",
-    "roll_call_held",
 ]
 
 log = logging.getLogger("acp")
@@ -172,32 +173,98 @@ def roll_call(
         time.sleep(_POLL)
 
 
-def roll_call_held(coord: Coordinator, held: list[int], wait: float) -> dict[int, list[int]]:
-    """Posts the steps this rank holds resident (``held``) for the dying
-    checkpoint; returns every rank's answer that arrived within ``wait``
-    seconds, by rank (a rank missing from it is taken as dead). An answer
+@dataclass(frozen=True)
+class Decision:
+    """What the ranks' roll call of held steps decided (:func:`agree_held`)."""
+
+    answers: dict[int, list[int]]
+    """The steps each rank that answered holds."""
+    missing: list[int]
+    """The ranks that did not answer in time: taken as dead."""
+    step: int | None
+    """The newest step every rank that answered holds."""
+
+
+def agree_held(coord: Coordinator, held: list[int], wait: float) -> Decision:
+    """Posts the steps this rank holds (``held``) for the dying checkpoint
+    and returns the decision every rank adopts: the first rank whose roll
+    call ends (every rank answered, or ``wait`` seconds passed) publishes
+    it from the answers it saw; the others, a rank that comes late
+    included, read it. A rank that finds no decision within ``wait``
+    seconds more (its publisher died) decides from what it saw. Each
+    dying checkpoint of the coordinator has keys of its own. An answer
     that is not a list of steps counts as none. Raises what the store
     raises (its host gone)."""
     store = coord.store
-    keys = [coord.key(f"dying/held/{r}") for r in range(coord.world_size)]
+    n = coord.dying_rounds
+    coord.dying_rounds += 1
+    keys = [coord.key(f"dying/{n}/held/{r}") for r in range(coord.world_size)]
+    decided = coord.key(f"dying/{n}/decision")
     store.set(keys[coord.rank], json.dumps(sorted(held)))
     deadline = time.monotonic() + wait
-    while True:
+    while not store.check([decided]):
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing or time.monotonic() >= deadline:
+            if store.add(coord.key(f"dying/{n}/decider"), 1) == 1:
+                mine = _decision(_answers(store, keys, missing), missing)
+                store.set(decided, json.dumps(_to_json(mine)))
+                return mine
             break
         time.sleep(_POLL)
+    deadline = time.monotonic() + wait
+    while not store.check([decided]):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            return _decision(_answers(store, keys, missing), missing)
+        time.sleep(_POLL)
+    return _from_json(store.get(decided), coord.world_size)
+
+
+def _answers(store: Any, keys: list[str], missing: list[int]) -> dict[int, list[int]]:
     answers: dict[int, list[int]] = {}
     for r, k in enumerate(keys):
-        if r in missing:
-            continue
-        try:
-            got = json.loads(store.get(k))
-        except ValueError:
-            got = None
-        ok = isinstance(got, list) and all(type(s) is int and s >= 0 for s in got)
-        answers[r] = got if ok else []
+        if r not in missing:
+            try:
+                got = json.loads(store.get(k))
+            except ValueError:
+                got = None
+            answers[r] = got if _steps(got) else []
     return answers
+
+
+def _steps(v: object) -> bool:
+    return isinstance(v, list) and all(type(s) is int and s >= 0 for s in v)
+
+
+def _decision(answers: dict[int, list[int]], missing: list[int]) -> Decision:
+    return Decision(answers, missing, newest_held_by_all(answers))
+
+
+def _to_json(d: Decision) -> dict[str, Any]:
+    return {
+        "answers": {str(r): a for r, a in d.answers.items()},
+        "missing": d.missing,
+        "step": d.step,
+    }
+
+
+def _from_json(raw: bytes, world_size: int) -> Decision:
+    """The published decision; one that does not parse is refused."""
+    try:
+        v = json.loads(raw)
+        answers = {int(r): a for r, a in v["answers"].items()}
+        missing, step = v["missing"], v["step"]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _acp.AcpError(f"the dying checkpoint's decision does not parse: {e}") from e
+    ranks = [*answers, *(missing if isinstance(missing, list) else [None])]
+    if (
+        not all(_steps(a) for a in answers.values())
+        or not _steps(missing)
+        or not (step is None or (type(step) is int and step >= 0))
+        or not all(type(r) is int and 0 <= r < world_size for r in ranks)
+    ):
+        raise _acp.AcpError(f"the dying checkpoint's decision is malformed: {v!r:.200}")
+    return Decision(answers, missing, step)
 
 
 def newest_held_by_all(answers: dict[int, list[int]]) -> int | None:

@@ -401,6 +401,9 @@ class Coordinator:
         self._prefix = f"acp/{tag}/{generation}/"
         self._seq = 0
         self._written: dict[int, list[str]] = {}
+        # Dying checkpoints run so far (acp.cover): each one's roll call has
+        # keys of its own, the same on every rank.
+        self.dying_rounds = 0
 
     def key(self, what: str) -> str:
         """A key of this job's coordination named ``what`` (the same on every

@@ -223,13 +223,32 @@ def _drain(
     to be committed and waits for the flushes; returns the error (None
     when every completely staged step that can be committed is), the
     dead ranks and those whose share this rank wrote."""
+    # The job is being stopped: every rank is in its dying checkpoint, and
+    # they agree on the step to commit (acp.cover).
+    agreed = _agree(ckpt, timeout) if cause == "signal" else None
+    try:
+        return _drain_agreed(ckpt, engine, last, agreed, cause=cause, timeout=timeout)
+    finally:
+        # A process that goes on (code that caught the exit) commits again.
+        if agreed is not None:
+            engine.clear_given_up()
+
+
+def _drain_agreed(
+    ckpt: Checkpointer,
+    engine: _acp.Engine,
+    last: SaveHandle | None,
+    agreed: cover.Decision | None,
+    *,
+    cause: str,
+    timeout: float | None,
+) -> tuple[str | None, list[int], list[int]]:
+    """:func:`_drain` once the ranks agreed (``agreed``), or without an
+    agreement (None: one rank, no store, or not after SIGTERM)."""
     newest = None
     error: str | None = None
-    dead: list[int] = []
+    dead: list[int] = [] if agreed is None else list(agreed.missing)
     covered: list[int] = []
-    # The job is being stopped: every rank is in its dying checkpoint, and
-    # the ranks that answer agree on the step to commit (acp.cover).
-    agreed = _agree(ckpt, timeout) if cause == "signal" else None
     try:
         # A restored step being read again into RAM (keep_restored)
         # would hold the flush thread for seconds; it is on storage.
@@ -244,71 +263,74 @@ def _drain(
     if cause == "signal" and step is not None and (agreed is None or agreed.missing):
         # Dead ranks' shares of the step are written by their groups'
         # survivors (acp.cover).
-        dead, covered, error_cover = _cover(
+        found, covered, error_cover = _cover(
             ckpt, step, timeout, None if agreed is None else agreed.missing
         )
+        dead = found or dead
         error = error or error_cover
     try:
         engine.wait_idle(timeout)
     except AcpError as e:
         error = error or str(e)
-    if error is not None:
-        return error, dead, covered
-    if agreed is None:
-        return _outcome(last, newest), dead, covered
-    # Other steps' commits were given up: only the agreed one's outcome
-    # counts (this rank's save of it, or its persist now).
-    same = last is not None and last.step == agreed.step
+    if error is not None or agreed is None:
+        return error or _outcome(last, newest), dead, covered
     if last is not None and agreed.step != last.step:
-        _say(logging.WARNING, agreed.note(ckpt.rank, last.step))
-    return _outcome(newest, last if same else None), dead, covered
+        _say(logging.WARNING, _apart_note(agreed, ckpt.rank, last.step))
+    # Other steps' commits were given up: only the agreed one's outcome
+    # counts, and it must be committed (a flush of it that failed, or
+    # was under way before, has no handle here).
+    same = last is not None and last.step == agreed.step
+    error = _outcome(newest, last if same else None)
+    if error is None and agreed.step is not None and agreed.step not in engine.steps():
+        error = f"step {agreed.step}, the newest step every rank holds, was not committed"
+    return error, dead, covered
 
 
-@dataclass(frozen=True)
-class _Agreed:
-    """The ranks' answers to the dying checkpoint's roll call of held steps."""
-
-    answers: dict[int, list[int]]
-    """The steps each rank that answered holds: resident, or committed."""
-    missing: list[int]
-    """Ranks that did not answer: taken as dead."""
-    step: int | None
-    """The newest step every rank that answered holds."""
-
-    def note(self, rank: int, staged: int) -> str:
-        newest = {r: max(a, default=None) for r, a in sorted(self.answers.items())}
-        held = "no step" if self.step is None else f"step {self.step}"
-        who = "every rank" if not self.missing else f"every live rank (dead: {self.missing})"
-        return (
-            f"acp: dying checkpoint: rank {rank}'s newest staged step {staged} is not held by "
-            f"{who} (each rank's newest: {newest}); {held} is the newest they all hold"
-        )
+def _apart_note(agreed: cover.Decision, rank: int, staged: int) -> str:
+    newest = {r: max(a, default=None) for r, a in sorted(agreed.answers.items())}
+    held = "no step" if agreed.step is None else f"step {agreed.step}"
+    who = "every rank" if not agreed.missing else f"every live rank (dead: {agreed.missing})"
+    return (
+        f"acp: dying checkpoint: rank {rank}'s newest staged step {staged} is not held by "
+        f"{who} (each rank's newest: {newest}); {held} is the newest they all hold"
+    )
 
 
-def _agree(ckpt: Checkpointer, timeout: float | None) -> _Agreed | None:
-    """Every rank's resident steps, by a roll call through the job's store
-    (``acp.cover``); None with one rank, without a store, or when the
-    store is gone (each rank then persists its own newest step)."""
+def _agree(ckpt: Checkpointer, timeout: float | None) -> cover.Decision | None:
+    """The step to commit, as the ranks decided it by a roll call through
+    the job's store (``acp.cover.agree_held``); None with one rank,
+    without a store, or when the store is gone (each rank then persists
+    its own newest step)."""
     inner = checkpointer.internals(ckpt)
     coord = inner.coordinator
     if coord is None or coord.world_size < 2:
         return None
     wait = cover.ROLL_CALL if timeout is None else min(cover.ROLL_CALL, timeout)
     engine = inner.engine
+    held = engine.resident_steps()
     try:
         # The newest committed step counts as held: a rank may have
         # released it from its ring once committed.
         latest = engine.latest()
-        held = engine.resident_steps() + ([] if latest is None else [latest])
-        answers = cover.roll_call_held(coord, held, wait)
+    except AcpError:
+        latest = None  # storage trouble: this rank still answers
+    if latest is not None:
+        held.append(latest)
+    try:
+        decision = cover.agree_held(coord, held, wait)
     except Exception as e:  # the store is gone with its host
         _say(logging.WARNING, f"acp: dying checkpoint: the roll call failed: {e}")
         return None
-    missing = [r for r in range(coord.world_size) if r not in answers]
-    return _Agreed(answers, missing, cover.newest_held_by_all(answers))
+    if decision.missing:
+        _say(
+            logging.WARNING,
+            f"acp: dying checkpoint: ranks {decision.missing} did not answer the roll call "
+            "and are taken as dead",
+        )
+    return decision
 
 
-def _persist_agreed(engine: _acp.Engine, agreed: _Agreed) -> _acp.SaveHandle | None:
+def _persist_agreed(engine: _acp.Engine, agreed: cover.Decision) -> _acp.SaveHandle | None:
     """Gives up the commits of steps newer than the agreed one (no rank
     can commit a step another does not hold), and those of other steps
     that wait for a dead rank, then persists the agreed step when it is

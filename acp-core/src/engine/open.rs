@@ -436,8 +436,8 @@ impl Engine {
     /// look instead of waiting out `commit_timeout`: rank 0's wait for
     /// the other ranks' files, and the other ranks' wait for rank 0. The
     /// dying checkpoint calls it with the step after the newest one every
-    /// rank holds: no newer step can have every rank's file. For good: the
-    /// engine is about to close.
+    /// rank holds: no newer step can have every rank's file. Until
+    /// [`Engine::clear_given_up`].
     pub fn give_up_commits_from(&self, first: u64) {
         let mut st = self.shared().lock();
         st.given_up_from = Some(st.given_up_from.map_or(first, |g| g.min(first)));
@@ -448,11 +448,22 @@ impl Engine {
     /// look instead of waiting out `commit_timeout`, except the commit of
     /// step `except`: the dying checkpoint took them as dead, and the
     /// survivors write their files of that step (`acp.cover`); no other
-    /// step can get them. For good: the engine is about to close.
+    /// step can get them. Until [`Engine::clear_given_up`].
     pub fn give_up_commits_waiting_for(&self, dead: &[u32], except: Option<u64>) {
         let mut st = self.shared().lock();
         st.given_up_ranks.extend_from_slice(dead);
         st.given_up_except = except;
+    }
+
+    /// Ends what [`Engine::give_up_commits_from`] and
+    /// [`Engine::give_up_commits_waiting_for`] started: the dying
+    /// checkpoint calls it once its flushes drained, so a process that
+    /// goes on after it (code that caught the exit) commits again.
+    pub fn clear_given_up(&self) {
+        let mut st = self.shared().lock();
+        st.given_up_from = None;
+        st.given_up_ranks.clear();
+        st.given_up_except = None;
     }
 
     /// [`Engine::persist_newest`]; with `held` false, `None` when the
