@@ -31,7 +31,9 @@ h.wait()  # the newest save is durable and committed, or this raises its error
 
 state = ckpt.load()  # the newest committed step (from RAM when resident)
 assert torch.equal(state["model"]["weight"], model.weight.detach())
-ckpt.load(into={"model": model.state_dict(), "optim": opt.state_dict()})  # in place
+sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+ckpt.load(into=sd)  # the model's tensors (and a trained optimizer's) filled in place
+opt.load_state_dict(sd["optim"])  # a fresh optimizer's state arrives in sd["optim"]
 print("committed steps:", ckpt.steps(), "newest:", ckpt.latest())
 ckpt.close()  # Checkpointer is also a context manager
 shutil.rmtree(tmp)  # a real job keeps both: its next run restores from the ring in RAM

@@ -565,3 +565,31 @@ def test_reserve_creates_the_free_slots_memory_and_keeps_checkpoints(
         ckpt.reserve({"big": torch.zeros(4 << 20)})  # 16 MiB > an 8 MiB slot
     with pytest.raises(acp.InvalidInput, match="nope"):
         ckpt.reserve({"nope": object()})
+
+
+def test_the_readme_restore_gives_a_fresh_optimizer_its_saved_state(make_ckpt: MakeCkpt) -> None:
+    """README's restore: ``load(into=sd)`` with a fresh optimizer's
+    ``state_dict()`` adds the saved state to that dict (a fresh optimizer
+    has no state tensors to fill), and ``opt.load_state_dict`` of it
+    restores the optimizer exactly; the model is filled in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = make_ckpt()
+    ckpt.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait()
+    fresh = torch.nn.Linear(8, 4)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    assert fresh_opt.state_dict()["state"] == {}
+    sd = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    ckpt.load(into=sd)
+    fresh_opt.load_state_dict(sd["optim"])
+    assert torch.equal(fresh.weight, model.weight)
+    saved, got = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert sorted(got) == sorted(saved)
+    for k in saved:
+        for name, v in saved[k].items():
+            assert torch.equal(got[k][name], v), (k, name)
