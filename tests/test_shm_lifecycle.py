@@ -228,3 +228,22 @@ def test_a_forked_child_refuses_the_checkpointer_and_exits_cleanly(
     assert "child closed" in out, out
     assert "child status 0" in out, out
     assert "parent done" in out
+
+
+def test_tensors_of_a_storage_load_do_not_hold_the_ring_after_close(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A fresh load read from storage hands its image to the tensors; the
+    load kept the engine's ring (its slot files locked) for as long as
+    they lived, so closing and reopening the job, here or in another
+    process, was BusyError while an evaluation kept the tensors."""
+    root = tmp_path / "ckpt"
+    ckpt = acp.Checkpointer(root, shm_dir=shm_dir, persist_every=1, mlock=False)
+    for s in (1, 2, 3):
+        ckpt.save(s, {"w": torch.full((1 << 16,), float(s))}).wait()
+    state = ckpt.load(1)  # not resident: read from storage
+    assert ckpt.last_load is not None
+    assert ckpt.last_load.source == "storage"
+    ckpt.close()
+    acp.Checkpointer(root, shm_dir=shm_dir, mlock=False).close()
+    assert torch.equal(state["w"], torch.full((1 << 16,), 1.0))

@@ -410,6 +410,11 @@ impl Loaded {
             return false;
         }
         let _ = self.given.set(());
+        // The caller's tensors own the image from now on, for as long as
+        // they live: the checkpoint holds the engine's ring no longer.
+        if let Some(ck) = self.ready.get() {
+            ck.end_warm_deferral();
+        }
         true
     }
 

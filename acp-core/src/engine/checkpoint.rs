@@ -55,8 +55,9 @@ pub struct Checkpoint {
     /// ([`Checkpoint::holds`]); empty for nearly every load.
     pub(super) elsewhere: BTreeSet<u64>,
     /// The ring's warming waits while the checkpoint is used (its views
-    /// read, its tensors copied out), a few seconds at most.
-    pub(super) _warm: WarmDeferral,
+    /// read, its tensors copied out), a few seconds at most; until
+    /// [`Checkpoint::end_warm_deferral`].
+    pub(super) warm: std::sync::Mutex<Option<WarmDeferral>>,
 }
 
 /// One tensor of a loaded [`Checkpoint`]. Shaped as [`HostTensor`], the
@@ -95,6 +96,20 @@ impl Backing {
 }
 
 impl Checkpoint {
+    /// Lets the ring's warming go on, and lets go of the ring this
+    /// checkpoint no longer uses: its image is private memory that the
+    /// caller now owns (a fresh load's tensors over a storage read). A
+    /// checkpoint kept with its tensors held the engine's ring, its slot
+    /// files locked, after the engine closed.
+    pub fn end_warm_deferral(&self) {
+        if matches!(self.backing, Backing::Heap(..)) {
+            self.warm
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+        }
+    }
+
     pub(super) fn with_rejected(mut self, rejected: Option<String>) -> Checkpoint {
         self.report.rejected = rejected;
         self

@@ -1890,7 +1890,7 @@ fn checked(
         report,
         copy_threads: shared.cfg.copy_threads,
         elsewhere: std::collections::BTreeSet::new(),
-        _warm: shared.ring.defer_warming(),
+        warm: std::sync::Mutex::new(Some(shared.ring.defer_warming())),
     }
 }
 

@@ -675,7 +675,7 @@ fn checkpoint<S: ChunkSource>(
         },
         copy_threads: shared.cfg.copy_threads,
         elsewhere: BTreeSet::new(),
-        _warm: shared.ring.defer_warming(),
+        warm: std::sync::Mutex::new(Some(shared.ring.defer_warming())),
     }
 }
 
