@@ -926,3 +926,26 @@ fn retention_removes_a_referencing_step_before_the_step_it_references() {
         1
     );
 }
+
+#[test]
+fn auto_measures_the_ratio_on_the_chunks_it_writes_not_those_it_reuses() {
+    // 15 chunks of random bytes, 14 of them the same at every step: an
+    // incremental step writes one chunk (which does not shrink) and
+    // references 14. Counted over the whole image, the ratio was ~1/15,
+    // and Compress::Auto chose zstd for bytes that do not compress.
+    let s = setup();
+    let e = Engine::open(config(&s, &s.root, Compress::Zstd, true).with_persist_on_open(false))
+        .unwrap();
+    let frozen = noise(11, 14 * CHUNK);
+    for step in 1..=3u64 {
+        let mut bytes = frozen.clone();
+        bytes.extend(noise(100 + step, CHUNK));
+        let ts: Tensors = vec![("x".to_owned(), Dtype::U8, vec![bytes.len() as u64], bytes)];
+        let r = save(&e, step, &ts);
+        if step > 1 {
+            assert!(r.reused_chunks >= 13, "{r:?}");
+            let ratio = e.auto_ratio().unwrap();
+            assert!(ratio > 0.9, "step {step}: measured ratio {ratio}");
+        }
+    }
+}

@@ -46,6 +46,16 @@ pub(super) struct Rates {
     ratio: Option<f64>,
 }
 
+#[cfg(feature = "test-util")]
+impl super::Engine {
+    /// The compressed over plain bytes [`Compress::Auto`] last measured,
+    /// on the chunks a compressed flush wrote (tests only).
+    #[must_use]
+    pub fn auto_ratio(&self) -> Option<f64> {
+        self.shared().lock().rates.ratio
+    }
+}
+
 impl Rates {
     /// Whether the next flush compresses under `mode`.
     pub(super) fn choose(&self, mode: Compress) -> bool {
@@ -393,11 +403,21 @@ pub(super) fn write_packed(
     // The encoding's own rate: its busy time spread over the workers (the
     // flush's wall time when the storage is the faster side).
     let encode_wall = (encode_secs / workers as f64).min(t_flush.elapsed().as_secs_f64());
-    if mode.compress {
-        shared
-            .lock()
-            .rates
-            .packed(len, stored, encode_wall, write_secs);
+    // Measured on the chunks written, not those an earlier step holds
+    // (reference frames, no bytes): counted in, reused chunks made every
+    // incremental step look compressible, and `Compress::Auto` never
+    // chose plain for bytes that do not shrink.
+    let written: u64 = (0..n)
+        .filter(|&i| mode.reuse.get(i) != Some(&true))
+        .map(|i| (image.len() - i * chunk).min(chunk) as u64)
+        .sum();
+    if mode.compress && written > 0 {
+        shared.lock().rates.packed(
+            written,
+            stored.saturating_sub(frames_start),
+            encode_wall,
+            write_secs,
+        );
     }
     Ok(Packed {
         digests,
