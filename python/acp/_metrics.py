@@ -339,11 +339,15 @@ _FAMILIES: list[tuple[str, str, str]] = [
         "counter",
         "Saves by result (committed, failed, skipped, resident, superseded).",
     ),
-    ("acp_storage_bytes_written_total", "counter", "Bytes the engine wrote to storage."),
+    (
+        "acp_storage_bytes_written_total",
+        "counter",
+        "Image bytes of the committed persists (their plain size, reused chunks included).",
+    ),
     (
         "acp_storage_bytes_stored_total",
         "counter",
-        "Bytes those writes take in storage (less when compressed).",
+        "Bytes those persists' files take in storage (less when compressed or incremental).",
     ),
     ("acp_persist_queue_depth", "gauge", "Persists queued, deferred or running."),
     (
