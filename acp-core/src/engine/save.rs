@@ -484,7 +484,11 @@ impl Engine {
             let waited = start.elapsed();
             if waited >= limit {
                 return Err(Error::Timeout {
-                    what: format!("step {step}: waiting for a free ring slot (every slot is staging or flushing)"),
+                    what: format!(
+                        "step {step}: waiting for a free ring slot (every slot is staging, flushing, \
+                         held for a decision, or pinned: views of a load(zero_copy=True) still \
+                         alive pin their slot)"
+                    ),
                     secs: limit.as_secs_f64(),
                 });
             }
