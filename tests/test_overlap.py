@@ -314,17 +314,11 @@ def test_one_thread_seals_a_pending_save_the_others_find_nothing(make_ckpt: Make
     assert same(ckpt.load(2)["model"], ref)
 
 
-def test_an_interrupt_while_staged_waits_leaves_the_save_pending(
-    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A KeyboardInterrupt (Ctrl-C) inside ``staged()`` or ``wait()`` while
-    the copy ran took the save out of ``pending`` for good: it was never
-    sealed, and its handle's ``wait()`` raised a bare AssertionError."""
+def interrupt_the_next_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next wait for an overlapped copy raises KeyboardInterrupt (a
+    Ctrl-C while it runs); the waits after it are as usual."""
     from acp import _overlap
 
-    m, opt = model()
-    ckpt = make_ckpt(overlap=True)
-    h, ref = pending_second_save(ckpt, m, opt)
     done = _overlap._done
 
     def interrupted(fut: object, timeout: float | None) -> bool:
@@ -332,6 +326,19 @@ def test_an_interrupt_while_staged_waits_leaves_the_save_pending(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_overlap, "_done", interrupted)
+
+
+def test_an_interrupt_while_staged_waits_leaves_the_save_pending(
+    make_ckpt: MakeCkpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt (Ctrl-C) inside ``staged()`` or ``wait()`` while
+    the copy ran took the save out of ``pending`` for good: it was never
+    sealed, and its handle's ``wait()`` raised a bare AssertionError."""
+
+    m, opt = model()
+    ckpt = make_ckpt(overlap=True)
+    h, ref = pending_second_save(ckpt, m, opt)
+    interrupt_the_next_wait(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         ckpt.staged()
     assert not h.done()
@@ -385,18 +392,11 @@ def test_an_interrupt_while_close_waits_still_closes_the_engine(
     """A KeyboardInterrupt while ``close()`` waited for an overlapped copy
     left the engine open for good (a second close() returned at once): the
     save is dropped, the engine closed, and then the interrupt goes on."""
-    from acp import _overlap
 
     m, opt = model()
     ckpt = make_ckpt(overlap=True)
     h, _ = pending_second_save(ckpt, m, opt)
-    done = _overlap._done
-
-    def interrupted(fut: object, timeout: float | None) -> bool:
-        monkeypatch.setattr(_overlap, "_done", done)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(_overlap, "_done", interrupted)
+    interrupt_the_next_wait(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         ckpt.close()
     assert ckpt._engine.closed
