@@ -49,12 +49,17 @@ impl Engine {
     /// slot, or be skipped with `on_full` = skip).
     pub(super) fn keep_restored(&self, file: &StoredFile) {
         let shared = self.shared();
-        if !shared.cfg.keep_restored
-            || !file.own
-            || !shared.ring.holds_two(file.entry.size)
-            // The ring records digests and sums per chunk of its own size.
-            || file.entry.chunk_bytes != shared.cfg.chunk_bytes as u64
-        {
+        if !shared.cfg.keep_restored || !file.own || !shared.ring.holds_two(file.entry.size) {
+            return;
+        }
+        // The ring records digests and sums per chunk of its own size.
+        if file.entry.chunk_bytes != shared.cfg.chunk_bytes as u64 {
+            tracing::info!(
+                step = file.step,
+                "acp: the restored step is not kept resident: it was written in chunks of {} bytes, this engine's are {} (chunk_bytes)",
+                file.entry.chunk_bytes,
+                shared.cfg.chunk_bytes
+            );
             return;
         }
         let Some(file) = file.reopened() else {
