@@ -141,3 +141,25 @@ def test_a_peer_image_claim_is_checked_before_memory_is_sized(tmp_path: Path) ->
     finally:
         del image
         ckpt.close()
+
+
+def test_images_fetched_for_a_restore_and_not_loaded_are_dropped(tmp_path: Path) -> None:
+    """A restore may fetch an image its load never takes (another rank's
+    file no tensor was missing from): it stayed in the engine's memory
+    until the engine closed. ``drop_peer_images`` frees what is left, as
+    the collective ``load()`` does once its load ended."""
+    ckpt, image, digests = saved(tmp_path)
+    r, s, n, chunk, _ = image.meta()
+    sent = bytearray(image.buffer())
+    del image
+    try:
+        e = ckpt._engine
+        receipt = e.begin_peer_image(3, r, s, n, chunk)
+        view = receipt.buffer()
+        view[:] = sent
+        del view
+        receipt.finish(digests)
+        assert e.drop_peer_images() == 1
+        assert e.drop_peer_images() == 0
+    finally:
+        ckpt.close()

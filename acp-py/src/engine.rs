@@ -494,6 +494,12 @@ impl Engine {
         .map_err(err)
     }
 
+    /// Frees the images a restore fetched from peers that no load took
+    /// (`begin_peer_image`); returns how many there were.
+    fn drop_peer_images(&self) -> usize {
+        self.mailbox.clear()
+    }
+
     /// This rank's replica of `rank`'s `step`, pinned, if it holds one.
     fn pin_replica(&self, py: Python<'_>, rank: u32, step: u64) -> PyResult<Option<ReplicaImage>> {
         let engine = self.get()?;

@@ -196,6 +196,14 @@ impl Mailbox {
         self.keep(peer, meta, image)
     }
 
+    /// Drops every image no load has taken; returns how many there were.
+    pub(crate) fn clear(&self) -> usize {
+        let mut images = self.images.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = images.len();
+        images.clear();
+        n
+    }
+
     /// Keeps `image` (`meta`'s, from rank `peer`) for the next load.
     fn keep(&self, peer: u32, meta: ReplicaMeta, image: ImageBuf) -> Result<()> {
         if image.len() as u64 != meta.len {

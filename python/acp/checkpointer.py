@@ -1025,7 +1025,20 @@ class Checkpointer:
             step = self._replicas.restore(self.replica_group)
             if step is None:
                 raise CheckpointNotFound(f"no step restorable on every rank of {self.root}")
-            agree = False
+            try:
+                return self._load(
+                    step,
+                    into=into,
+                    map_location=map_location,
+                    fallback=fallback,
+                    storage_only=storage_only,
+                    rank=rank,
+                    zero_copy=zero_copy,
+                )
+            finally:
+                # Images the restore fetched that its load did not take
+                # (another rank's file no tensor was missing from).
+                self._engine.drop_peer_images()
         if agree is None:
             agree = self._coordinator is not None and step is None and rank is None
         if not agree:
