@@ -567,7 +567,10 @@ class Guard:
             )
             raise SystemExit(EXIT_SAVE_FAILED) from exc
         finally:
-            if self._installed is not None:
+            # After a SIGTERM the process is exiting: the handler stays, so
+            # that the scheduler's repeated SIGTERM is ignored rather than
+            # kill it mid-teardown (SIG_DFL) with a signal for its status.
+            if self._installed is not None and not isinstance(exc, Terminated):
                 self._installed.uninstall()
                 self._installed = None
 

@@ -155,6 +155,22 @@ def main() -> None:
         ready()
         train_forever()
 
+    elif mode == "sigterm-twice-guard":
+        # The same inside guard(sigterm=True), whose handler the exit
+        # unwinds through.
+        def kill_again_at_exit() -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+
+        import atexit
+
+        atexit.register(kill_again_at_exit)
+        with ckpt.guard(sigterm=True):
+            ckpt.save(1, state(1)).wait()
+            ckpt.save(2, state(2), persist=False)
+            ready()
+            train_forever()
+
     elif mode == "sigterm-dead-disk":
         ckpt.install_sigterm_handler()
         ckpt.save(1, state(1)).wait()

@@ -77,15 +77,18 @@ def test_sigterm_chains_the_previous_handler(tmp_path: Path, shm_dir: Path) -> N
     assert (tmp_path / "previous-handler-ran").read_text() == str(int(signal.SIGTERM))
 
 
+@pytest.mark.parametrize("mode", ["sigterm-twice", "sigterm-twice-guard"])
 def test_a_sigterm_after_the_dying_checkpoint_does_not_run_it_again(
-    tmp_path: Path, shm_dir: Path
+    tmp_path: Path, shm_dir: Path, mode: str
 ) -> None:
     """A second SIGTERM once the dying checkpoint is done (the process
     exiting) ran it again while the interpreter unwound the first exit,
-    and printed a SystemExit traceback. With nothing staged since, it is
-    ignored: one dying checkpoint, a clean exit with its status."""
+    and printed a SystemExit traceback; inside ``guard(sigterm=True)``, whose
+    handler the exit uninstalled, it killed the process by the signal.
+    With nothing staged since, it is ignored: one dying checkpoint, a
+    clean exit with its status."""
     root, j = tmp_path / "ckpt", job()
-    p = run_trainer("sigterm-twice", root, shm_dir, j)
+    p = run_trainer(mode, root, shm_dir, j)
     wait_line(p, "READY")
     p.send_signal(signal.SIGTERM)
     code, _, err = finish(p)
