@@ -1019,31 +1019,10 @@ class Checkpointer:
         if zero_copy and into is not None:
             raise InvalidInput("load(zero_copy=True) returns a fresh state: give no into=")
         self._reap_recovery()
-        if self._replicas is not None and step is None and rank is None:
-            # Collective: the newest step every rank has somewhere, replicas
-            # sent to the ranks that need them.
-            step = self._replicas.restore(self.replica_group)
-            if step is None:
-                raise CheckpointNotFound(f"no step restorable on every rank of {self.root}")
-            try:
-                return self._load(
-                    step,
-                    into=into,
-                    map_location=map_location,
-                    fallback=fallback,
-                    storage_only=storage_only,
-                    rank=rank,
-                    zero_copy=zero_copy,
-                )
-            finally:
-                # Images the restore fetched that its load did not take
-                # (another rank's file no tensor was missing from).
-                self._engine.drop_peer_images()
-        if agree is None:
-            agree = self._coordinator is not None and step is None and rank is None
-        if not agree:
+
+        def load_step(s: int | None, fallback: bool) -> Any:
             return self._load(
-                step,
+                s,
                 into=into,
                 map_location=map_location,
                 fallback=fallback,
@@ -1051,20 +1030,29 @@ class Checkpointer:
                 rank=rank,
                 zero_copy=zero_copy,
             )
+
+        if self._replicas is not None and step is None and rank is None:
+            # Collective: the newest step every rank has somewhere, replicas
+            # sent to the ranks that need them.
+            step = self._replicas.restore(self.replica_group)
+            if step is None:
+                raise CheckpointNotFound(f"no step restorable on every rank of {self.root}")
+            try:
+                return load_step(step, fallback)
+            finally:
+                # Images the restore fetched that its load did not take
+                # (another rank's file no tensor was missing from).
+                self._engine.drop_peer_images()
+        if agree is None:
+            agree = self._coordinator is not None and step is None and rank is None
+        if not agree:
+            return load_step(step, fallback)
         if self._coordinator is None:
             raise InvalidInput("load(agree=True): the ranks have no store to coordinate through")
         return agreed_load(
             self._coordinator,
             self._engine,
-            lambda s: self._load(
-                s,
-                into=into,
-                map_location=map_location,
-                fallback=False,
-                storage_only=storage_only,
-                rank=rank,
-                zero_copy=zero_copy,
-            ),
+            lambda s: load_step(s, False),
             step=step,
             fallback=fallback,
         )
